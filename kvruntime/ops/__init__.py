@@ -1,0 +1,16 @@
+"""The KV operations a plan is made of. Each is a plain function over :class:`KVCache`
+whose docstring states its cost (n = tokens touched, P = tokens attended to, L = layers).
+
+- ``compose``: precompile a chunk at its canonical position, reposition (re-rotate keys by a
+  delta), splice, seam repair, and the left-to-right composition of a context from segments.
+- ``edit``: erratum (append-only correction) and edit-in-place (field + top-K downstream).
+- ``recompute``: full prefill, the oracle.
+"""
+from kvruntime.ops.compose import (ChunkSegment, ComposeResult, TextSegment, compose, naive_splice,
+                                   precompile_chunk, reposition, seam_repair, splice)
+from kvruntime.ops.edit import EditResult, ErratumResult, edit_in_place, erratum
+from kvruntime.ops.recompute import recompute
+
+__all__ = ["ChunkSegment", "ComposeResult", "TextSegment", "compose", "naive_splice", "precompile_chunk",
+           "reposition", "seam_repair", "splice", "EditResult", "ErratumResult", "edit_in_place",
+           "erratum", "recompute"]

@@ -1,0 +1,119 @@
+"""Composing a context from precompiled chunks: reposition, splice, seam repair.
+
+A chunk is precompiled in isolation at its *canonical position*: prefilled right after the
+model's BOS token (position 0), whose slot is then dropped, so the chunk's slots sit at
+positions 1..n. (Without the anchor the chunk's first token becomes an attention sink and, on
+Gemma-3, the splice fails outright; see ../shared/PLATFORM-NOTES.md.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvruntime.kv import KVCache
+
+
+def precompile_chunk(engine, token_ids: list[int]) -> KVCache:
+    """KV of ``token_ids`` at canonical positions 1..n (0..n-1 if the model has no BOS).
+    Cost: one prefill of n + 1 tokens, O(n^2) attention."""
+    if not token_ids:
+        raise ValueError("cannot precompile an empty chunk")
+    if engine.bos_id is None:
+        return engine.prefill(token_ids, torch.arange(len(token_ids))).kv
+    ids = [engine.bos_id, *token_ids]
+    return engine.prefill(ids, torch.arange(len(ids))).kv.slice(1)
+
+
+def reposition(rope, chunk: KVCache, delta: int | torch.Tensor) -> KVCache:
+    """Move ``chunk`` by ``delta`` positions: keys re-rotated, values untouched.
+    Cost: O(L * kv_heads * n * head_dim), no forward pass. Raises ``RepositionDisabled`` when the
+    startup self-test failed."""
+    keys = rope.rotate(chunk.keys, delta)
+    return chunk.with_keys(keys, chunk.positions + torch.as_tensor(delta, device=chunk.positions.device))
+
+
+def naive_splice(chunk: KVCache, start: int) -> KVCache:
+    """Claim positions start.. for ``chunk`` *without* re-rotating its keys: the baseline that
+    shows why reposition exists. Never used by a plan."""
+    return KVCache(chunk.data, torch.arange(start, start + chunk.num_tokens, device=chunk.positions.device),
+                   chunk.token_ids)
+
+
+def splice(parts: list[KVCache]) -> KVCache:
+    """Concatenate caches whose positions continue one another. Cost: one copy."""
+    out = KVCache.cat(parts)
+    if not out.is_position_ordered():
+        raise ValueError("spliced parts must have strictly increasing positions")
+    return out
+
+
+def seam_repair(engine, composed: KVCache, chunk_starts: list[int], k: int = 1) -> KVCache:
+    """Recompute the first ``k`` slots of each chunk starting at slot ``chunk_starts[i]`` in the
+    context of everything before it (earlier repairs included). Cost per chunk: a k-token
+    forward attending to its prefix, O(k * P * L)."""
+    if k <= 0 or not chunk_starts:
+        return composed
+    data = composed.data.clone()
+    for s in sorted(chunk_starts):
+        if not 0 <= s < composed.num_tokens:
+            raise ValueError(f"chunk start {s} outside the composed cache of {composed.num_tokens} slots")
+        e = min(s + k, composed.num_tokens)
+        past = KVCache(data[:, :, :, :s], composed.positions[:s], composed.token_ids[:s])
+        fresh = engine.prefill(composed.token_ids[s:e], composed.positions[s:e], past).kv
+        data[:, :, :, s:e] = fresh.data
+    return KVCache(data, composed.positions, composed.token_ids)
+
+
+@dataclass(frozen=True)
+class TextSegment:
+    token_ids: list[int]     # computed in context (prefill against everything before it)
+
+
+@dataclass(frozen=True)
+class ChunkSegment:
+    kv: KVCache              # precompiled at canonical positions (see precompile_chunk)
+
+
+@dataclass(frozen=True)
+class ComposeResult:
+    kv: KVCache                      # the composed context, slots in position order
+    logits: torch.Tensor | None      # [vocab] after the last slot, if the last segment was text
+    computed_tokens: int             # tokens that went through a forward pass
+    reused_tokens: int               # chunk tokens taken from precompiled KV (minus seam tokens)
+    chunk_starts: list[int] = field(default_factory=list)  # slot index where each chunk begins
+
+
+def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: int = 1,
+            rotate: bool = True) -> ComposeResult:
+    """Build a context left to right: text is prefilled in context; a chunk is repositioned to
+    the cursor (or naively spliced when ``rotate`` is False) and its first ``seam_tokens``
+    recomputed. Cost: O(text * P) + O(chunks * seam_tokens * P) forward work plus O(chunk
+    tokens) rotation, versus O(P^2) for recompute."""
+    kv = engine.empty_kv()
+    logits = None
+    computed = reused = 0
+    starts: list[int] = []
+    for seg in segments:
+        cursor = int(kv.positions[-1]) + 1 if kv.num_tokens else 0
+        if isinstance(seg, TextSegment):
+            if not seg.token_ids:
+                continue
+            out = engine.prefill(seg.token_ids, torch.arange(cursor, cursor + len(seg.token_ids)), kv, logits=True)
+            kv, logits = KVCache.cat([kv, out.kv]), out.logits
+            computed += len(seg.token_ids)
+        elif isinstance(seg, ChunkSegment):
+            chunk = seg.kv.to(engine.device, engine.dtype)
+            moved = (reposition(engine.rope, chunk, cursor - int(chunk.positions[0])) if rotate
+                     else naive_splice(chunk, cursor))
+            starts.append(kv.num_tokens)
+            kv = KVCache.cat([kv, moved])
+            k = min(seam_tokens, moved.num_tokens)
+            if k:
+                kv = seam_repair(engine, kv, [starts[-1]], k)
+            computed += k
+            reused += moved.num_tokens - k
+            logits = None
+        else:
+            raise TypeError(f"unknown segment type {type(seg).__name__}")
+    return ComposeResult(kv, logits, computed, reused, starts)
