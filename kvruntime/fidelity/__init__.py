@@ -1,0 +1,6 @@
+"""Fidelity harness: how faithful is each KV operation to full recompute, per model.
+
+``kvnotes eval fidelity --model NAME`` runs the shipped case set (``kvruntime/evalsets``),
+prints a table per operation and writes ``docs/fidelity/<model>.json``; the planner reads the
+per-model summary to decide which operations it may trust (erratum vs edit-in-place).
+"""

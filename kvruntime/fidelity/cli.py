@@ -1,0 +1,65 @@
+"""``kvnotes eval fidelity`` and ``kvnotes eval report``."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from kvruntime.fidelity import report
+from kvruntime.fidelity.cases import load_compose_cases, load_edit_cases, load_passages
+from kvruntime.fidelity.runner import run_compose, run_edit
+
+BEGIN, END = "<!-- BEGIN GENERATED: kvnotes eval report -->", "<!-- END GENERATED -->"
+
+
+def eval_fidelity(args, argv: list[str]) -> int:
+    from kvruntime.engine import ReferenceEngine
+
+    if args.limit is not None and args.limit <= 0:
+        raise ValueError("--limit must be a positive number of cases")
+    started = time.monotonic()
+    engine = ReferenceEngine(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    if not engine.rope.enabled:
+        raise RuntimeError(f"RoPE self-test failed (error {engine.rope.self_test_error}); cannot evaluate reposition")
+    compose_cases = load_compose_cases()[: args.limit]
+    edit_cases = load_edit_cases()[: args.limit]
+    print(f"kvnotes: fidelity of {args.model}: {len(compose_cases)} compose cases, "
+          f"{len(edit_cases)} edit cases{'' if args.no_cot else ' (+ CoT variant)'}", file=sys.stderr)
+    compose_rows = run_compose(engine, compose_cases, load_passages())
+    edit_rows, informative = run_edit(engine, edit_cases)
+    cot_rows, cot_inf = ({}, {}) if args.no_cot else run_edit(engine, edit_cases, cot=True, greedy_n=32)
+    meta = {
+        "model": args.model, "dtype": args.dtype, "device": args.device,
+        "command": "kvnotes " + " ".join(a for a in argv if not a.startswith("--tables-dir")),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {__import__('torch').get_num_threads()}",
+        "seconds": time.monotonic() - started,
+        "cases": {"compose": len(compose_cases), "edit": len(edit_cases),
+                  "informative": sum(informative.values()), "cot_informative": sum(cot_inf.values())},
+    }
+    summary = report.build_summary(meta, compose_rows, edit_rows, informative, cot_rows, cot_inf)
+    tables_dir = Path(args.tables_dir) if args.tables_dir else report.TABLES_DIR
+    path = report.save_summary(args.model, summary, tables_dir)
+    print(report.render_markdown(summary))
+    print(f"kvnotes: summary written to {path}", file=sys.stderr)
+    return 0
+
+
+def write_report(doc: str) -> int:
+    path = Path(doc)
+    if not path.exists():
+        raise FileNotFoundError(f"{doc} does not exist")
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{doc} has no generated-section markers ({BEGIN} ... {END})")
+    sections = []
+    for f in sorted(report.TABLES_DIR.glob("*.json")):
+        sections.append(report.render_markdown(report.load_summary(f.stem)))
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(head + BEGIN + "\n" + "\n".join(sections) + "\n" + END + tail)
+    print(f"kvnotes: wrote {len(sections)} model section(s) into {doc}", file=sys.stderr)
+    return 0

@@ -1,0 +1,77 @@
+"""Summaries (JSON, read by the planner) and markdown tables of a fidelity run."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from kvruntime.fidelity.metrics import summarize
+
+TABLES_DIR = Path(__file__).parent / "tables"   # shipped: the planner reads <model>.json
+
+
+def build_summary(meta: dict, compose_rows: dict, edit_rows: dict, informative: dict,
+                  cot_rows: dict, cot_informative: dict) -> dict:
+    def informative_only(rows, flags):
+        return [r for r in rows if flags.get(r["case"])]
+    return {
+        "meta": meta,
+        "compose": {op: summarize(rows) for op, rows in compose_rows.items()},
+        "edit": {op: summarize(rows) for op, rows in edit_rows.items()},
+        "edit_informative": {op: summarize(informative_only(rows, informative)) for op, rows in edit_rows.items()},
+        "edit_derived": {op: summarize([r for r in rows if r["kind"] == "derived"]) for op, rows in edit_rows.items()},
+        "edit_cot": {op: summarize(rows) for op, rows in cot_rows.items()},
+        "edit_cot_informative": {op: summarize(informative_only(rows, cot_informative)) for op, rows in cot_rows.items()},
+    }
+
+
+def save_summary(model: str, summary: dict, tables_dir: Path = TABLES_DIR) -> Path:
+    tables_dir.mkdir(parents=True, exist_ok=True)
+    path = tables_dir / f"{model}.json"
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True, default=_nan_safe))
+    return path
+
+
+def load_summary(model: str, tables_dir: Path = TABLES_DIR) -> dict | None:
+    path = tables_dir / f"{model}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _nan_safe(x):
+    return None
+
+
+def _f(x, fmt):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def table(section: dict) -> str:
+    lines = ["| operation | n | KL mean | KL p10 | KL p50 | KL p90 | logit cosine | top-1 agree | "
+             "greedy exact | greedy common prefix | tokens recomputed / context |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for op, s in section.items():
+        lines.append(f"| {op} | {s['n']} | {_f(s['kl_mean'], '.4f')} | {_f(s['kl_p10'], '.4f')} | "
+                     f"{_f(s['kl_p50'], '.4f')} | {_f(s['kl_p90'], '.4f')} | {_f(s['cosine_mean'], '.4f')} | "
+                     f"{_f(s['top1'], '.0%')} | {_f(s['greedy_exact'], '.0%')} | {_f(s['greedy_prefix'], '.0%')} | "
+                     f"{_f(s['recomputed_tokens_mean'], '.0f')} / {_f(s['context_tokens_mean'], '.0f')} |")
+    return "\n".join(lines)
+
+
+SECTIONS = [
+    ("compose", "Compose: 2-4 precompiled chunks + question, vs full recompute"),
+    ("edit", "Field edit: all cases, vs full recompute of the edited context"),
+    ("edit_informative", "Field edit: informative cases only (the edit changes the recomputed greedy answer)"),
+    ("edit_derived", "Field edit: derived-decision questions only"),
+    ("edit_cot", "Field edit with chain of thought (greedy-32): all cases"),
+    ("edit_cot_informative", "Field edit with chain of thought (greedy-32): informative cases only"),
+]
+
+
+def render_markdown(summary: dict) -> str:
+    m = summary["meta"]
+    out = [f"### {m['model']} ({m['dtype']}, {m['device']})",
+           f"Command: `{m['command']}` — {m['date']}, {m['machine']}, {m['seconds']:.0f} s.", ""]
+    for key, title in SECTIONS:
+        if summary.get(key):
+            out += [f"#### {title}", "", table(summary[key]), ""]
+    return "\n".join(out)

@@ -1,0 +1,121 @@
+"""Runs every KV operation on the shipped cases and compares it with full recompute."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+from kvruntime.fidelity.cases import ComposeCase, EditCase, split_template
+from kvruntime.fidelity.metrics import compare
+from kvruntime.kv import KVCache
+from kvruntime.ops import (ChunkSegment, TextSegment, compose, edit_in_place, erratum, precompile_chunk,
+                           recompute)
+
+COMPOSE_OPS = {  # name -> compose() keyword arguments
+    "naive splice (no re-rotation)": dict(rotate=False, seam_tokens=0),
+    "reposition": dict(rotate=True, seam_tokens=0),
+    "reposition + seam 1": dict(rotate=True, seam_tokens=1),
+    "reposition + seam 4": dict(rotate=True, seam_tokens=4),
+}
+EDIT_OPS = ("stale (no fix)", "field only", "field + top-16", "field + top-25%",
+            "erratum: correction", "erratum: update", "erratum: restate old")
+COT_OPS = ("stale (no fix)", "field only", "field + top-16", "erratum: correction")
+COT_SUFFIX = " Think step by step, then give the answer."
+
+Progress = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _frame(engine) -> tuple[list[int], list[int]]:
+    """Token ids that open (BOS + user-turn prefix) and close a prompt for this model."""
+    spec = engine.spec
+    pre = ([engine.bos_id] if spec.prepend_bos and engine.bos_id is not None else [])
+    pre += engine.encode(spec.chat_user_prefix) if spec.chat_user_prefix else []
+    return pre, spec.chat_user_suffix
+
+
+def _finish(engine, kv: KVCache, question_ids: list[int]):
+    start = int(kv.positions.max()) + 1
+    out = engine.prefill(question_ids, torch.arange(start, start + len(question_ids)), kv, logits=True)
+    return KVCache.cat([kv, out.kv]), out.logits
+
+
+def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, greedy_n: int = 16,
+                progress: Progress = _stderr) -> dict[str, list[dict]]:
+    """Per op, one row per case. Chunks are precompiled once per passage and reused across
+    cases, as the tier would."""
+    pre, suffix = _frame(engine)
+    chunk_ids = {pid: engine.encode(passages[pid].strip() + "\n\n") for c in cases for pid in c.chunks}
+    chunk_kv: dict[str, KVCache] = {}
+    rows: dict[str, list[dict]] = defaultdict(list)
+    t0 = time.monotonic()
+    for i, case in enumerate(cases, 1):
+        q = engine.encode(case.question + suffix)
+        ids = pre + [t for pid in case.chunks for t in chunk_ids[pid]] + q
+        oracle = recompute(engine, ids)
+        oracle_greedy = engine.greedy(oracle.kv, oracle.logits, greedy_n, stop_at_eos=True)
+        for pid in case.chunks:
+            if pid not in chunk_kv:
+                chunk_kv[pid] = precompile_chunk(engine, chunk_ids[pid])
+        segs = [TextSegment(pre)] + [ChunkSegment(chunk_kv[p]) for p in case.chunks] + [TextSegment(q)]
+        for name, kw in COMPOSE_OPS.items():
+            res = compose(engine, segs, **kw)
+            g = engine.greedy(res.kv, res.logits, greedy_n, stop_at_eos=True)
+            row = compare(oracle.logits, oracle_greedy, res.logits, g)
+            row.update(case=case.id, recomputed_tokens=res.computed_tokens, context_tokens=len(ids))
+            rows[name].append(row)
+        progress(f"  compose [{i}/{len(cases)}] {case.id}: {len(ids)} tokens, "
+                 f"{time.monotonic() - t0:.0f} s elapsed")
+    return dict(rows)
+
+
+def run_edit(engine, cases: list[EditCase], *, cot: bool = False, greedy_n: int = 16,
+             progress: Progress = _stderr) -> tuple[dict[str, list[dict]], dict[str, bool]]:
+    """Per op, one row per case, plus which cases are *informative* (the oracle's greedy
+    answer differs from the stale context's: the edit changes what the model says)."""
+    pre, suffix = _frame(engine)
+    ops = COT_OPS if cot else EDIT_OPS
+    rows: dict[str, list[dict]] = defaultdict(list)
+    informative: dict[str, bool] = {}
+    t0 = time.monotonic()
+    for i, case in enumerate(cases, 1):
+        before, after = split_template(case)
+        b_ids, a_ids = pre + engine.encode(before), engine.encode(after)
+        old_ids, new_ids = engine.encode(case.old), engine.encode(case.new)
+        q = engine.encode(case.question + (COT_SUFFIX if cot else "") + suffix)
+        oracle = recompute(engine, b_ids + new_ids + a_ids + q)
+        oracle_greedy = engine.greedy(oracle.kv, oracle.logits, greedy_n, stop_at_eos=True)
+        cached = recompute(engine, b_ids + old_ids + a_ids, logits=False).kv   # the old notes
+        span = (len(b_ids), len(b_ids) + len(old_ids))
+        downstream = len(a_ids)
+        n_ctx = len(b_ids) + len(new_ids) + len(a_ids) + len(q)
+        for name in ops:
+            extra = 0
+            if name == "stale (no fix)":
+                kv, recomputed = cached, 0
+            elif name.startswith("field"):
+                k = 0 if name == "field only" else 16 if name == "field + top-16" else math.ceil(0.25 * downstream)
+                res = edit_in_place(engine, cached, span, new_ids, k)
+                kv, recomputed = res.kv, res.recomputed_tokens
+            else:
+                style = {"erratum: correction": "correction", "erratum: update": "update",
+                         "erratum: restate old": "restate_old"}[name]
+                res = erratum(engine, cached, case.label, case.old, case.new, style=style)
+                kv, recomputed, extra = res.kv, len(res.token_ids), len(res.token_ids)
+            full, logits = _finish(engine, kv, q)
+            g = engine.greedy(full, logits, greedy_n, stop_at_eos=True)
+            row = compare(oracle.logits, oracle_greedy, logits, g)
+            row.update(case=case.id, kind=case.kind, category=case.category,
+                       recomputed_tokens=recomputed + len(q), context_tokens=n_ctx + extra)
+            rows[name].append(row)
+        informative[case.id] = rows["stale (no fix)"][-1]["greedy_exact"] < 1.0
+        progress(f"  edit{' (CoT)' if cot else ''} [{i}/{len(cases)}] {case.id}: {n_ctx} tokens, "
+                 f"{time.monotonic() - t0:.0f} s elapsed")
+    return dict(rows), informative
