@@ -1,0 +1,33 @@
+"""Shared fixtures: real engines, loaded once per test session (each load is ~5 s)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+_ENGINES: dict = {}
+
+
+def get_engine(name: str):
+    from kvruntime.engine import ReferenceEngine
+
+    if name not in _ENGINES:
+        _ENGINES[name] = ReferenceEngine(name, dtype="float32", threads=2)
+    return _ENGINES[name]
+
+
+@pytest.fixture(scope="session")
+def smol():
+    return get_engine("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    return get_engine("gemma3-270m")
+
+
+@pytest.fixture(params=["smollm2-135m", "gemma3-270m"])
+def engine(request):
+    return get_engine(request.param)
