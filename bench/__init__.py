@@ -1,0 +1,1 @@
+"""Benchmarks: speed and memory goals, printed as ratios measured side by side in one run."""

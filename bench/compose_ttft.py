@@ -1,0 +1,78 @@
+"""TTFT of full recompute vs reposition + seam repair, contexts where >= 90% of tokens are
+precompiled chunks. Run: ``python -m bench.compose_ttft [--sizes 1024 2048 4096 8192]``.
+
+Both sides run in this process on the reference engine, one after the other per size, so the
+ratio is measured on the same machine state. TTFT here = time from having the request's
+tokens (and, for compose, the chunks' KV in memory) to the first token's logits; the chunks
+were precompiled earlier (not timed), as a tier would hold them.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+
+def _chunks(engine, passages: list[str], total: int, chunk_tokens: int) -> list[list[int]]:
+    """Token chunks of ``chunk_tokens`` cut from the shipped passages until ``total`` tokens."""
+    stream: list[int] = []
+    i = 0
+    while len(stream) < total:
+        stream += engine.encode(passages[i % len(passages)].strip() + "\n\n")
+        i += 1
+    return [stream[s:s + chunk_tokens] for s in range(0, total, chunk_tokens)]
+
+
+def main(argv=None) -> int:
+    from kvruntime.engine import ReferenceEngine
+    from kvruntime.fidelity.cases import load_passages
+    from kvruntime.fidelity.runner import _frame
+    from kvruntime.ops import ChunkSegment, TextSegment, compose, precompile_chunk, recompute
+
+    ap = argparse.ArgumentParser(prog="python -m bench.compose_ttft")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--chunk-tokens", type=int, default=512, help="tokens per precompiled chunk")
+    ap.add_argument("--seam", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.reps < 1 or any(s < 128 for s in args.sizes):
+        ap.error("--reps must be >= 1 and every size >= 128 tokens")
+
+    engine = ReferenceEngine(args.model, dtype=args.dtype, threads=args.threads)
+    if max(args.sizes) + 64 > engine.spec.context_window:
+        ap.error(f"largest size exceeds {args.model}'s context window ({engine.spec.context_window})")
+    passages = list(load_passages().values())
+    pre, suffix = _frame(engine)
+    q = engine.encode("Summarise the key facts above in one sentence." + suffix)
+    print(f"# compose TTFT: {args.model} {args.dtype}, {args.threads} threads, {platform.machine()}, "
+          f"chunks of {args.chunk_tokens} tokens, seam {args.seam}, median of {args.reps}")
+    print("| context tokens | precompiled | recompute TTFT (s) | reposition+seam TTFT (s) | speed-up | KL | top-1 |")
+    print("|---|---|---|---|---|---|---|")
+    from kvruntime.fidelity.metrics import kl_divergence
+    for size in args.sizes:
+        body = size - len(pre) - len(q)
+        chunks = _chunks(engine, passages, body, args.chunk_tokens)
+        kvs = [precompile_chunk(engine, c) for c in chunks]                       # not timed: the tier's job
+        ids = pre + [t for c in chunks for t in c] + q
+        segs = [TextSegment(pre)] + [ChunkSegment(k) for k in kvs] + [TextSegment(q)]
+        t_full, t_comp = [], []
+        for _ in range(args.reps):
+            t = time.perf_counter(); full = recompute(engine, ids); t_full.append(time.perf_counter() - t)
+            t = time.perf_counter(); comp = compose(engine, segs, seam_tokens=args.seam); t_comp.append(time.perf_counter() - t)
+        f, c = statistics.median(t_full), statistics.median(t_comp)
+        share = sum(len(x) for x in chunks) / len(ids)
+        print(f"| {len(ids)} | {share:.0%} | {f:.2f} | {c:.2f} | {f / c:.1f}x | "
+              f"{kl_divergence(full.logits, comp.logits):.3f} | "
+              f"{'yes' if int(full.logits.argmax()) == int(comp.logits.argmax()) else 'no'} |", flush=True)
+        del full, comp, kvs
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
