@@ -33,7 +33,7 @@ def eval_fidelity(args, argv: list[str]) -> int:
     cot_rows, cot_inf = ({}, {}) if args.no_cot else run_edit(engine, edit_cases, cot=True, greedy_n=32)
     meta = {
         "model": args.model, "dtype": args.dtype, "device": args.device,
-        "command": "kvnotes " + " ".join(a for a in argv if not a.startswith("--tables-dir")),
+        "command": "kvnotes " + " ".join(_without_option(argv, "--tables-dir")),
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {__import__('torch').get_num_threads()}",
         "seconds": time.monotonic() - started,
@@ -46,6 +46,18 @@ def eval_fidelity(args, argv: list[str]) -> int:
     print(report.render_markdown(summary))
     print(f"kvnotes: summary written to {path}", file=sys.stderr)
     return 0
+
+
+def _without_option(argv: list[str], opt: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == opt:
+            skip = True
+        elif not a.startswith(opt + "="):
+            out.append(a)
+    return out
 
 
 def write_report(doc: str) -> int:
