@@ -1,0 +1,192 @@
+"""The planner: a pure function (no Ray, no I/O) from a rendered request, a snapshot of what
+the tier holds, the session's last context and the policy to a frozen :class:`RequestPlan`.
+
+Rules (per segment, left to right; DESIGN.md section 3):
+- session context unchanged                    -> reuse it whole (any policy)
+- session context with edited template fields  -> erratum or edit-in-place (policy ``fast``;
+  which one comes from the model's fidelity table, see :func:`choose_edit_kind`)
+- skill / memory precompiled in the tier       -> reposition + seam (``balanced``, ``fast``)
+- plain prompt with a cached prefix            -> reuse the prefix (any policy)
+- everything else                              -> recompute
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cluster.plan import FieldEdit, PlanKind, Policy, RequestPlan, SegmentPlan
+from kvruntime.errata import DEFAULT_ERRATUM_STYLE, erratum_text
+
+
+@dataclass(frozen=True)
+class RenderedSegment:
+    kind: str                                   # "frame" | "skill" | "memory" | "template" | "text" | "prompt"
+    name: str | None
+    token_ids: tuple[int, ...]
+    chunk_key: str | None = None                # tier key of the precompiled chunk (skill/memory)
+    fields: tuple[tuple[str, str], ...] = ()    # template: (field, value) in placeholder order
+    field_spans: tuple[tuple[str, int, int], ...] = ()  # template: (field, start, end) offsets in token_ids
+    labels: tuple[tuple[str, str], ...] = ()    # template: (field, human label for errata)
+
+
+@dataclass(frozen=True)
+class RenderedRequest:
+    request_id: str
+    model: str
+    policy: Policy
+    context: tuple[RenderedSegment, ...]        # the prefix: frame + skills/memories/templates/text
+    suffix_ids: tuple[int, ...]                 # the question + turn close: the decode worker prefills it
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class TierView:
+    """What the tier holds, as seen when planning (a snapshot, not a live handle)."""
+    chunk_keys: frozenset[str] = frozenset()    # precompiled chunks present
+    prompt_prefix_hit: int = 0                  # plain prompts: tokens of the longest cached prefix
+    prompt_prefix_key: str | None = None        # and its tier key
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """A session's last cached context: the rendered segments it was built from and what was
+    appended since (errata), so the next turn can reuse it whole."""
+    session: str
+    context_key: str                            # tier key of the cached context KV
+    segments: tuple[RenderedSegment, ...]       # as first rendered (original field values)
+    token_ids: tuple[int, ...]                  # every token of the cached context (incl. errata)
+    current_fields: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()  # template -> effective fields
+    errata: int = 0                             # corrections appended so far
+
+
+@dataclass(frozen=True)
+class EditChoice:
+    kind: PlanKind                              # ERRATUM or EDIT_IN_PLACE
+    top_k: int = 0
+    erratum_style: str = DEFAULT_ERRATUM_STYLE
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    seam_tokens: int = 1                        # reposition: tokens recomputed at each chunk start
+    edit: EditChoice = field(default_factory=lambda: EditChoice(PlanKind.ERRATUM, reason="default"))
+
+
+def choose_edit_kind(summary: dict | None, *, top_k: int = 16) -> EditChoice:
+    """Erratum vs edit-in-place from a model's fidelity summary (``kvnotes eval fidelity``):
+    the one with higher greedy agreement on informative edit cases (ties: top-1, then lower
+    KL) wins. Without a table the answer is erratum, and the reason says so."""
+    if not summary or not summary.get("edit_informative"):
+        return EditChoice(PlanKind.ERRATUM, reason="no fidelity table for this model: erratum by default")
+    table = summary["edit_informative"]
+    cand = {PlanKind.ERRATUM: table.get("erratum: correction"), PlanKind.EDIT_IN_PLACE: table.get("field + top-16")}
+    cand = {k: v for k, v in cand.items() if v and v.get("n")}
+    if not cand:
+        return EditChoice(PlanKind.ERRATUM, reason="fidelity table has no informative edit cases: erratum by default")
+
+    def score(s):
+        return (s.get("greedy_exact") or 0.0, s.get("top1") or 0.0, -(s.get("kl_mean") or 0.0))
+    best = max(cand, key=lambda k: score(cand[k]))
+    s = cand[best]
+    why = (f"fidelity table ({s['n']} informative cases): greedy agreement {s['greedy_exact']:.0%}, "
+           f"top-1 {s['top1']:.0%}")
+    return EditChoice(best, top_k=top_k if best is PlanKind.EDIT_IN_PLACE else 0, reason=why)
+
+
+def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext | None,
+                 encode: Callable[[str], list[int]], config: PlannerConfig = PlannerConfig()) -> RequestPlan:
+    """Plan ``req``. ``encode`` is the model's tokenizer (a pure function of text), needed only
+    to size erratum text. Raises ``ValueError`` for an empty request."""
+    if not req.context and not req.suffix_ids:
+        raise ValueError("empty request: no segments to plan")
+    notes: list[str] = []
+    if session is not None:
+        steps = _plan_from_session(req, session, encode, config, notes)
+        if steps is not None:
+            return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids,
+                               req.session, tuple(notes))
+    steps, pos = [], 0
+    for seg in req.context:
+        steps.append(_plan_segment(seg, pos, req.policy, tier, config, notes))
+        pos += len(seg.token_ids)
+    return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids, req.session, tuple(notes))
+
+
+def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView, config: PlannerConfig,
+                  notes: list[str]) -> SegmentPlan:
+    source = f"{seg.kind}:{seg.name}" if seg.name else seg.kind
+    n = len(seg.token_ids)
+    if seg.kind == "prompt" and tier.prompt_prefix_hit > 0:
+        # the caller splits a plain prompt into its cached prefix and the rest (two segments)
+        hit = min(tier.prompt_prefix_hit, n)
+        if hit == n:
+            return SegmentPlan(PlanKind.REUSE, source, seg.token_ids, pos, 0, n, tier.prompt_prefix_key,
+                               reason=f"exact cached prefix of {n} tokens")
+    if seg.kind in ("skill", "memory"):
+        if seg.chunk_key is None or seg.chunk_key not in tier.chunk_keys:
+            notes.append(f"{source} is not precompiled in the tier: recomputed")
+            return SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="not in tier")
+        if policy is Policy.EXACT:
+            return SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0,
+                               reason="policy exact: a repositioned chunk is not bit-identical to recompute")
+        k = min(config.seam_tokens, n)
+        return SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, k, n - k, seg.chunk_key, seam_tokens=k,
+                           reason=f"precompiled chunk moved to position {pos}, {k} seam token(s) recomputed")
+    return SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="computed in context")
+
+
+def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, config: PlannerConfig,
+                       notes: list[str]) -> list[SegmentPlan] | None:
+    """Steps reusing the session's cached context, or None if the context changed in a way
+    only a recompute can honour (a different skill, text, or template)."""
+    if len(req.context) != len(sess.segments):
+        notes.append("session context has a different shape: planned from scratch")
+        return None
+    current = {name: dict(fields) for name, fields in sess.current_fields}
+    edits: list[FieldEdit] = []
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for new, old in zip(req.context, sess.segments):
+        if new.kind != old.kind or new.name != old.name:
+            notes.append("session context has different segments: planned from scratch")
+            return None
+        if new.kind == "template":
+            now = current.get(new.name, dict(old.fields))
+            for (f, v) in new.fields:
+                if now.get(f) != v:
+                    label = dict(new.labels).get(f, f.replace("_", " "))
+                    edits.append(FieldEdit(new.name, f, label, now.get(f, ""), v))
+                    s = dict((fs[0], fs[1:]) for fs in old.field_spans).get(f)
+                    spans.append((offset + s[0], offset + s[1]) if s else (-1, -1))
+        elif new.token_ids != old.token_ids:
+            notes.append(f"session segment {new.kind}:{new.name} changed: planned from scratch")
+            return None
+        offset += len(old.token_ids)
+    src = f"session:{sess.session}"
+    ctx = sess.token_ids
+    if not edits:
+        return [SegmentPlan(PlanKind.REUSE, src, ctx, 0, 0, len(ctx), sess.context_key,
+                            reason=f"session context unchanged ({len(ctx)} tokens)")]
+    if req.policy is not Policy.FAST:
+        notes.append(f"{len(edits)} field edit(s) under policy {req.policy.value}: recomputed (erratum needs 'fast')")
+        return None
+    choice = config.edit
+    one_span = len(edits) == 1 and spans[0][0] >= 0 and sess.errata == 0
+    if choice.kind is PlanKind.EDIT_IN_PLACE and one_span:
+        e = edits[0]
+        new_ids = tuple(encode(e.new))
+        return [SegmentPlan(PlanKind.EDIT_IN_PLACE, src, ctx[:spans[0][0]] + new_ids + ctx[spans[0][1]:], 0,
+                            len(new_ids) + choice.top_k, len(ctx) - (spans[0][1] - spans[0][0]) - choice.top_k,
+                            sess.context_key, edits=(e,), field_span=spans[0], top_k=choice.top_k,
+                            reason=f"edit-in-place chosen by {choice.reason}")]
+    if choice.kind is PlanKind.EDIT_IN_PLACE:
+        notes.append("edit-in-place needs exactly one edit on an uncorrected context: erratum instead")
+    text = "".join(erratum_text(e.label, e.new, old=e.old, style=choice.erratum_style) for e in edits)
+    err_ids = tuple(encode(text))
+    return [
+        SegmentPlan(PlanKind.REUSE, src, ctx, 0, 0, len(ctx), sess.context_key,
+                    reason=f"old context reused whole ({len(ctx)} tokens)"),
+        SegmentPlan(PlanKind.ERRATUM, "erratum", err_ids, len(ctx), len(err_ids), 0, edits=tuple(edits),
+                    reason=f"{len(edits)} field(s) corrected by an appended erratum ({choice.reason})"),
+    ]
