@@ -1,0 +1,128 @@
+"""Prefill and decode executors on the real model over a real gRPC transport (no Ray)."""
+import dataclasses
+import uuid
+
+import pytest
+
+from cluster.plan import PlanKind, Policy
+from cluster.planner import RenderedRequest, RenderedSegment, SessionContext, TierView, plan_request
+from decode_workers.executor import DecodeExecutor, DecodeSummary, SamplingParams, TokenEvent
+from kvruntime.ops import precompile_chunk, recompute
+from kvtransport.grpc_transport import GrpcTransport
+from prefill_workers.executor import PrefillExecutor
+
+
+class DictSource:  # an in-memory tier; the shipped tier is LMCache (tested in test_tier*)
+    def __init__(self):
+        self.d = {}
+
+    def get_kv(self, key):
+        return self.d.get(key)
+
+    def put_kv(self, key, kv):
+        self.d[key] = kv
+
+
+@pytest.fixture(scope="module")
+def wired(smol):
+    rx = GrpcTransport(model=smol.spec.name)
+    addr = rx.serve()
+    src = DictSource()
+    pre = PrefillExecutor(smol, src, GrpcTransport())
+    dec = DecodeExecutor(smol, rx, receive_timeout=5)
+    yield smol, src, pre, dec, addr
+    rx.stop()
+
+
+def _run(pre, dec, addr, plan, sampling=SamplingParams(max_tokens=12), store_as=None):
+    tid = uuid.uuid4().hex
+    res = pre.execute(plan, addr, tid, store_context_as=store_as)
+    prefix = tuple(t for s in plan.steps for t in s.token_ids)
+    events = list(dec.generate(tid if res.transferred else None, prefix, plan.suffix_ids, sampling))
+    return res, [e.token_id for e in events if isinstance(e, TokenEvent)], events[-1]
+
+
+def _segments(e):
+    frame = RenderedSegment("frame", None, tuple(e.encode(e.spec.chat_user_prefix)))
+    skill = RenderedSegment("skill", "museum", tuple(e.encode("The Varga Museum opens at 10:00 and closes at "
+                                                               "17:30; entry costs 12 euros.\n\n")), chunk_key="skill-1")
+    q = tuple(e.encode("When does the Varga Museum close?" + e.spec.chat_user_suffix))
+    return frame, skill, q
+
+
+@pytest.mark.slow
+def test_exact_plan_output_equals_direct_recompute(wired):
+    e, src, pre, dec, addr = wired
+    frame, skill, q = _segments(e)
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.EXACT, (frame, skill), q), TierView(), None, e.encode)
+    res, toks, summary = _run(pre, dec, addr, plan)
+    assert res.transferred and res.transfer_bytes > 0 and summary.fallbacks == ()
+    full = recompute(e, list(frame.token_ids + skill.token_ids + q))
+    assert toks == [t for t in e.greedy(full.kv, full.logits, 12, stop_at_eos=True) if t not in e.eos_ids]
+
+
+@pytest.mark.slow
+def test_reposition_plan_loads_chunk_from_tier(wired):
+    e, src, pre, dec, addr = wired
+    frame, skill, q = _segments(e)
+    src.put_kv("skill-1", precompile_chunk(e, list(skill.token_ids)))
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (frame, skill), q),
+                        TierView(frozenset({"skill-1"})), None, e.encode)
+    assert plan.steps[1].kind is PlanKind.REPOSITION
+    res, toks, summary = _run(pre, dec, addr, plan)
+    assert res.stats.tier_hits == 1 and res.stats.repositioned == len(skill.token_ids) - 1
+    assert res.stats.fallbacks == [] and len(toks) > 0
+
+
+@pytest.mark.slow
+def test_missing_chunk_is_a_counted_fallback_to_recompute(wired):
+    e, src, pre, dec, addr = wired
+    frame, skill, q = _segments(e)
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (frame, skill), q),
+                        TierView(frozenset({"skill-1"})), None, e.encode)   # planner believed it was there
+    src.d.pop("skill-1", None)
+    res, toks, _ = _run(pre, dec, addr, plan)
+    assert res.stats.fallbacks == ["kv_load_failed"] and res.stats.computed == plan.prefix_tokens
+
+
+@pytest.mark.slow
+def test_session_erratum_round_trip(wired):
+    e, src, pre, dec, addr = wired
+    frame, _, _ = _segments(e)
+    q = tuple(e.encode("What is the status of flight LX318? Answer in one word." + e.spec.chat_user_suffix))
+    def booking(status):
+        before, after = e.encode("Flight LX318 status: "), e.encode(". Gate B12.\n")
+        v = tuple(e.encode(status))
+        return RenderedSegment("template", "booking", tuple(before) + v + tuple(after), fields=(("status", status),),
+                               field_spans=(("status", len(before), len(before) + len(v)),))
+    turn1 = plan_request(RenderedRequest("r1", e.spec.name, Policy.FAST, (frame, booking("ON TIME")), q, "s"),
+                         TierView(), None, e.encode)
+    _run(pre, dec, addr, turn1, store_as="ctx-s-1")
+    ctx_ids = tuple(t for s in turn1.steps for t in s.token_ids)
+    sess = SessionContext("s", "ctx-s-1", (frame, booking("ON TIME")), ctx_ids, (("booking", (("status", "ON TIME"),)),))
+    turn2 = plan_request(RenderedRequest("r2", e.spec.name, Policy.FAST, (frame, booking("CANCELLED")), q, "s"),
+                         TierView(), sess, e.encode)
+    assert [s.kind for s in turn2.steps] == [PlanKind.REUSE, PlanKind.ERRATUM]
+    res, toks, summary = _run(pre, dec, addr, turn2)
+    assert res.stats.reused == len(ctx_ids) and res.stats.erratum > 0 and res.stats.fallbacks == []
+    assert "cancel" in summary.text.lower()
+
+
+@pytest.mark.slow
+def test_corrupted_block_is_recomputed_by_decode(wired):
+    e, src, pre, dec, addr = wired
+    frame, skill, q = _segments(e)
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.EXACT, (frame, skill), q), TierView(), None, e.encode)
+    prefix = tuple(t for s in plan.steps for t in s.token_ids)
+    from kvtransport.blocks import encode_block
+    kv, _ = pre.build(plan)
+    block = encode_block("bad-1", e.spec.name, kv)
+    bad = dataclasses.replace(block, header=dataclasses.replace(block.header, checksum=block.header.checksum ^ 7))
+    with pytest.raises(Exception):
+        pre.transport.send(addr, bad, timeout=5)
+    events = list(dec.generate("bad-1", prefix, plan.suffix_ids, SamplingParams(max_tokens=8)))
+    summary = events[-1]
+    assert isinstance(summary, DecodeSummary) and summary.fallbacks == ("kv_transfer_rejected",)
+    full = recompute(e, list(prefix + plan.suffix_ids))
+    want = [t for t in e.greedy(full.kv, full.logits, 8, stop_at_eos=True) if t not in e.eos_ids]
+    assert [ev.token_id for ev in events if isinstance(ev, TokenEvent)] == want
