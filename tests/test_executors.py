@@ -103,7 +103,7 @@ def test_session_erratum_round_trip(wired):
     turn2 = plan_request(RenderedRequest("r2", e.spec.name, Policy.FAST, (frame, booking("CANCELLED")), q, "s"),
                          TierView(), sess, e.encode)
     assert [s.kind for s in turn2.steps] == [PlanKind.REUSE, PlanKind.ERRATUM]
-    res, toks, summary = _run(pre, dec, addr, turn2)
+    res, toks, summary = _run(pre, dec, addr, turn2, SamplingParams(max_tokens=24))
     assert res.stats.reused == len(ctx_ids) and res.stats.erratum > 0 and res.stats.fallbacks == []
     assert "cancel" in summary.text.lower()
 
