@@ -18,6 +18,13 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the registered models")
 
+    r = sub.add_parser("run", help="the embedded default: local Ray, CPU, default model, router on 127.0.0.1:8000")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--model", default="smollm2-135m")
+
+    s = sub.add_parser("serve", help="start a cluster from a config file (YAML or JSON)")
+    s.add_argument("--config", required=True)
+
     e = sub.add_parser("eval", help="measurements")
     esub = e.add_subparsers(dest="what", required=True)
     f = esub.add_parser("fidelity", help="run the fidelity harness on the shipped case set")
@@ -42,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
             from kvruntime.models import list_models
             print("\n".join(list_models()))
             return 0
+        if args.cmd in ("run", "serve"):
+            from cluster.config import ClusterConfig
+            from cluster.launcher import run_forever
+            cfg = (ClusterConfig(model=args.model, port=args.port) if args.cmd == "run"
+                   else ClusterConfig.from_file(args.config))
+            return run_forever(cfg, register_demo=args.cmd == "run")
         if args.cmd == "demo":
             from cluster.demo import run_demo
             return run_demo(args.model, threads=args.threads)

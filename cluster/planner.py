@@ -108,32 +108,34 @@ def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext |
                                req.session, tuple(notes))
     steps, pos = [], 0
     for seg in req.context:
-        steps.append(_plan_segment(seg, pos, req.policy, tier, config, notes))
+        steps += _plan_segment(seg, pos, req.policy, tier, config, notes)
         pos += len(seg.token_ids)
     return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids, req.session, tuple(notes))
 
 
 def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView, config: PlannerConfig,
-                  notes: list[str]) -> SegmentPlan:
+                  notes: list[str]) -> list[SegmentPlan]:
     source = f"{seg.kind}:{seg.name}" if seg.name else seg.kind
     n = len(seg.token_ids)
-    if seg.kind == "prompt" and tier.prompt_prefix_hit > 0:
-        # the caller splits a plain prompt into its cached prefix and the rest (two segments)
+    if seg.kind == "prompt" and tier.prompt_prefix_hit > 0 and pos == 0:
         hit = min(tier.prompt_prefix_hit, n)
-        if hit == n:
-            return SegmentPlan(PlanKind.REUSE, source, seg.token_ids, pos, 0, n, tier.prompt_prefix_key,
-                               reason=f"exact cached prefix of {n} tokens")
+        steps = [SegmentPlan(PlanKind.REUSE, source, seg.token_ids[:hit], pos, 0, hit, tier.prompt_prefix_key,
+                             reason=f"cached prompt prefix of {hit} tokens")]
+        if hit < n:
+            steps.append(SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids[hit:], pos + hit, n - hit, 0,
+                                     reason="prompt after the cached prefix"))
+        return steps
     if seg.kind in ("skill", "memory"):
         if seg.chunk_key is None or seg.chunk_key not in tier.chunk_keys:
             notes.append(f"{source} is not precompiled in the tier: recomputed")
-            return SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="not in tier")
+            return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="not in tier")]
         if policy is Policy.EXACT:
-            return SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0,
-                               reason="policy exact: a repositioned chunk is not bit-identical to recompute")
+            return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0,
+                                reason="policy exact: a repositioned chunk is not bit-identical to recompute")]
         k = min(config.seam_tokens, n)
-        return SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, k, n - k, seg.chunk_key, seam_tokens=k,
-                           reason=f"precompiled chunk moved to position {pos}, {k} seam token(s) recomputed")
-    return SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="computed in context")
+        return [SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, k, n - k, seg.chunk_key, seam_tokens=k,
+                            reason=f"precompiled chunk moved to position {pos}, {k} seam token(s) recomputed")]
+    return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="computed in context")]
 
 
 def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, config: PlannerConfig,

@@ -63,18 +63,19 @@ class DecodeExecutor:
     def _prefix(self, transfer_id: str | None, prefix_ids: tuple[int, ...], fallbacks: list[str]) -> KVCache:
         if not prefix_ids:
             return self.engine.empty_kv()
-        reason = "kv_not_sent"
-        if transfer_id is not None:
-            try:
-                kv = decode_block(self.transport.receive(transfer_id, timeout=self.receive_timeout),
-                                  model=self.engine.spec.name, device=self.engine.device)
-                if kv.token_ids.tolist() == list(prefix_ids):
-                    return kv
-                reason = "kv_mismatch"
-            except TransferError as exc:
-                reason = f"kv_transfer_{exc.reason}"
-            except BlockError:
-                reason = "kv_block_invalid"
+        if transfer_id is None:
+            # the caller knows no block was sent and has already counted that fallback
+            return recompute(self.engine, list(prefix_ids), logits=False).kv
+        try:
+            kv = decode_block(self.transport.receive(transfer_id, timeout=self.receive_timeout),
+                              model=self.engine.spec.name, device=self.engine.device)
+            if kv.token_ids.tolist() == list(prefix_ids):
+                return kv
+            reason = "kv_mismatch"
+        except TransferError as exc:
+            reason = f"kv_transfer_{exc.reason}"
+        except BlockError:
+            reason = "kv_block_invalid"
         fallbacks.append(reason)
         log.warning("prefix KV for %s unusable (%s); policy %s", transfer_id, reason, self.policy)
         if self.policy == "fail":

@@ -105,6 +105,8 @@ class PrefillExecutor:
             return kv
         loaded = self._load(step.chunk_key, st)
         if k is PlanKind.REUSE:
+            if loaded is not None and loaded.num_tokens > step.tokens:
+                loaded = loaded.slice(0, step.tokens)        # a longer cached prefix: take what matches
             ok = (loaded is not None and loaded.num_tokens == step.tokens
                   and loaded.token_ids.tolist() == list(step.token_ids)
                   and int(loaded.positions[0]) == step.position)

@@ -108,7 +108,9 @@ def test_different_segments_fall_back_to_per_segment_planning():
 def test_plain_prompt_prefix_reuse():
     prompt = RenderedSegment("prompt", None, tuple(range(300)))
     p = plan_request(req(prompt, policy=Policy.EXACT), TierView(prompt_prefix_hit=300, prompt_prefix_key="pk"), None, encode)
-    assert p.steps[0].kind is PlanKind.REUSE and p.steps[0].reused == 300
+    assert p.steps[0].kind is PlanKind.REUSE and p.steps[0].reused == 300 and len(p.steps) == 1
+    part = plan_request(req(prompt), TierView(prompt_prefix_hit=256, prompt_prefix_key="pk"), None, encode)
+    assert [(s.kind, s.tokens, s.position) for s in part.steps] == [(PlanKind.REUSE, 256, 0), (PlanKind.RECOMPUTE, 44, 256)]
 
 
 def test_plan_is_frozen_and_empty_request_rejected():

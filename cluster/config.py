@@ -1,0 +1,91 @@
+"""Typed configuration, in one place. ``kvnotes serve --config FILE`` reads YAML or JSON into
+:class:`ClusterConfig`; unknown keys and bad values are ``ValueError`` with the key named."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    count: int = 1                     # actors of this kind
+    num_cpus: float = 1.0              # Ray CPUs reserved per actor
+    num_gpus: float = 0.0              # Ray GPUs per actor (device becomes cuda when > 0)
+    custom_resource: bool = False      # also require {"prefill": 1} / {"decode": 1} (pin to node types)
+    threads: int = 1                   # torch threads inside the actor
+
+    def validate(self, kind: str) -> None:
+        if self.count < 1:
+            raise ValueError(f"{kind}.count must be >= 1")
+        if self.num_cpus < 0 or self.num_gpus < 0 or self.threads < 1:
+            raise ValueError(f"{kind}: num_cpus/num_gpus must be >= 0 and threads >= 1")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "float32"                     # reference engine dtype
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: WorkerConfig = field(default_factory=WorkerConfig)
+    decode: WorkerConfig = field(default_factory=WorkerConfig)
+    default_policy: str = "balanced"           # exact | balanced | fast
+    seam_tokens: int = 1
+    kv_load_failure_policy: str = "recompute"  # recompute | fail
+    transfer_timeout_s: float = 30.0
+    max_tokens_limit: int = 2048               # largest max_tokens a request may ask for
+    tier_cpu_bytes: int = 512 << 20            # local CPU tier capacity (LMCache; allocated at start)
+    tier_disk_path: str | None = None          # local disk tier (LMCache local_disk)
+    tier_remote_url: str | None = None         # lm://host:port (lmcache_server), shared by all prefill actors
+    tenant: str = "default"                    # tenant salt used when a request names none
+    ray_address: str | None = None             # None: start/attach local Ray
+
+    def __post_init__(self):
+        if self.default_policy not in ("exact", "balanced", "fast"):
+            raise ValueError("default_policy must be exact, balanced or fast")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_load_failure_policy must be recompute or fail")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError("dtype must be float32 or bfloat16")
+        if not 0 < self.port < 65536:
+            raise ValueError("port must be in 1..65535")
+        if self.seam_tokens < 0 or self.max_tokens_limit < 1 or self.transfer_timeout_s <= 0:
+            raise ValueError("seam_tokens >= 0, max_tokens_limit >= 1 and transfer_timeout_s > 0 required")
+        self.prefill.validate("prefill")
+        self.decode.validate("decode")
+
+    @staticmethod
+    def from_dict(d: dict) -> "ClusterConfig":
+        known = {f.name for f in dataclasses.fields(ClusterConfig)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown config key(s): {', '.join(sorted(unknown))}")
+        kw = dict(d)
+        for k in ("prefill", "decode"):
+            if k in kw:
+                sub = kw[k]
+                wk = {f.name for f in dataclasses.fields(WorkerConfig)}
+                if not isinstance(sub, dict) or set(sub) - wk:
+                    raise ValueError(f"{k} must be a mapping with keys among {sorted(wk)}")
+                kw[k] = WorkerConfig(**sub)
+        try:
+            return ClusterConfig(**kw)
+        except TypeError as exc:
+            raise ValueError(f"bad config: {exc}") from None
+
+    @staticmethod
+    def from_file(path: str | Path) -> "ClusterConfig":
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"config file {p} does not exist")
+        text = p.read_text()
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {p} must hold a mapping")
+        return ClusterConfig.from_dict(data)

@@ -1,0 +1,83 @@
+"""Bring the cluster up: Ray (local or an existing cluster), the worker actors, and the Serve
+router on host:port. ``kvnotes run`` uses the embedded default config; ``kvnotes serve
+--config FILE`` a real deployment's."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from cluster.config import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+DEMO_SKILL = ("Refund policy: customers may return unused items within 30 days of delivery for a full refund. "
+              "Opened electronics can be returned within 14 days with a 15 percent restocking fee. Gift cards and "
+              "perishable food are never refundable.")
+
+
+def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
+    """Start everything and return once the router answers; idempotent within one Ray session."""
+    import ray
+    from ray import serve
+
+    os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+    if not ray.is_initialized():
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, namespace="kvnotes", log_to_driver=False)
+        else:
+            ray.init(num_cpus=local_cpus, namespace="kvnotes", include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
+    from cluster.ray_backends import start_workers
+    from cluster.serve_app import RouterIngress
+
+    t = time.monotonic()
+    start_workers(cfg)
+    log.info("workers ready in %.1f s", time.monotonic() - t)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
+    serve.run(RouterIngress.bind(cfg), name="kvnotes", route_prefix="/", blocking=False)
+
+
+def stop(cfg: ClusterConfig) -> None:
+    import ray
+    from ray import serve
+
+    from cluster.ray_backends import stop_workers
+    try:
+        serve.shutdown()
+    finally:
+        stop_workers(cfg)
+        ray.shutdown()
+
+
+def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
+    """Start, print how to call it, serve until Ctrl-C / SIGTERM, then stop everything."""
+    print(f"kvnotes: starting local cluster (model {cfg.model}, {cfg.prefill.count} prefill + "
+          f"{cfg.decode.count} decode actors); the first start converts the model (~30 s)...", flush=True)
+    base = f"http://{cfg.host}:{cfg.port}"
+    try:
+        start(cfg)
+        if register_demo:
+            import httpx
+            r = httpx.post(f"{base}/v1/skills", json={"name": "refund-policy", "text": DEMO_SKILL}, timeout=300)
+            if r.status_code != 201:
+                raise RuntimeError(f"registering the demo skill failed: HTTP {r.status_code}: {r.text[:300]}")
+            print(f"kvnotes: registered demo skill 'refund-policy' ({r.json()['tokens']} tokens precompiled)")
+    except BaseException:
+        print("kvnotes: start failed; stopping what was started", flush=True)
+        stop(cfg)
+        raise
+    print(f"""kvnotes: serving {cfg.model} on {base}  (Ctrl-C to stop)
+  curl -s {base}/v1/notes/completions -H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
+  curl -s {base}/v1/chat/completions -H 'content-type: application/json' -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
+  metrics: {base}/metrics""", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    print("kvnotes: stopping...", flush=True)
+    stop(cfg)
+    print("kvnotes: stopped", flush=True)
+    return 0

@@ -1,0 +1,89 @@
+"""Ray wiring: create the prefill and decode actors from config and expose them to the router
+as :class:`~cluster.router.Backends`.
+
+Topology: HTTP -> Serve ingress (router, one replica) -> prefill actor (plan execution, LMCache
+tier) --gRPC KV block--> decode actor (suffix prefill, decode) -> tokens streamed back to the
+ingress through a Ray streaming generator. Workers are *named, detached-from-Serve actors*
+rather than Serve deployments: a request must reach one specific decode actor (the one the KV
+was pushed to), and each decode actor owns a gRPC server with a stable address, which Serve's
+load-balanced handles would hide.
+"""
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from cluster.config import ClusterConfig, WorkerConfig
+from decode_workers.actor import DecodeWorker
+from prefill_workers.actor import PrefillWorker
+
+log = logging.getLogger(__name__)
+NAMESPACE = "kvnotes"
+
+
+def _options(w: WorkerConfig, kind: str, name: str) -> dict:
+    opts = {"num_cpus": w.num_cpus, "num_gpus": w.num_gpus, "name": name, "namespace": NAMESPACE,
+            "lifetime": "detached", "get_if_exists": True, "max_restarts": 0}
+    if w.custom_resource:
+        opts["resources"] = {kind: 1}
+    return opts
+
+
+def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
+    """Create (or find) the named actors and wait until each loaded its model."""
+    # PYTHONHASHSEED: LMCache falls back to Python's hash() without vLLM; fix it so keys agree across processes
+    env = {"env_vars": {"LMCACHE_TRACK_USAGE": "false", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}}
+    pre = [ray.remote(PrefillWorker).options(runtime_env=env, **_options(cfg.prefill, "prefill", f"prefill-{i}"))
+           .remote(cfg, i) for i in range(cfg.prefill.count)]
+    dec = [ray.remote(DecodeWorker).options(runtime_env=env, **_options(cfg.decode, "decode", f"decode-{i}"))
+           .remote(cfg, i) for i in range(cfg.decode.count)]
+    for info in ray.get([a.ready.remote() for a in pre + dec]):
+        log.info("worker ready: %s", info)
+    return pre, dec
+
+
+def stop_workers(cfg: ClusterConfig) -> None:
+    for kind, n in (("prefill", cfg.prefill.count), ("decode", cfg.decode.count)):
+        for i in range(n):
+            try:
+                ray.kill(ray.get_actor(f"{kind}-{i}", namespace=NAMESPACE))
+            except ValueError:
+                pass  # not running: nothing to stop
+
+
+class RayBackends:
+    """:class:`~cluster.router.Backends` over actor handles."""
+
+    def __init__(self, prefill: list, decode: list):
+        self.prefill_actors, self.decode_actors = prefill, decode
+        self.num_prefill, self.num_decode = len(prefill), len(decode)
+        self.addresses = ray.get([d.address.remote() for d in decode])
+        self.ready = ray.get([a.ready.remote() for a in prefill])
+
+    @staticmethod
+    def from_names(cfg: ClusterConfig) -> "RayBackends":
+        pre = [ray.get_actor(f"prefill-{i}", namespace=NAMESPACE) for i in range(cfg.prefill.count)]
+        dec = [ray.get_actor(f"decode-{i}", namespace=NAMESPACE) for i in range(cfg.decode.count)]
+        return RayBackends(pre, dec)
+
+    async def contains(self, keys: list[str], index: int = 0) -> set[str]:
+        return set(await self.prefill_actors[index].contains.remote(keys))
+
+    async def precompile(self, key: str, token_ids: tuple[int, ...], tenant: str) -> dict:
+        # every prefill actor holds every chunk (their local tiers are not shared)
+        infos = [await a.precompile.remote(key, token_ids, tenant) for a in self.prefill_actors]
+        return {"cached": all(i["cached"] for i in infos), "bytes": max(i["bytes"] for i in infos),
+                "seconds": max(i["seconds"] for i in infos)}
+
+    async def evict(self, key: str) -> bool:
+        return any([await a.evict.remote(key) for a in self.prefill_actors])
+
+    async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as: str | None):
+        return await self.prefill_actors[index].execute.remote(plan, self.addresses[decode_index], transfer_id, store_as)
+
+    async def decode(self, index: int, transfer_id, prefix, suffix, sampling):
+        gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(
+            transfer_id, prefix, suffix, sampling)
+        async for ref in gen:
+            yield await ref

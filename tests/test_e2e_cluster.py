@@ -1,0 +1,206 @@
+"""End to end over real HTTP against the real embedded cluster: Ray actors, Ray Serve + FastAPI
+router, gRPC KV transport, LMCache tier, real SmolLM2. OpenAI routes use the official client."""
+import re
+import socket
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SKILL = ("Refund policy: customers may return unused items within 30 days of delivery for a full refund. "
+         "Opened electronics can be returned within 14 days with a 15 percent restocking fee.")
+MEMORY = "Customer memory: Dana Whitfield lives in Leeds and bought Kestrel headphones on March 2."
+TEMPLATE = "Booking 88231 for {passenger}. Flight LX318 status: {status}. Gate {gate}. Rebook cancelled flights for free.\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from cluster.config import ClusterConfig
+    from cluster.launcher import start, stop
+
+    cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=256 << 20)
+    start(cfg, local_cpus=4)
+    base = f"http://127.0.0.1:{cfg.port}"
+    client = httpx.Client(base_url=base, timeout=300)
+    assert client.get("/health").json()["status"] == "ok"
+    for kind, body in (("skills", {"name": "refund", "text": SKILL}), ("memories", {"name": "dana", "text": MEMORY}),
+                       ("templates", {"name": "booking", "text": TEMPLATE, "labels": {"status": "flight status"}})):
+        r = client.post(f"/v1/{kind}", json=body)
+        assert r.status_code == 201, r.text
+    yield base, client
+    client.close()
+    stop(cfg)
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            m = re.match(rf'{re.escape(name)}(\{{[^}}]*\}})?\s+([0-9.e+-]+)$', line)
+            if m:
+                total += float(m.group(2))
+    return total
+
+
+def _direct(prompt_ids, n):
+    from tests.conftest import get_engine
+    from kvruntime.ops import recompute
+
+    e = get_engine("smollm2-135m")
+    out = recompute(e, list(prompt_ids))
+    toks = []
+    for t in e.greedy(out.kv, out.logits, n, stop_at_eos=True):
+        if t in e.eos_ids:
+            break
+        toks.append(t)
+    return e.decode(toks)
+
+
+def test_openai_completions_exact_equals_recompute_and_prefix_is_reused(cluster):
+    import openai
+
+    base, http = cluster
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    prompt = "The three primary colours of light are red, green and blue. " * 6 + "Name one primary colour:"
+    first = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"kv_policy": "exact"})
+    from tests.conftest import get_engine
+    ids = get_engine("smollm2-135m").encode(prompt)
+    assert first.choices[0].text == _direct(ids, 12)
+    assert first.usage.prompt_tokens == len(ids)
+    second = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body={"kv_policy": "exact", "explain": True})
+    assert second.choices[0].text == first.choices[0].text
+    assert second.usage.prompt_tokens_details.cached_tokens >= 32          # the prefix came from the tier
+    assert second.model_extra["kvnotes"]["plan"] == "reuse"
+
+
+def test_openai_chat_streaming(cluster):
+    import openai
+
+    base, _ = cluster
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    stream = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Say hello."}],
+                                            max_tokens=8, temperature=0, stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].usage.prompt_tokens > 0
+
+
+def test_native_plans_reposition_and_exact(cluster):
+    base, http = cluster
+    body = {"segments": [{"skill": "refund"}, {"memory": "dana"}, {"text": "Can Dana return the headphones?"}],
+            "max_tokens": 16, "temperature": 0, "explain": True}
+    fast = http.post("/v1/notes/completions", json={**body, "kv_policy": "fast"}).json()
+    assert fast["plan"] == "reposition", fast
+    kinds = [s["kind"] for s in fast["explain"]["steps"]]
+    assert kinds.count("reposition") == 2 and fast["usage"]["prompt_tokens_details"]["cached_tokens"] > 40
+    exact = http.post("/v1/notes/completions", json={**body, "kv_policy": "exact"}).json()
+    assert exact["plan"] == "recompute" and exact["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    from tests.conftest import get_engine
+    e = get_engine("smollm2-135m")
+    ids = (e.encode(e.spec.chat_user_prefix) + e.encode(SKILL.strip() + "\n\n") + e.encode(MEMORY.strip() + "\n\n")
+           + e.encode("Can Dana return the headphones?" + e.spec.chat_user_suffix))
+    assert exact["text"] == _direct(ids, 16)
+
+
+def test_session_field_edit_becomes_erratum(cluster):
+    base, http = cluster
+    def turn(status):
+        return http.post("/v1/notes/completions", json={
+            "session": "agent-17", "kv_policy": "fast", "explain": True, "max_tokens": 16, "temperature": 0,
+            "segments": [{"template": "booking", "fields": {"passenger": "Omar Haddad", "status": status, "gate": "B12"}},
+                         {"text": "What is the status of flight LX318? Answer in one word."}]}).json()
+    t1 = turn("ON TIME")
+    assert t1["plan"] == "recompute"
+    t2 = turn("ON TIME")
+    assert t2["plan"] == "reuse" and t2["usage"]["prompt_tokens_details"]["cached_tokens"] > 20
+    t3 = turn("CANCELLED")
+    assert t3["plan"] == "erratum", t3
+    err = [s for s in t3["explain"]["steps"] if s["kind"] == "erratum"][0]
+    assert err["edits"][0] == {"template": "booking", "field": "status", "old": "ON TIME", "new": "CANCELLED"}
+    assert t3["usage"]["prompt_tokens_details"]["cached_tokens"] >= t2["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_native_streaming_sse(cluster):
+    base, http = cluster
+    with http.stream("POST", "/v1/notes/completions", json={"segments": [{"skill": "refund"}, {"text": "Summarise."}],
+                                                           "max_tokens": 6, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [l for l in r.iter_lines() if l.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"usage"' in lines[-2] and '"token"' in lines[0]
+
+
+def test_metrics_move(cluster):
+    base, http = cluster
+    before = http.get("/metrics").text
+    http.post("/v1/notes/completions", json={"segments": [{"skill": "refund"}, {"text": "Is a gift card refundable?"}],
+                                             "max_tokens": 4, "temperature": 0, "kv_policy": "balanced"})
+    after = http.get("/metrics").text
+    assert _metric(after, "kvnotes_ttft_seconds_count", plan="reposition") == \
+        _metric(before, "kvnotes_ttft_seconds_count", plan="reposition") + 1
+    assert _metric(after, "kvnotes_tier_hits_total") > _metric(before, "kvnotes_tier_hits_total")
+    assert _metric(after, "kvnotes_requests_total", plan="reposition", status="ok") >= 1
+    assert _metric(after, "kvnotes_kv_transfer_bytes_total", transport="grpc") > \
+        _metric(before, "kvnotes_kv_transfer_bytes_total", transport="grpc")
+    assert _metric(after, "kvnotes_prompt_tokens_total", source="repositioned") > 0
+    assert _metric(after, "kvnotes_rope_selftest_ok", worker="prefill-0") == 1
+
+
+BAD = [
+    ("POST", "/v1/notes/completions", b"{not json", 400, "not valid JSON"),
+    ("POST", "/v1/notes/completions", b"", 400, "empty request body"),
+    ("POST", "/v1/notes/completions", {"segments": []}, 400, "segments"),
+    ("POST", "/v1/notes/completions", {"segments": [{"skill": "nope"}, {"text": "q"}]}, 404, "unknown skill"),
+    ("POST", "/v1/notes/completions", {"segments": [{"memory": "nope"}, {"text": "q"}]}, 404, "unknown memory"),
+    ("POST", "/v1/notes/completions", {"segments": [{"template": "nope", "fields": {}}, {"text": "q"}]}, 404, "unknown template"),
+    ("POST", "/v1/notes/completions", {"segments": [{"template": "booking", "fields": {"status": "X"}}]}, 400, "missing field"),
+    ("POST", "/v1/notes/completions", {"segments": [{"template": "booking", "fields": {"passenger": "A", "status": "B", "gate": "C", "seat": "D"}}]}, 400, "has no field"),
+    ("POST", "/v1/notes/completions", {"segments": [{"text": "q", "skill": "refund"}]}, 400, "exactly one"),
+    ("POST", "/v1/notes/completions", {"segments": [{"text": 5}]}, 400, "non-empty string"),
+    ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "max_tokens": "many"}, 400, "max_tokens"),
+    ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "temperature": -1}, 400, "temperature"),
+    ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "kv_policy": "yolo"}, 400, "kv_policy"),
+    ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "model": "gpt-9"}, 404, "not served"),
+    ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "frobnicate": 1}, 400, "unknown field"),
+    ("POST", "/v1/notes/completions", {"segments": [{"text": "word " * 9000}]}, 400, "context window"),
+    ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": ""}, 400, "prompt"),
+    ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": [999999999]}, 400, "vocabulary"),
+    ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": "hi", "n": 3}, 400, "n=1"),
+    ("POST", "/v1/chat/completions", {"model": "smollm2-135m", "messages": []}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"model": "smollm2-135m", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("POST", "/v1/skills", {"name": "", "text": "x"}, 400, "name"),
+    ("POST", "/v1/skills", {"name": "empty", "text": "  "}, 400, "non-empty"),
+    ("POST", "/v1/templates", {"name": "t", "text": "no placeholders"}, 400, "placeholders"),
+    ("POST", "/v1/templates", {"name": "t", "text": "{a} and {a}"}, 400, "twice"),
+    ("DELETE", "/v1/skills/never-registered", None, 404, "unknown skill"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,needle", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_4xx_with_a_message(cluster, method, path, body, status, needle):
+    base, http = cluster
+    if isinstance(body, bytes):
+        r = http.request(method, path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.request(method, path, json=body)
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert needle.lower() in err["message"].lower() and err["type"]
+
+
+def test_still_healthy_after_bad_requests(cluster):
+    base, http = cluster
+    assert http.get("/health").json()["status"] == "ok"
+    r = http.post("/v1/notes/completions", json={"segments": [{"text": "Say yes."}], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
