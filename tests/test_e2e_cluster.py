@@ -204,3 +204,44 @@ def test_still_healthy_after_bad_requests(cluster):
     assert http.get("/health").json()["status"] == "ok"
     r = http.post("/v1/notes/completions", json={"segments": [{"text": "Say yes."}], "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_real_prometheus_scrapes_the_router(cluster, tmp_path):
+    """A real Prometheus server (Debian's) scrapes /metrics; its query API sees our series."""
+    import shutil
+    import subprocess
+    import time
+    from urllib.parse import urlparse
+
+    exe = shutil.which("prometheus")
+    assert exe, "prometheus is not installed: scripts/dev.sh test installs Debian's package"
+    base, http = cluster
+    target = urlparse(base).netloc
+    port = _free_port()
+    (tmp_path / "prom.yml").write_text(
+        "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: kvnotes\n"
+        f"    metrics_path: /metrics\n    static_configs:\n      - targets: ['{target}']\n")
+    proc = subprocess.Popen([exe, f"--config.file={tmp_path / 'prom.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        http.post("/v1/notes/completions", json={"segments": [{"skill": "refund"}, {"text": "Refund?"}],
+                                                 "max_tokens": 2, "temperature": 0})
+        prom = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
+        deadline, up, reqs = time.monotonic() + 60, [], []
+        while time.monotonic() < deadline:
+            try:
+                up = prom.get("/api/v1/query", params={"query": 'up{job="kvnotes"}'}).json()["data"]["result"]
+                reqs = prom.get("/api/v1/query", params={"query": "sum(kvnotes_requests_total)"}).json()["data"]["result"]
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            if up and up[0]["value"][1] == "1" and reqs and float(reqs[0]["value"][1]) > 0:
+                break
+            time.sleep(1)
+        assert up and up[0]["value"][1] == "1", up
+        assert reqs and float(reqs[0]["value"][1]) > 0, reqs
+        hist = prom.get("/api/v1/query", params={"query": "sum(kvnotes_ttft_seconds_count)"}).json()["data"]["result"]
+        assert float(hist[0]["value"][1]) > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
