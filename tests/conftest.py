@@ -10,6 +10,19 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 _ENGINES: dict = {}
 
 
+class DictSource:
+    """An in-memory tier for executor/router tests (the shipped tier is LMCache, tested in test_tier*)."""
+
+    def __init__(self):
+        self.d = {}
+
+    def get_kv(self, key):
+        return self.d.get(key)
+
+    def put_kv(self, key, kv):
+        self.d[key] = kv
+
+
 def get_engine(name: str):
     from kvruntime.engine import ReferenceEngine
 

@@ -10,17 +10,9 @@ from decode_workers.executor import DecodeExecutor, DecodeSummary, SamplingParam
 from kvruntime.ops import precompile_chunk, recompute
 from kvtransport.grpc_transport import GrpcTransport
 from prefill_workers.executor import PrefillExecutor
+from tests.conftest import DictSource
 
 
-class DictSource:  # an in-memory tier; the shipped tier is LMCache (tested in test_tier*)
-    def __init__(self):
-        self.d = {}
-
-    def get_kv(self, key):
-        return self.d.get(key)
-
-    def put_kv(self, key, kv):
-        self.d[key] = kv
 
 
 @pytest.fixture(scope="module")

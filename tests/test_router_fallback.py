@@ -12,6 +12,7 @@ from cluster.router import Finished, Router
 from decode_workers.executor import DecodeExecutor, SamplingParams, TokenEvent
 from kvtransport.grpc_transport import GrpcTransport
 from prefill_workers.executor import PrefillExecutor
+from tests.conftest import DictSource
 
 pytestmark = pytest.mark.slow
 
@@ -24,15 +25,6 @@ class CorruptingTransport(GrpcTransport):
         return super().send(address, dataclasses.replace(block, header=bad), timeout=timeout)
 
 
-class DictSource:
-    def __init__(self):
-        self.d = {}
-
-    def get_kv(self, key):
-        return self.d.get(key)
-
-    def put_kv(self, key, kv):
-        self.d[key] = kv
 
 
 class LocalBackends:

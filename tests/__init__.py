@@ -1,0 +1,1 @@
+"""kvnotes tests: real models, real Ray/gRPC/LMCache/Prometheus; slow ones are marked `slow` (CI runs them)."""
