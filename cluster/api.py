@@ -14,7 +14,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.errors import RequestError
 from cluster.router import Finished, Router
-from cluster.validate import chat_messages, common_options, completions_prompt, native_body, sampling_from
+from cluster.validate import (chat_messages, common_options, completions_prompt, edit_strategy, native_body,
+                              sampling_from)
 from decode_workers.executor import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ async def notes_complete(router: Router, body, tenant: str) -> Response:
         segments, session = native_body(body)
         sampling = sampling_from(body, default_max_tokens=64, limit=router.max_tokens_limit)
         first, gen = await _primed(router.stream_native(tenant, segments, policy=policy, session=session,
-                                                        sampling=sampling))
+                                                        sampling=sampling, edit=edit_strategy(body)))
     except Exception as exc:
         return error_response(exc)
     rid = "notes-" + uuid.uuid4().hex[:24]

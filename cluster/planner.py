@@ -37,6 +37,7 @@ class RenderedRequest:
     context: tuple[RenderedSegment, ...]        # the prefix: frame + skills/memories/templates/text
     suffix_ids: tuple[int, ...]                 # the question + turn close: the decode worker prefills it
     session: str | None = None
+    edit_strategy: str = "auto"                 # "auto" (fidelity table) | "erratum" | "edit_in_place"
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,12 @@ def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, confi
         notes.append(f"{len(edits)} field edit(s) under policy {req.policy.value}: recomputed (erratum needs 'fast')")
         return None
     choice = config.edit
+    if req.edit_strategy == "erratum":
+        choice = EditChoice(PlanKind.ERRATUM, erratum_style=choice.erratum_style, reason="requested by the caller")
+    elif req.edit_strategy == "edit_in_place":
+        choice = EditChoice(PlanKind.EDIT_IN_PLACE, top_k=config.edit.top_k or 16, reason="requested by the caller")
+    elif req.edit_strategy != "auto":
+        raise ValueError(f"edit_strategy must be auto, erratum or edit_in_place, got {req.edit_strategy!r}")
     one_span = len(edits) == 1 and spans[0][0] >= 0 and sess.errata == 0
     if choice.kind is PlanKind.EDIT_IN_PLACE and one_span:
         e = edits[0]

@@ -98,10 +98,11 @@ class Router:
                                code="context_length_exceeded")
 
     async def stream_native(self, tenant: str, segments: list[dict], *, policy: str | None, session: str | None,
-                            sampling: SamplingParams) -> AsyncIterator[TokenEvent | Finished]:
+                            sampling: SamplingParams, edit: str = "auto") -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex
-        req = self.renderer.render(rid, tenant, segments, Policy(policy or self.default_policy.value), session)
+        req = replace(self.renderer.render(rid, tenant, segments, Policy(policy or self.default_policy.value), session),
+                      edit_strategy=edit)
         sess = self.sessions.get(tenant, session) if session else None
         pi = self._pick_prefill(session)
         keys = [s.chunk_key for s in req.context if s.chunk_key] + ([sess.context_key] if sess else [])

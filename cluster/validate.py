@@ -7,7 +7,8 @@ from decode_workers.executor import SamplingParams
 
 POLICIES = ("exact", "balanced", "fast")
 _NATIVE_KEYS = {"model", "session", "segments", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-                "kv_policy", "explain"}
+                "kv_policy", "explain", "edit_strategy"}
+EDIT_STRATEGIES = ("auto", "erratum", "edit_in_place")
 _OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "user", "n",
                   "kv_policy", "explain", "stream_options", "max_completion_tokens"}
 
@@ -62,6 +63,13 @@ def common_options(body: dict, model: str) -> tuple[str | None, bool, bool]:
     if n != 1:
         raise RequestError(400, "only n=1 is supported", param="n")
     return pol, _bool(body, "stream"), _bool(body, "explain")
+
+
+def edit_strategy(body: dict) -> str:
+    v = body.get("edit_strategy", "auto")
+    if v not in EDIT_STRATEGIES:
+        raise RequestError(400, f"edit_strategy must be one of {', '.join(EDIT_STRATEGIES)}", param="edit_strategy")
+    return v
 
 
 def native_body(body) -> tuple[list[dict], str | None]:

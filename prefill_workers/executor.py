@@ -136,8 +136,12 @@ class PrefillExecutor:
             if loaded is None or n_new <= 0:
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
                 return self._compute(kv, step.token_ids, step.position, st)
-            res = edit_in_place(self.engine, loaded.to(self.engine.device, self.engine.dtype), (a, b),
-                                list(step.token_ids[a:a + n_new]), step.top_k)
+            try:
+                res = edit_in_place(self.engine, loaded.to(self.engine.device, self.engine.dtype), (a, b),
+                                    list(step.token_ids[a:a + n_new]), step.top_k)
+            except RepositionDisabled:            # the field's length changed and rotation is off
+                self._fallback(step, "reposition_disabled", st)
+                return self._compute(kv, step.token_ids, step.position, st)
             st.computed += res.recomputed_tokens
             st.reused += step.tokens - res.recomputed_tokens
             return KVCache.cat([kv, res.kv])

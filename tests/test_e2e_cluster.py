@@ -117,6 +117,7 @@ def test_session_field_edit_becomes_erratum(cluster):
     def turn(status):
         return http.post("/v1/notes/completions", json={
             "session": "agent-17", "kv_policy": "fast", "explain": True, "max_tokens": 16, "temperature": 0,
+            "edit_strategy": "erratum",
             "segments": [{"template": "booking", "fields": {"passenger": "Omar Haddad", "status": status, "gate": "B12"}},
                          {"text": "What is the status of flight LX318? Answer in one word."}]}).json()
     t1 = turn("ON TIME")
@@ -128,6 +129,27 @@ def test_session_field_edit_becomes_erratum(cluster):
     err = [s for s in t3["explain"]["steps"] if s["kind"] == "erratum"][0]
     assert err["edits"][0] == {"template": "booking", "field": "status", "old": "ON TIME", "new": "CANCELLED"}
     assert t3["usage"]["prompt_tokens_details"]["cached_tokens"] >= t2["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_session_field_edit_follows_the_fidelity_table(cluster):
+    """Without a caller preference the planner picks what the model's fidelity table trusts
+    (SmolLM2: field + top-16 recompute agreed with recompute far more often than any erratum)."""
+    from kvruntime.fidelity.report import load_summary
+    from cluster.planner import choose_edit_kind
+
+    base, http = cluster
+    want = choose_edit_kind(load_summary("smollm2-135m")).kind.value
+    def turn(status):
+        return http.post("/v1/notes/completions", json={
+            "session": "agent-18", "kv_policy": "fast", "explain": True, "max_tokens": 16, "temperature": 0,
+            "segments": [{"template": "booking", "fields": {"passenger": "Omar Haddad", "status": status, "gate": "B12"}},
+                         {"text": "What is the status of flight LX318? Answer in one word."}]}).json()
+    turn("ON TIME")
+    t2 = turn("CANCELLED")
+    assert t2["plan"] == want, t2
+    step = [s for s in t2["explain"]["steps"] if s["edits"]][0]
+    assert step["edits"][0]["new"] == "CANCELLED"
+    assert "fidelity table" in step["reason"] or "by default" in step["reason"]
 
 
 def test_native_streaming_sse(cluster):
@@ -172,6 +194,7 @@ BAD = [
     ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "kv_policy": "yolo"}, 400, "kv_policy"),
     ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "model": "gpt-9"}, 404, "not served"),
     ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "frobnicate": 1}, 400, "unknown field"),
+    ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "edit_strategy": "guess"}, 400, "edit_strategy"),
     ("POST", "/v1/notes/completions", {"segments": [{"text": "word " * 9000}]}, 400, "context window"),
     ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": ""}, 400, "prompt"),
     ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": ["a", "b"]}, 400, "prompt"),

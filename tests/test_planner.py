@@ -98,6 +98,18 @@ def test_edit_in_place_when_the_fidelity_table_prefers_it():
     assert p2.steps[-1].kind is PlanKind.ERRATUM and any("erratum instead" in n for n in p2.notes)
 
 
+def test_caller_can_ask_for_an_erratum_or_edit_in_place():
+    sess = session_of(FRAME, booking("ON TIME"))
+    prefers_edit = PlannerConfig(edit=EditChoice(PlanKind.EDIT_IN_PLACE, top_k=4, reason="table"))
+    r = dataclasses.replace(req(FRAME, booking("CANCELLED"), session="agent-17"), edit_strategy="erratum")
+    p = plan_request(r, TierView(), sess, encode, prefers_edit)
+    assert p.steps[-1].kind is PlanKind.ERRATUM and "requested" in p.steps[-1].reason
+    r = dataclasses.replace(r, edit_strategy="edit_in_place")
+    assert plan_request(r, TierView(), sess, encode).steps[0].kind is PlanKind.EDIT_IN_PLACE
+    with pytest.raises(ValueError):
+        plan_request(dataclasses.replace(r, edit_strategy="magic"), TierView(), sess, encode)
+
+
 def test_different_segments_fall_back_to_per_segment_planning():
     sess = session_of(FRAME, SKILL)
     p = plan_request(req(FRAME, MEM, session="agent-17"), TierView(frozenset({"k-mem"})), sess, encode)
