@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8000])  # 8000 + question fits 8192
     ap.add_argument("--chunk-tokens", type=int, default=512, help="tokens per precompiled chunk")
     ap.add_argument("--seam", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)

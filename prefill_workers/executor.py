@@ -68,9 +68,19 @@ class PrefillExecutor:
         if plan.model != self.engine.spec.name:
             raise ValueError(f"plan is for model {plan.model!r}, this worker runs {self.engine.spec.name!r}")
         kv, st = self.engine.empty_kv(), PrefillStats()
+        self._seams: list[int] = []               # chunk starts awaiting one batched seam repair
+        self._seam_k = 0
         for step in plan.steps:
+            if step.kind is not PlanKind.REPOSITION:
+                kv = self._flush_seams(kv)            # computed steps must see repaired seams
             kv = self._step(kv, step, st)
-        return kv, st
+        return self._flush_seams(kv), st
+
+    def _flush_seams(self, kv: KVCache) -> KVCache:
+        if self._seams:
+            kv = seam_repair(self.engine, kv, self._seams, self._seam_k)
+            self._seams = []
+        return kv
 
     def _fallback(self, step: SegmentPlan, reason: str, st: PrefillStats) -> None:
         st.fallbacks.append(reason)
@@ -125,8 +135,12 @@ class PrefillExecutor:
             except RepositionDisabled:
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
-            start = kv.num_tokens
-            kv = seam_repair(self.engine, KVCache.cat([kv, moved]), [start], step.seam_tokens)
+            if step.seam_tokens:
+                if self._seams and step.seam_tokens != self._seam_k:
+                    kv = self._flush_seams(kv)
+                self._seams.append(kv.num_tokens)
+                self._seam_k = step.seam_tokens
+            kv = KVCache.cat([kv, moved])
             st.computed += step.seam_tokens
             st.repositioned += step.tokens - step.seam_tokens
             return kv

@@ -42,6 +42,21 @@ def test_seam_repair_of_every_token_is_recompute(smol):
     assert not torch.allclose(comp.kv.data, full.data, atol=1e-3)   # before repair it differs
 
 
+@pytest.mark.slow
+def test_batched_seam_repair_equals_chunk_by_chunk(smol):
+    """One forward over every seam == repairing the chunks one after another, left to right."""
+    pre = smol.encode("Notes:\n")
+    chunks = [smol.encode(t) for t in ("The bakery opens at seven.\n", "Its rye bread costs four euros.\n",
+                                       "On Sundays it closes at noon.\n")]
+    comp = compose(smol, [TextSegment(pre)] + [ChunkSegment(precompile_chunk(smol, c)) for c in chunks], seam_tokens=0)
+    batched = seam_repair(smol, comp.kv, comp.chunk_starts, k=3)
+    one_by_one = comp.kv
+    for s in comp.chunk_starts:
+        one_by_one = seam_repair(smol, one_by_one, [s], k=3)
+    assert torch.allclose(batched.data, one_by_one.data, atol=1e-4)
+    assert not torch.allclose(batched.data, comp.kv.data, atol=1e-3)
+
+
 def test_splice_rejects_out_of_order_parts():
     a = KVCache(torch.zeros(1, 2, 1, 2, 4), torch.tensor([5, 6]), torch.tensor([1, 2]))
     b = KVCache(torch.zeros(1, 2, 1, 2, 4), torch.tensor([0, 1]), torch.tensor([3, 4]))

@@ -50,18 +50,28 @@ def splice(parts: list[KVCache]) -> KVCache:
 
 def seam_repair(engine, composed: KVCache, chunk_starts: list[int], k: int = 1) -> KVCache:
     """Recompute the first ``k`` slots of each chunk starting at slot ``chunk_starts[i]`` in the
-    context of everything before it (earlier repairs included). Cost per chunk: a k-token
-    forward attending to its prefix, O(k * P * L)."""
+    context of everything before it.
+
+    All seam slots go through ONE forward: each attends (by position) to the cached slots before
+    it and to the earlier seams' fresh KV computed in the same forward, layer by layer, which is
+    exactly what repairing the chunks one after another left to right would give. Cost: one
+    forward of (chunks * k) tokens attending to the context, O(chunks * k * P * L), instead of
+    one forward (and one copy of the context) per chunk.
+    """
     if k <= 0 or not chunk_starts:
         return composed
-    data = composed.data.clone()
-    for s in sorted(chunk_starts):
+    seams: list[int] = []
+    for s in sorted(set(chunk_starts)):
         if not 0 <= s < composed.num_tokens:
             raise ValueError(f"chunk start {s} outside the composed cache of {composed.num_tokens} slots")
-        e = min(s + k, composed.num_tokens)
-        past = KVCache(data[:, :, :, :s], composed.positions[:s], composed.token_ids[:s])
-        fresh = engine.prefill(composed.token_ids[s:e], composed.positions[s:e], past).kv
-        data[:, :, :, s:e] = fresh.data
+        seams += [i for i in range(s, min(s + k, composed.num_tokens)) if not seams or i > seams[-1]]
+    idx = torch.tensor(seams, dtype=torch.long, device=composed.positions.device)
+    keep = torch.ones(composed.num_tokens, dtype=torch.bool, device=idx.device)
+    keep[idx] = False
+    past = composed.select(torch.nonzero(keep).flatten())
+    fresh = engine.prefill(composed.token_ids[idx], composed.positions[idx], past).kv
+    data = composed.data.clone()
+    data[:, :, :, idx] = fresh.data
     return KVCache(data, composed.positions, composed.token_ids)
 
 
@@ -94,11 +104,13 @@ def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: 
     logits = None
     computed = reused = 0
     starts: list[int] = []
+    pending: list[int] = []          # chunk starts whose seams are not repaired yet
     for seg in segments:
         cursor = int(kv.positions[-1]) + 1 if kv.num_tokens else 0
         if isinstance(seg, TextSegment):
             if not seg.token_ids:
                 continue
+            kv, pending = seam_repair(engine, kv, pending, seam_tokens), []   # text must see repaired seams
             out = engine.prefill(seg.token_ids, torch.arange(cursor, cursor + len(seg.token_ids)), kv, logits=True)
             kv, logits = KVCache.cat([kv, out.kv]), out.logits
             computed += len(seg.token_ids)
@@ -109,11 +121,11 @@ def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: 
             starts.append(kv.num_tokens)
             kv = KVCache.cat([kv, moved])
             k = min(seam_tokens, moved.num_tokens)
-            if k:
-                kv = seam_repair(engine, kv, [starts[-1]], k)
+            pending.append(starts[-1])
             computed += k
             reused += moved.num_tokens - k
             logits = None
         else:
             raise TypeError(f"unknown segment type {type(seg).__name__}")
+    kv = seam_repair(engine, kv, pending, seam_tokens)
     return ComposeResult(kv, logits, computed, reused, starts)
