@@ -45,11 +45,18 @@ def _f(x, fmt):
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def _ordered(section: dict) -> list[tuple[str, dict]]:
+    """Operations in the harness's own order (the saved JSON has its keys sorted)."""
+    from kvruntime.fidelity.runner import COMPOSE_OPS, EDIT_OPS
+    order = list(COMPOSE_OPS) + list(EDIT_OPS)
+    return sorted(section.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+
+
 def table(section: dict) -> str:
     lines = ["| operation | n | KL mean | KL p10 | KL p50 | KL p90 | logit cosine | top-1 agree | "
              "greedy exact | greedy common prefix | tokens recomputed / context |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for op, s in section.items():
+    for op, s in _ordered(section):
         lines.append(f"| {op} | {s['n']} | {_f(s['kl_mean'], '.4f')} | {_f(s['kl_p10'], '.4f')} | "
                      f"{_f(s['kl_p50'], '.4f')} | {_f(s['kl_p90'], '.4f')} | {_f(s['cosine_mean'], '.4f')} | "
                      f"{_f(s['top1'], '.0%')} | {_f(s['greedy_exact'], '.0%')} | {_f(s['greedy_prefix'], '.0%')} | "
