@@ -84,11 +84,12 @@ def edit_session(client: httpx.Client, turns: int, doc_tokens: int) -> list[str]
         raise RuntimeError(f"registering template: HTTP {r.status_code} {r.text[:200]}")
     statuses = ["PENDING", "SHIPPED", "DELAYED", "DELIVERED", "RETURNED"]
     rows, base = [], None
-    for policy, label in (("exact", "recompute (vLLM-style exact prefix only)"), ("fast", "erratum plans")):
-        session = f"bench-{policy}-{uuid.uuid4().hex[:6]}"
+    for policy, strategy, label in (("exact", "auto", "policy exact"), ("fast", "auto", "fast, planner's choice"),
+                                    ("fast", "erratum", "fast, erratum forced")):
+        session = f"bench-{policy}-{strategy}-{uuid.uuid4().hex[:6]}"
         ts, prompt, cached, kinds = [], 0, 0, {}
         for turn in range(turns):
-            body = {"session": session, "kv_policy": policy, "max_tokens": 4, "temperature": 0,
+            body = {"session": session, "kv_policy": policy, "max_tokens": 4, "temperature": 0, "edit_strategy": strategy,
                     "segments": [{"template": tname, "fields": {"status": statuses[turn % len(statuses)]}},
                                  {"text": "What is the order status now? One word."}]}
             t, fin = _ttft(client, body)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cluster_ttft")
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--start", action="store_true", help="start an embedded cluster on a free port first")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[1024, 4096], help="compose sizes (none: skip)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--turns", type=int, default=21, help="session turns (the first only fills the cache)")
     ap.add_argument("--doc-tokens", type=int, default=1000)
