@@ -32,6 +32,17 @@ def get_engine(name: str):
     return _ENGINES[name]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """1 torch thread for a module: on this 2-core machine, with other jobs running, a prefill
+    with 2 threads measured 25x slower than with 1 (OpenMP threads wait on each other)."""
+    import torch
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 @pytest.fixture(scope="session")
 def smol():
     return get_engine("smollm2-135m")

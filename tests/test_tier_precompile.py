@@ -22,20 +22,11 @@ from kvtransport.tier_server import start_tier_server, stop_tier_server
 from prefill_workers.precompile import CapacityError, Precompiler, UnknownChunkError
 
 # LMCache attaches an OpenTelemetry log handler when opentelemetry-sdk is installed (deprecated API).
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"), pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 
 POLICY = ("Refund policy {i}: a passenger whose flight is delayed by more than {h} hours may ask "
           "for a refund of the unused ticket, or rebook on the next flight at no extra cost. ")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """1 torch thread for these tests: on this 2-core machine, with other jobs running, a prefill
-    with 2 threads measured 25x slower than with 1 (OpenMP threads wait on each other)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 def text_of(engine, n: int, salt: str = "") -> str:

@@ -19,21 +19,13 @@ from kvtransport.store import ChunkKey, TierWriteError, tenant_salt
 from kvtransport.tier_server import free_port, start_tier_server, stop_tier_server
 
 # LMCache attaches an OpenTelemetry log handler when opentelemetry-sdk is installed (deprecated API).
-pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 
 L, H, D = 30, 3, 64              # SmolLM2-135M: layers, KV heads, head dim
 MODEL, ROPE = "smollm2-135m", "5eed"
 SMALL = dict(local_cpu_gb=0.1)   # 100 MiB: room for a few 1k-token fp32 chunks (46 MB each)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """1 torch thread for these tests: on this 2-core machine, with other jobs running, a prefill
-    with 2 threads measured 25x slower than with 1 (OpenMP threads wait on each other)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 def mkkey(n: int, tenant: str = "a", start: int = 100, position: int = 1) -> ChunkKey:
