@@ -31,6 +31,10 @@ class ClusterConfig:
     port: int = 8000
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
+    decode_engine: str = "reference"           # reference (torch oracle) | vllm (vLLM v1 + kvnotes KV connector)
+    vllm_kv_cache_gib: float = 1.0             # engine=vllm: paged KV space per decode actor (GiB; CPU: VLLM_CPU_KVCACHE_SPACE)
+    vllm_max_model_len: int = 8192             # engine=vllm: longest prompt + completion (tokens)
+    vllm_max_concurrency: int = 16             # engine=vllm: requests one decode actor accepts at once (batched by vLLM)
     default_policy: str = "balanced"           # exact | balanced | fast
     seam_tokens: int = 1
     kv_load_failure_policy: str = "recompute"  # recompute | fail
@@ -47,6 +51,10 @@ class ClusterConfig:
             raise ValueError("default_policy must be exact, balanced or fast")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy must be recompute or fail")
+        if self.decode_engine not in ("reference", "vllm"):
+            raise ValueError("decode_engine must be reference or vllm")
+        if self.vllm_kv_cache_gib <= 0 or self.vllm_max_model_len < 16 or self.vllm_max_concurrency < 1:
+            raise ValueError("vllm_kv_cache_gib > 0, vllm_max_model_len >= 16 and vllm_max_concurrency >= 1 required")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError("dtype must be float32 or bfloat16")
         if not 0 < self.port < 65536:

@@ -6,6 +6,7 @@ Workers carry a :class:`RequestPlan` out step by step and never re-plan (like vL
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 
@@ -87,6 +88,17 @@ class RequestPlan:
     @property
     def computed_tokens(self) -> int:
         return sum(s.computed for s in self.steps) + len(self.suffix_ids)
+
+    def kv_salt(self, tenant: str) -> str:
+        """Salt for a decode engine's own prefix cache (vLLM ``cache_salt``). Exact KV (reuse and
+        recompute steps only) is shared within a tenant; KV built by an approximate step
+        (reposition, erratum, edit) is close to but not bit-equal with a full prefill of the same
+        tokens, so it is shared only with requests built by the same recipe."""
+        recipe = [(s.kind.value, s.source, s.position, s.tokens, s.seam_tokens, s.top_k, s.field_span,
+                   tuple((e.field, e.old, e.new) for e in s.edits))
+                  for s in self.steps if s.kind not in (PlanKind.REUSE, PlanKind.RECOMPUTE)]
+        raw = f"{tenant}\0{self.model}\0{recipe if recipe else 'exact'}"
+        return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
     def explain(self) -> dict:
         """JSON-able description returned when a request asks ``"explain": true``."""

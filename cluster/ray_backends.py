@@ -36,8 +36,13 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
     env = {"env_vars": {"LMCACHE_TRACK_USAGE": "false", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}}
     pre = [ray.remote(PrefillWorker).options(runtime_env=env, **_options(cfg.prefill, "prefill", f"prefill-{i}"))
            .remote(cfg, i) for i in range(cfg.prefill.count)]
-    dec = [ray.remote(DecodeWorker).options(runtime_env=env, **_options(cfg.decode, "decode", f"decode-{i}"))
-           .remote(cfg, i) for i in range(cfg.decode.count)]
+    dec = []
+    for i in range(cfg.decode.count):
+        dopts = _options(cfg.decode, "decode", f"decode-{i}")
+        if cfg.decode_engine == "vllm":
+            # a threaded actor: concurrent generate() calls reach one vLLM engine, which batches them
+            dopts["max_concurrency"] = cfg.vllm_max_concurrency
+        dec.append(ray.remote(DecodeWorker).options(runtime_env=env, **dopts).remote(cfg, i))
     for info in ray.get([a.ready.remote() for a in pre + dec]):
         log.info("worker ready: %s", info)
     return pre, dec
@@ -82,8 +87,8 @@ class RayBackends:
     async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as: str | None):
         return await self.prefill_actors[index].execute.remote(plan, self.addresses[decode_index], transfer_id, store_as)
 
-    async def decode(self, index: int, transfer_id, prefix, suffix, sampling):
+    async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str):
         gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(
-            transfer_id, prefix, suffix, sampling)
+            transfer_id, prefix, suffix, sampling, salt)
         async for ref in gen:
             yield await ref

@@ -37,7 +37,7 @@ class Backends(Protocol):
     async def prefill(self, index: int, plan: RequestPlan, decode_index: int, transfer_id: str,
                       store_as: str | None): ...
     def decode(self, index: int, transfer_id: str | None, prefix: tuple[int, ...], suffix: tuple[int, ...],
-               sampling: SamplingParams) -> AsyncIterator[TokenEvent | DecodeSummary]: ...
+               sampling: SamplingParams, salt: str) -> AsyncIterator[TokenEvent | DecodeSummary]: ...
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class Router:
         store_as = None
         if session and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
             store_as = f"ctx-{hashlib.sha256(f'{tenant}|{session}|{rid}'.encode()).hexdigest()[:32]}"
-        async for ev in self._run(plan, sampling, t0, store_as, pi):
+        async for ev in self._run(plan, sampling, t0, store_as, pi, tenant):
             if isinstance(ev, Finished) and session:
                 self._remember(tenant, req, sess, plan, store_as)
             yield ev
@@ -137,7 +137,7 @@ class Router:
         store_as = None
         if len(prefix) >= PROMPT_BLOCK and hit < len(prefix):
             store_as = "prompt-" + self._h(tenant, prefix)
-        async for ev in self._run(plan, sampling, t0, store_as, pi):
+        async for ev in self._run(plan, sampling, t0, store_as, pi, tenant):
             if isinstance(ev, Finished) and store_as and "kv_transfer" not in " ".join(ev.fallbacks):
                 self._prompt_register(tenant, prefix, store_as)
             yield ev
@@ -150,7 +150,7 @@ class Router:
         return next(self._rr_prefill) % self.backends.num_prefill
 
     async def _run(self, plan: RequestPlan, sampling: SamplingParams, t0: float,
-                   store_as: str | None, pi: int) -> AsyncIterator[TokenEvent | Finished]:
+                   store_as: str | None, pi: int, tenant: str) -> AsyncIterator[TokenEvent | Finished]:
         m = self.metrics
         kind = plan.kind.value
         di = next(self._rr_decode) % self.backends.num_decode
@@ -163,7 +163,7 @@ class Router:
             ttft = None
             fallbacks = list(res.stats.fallbacks) if res else []
             async for ev in self.backends.decode(di, tid if res is not None and res.transferred else None,
-                                                 prefix_ids, plan.suffix_ids, sampling):
+                                                 prefix_ids, plan.suffix_ids, sampling, plan.kv_salt(tenant)):
                 if isinstance(ev, TokenEvent):
                     if ttft is None:
                         ttft = time.perf_counter() - t0

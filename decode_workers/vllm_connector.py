@@ -1,0 +1,240 @@
+"""The kvnotes KV connector for vLLM v1: our composed prefix KV enters vLLM's paged cache.
+
+vLLM loads it with ``kv_transfer_config={"kv_connector": "KvnotesConnector",
+"kv_connector_module_path": "decode_workers.vllm_connector", ...}``. Two halves, one class:
+
+* **Scheduler side.** A request that carries ``kv_transfer_params={"kvnotes_transfer_id": ID,
+  "kvnotes_prefix_tokens": N}`` reports its first N prompt tokens as externally matched, minus
+  what vLLM's own prefix cache (APC) already holds. APC stays on: the suffix after our prefix
+  is computed by vLLM and cached by it, and a repeated prefix hits APC without a transfer.
+* **Worker side.** Owns the gRPC inbox (a :class:`~kvtransport.grpc_transport.GrpcTransport`
+  served on ``kvnotes_grpc_host:kvnotes_grpc_port`` from the connector's extra config) that
+  prefill workers push blocks to. Before the forward pass it claims each request's block,
+  checks it (CRC, model, token ids, positions 0..N-1 in order) and writes each layer with the
+  attention backend's own ``do_kv_cache_update`` op: the paged layout is never sliced by hand.
+
+A block that is missing, late or corrupt is reported to vLLM as failed blocks; vLLM's
+``kv_load_failure_policy`` (ours, passed through: ``recompute`` or ``fail``) then recomputes
+the prefix or fails the request. The reason travels back to the scheduler side as worker
+metadata and out in ``RequestOutput.kv_transfer_params["kvnotes_load"]`` so the decode worker
+counts it. The load is synchronous (before the step's forward), which stalls other requests'
+decode steps for the copy; an async load (``get_finished``) is the next step.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+from kvtransport.blocks import BlockError, decode_block
+from kvtransport.transport import TransferError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+PARAM_TRANSFER = "kvnotes_transfer_id"
+PARAM_PREFIX = "kvnotes_prefix_tokens"
+PARAM_RESULT = "kvnotes_load"       # in RequestOutput.kv_transfer_params: "loaded" | "apc" | "failed:<reason>"
+PARAM_LOADED = "kvnotes_loaded_tokens"   # ... and how many prefix tokens the connector wrote (the rest hit APC)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One request's load in one step (scheduler -> worker)."""
+    req_id: str
+    transfer_id: str
+    prefix_tokens: int          # N: the block holds prompt tokens [0, N)
+    start: int                  # first token to write (tokens before it are APC hits)
+    slot_mapping: tuple[int, ...]   # [N - start] paged slot of tokens start..N-1
+    block_ids: tuple[int, ...]      # vLLM block ids those slots live in (reported on failure)
+    token_ids: tuple[int, ...]      # [N] the request's prompt tokens 0..N-1 (the block must hold exactly these)
+
+
+@dataclass
+class KvnotesConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+@dataclass
+class KvnotesWorkerMetadata(KVConnectorWorkerMetadata):
+    failures: dict[str, str] = field(default_factory=dict)     # req_id -> reason label
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        assert isinstance(other, KvnotesWorkerMetadata)
+        return KvnotesWorkerMetadata({**self.failures, **other.failures})
+
+
+def load_params(transfer_id: str, prefix_tokens: int) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a request carries to be served from a kvnotes block."""
+    if prefix_tokens < 1:
+        raise ValueError("prefix_tokens must be >= 1")
+    return {PARAM_TRANSFER: transfer_id, PARAM_PREFIX: int(prefix_tokens)}
+
+
+class KvnotesConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._block_size = vllm_config.cache_config.block_size
+        self._model = extra.get("kvnotes_model")          # registry name; blocks of another model are refused
+        self._timeout = float(extra.get("kvnotes_receive_timeout_s", 30.0))
+        # scheduler side
+        self._pending: dict[str, tuple[str, int, int, list[int], tuple[int, ...]]] = {}  # req_id -> (tid, N, start, blocks, ids)
+        self._failed: dict[str, str] = {}                 # req_id -> reason, from worker metadata
+        self._loaded: set[str] = set()
+        self._external: dict[str, int] = {}               # req_id -> tokens this connector loads
+        # worker side
+        self.transport = None
+        self.address: str | None = None
+        self._failures: dict[str, str] = {}
+        self._invalid: set[int] = set()
+        self._layer_names: list[str] = []
+        self._lock = threading.Lock()
+        if role == KVConnectorRole.WORKER:
+            from kvtransport.grpc_transport import GrpcTransport
+            self.transport = GrpcTransport(model=self._model)
+            host = extra.get("kvnotes_grpc_host", "127.0.0.1")
+            self.address = self.transport.serve(host, int(extra.get("kvnotes_grpc_port", 0)))
+            log.info("kvnotes connector: receiving KV blocks at %s", self.address)
+
+    # ---------------- scheduler side ----------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if PARAM_TRANSFER not in params:
+            return 0, False
+        n = int(params[PARAM_PREFIX])
+        if n >= request.num_prompt_tokens:
+            # vLLM must compute at least the last prompt token itself (it produces the logits)
+            n = request.num_prompt_tokens - 1
+        return max(0, n - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        if num_external_tokens <= 0:
+            params = request.kv_transfer_params or {}
+            if PARAM_TRANSFER in params:
+                self._loaded.add(request.request_id)     # whole prefix already in APC: nothing to move
+            return
+        params = request.kv_transfer_params
+        n = min(int(params[PARAM_PREFIX]), request.num_prompt_tokens - 1)
+        start = n - num_external_tokens
+        self._external[request.request_id] = num_external_tokens
+        self._pending[request.request_id] = (params[PARAM_TRANSFER], n, start, list(blocks.get_block_ids()[0]),
+                                             tuple(request.prompt_token_ids[:n]))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvnotesConnectorMetadata()
+        for req_id, (tid, n, start, block_ids, ids) in self._pending.items():
+            bs = self._block_size
+            slots = tuple(block_ids[p // bs] * bs + p % bs for p in range(start, n))
+            used = tuple(sorted({block_ids[p // bs] for p in range(start, n)}))
+            meta.loads.append(LoadSpec(req_id, tid, n, start, slots, used, ids))
+        self._pending.clear()
+        return meta
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        wm = connector_output.kv_connector_worker_meta
+        if isinstance(wm, KvnotesWorkerMetadata):
+            self._failed.update(wm.failures)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        self._pending.pop(rid, None)
+        if PARAM_TRANSFER not in params:
+            return False, None
+        loaded = self._external.pop(rid, 0)
+        if rid in self._failed:
+            result, loaded = f"failed:{self._failed.pop(rid)}", 0
+        elif rid in self._loaded:
+            result = "apc"
+        else:
+            result = "loaded"
+        self._loaded.discard(rid)
+        return False, {PARAM_RESULT: result, PARAM_LOADED: loaded}
+
+    # ---------------- worker side ----------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._layer_names = sorted(kv_caches, key=extract_layer_index)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvnotesConnectorMetadata)
+        for spec in meta.loads:
+            try:
+                self._load(spec, forward_context)
+            except (TransferError, BlockError, _Mismatch) as exc:
+                reason = exc.reason if isinstance(exc, TransferError) else \
+                    ("kv_block_invalid" if isinstance(exc, BlockError) else "kv_mismatch")
+                log.warning("kvnotes: KV for request %s (transfer %s) unusable: %s: %s",
+                            spec.req_id, spec.transfer_id, reason, exc)
+                with self._lock:
+                    self._failures[spec.req_id] = reason if reason.startswith("kv_") else f"kv_transfer_{reason}"
+                    self._invalid.update(spec.block_ids)
+
+    def _load(self, spec: LoadSpec, ctx: "ForwardContext") -> None:
+        kv = decode_block(self.transport.receive(spec.transfer_id, timeout=self._timeout), model=self._model)
+        n = spec.prefix_tokens
+        want = torch.arange(n)
+        if kv.num_tokens < n or not torch.equal(kv.positions[:n], want):
+            raise _Mismatch(f"block holds {kv.num_tokens} tokens at positions not 0..{n - 1}")
+        if tuple(kv.token_ids[:n].tolist()) != spec.token_ids:
+            raise _Mismatch("block token ids differ from the request's prompt")
+        layers = [ctx.no_compile_layers[name] for name in self._layer_names]
+        if kv.data.shape[0] != len(layers):
+            raise _Mismatch(f"block has {kv.data.shape[0]} layers, model has {len(layers)}")
+        first = layers[0]
+        slots = torch.tensor(spec.slot_mapping, dtype=torch.long, device=first.kv_cache.device)
+        for i, layer in enumerate(layers):
+            cache = layer.kv_cache
+            # ours: [2, kv_heads, tokens, head_dim] -> vLLM's op wants [tokens, kv_heads, head_dim]
+            k = kv.data[i, 0, :, spec.start:n].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
+            v = kv.data[i, 1, :, spec.start:n].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
+            layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return      # decode side only: kvnotes saves KV on the prefill workers
+
+    def wait_for_save(self):
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._invalid = self._invalid, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KvnotesWorkerMetadata | None:
+        with self._lock:
+            if not self._failures:
+                return None
+            out, self._failures = KvnotesWorkerMetadata(self._failures), {}
+        return out
+
+    def shutdown(self):
+        if self.transport is not None:
+            self.transport.stop()
+
+
+class _Mismatch(ValueError):
+    pass

@@ -1,0 +1,184 @@
+"""vLLM as the decode engine: the same ``generate`` contract as
+:class:`~decode_workers.executor.DecodeExecutor`, served by a vLLM v1 ``LLMEngine``.
+
+The prefix KV arrives through the kvnotes connector (:mod:`decode_workers.vllm_connector`),
+whose worker side owns this decode worker's gRPC inbox. vLLM's automatic prefix caching stays
+on. Every request carries a ``cache_salt`` so vLLM's prefix cache never hands KV composed by
+kvnotes (re-rotated, edited: close to but not bit-equal with a full prefill) to a request
+that asked for exact KV, or across tenants: exact prompts are salted by tenant only, composed
+prefixes additionally by the transfer's plan digest (:func:`cache_salt`).
+
+One engine per actor, stepped by one background thread; ``generate`` may be called from many
+threads at once (a threaded Ray actor), which is what lets vLLM batch concurrent requests.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Iterator
+
+import torch
+
+from decode_workers.executor import DecodeSummary, SamplingParams, TokenEvent
+
+_set_num_threads = torch.set_num_threads   # kept before vLLM's CPU worker replaces it with a no-op
+
+log = logging.getLogger(__name__)
+
+CONNECTOR = "KvnotesConnector"
+CONNECTOR_MODULE = "decode_workers.vllm_connector"
+
+
+def cache_salt(tenant: str, plan_digest: str | None) -> str:
+    """vLLM ``cache_salt``: exact KV is shared within a tenant; composed KV only with the same plan."""
+    raw = f"{tenant}\0{plan_digest or 'exact'}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+class VllmDecodeExecutor:
+    def __init__(self, model: str, *, dtype: str = "float32", device: str = "cpu",
+                 load_failure_policy: str = "recompute", receive_timeout: float = 30.0,
+                 grpc_host: str = "127.0.0.1", grpc_port: int | None = None,
+                 kv_cache_gib: float = 1.0, max_model_len: int = 8192, enable_prefix_caching: bool = True,
+                 threads: int = 1):
+        if load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("load_failure_policy must be 'recompute' or 'fail'")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core (and our connector's gRPC server) live here
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        _set_num_threads(threads)
+        from vllm import EngineArgs, LLMEngine
+        from vllm.config import KVTransferConfig
+
+        from kvruntime.checkpoint import ensure_checkpoint
+        from kvruntime.models import get_model_spec
+        from kvtransport.tier_server import free_port
+
+        self.spec = get_model_spec(model)
+        self.policy = load_failure_policy
+        port = grpc_port or free_port(grpc_host)
+        ckpt = ensure_checkpoint(self.spec)
+        ktc = KVTransferConfig(
+            kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_consumer",
+            kv_load_failure_policy=load_failure_policy,
+            kv_connector_extra_config={"kvnotes_model": self.spec.name, "kvnotes_grpc_host": grpc_host,
+                                       "kvnotes_grpc_port": port, "kvnotes_receive_timeout_s": receive_timeout})
+        args = EngineArgs(model=str(ckpt), tokenizer=str(ckpt), dtype=dtype, enforce_eager=True,
+                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                          kv_transfer_config=ktc, disable_log_stats=False, seed=0)
+        t = time.perf_counter()
+        self.engine = LLMEngine.from_engine_args(args)
+        self.address = f"{grpc_host}:{port}"
+        self.block_size = self.engine.vllm_config.cache_config.block_size   # APC granularity (tokens)
+        self.eos_ids = {self.engine.get_tokenizer().eos_token_id}
+        log.info("vLLM decode engine for %s up in %.1f s; KV inbox %s", self.spec.name, time.perf_counter() - t,
+                 self.address)
+        self._threads = threads
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queues: dict[str, queue.Queue] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="vllm-step", daemon=True)
+        self._thread.start()
+
+    # ---- the step loop ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        # OpenMP thread counts are per thread, and vLLM's CPU worker replaces torch.set_num_threads
+        # with a no-op after binding: set this thread's count with the original, to what the
+        # engine was built with (its attention plan checks the two agree).
+        _set_num_threads(self._threads)
+        while True:
+            with self._work:
+                while not self._stopped and not self.engine.has_unfinished_requests():
+                    self._work.wait()
+                if self._stopped:
+                    return
+                try:
+                    outs = self.engine.step()
+                except Exception as exc:           # an engine failure ends every request with it
+                    log.exception("vLLM step failed")
+                    for q in self._queues.values():
+                        q.put(exc)
+                    self._queues.clear()
+                    continue
+                for out in outs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put(out)
+                        if out.finished:
+                            self._queues.pop(out.request_id, None)
+
+    def stop(self) -> None:
+        with self._work:
+            self._stopped = True
+            self._work.notify_all()
+        self._thread.join(timeout=10)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
+                 sampling: SamplingParams, *, salt: str | None = None) -> Iterator[TokenEvent | DecodeSummary]:
+        """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`.
+        ``transfer_id`` None: no block was sent, vLLM computes (or APC-hits) the prefix itself."""
+        from vllm import SamplingParams as VSampling
+        from vllm.sampling_params import RequestOutputKind
+
+        from decode_workers.vllm_connector import PARAM_LOADED, PARAM_RESULT, load_params
+
+        if not suffix_ids:
+            raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
+        extra = {"kv_transfer_params": load_params(transfer_id, len(prefix_ids))} \
+            if transfer_id is not None and prefix_ids else None
+        vs = VSampling(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                       seed=sampling.seed, stop=list(sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
+                       extra_args=extra)
+        prompt = {"prompt_token_ids": list(prefix_ids) + list(suffix_ids)}
+        if salt:
+            prompt["cache_salt"] = salt
+        rid = uuid.uuid4().hex
+        q: queue.Queue = queue.Queue()
+        t = time.perf_counter()
+        with self._work:
+            self._queues[rid] = q
+            self.engine.add_request(rid, prompt, vs)
+            self._work.notify()
+        n, text, finish, fallbacks, first, cached, loaded = 0, "", "length", [], None, 0, 0
+        try:
+            while True:
+                out = q.get()
+                if isinstance(out, Exception):
+                    raise RuntimeError(f"vLLM engine failed: {out}") from out
+                c = out.outputs[0]
+                toks = [t for t in c.token_ids if t not in self.eos_ids]   # like the reference: EOS ends, is not emitted
+                for j, tok in enumerate(toks):
+                    first = first if first is not None else time.perf_counter() - t
+                    # the delta text arrives once per output; attach it to its last token
+                    yield TokenEvent(tok, c.text if j == len(toks) - 1 else "", n)
+                    n += 1
+                text += c.text
+                if out.num_cached_tokens is not None:
+                    cached = max(cached, out.num_cached_tokens)
+                if out.finished:
+                    params = out.kv_transfer_params or {}
+                    result, loaded = params.get(PARAM_RESULT, ""), int(params.get(PARAM_LOADED, 0))
+                    if result.startswith("failed:"):
+                        fallbacks.append(result.split(":", 1)[1])
+                    if c.finish_reason == "error":
+                        # policy 'fail': vLLM ends the request before the worker's reason reaches
+                        # the scheduler side (the connector logs it), so the label is generic
+                        reason = fallbacks[-1] if fallbacks else ("kv_load_failed" if extra else "engine error")
+                        raise RuntimeError(f"prefix KV unavailable ({reason}) and kv load failure policy is "
+                                           f"'{self.policy}'")
+                    finish = "stop" if c.finish_reason == "stop" else "length"
+                    break
+        finally:
+            with self._work:
+                if self._queues.pop(rid, None) is not None:
+                    self.engine.abort_request([rid])
+        yield DecodeSummary(n, finish, tuple(fallbacks), first or 0.0, text, cached, loaded)
