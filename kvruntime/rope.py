@@ -85,11 +85,12 @@ def self_test(engine, rope: RopeTable, *, source: int = 7, target: int = 3001, t
               tolerance: float | None = None) -> bool:
     """Check ``rope`` against the model: keys computed at ``source`` and rotated to ``target``
     must equal keys the model computes at ``target`` (relative error below ``tolerance``;
-    default 1e-4 in fp32, 1e-2 in 16-bit dtypes). On failure ``rope.enabled`` becomes False and
+    default 1e-4 in fp32, 3e-2 in 16-bit dtypes: bf16 measured 1.1e-2 on CPU and CUDA, from
+    rounding drift through the layers, not rotation; a wrong base gives 0.1-1.2). On failure ``rope.enabled`` becomes False and
     the failure is logged; on success it becomes True. Cost: two prefills of ``tokens`` tokens.
     """
     if tolerance is None:
-        tolerance = 1e-4 if engine.dtype in (torch.float32, torch.float64) else 1e-2
+        tolerance = 1e-4 if engine.dtype in (torch.float32, torch.float64) else 3e-2
     ids = engine.encode("The quick brown fox jumps over the lazy dog while the committee reviews "
                         "the quarterly budget in Lisbon.")[:tokens]
     n = len(ids)

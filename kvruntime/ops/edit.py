@@ -73,7 +73,7 @@ def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_toke
     probe = engine.prefill(down.token_ids, down.positions, head, stop_after_layer=probe_layer).kv
     dev = ((probe.data[probe_layer] - down.data[probe_layer]).float() ** 2).sum(dim=(0, 1, 3))  # [D]
     chosen = torch.topk(dev, k).indices.sort().values
-    keep = torch.ones(down.num_tokens, dtype=torch.bool)
+    keep = torch.ones(down.num_tokens, dtype=torch.bool, device=down.positions.device)
     keep[chosen] = False
     rest = down.select(torch.nonzero(keep).flatten())
     fresh = engine.prefill(down.token_ids[chosen], down.positions[chosen], KVCache.cat([head, rest])).kv
