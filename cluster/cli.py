@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="the embedded default: local Ray, CPU, default model, router on 127.0.0.1:8000")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--model", default="smollm2-135m")
+    r.add_argument("--decode-engine", default="reference", choices=["reference", "vllm"],
+                   help="decode actors run the reference engine or vLLM (kvnotes KV connector)")
 
     s = sub.add_parser("serve", help="start a cluster from a config file (YAML or JSON)")
     s.add_argument("--config", required=True)
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in ("run", "serve"):
             from cluster.config import ClusterConfig
             from cluster.launcher import run_forever
-            cfg = (ClusterConfig(model=args.model, port=args.port) if args.cmd == "run"
+            cfg = (ClusterConfig(model=args.model, port=args.port, decode_engine=args.decode_engine)
+                   if args.cmd == "run"
                    else ClusterConfig.from_file(args.config))
             return run_forever(cfg, register_demo=args.cmd == "run")
         if args.cmd == "demo":

@@ -1,0 +1,52 @@
+"""The embedded cluster with ``decode_engine: vllm``: HTTP -> Serve router -> prefill actor ->
+gRPC -> the kvnotes connector inside a vLLM engine in the decode actor -> tokens streamed back."""
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed (scripts/dev.sh installs it)")
+
+import httpx  # noqa: E402
+
+from tests.test_e2e_cluster import MEMORY, SKILL, _direct, _free_port, _metric  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vcluster():
+    from cluster.config import ClusterConfig
+    from cluster.launcher import start, stop
+
+    cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",
+                        vllm_kv_cache_gib=1, vllm_max_model_len=4096)
+    start(cfg, local_cpus=4)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300)
+    for kind, body in (("skills", {"name": "refund", "text": SKILL}), ("memories", {"name": "dana", "text": MEMORY})):
+        assert client.post(f"/v1/{kind}", json=body).status_code == 201
+    yield client
+    client.close()
+    stop(cfg)
+
+
+def test_vllm_decode_actor_serves_exact_and_composed_requests(vcluster):
+    http = vcluster
+    body = {"segments": [{"skill": "refund"}, {"memory": "dana"}, {"text": "Can Dana return the headphones?"}],
+            "max_tokens": 16, "temperature": 0, "explain": True}
+    exact = http.post("/v1/notes/completions", json={**body, "kv_policy": "exact"}).json()
+    assert exact["plan"] == "recompute", exact
+    from tests.conftest import get_engine
+    e = get_engine("smollm2-135m")
+    ids = (e.encode(e.spec.chat_user_prefix) + e.encode(SKILL.strip() + "\n\n") + e.encode(MEMORY.strip() + "\n\n")
+           + e.encode("Can Dana return the headphones?" + e.spec.chat_user_suffix))
+    assert exact["text"] == _direct(ids, 16)                   # vLLM fp32 = reference engine on exact KV
+    fast = http.post("/v1/notes/completions", json={**body, "kv_policy": "fast"}).json()
+    assert fast["plan"] == "reposition" and fast["usage"]["prompt_tokens_details"]["cached_tokens"] > 40, fast
+    assert fast["text"].strip()
+    again = http.post("/v1/notes/completions", json={**body, "kv_policy": "fast"}).json()
+    assert again["text"] == fast["text"]
+    # streamed over SSE through the threaded actor
+    with http.stream("POST", "/v1/notes/completions", json={**body, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert len(events) >= 2 and events[-1] == "data: [DONE]"
+    metrics = http.get("/metrics").text
+    assert _metric(metrics, "kvnotes_fallbacks_total") == 0, "a composed prefix fell back to recompute"
+    assert http.get("/health").json()["status"] == "ok"
