@@ -102,6 +102,7 @@ class KvnotesConnector(KVConnectorBase_V1):
         self._failed: dict[str, str] = {}                 # req_id -> reason, from worker metadata
         self._loaded: set[str] = set()
         self._external: dict[str, int] = {}               # req_id -> tokens this connector loads
+        self._served: set[str] = set()                    # loads already handed to the worker (a block is claimed once)
         # worker side
         self.transport = None
         self.address: str | None = None
@@ -119,7 +120,9 @@ class KvnotesConnector(KVConnectorBase_V1):
     # ---------------- scheduler side ----------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
-        if PARAM_TRANSFER not in params:
+        if PARAM_TRANSFER not in params or request.request_id in self._served:
+            # a preempted request comes back here: its block was already claimed, so vLLM
+            # recomputes (or APC-hits) the prefix rather than waiting for a block that is gone
             return 0, False
         n = int(params[PARAM_PREFIX])
         if n >= request.num_prompt_tokens:
@@ -147,6 +150,7 @@ class KvnotesConnector(KVConnectorBase_V1):
             slots = tuple(block_ids[p // bs] * bs + p % bs for p in range(start, n))
             used = tuple(sorted({block_ids[p // bs] for p in range(start, n)}))
             meta.loads.append(LoadSpec(req_id, tid, n, start, slots, used, ids))
+            self._served.add(req_id)
         self._pending.clear()
         return meta
 
@@ -159,6 +163,7 @@ class KvnotesConnector(KVConnectorBase_V1):
         rid = request.request_id
         params = request.kv_transfer_params or {}
         self._pending.pop(rid, None)
+        self._served.discard(rid)
         if PARAM_TRANSFER not in params:
             return False, None
         loaded = self._external.pop(rid, 0)
