@@ -51,8 +51,7 @@ class Harness:
     def __init__(self, model: str, dtype: str, threads: int):
         from decode_workers.vllm_engine import VllmDecodeExecutor
 
-        # vLLM first: its CPU start-up rebinds kernels by scanning every imported module and
-        # trips over an object LMCache defines (in the cluster they live in separate actors)
+        # vLLM first, so its start-up module scan sees few modules (see vllm_engine._guard_llvmlite_for_vllm)
         self.vllm = VllmDecodeExecutor(model, dtype=dtype, kv_cache_gib=3, max_model_len=8192, threads=threads)
         from kvruntime.engine import ReferenceEngine
         from kvruntime.fidelity.runner import _frame

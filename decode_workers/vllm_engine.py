@@ -6,14 +6,13 @@ whose worker side owns this decode worker's gRPC inbox. vLLM's automatic prefix 
 on. Every request carries a ``cache_salt`` so vLLM's prefix cache never hands KV composed by
 kvnotes (re-rotated, edited: close to but not bit-equal with a full prefill) to a request
 that asked for exact KV, or across tenants: exact prompts are salted by tenant only, composed
-prefixes additionally by the transfer's plan digest (:func:`cache_salt`).
+prefixes additionally by their plan's recipe (:meth:`cluster.plan.RequestPlan.kv_salt`).
 
 One engine per actor, stepped by one background thread; ``generate`` may be called from many
 threads at once (a threaded Ray actor), which is what lets vLLM batch concurrent requests.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
@@ -34,10 +33,26 @@ CONNECTOR = "KvnotesConnector"
 CONNECTOR_MODULE = "decode_workers.vllm_connector"
 
 
-def cache_salt(tenant: str, plan_digest: str | None) -> str:
-    """vLLM ``cache_salt``: exact KV is shared within a tenant; composed KV only with the same plan."""
-    raw = f"{tenant}\0{plan_digest or 'exact'}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+def _guard_llvmlite_for_vllm() -> None:
+    """vLLM 0.32's CPU start-up rebinds kernels by scanning every imported module's globals and
+    calls ``vars(obj).get`` on each object with a ``__dict__``. llvmlite's ``ffi.lib`` wrapper
+    (loaded with numba, e.g. by LMCache) answers *any* attribute, ``__dict__`` included, with a
+    function wrapper, so the scan crashes (``'_lib_fn_wrapper' object has no attribute 'get'``).
+    ctypes' own CDLL refuses dunder names; make llvmlite's wrapper do the same."""
+    import sys
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    wrapper = getattr(ffi, "_lib_wrapper", None)
+    if wrapper is None or getattr(wrapper, "_kvnotes_guarded", False):
+        return
+    original = wrapper.__getattr__
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return original(self, name)
+
+    wrapper.__getattr__ = __getattr__
+    wrapper._kvnotes_guarded = True
 
 
 class VllmDecodeExecutor:
@@ -74,6 +89,7 @@ class VllmDecodeExecutor:
                           enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
                           kv_transfer_config=ktc, disable_log_stats=False, seed=0)
         t = time.perf_counter()
+        _guard_llvmlite_for_vllm()
         self.engine = LLMEngine.from_engine_args(args)
         self.address = f"{grpc_host}:{port}"
         self.block_size = self.engine.vllm_config.cache_config.block_size   # APC granularity (tokens)
