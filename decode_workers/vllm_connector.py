@@ -131,13 +131,14 @@ class KvnotesConnector(KVConnectorBase_V1):
         return max(0, n - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        if num_external_tokens <= 0:
-            params = request.kv_transfer_params or {}
-            if PARAM_TRANSFER in params:
-                self._loaded.add(request.request_id)     # whole prefix already in APC: nothing to move
+        params = request.kv_transfer_params or {}
+        if PARAM_TRANSFER not in params or request.request_id in self._served:
             return
-        params = request.kv_transfer_params
         n = min(int(params[PARAM_PREFIX]), request.num_prompt_tokens - 1)
+        if num_external_tokens <= 0:
+            # whole prefix already in APC: nothing to write, but the worker still claims (and
+            # drops) the block so it does not sit in the inbox until it expires
+            self._loaded.add(request.request_id)
         start = n - num_external_tokens
         self._external[request.request_id] = num_external_tokens
         self._pending[request.request_id] = (params[PARAM_TRANSFER], n, start, list(blocks.get_block_ids()[0]),
@@ -196,6 +197,12 @@ class KvnotesConnector(KVConnectorBase_V1):
                     self._invalid.update(spec.block_ids)
 
     def _load(self, spec: LoadSpec, ctx: "ForwardContext") -> None:
+        if spec.start >= spec.prefix_tokens:          # APC holds it all: claim and drop the block
+            try:
+                self.transport.receive(spec.transfer_id, timeout=self._timeout)
+            except TransferError as exc:               # nothing was needed from it: not a fallback
+                log.info("kvnotes: unneeded block %s not claimed: %s", spec.transfer_id, exc)
+            return
         kv = decode_block(self.transport.receive(spec.transfer_id, timeout=self._timeout), model=self._model)
         n = spec.prefix_tokens
         want = torch.arange(n)

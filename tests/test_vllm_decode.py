@@ -194,3 +194,22 @@ def test_fail_policy_fails_the_request_with_a_clear_error(tmp_path):
     out = p.stdout + p.stderr[-3000:]
     assert p.returncode == 0, out
     assert "ERROR: prefix KV unavailable (kv_load_failed) and kv load failure policy is 'fail'" in p.stdout, out
+
+
+def test_prefix_wholly_in_apc_moves_nothing_and_drops_the_block(smol, vx, sender, one_torch_thread):
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvtransport.transport import TransferState
+    prefix, suffix = _prompt(smol, 300)
+    prefix = prefix[:(len(prefix) // vx.block_size) * vx.block_size]      # block-aligned: APC can hold all of it
+    kv = recompute(smol, prefix, logits=False).kv
+    sender.send(vx.address, encode_block("aligned-1", MODEL, kv), timeout=30)
+    first, s1 = _run(vx, "aligned-1", prefix, suffix, salt="aligned")
+    assert s1.loaded_tokens == len(prefix) and s1.fallbacks == ()
+    sender.send(vx.address, encode_block("aligned-2", MODEL, kv), timeout=30)
+    inbox = get_kv_transfer_group().transport                 # the worker-side connector (same process)
+    assert inbox.state("aligned-2") is TransferState.DONE
+    again, s2 = _run(vx, "aligned-2", prefix, suffix, salt="aligned")
+    assert again == first and s2.fallbacks == () and s2.loaded_tokens == 0
+    assert s2.cached_tokens >= len(prefix)
+    assert inbox.state("aligned-2") is TransferState.PENDING   # claimed and dropped, not left to expire
