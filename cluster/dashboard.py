@@ -1,57 +1,251 @@
-"""The Grafana dashboard, generated from code: ``python -m cluster.dashboard > deploy/grafana/kvnotes.json``.
+"""The Grafana dashboard, built with grafana-foundation-sdk: ``python -m cluster.dashboard``
+rewrites ``deploy/grafana/kvnotes.json`` (``--out -`` prints it instead).
 
-Every panel queries a metric defined in ``cluster.metrics`` (a test checks this), so the
-dashboard cannot drift from what the router exports.
+The panels are data (:data:`ROWS`); :func:`dashboard` turns them into Grafana JSON with the
+SDK's builders. The SDK is a test/build-time dependency only: it is imported inside
+:func:`dashboard`, so importing this module (or anything in ``cluster``) never needs it.
+
+Aggregation: every process (router replicas, prefill and decode actors, vLLM engines) exports
+its own series, so counters and histograms are summed across processes with ``sum by (...)``
+before ``rate``-derived ratios and quantiles. Two state gauges are not sums: every router
+replica reports the same ``kvnotes_workers_alive{role}`` count (``max by (role)``), and
+``kvnotes_tier_remote_up`` is 0 where any process cannot reach the remote tier (``min``).
+
+:data:`METRICS` lists every metric the dashboard queries (names of DESIGN.md section 7 and
+vLLM's own); ``tests/test_dashboard_alerts.py`` checks it matches the panels' queries and
+``tests/test_deploy.py`` checks it against what the code exports.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from pathlib import Path
+from typing import NamedTuple
 
-PANELS = [
-    # (title, unit, [(promql, legend)])
-    ("TTFT p50 / p90 by plan", "s", [
-        ('histogram_quantile(0.5, sum by (le, plan) (rate(kvnotes_ttft_seconds_bucket[5m])))', "p50 {{plan}}"),
-        ('histogram_quantile(0.9, sum by (le, plan) (rate(kvnotes_ttft_seconds_bucket[5m])))', "p90 {{plan}}")]),
-    ("Requests by plan and status", "reqps", [
-        ("sum by (plan, status) (rate(kvnotes_requests_total[5m]))", "{{plan}} {{status}}")]),
-    ("Prompt tokens by source (reused vs recomputed)", "short", [
-        ("sum by (source) (rate(kvnotes_prompt_tokens_total[5m]))", "{{source}}")]),
-    ("Tier hit rate", "percentunit", [
-        ("sum(rate(kvnotes_tier_hits_total[5m])) / clamp_min(sum(rate(kvnotes_tier_lookups_total[5m])), 1e-9)",
-         "hit rate")]),
-    ("KV transfer throughput", "Bps", [
-        ("sum by (transport) (rate(kvnotes_kv_transfer_bytes_total[5m]))", "{{transport}}")]),
-    ("KV transfer p90 latency", "s", [
-        ("histogram_quantile(0.9, sum by (le, transport) (rate(kvnotes_kv_transfer_seconds_bucket[5m])))",
-         "{{transport}}")]),
-    ("Fallbacks by reason", "short", [
-        ("sum by (reason) (increase(kvnotes_fallbacks_total[5m]))", "{{reason}}")]),
-    ("RoPE self-test (1 = passed)", "short", [("kvnotes_rope_selftest_ok", "{{worker}}")]),
-    ("Fidelity: logit cosine p10 (shadow checks)", "short", [
-        ("histogram_quantile(0.1, sum by (le) (rate(kvnotes_fidelity_cosine_bucket[30m])))", "p10")]),
-]
+DASHBOARD_JSON = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "kvnotes.json"
+
+# Every metric the panels query, as Prometheus names them (histograms by their base name:
+# the panels read ``<name>_bucket`` / ``_count``).
+METRICS = (
+    "kvnotes_ttft_seconds",                   # histogram {plan}: the plan that executed
+    "kvnotes_requests_total",                 # counter {plan, status}: every request once
+    "kvnotes_prompt_tokens_total",            # counter {source=reused|repositioned|erratum|computed}
+    "kvnotes_tier_hits_total",                # counter {tier}
+    "kvnotes_tier_lookups_total",             # counter {tier}, plan-time misses included
+    "kvnotes_kv_transfer_bytes_total",        # counter {transport}
+    "kvnotes_stage_seconds",                  # histogram {stage, transport}
+    "kvnotes_fallbacks_total",                # counter {reason}
+    "kvnotes_retries_total",                  # counter {role, reason}
+    "kvnotes_workers_alive",                  # gauge {role}
+    "kvnotes_tier_remote_up",                 # gauge, 1 = the remote tier answers
+    "kvnotes_rope_selftest_ok",               # gauge {worker}, 1 = the RoPE self-test passed
+    "kvnotes_fidelity_agree_total",           # counter {op, metric}: shadow checks that agreed
+    "kvnotes_fidelity_kl",                    # histogram {op}: one observation per shadow check
+    "vllm:time_to_first_token_seconds",       # histogram {model_name, engine} (decode actors)
+    "vllm:prefix_cache_queries_total",        # counter, prompt tokens looked up in vLLM's cache
+    "vllm:prefix_cache_hits_total",           # counter, of those found in vLLM's own cache
+    "vllm:external_prefix_cache_hits_total",  # counter, found by the kvnotes KV connector
+)
+
+
+class Query(NamedTuple):
+    expr: str    # PromQL
+    legend: str  # Grafana legend format ("{{label}}")
+
+
+class Panel(NamedTuple):
+    title: str
+    unit: str                  # Grafana unit id ("s", "Bps", "percentunit", ...)
+    queries: tuple[Query, ...]
+    description: str
+    kind: str = "timeseries"   # "timeseries" | "stat"
+    stacked: bool = False      # timeseries only: stack the series (parts of a whole)
+    dash_recompute: bool = False  # timeseries only: draw series named "...recompute..." dashed
+
+
+class Row(NamedTuple):
+    title: str
+    panels: tuple[Panel, ...]
+
+
+def _q(quantile: float, histogram: str, by: str, window: str = "5m", match: str = "") -> str:
+    """PromQL for one quantile of a histogram summed across processes, grouped by ``by``."""
+    group = f"le, {by}" if by else "le"
+    return (f"histogram_quantile({quantile}, sum by ({group}) "
+            f"(rate({histogram}_bucket{match}[{window}])))")
+
+
+ROWS = (
+    Row("Latency", (
+        Panel("TTFT p50 / p90 by executed plan", "s", (
+            Query(_q(0.5, "kvnotes_ttft_seconds", "plan"), "p50 {{plan}}"),
+            Query(_q(0.9, "kvnotes_ttft_seconds", "plan"), "p90 {{plan}}"),
+        ), "Time to first token by the plan that executed (a fallback counts as the recompute it "
+           "ran). The recompute lines (dashed) are the baseline every other plan should beat.",
+           dash_recompute=True),
+        Panel("TTFT p50: speed-up over recompute", "suffix:x", (
+            Query(_q(0.5, "kvnotes_ttft_seconds", "", match='{plan="recompute"}')
+                  + " / on () group_right () "
+                  + _q(0.5, "kvnotes_ttft_seconds", "plan", match='{plan!="recompute"}'),
+                  "{{plan}}"),
+        ), "Recompute TTFT p50 divided by each plan's TTFT p50 (2 = twice as fast as recompute)."),
+    )),
+    Row("Reuse", (
+        Panel("Prompt tokens by source", "short", (
+            Query("sum by (source) (rate(kvnotes_prompt_tokens_total[5m]))", "{{source}}"),
+        ), "Prompt tokens per second by where their KV came from: reused, repositioned, erratum "
+           "(appended correction) or computed.", stacked=True),
+        Panel("Share of prompt tokens not computed", "percentunit", (
+            Query('sum(rate(kvnotes_prompt_tokens_total{source!="computed"}[5m])) '
+                  "/ sum(rate(kvnotes_prompt_tokens_total[5m]))", "reused share"),
+        ), "Fraction of prompt tokens whose KV was reused, repositioned or corrected by an "
+           "erratum instead of computed."),
+        Panel("Tier hit rate per tier", "percentunit", (
+            Query("sum by (tier) (rate(kvnotes_tier_hits_total[5m])) "
+                  "/ sum by (tier) (rate(kvnotes_tier_lookups_total[5m]))", "{{tier}}"),
+        ), "KV tier hits over lookups, plan-time misses included."),
+        Panel("Requests per plan kind", "reqps", (
+            Query("sum by (plan) (rate(kvnotes_requests_total[5m]))", "{{plan}}"),
+        ), "Requests per second by the plan kind that executed.", stacked=True),
+    )),
+    Row("Data plane", (
+        Panel("KV transfer throughput per transport", "Bps", (
+            Query("sum by (transport) (rate(kvnotes_kv_transfer_bytes_total[5m]))", "{{transport}}"),
+        ), "KV bytes moved prefill -> decode per second, summed over workers (shown in GB/s at "
+           "scale)."),
+        Panel("Stage time p50 by stage", "s", (
+            Query(_q(0.5, "kvnotes_stage_seconds", "stage"), "{{stage}}"),
+        ), "Median seconds per request in each stage of the KV path (tier get, re-rotate, "
+           "forward, serialise, transfer, receive, load, first token)."),
+    )),
+    Row("Health", (
+        Panel("Workers alive by role", "short", (
+            Query("max by (role) (kvnotes_workers_alive)", "{{role}}"),
+        ), "Live workers per role (every router replica reports the count: max across them). "
+           "Alert KvnotesNoLiveWorker fires when a role has none."),
+        Panel("Retries by role and reason", "ops", (
+            Query("sum by (role, reason) (rate(kvnotes_retries_total[5m]))", "{{role}} {{reason}}"),
+        ), "Retries per second against each worker role, by reason."),
+        Panel("Fallbacks by reason", "ops", (
+            Query("sum by (reason) (rate(kvnotes_fallbacks_total[5m]))", "{{reason}}"),
+        ), "Fallbacks per second by reason (each one is also logged once)."),
+        Panel("Requests by status", "reqps", (
+            Query("sum by (status) (rate(kvnotes_requests_total[5m]))", "{{status}}"),
+        ), "Requests per second by final status: 2xx, 4xx by reason, 5xx, cancelled, deadline.",
+            stacked=True),
+        Panel("Remote KV tier up", "short", (
+            Query("min(kvnotes_tier_remote_up)", "remote tier up"),
+        ), "1 when every process reaches the remote KV tier, 0 when any cannot.", kind="stat"),
+        Panel("RoPE re-rotation self-test", "short", (
+            Query("min by (worker) (kvnotes_rope_selftest_ok)", "{{worker}}"),
+        ), "1 when a worker's RoPE re-rotation self-test passed at start-up.", kind="stat"),
+    )),
+    Row("Fidelity (sampled shadow recomputes)", (
+        Panel("Shadow-check agreement by operation", "percentunit", (
+            Query("sum by (op, metric) (rate(kvnotes_fidelity_agree_total[30m])) "
+                  "/ on (op) group_left () sum by (op) (rate(kvnotes_fidelity_kl_count[30m]))",
+                  "{{op}} {{metric}}"),
+        ), "Share of shadow checks whose output agreed with a full recompute, per KV operation "
+           "and agreement metric (checks = observations of kvnotes_fidelity_kl)."),
+        Panel("Shadow-check KL p50 / p90 by operation", "short", (
+            Query(_q(0.5, "kvnotes_fidelity_kl", "op", "30m"), "p50 {{op}}"),
+            Query(_q(0.9, "kvnotes_fidelity_kl", "op", "30m"), "p90 {{op}}"),
+        ), "KL(recompute || operation) of the next-token distribution, nats."),
+        Panel("Shadow checks per second by operation", "ops", (
+            Query("sum by (op) (rate(kvnotes_fidelity_kl_count[30m]))", "{{op}}"),
+        ), "How many sampled shadow recomputes the agreement and KL panels rest on."),
+    )),
+    Row("vLLM decode engine", (
+        Panel("vLLM TTFT p50 / p90", "s", (
+            Query(_q(0.5, "vllm:time_to_first_token_seconds", "model_name"), "p50 {{model_name}}"),
+            Query(_q(0.9, "vllm:time_to_first_token_seconds", "model_name"), "p90 {{model_name}}"),
+        ), "vLLM's own time to first token, measured inside the decode actors' engines."),
+        Panel("vLLM prefix cache tokens", "short", (
+            Query("sum(rate(vllm:prefix_cache_queries_total[5m]))", "queried"),
+            Query("sum(rate(vllm:prefix_cache_hits_total[5m]))", "hit in vLLM's cache"),
+            Query("sum(rate(vllm:external_prefix_cache_hits_total[5m]))", "hit via kvnotes connector"),
+        ), "Prompt tokens per second looked up in vLLM's prefix cache, found there, and found "
+           "by the kvnotes KV connector (composed KV pushed by prefill)."),
+        Panel("vLLM prefix-cache hit share", "percentunit", (
+            Query("sum(rate(vllm:prefix_cache_hits_total[5m])) "
+                  "/ sum(rate(vllm:prefix_cache_queries_total[5m]))", "vLLM's cache"),
+            Query("sum(rate(vllm:external_prefix_cache_hits_total[5m])) "
+                  "/ sum(rate(vllm:prefix_cache_queries_total[5m]))", "kvnotes connector"),
+        ), "Share of queried prompt tokens served by vLLM's own prefix cache and by the kvnotes "
+           "connector."),
+    )),
+)
 
 
 def dashboard() -> dict:
-    panels = []
-    for i, (title, unit, targets) in enumerate(PANELS):
-        panels.append({
-            "id": i + 1, "type": "timeseries", "title": title,
-            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
-            "datasource": {"type": "prometheus", "uid": "${datasource}"},
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-            "targets": [{"refId": chr(65 + j), "expr": expr, "legendFormat": legend}
-                        for j, (expr, legend) in enumerate(targets)],
-        })
-    return {
-        "title": "kvnotes", "uid": "kvnotes-overview", "schemaVersion": 39, "version": 1,
-        "time": {"from": "now-1h", "to": "now"}, "refresh": "10s", "tags": ["kvnotes"],
-        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus"}]},
-        "panels": panels,
-    }
+    """The dashboard as Grafana JSON (a dict), built by grafana-foundation-sdk."""
+    from grafana_foundation_sdk.builders import common as cb
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import common as cm
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    source = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+    dashed = [dm.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})]
+
+    def panel(p: Panel, panel_id: int):
+        if p.kind == "stat":
+            b = (stat.Panel().graph_mode(cm.BigValueGraphMode.NONE).color_mode(cm.BigValueColorMode.BACKGROUND)
+                 .thresholds(db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps([
+                     dm.Threshold(value=None, color="red"), dm.Threshold(value=1, color="green")]))
+                 .span(6))
+        else:
+            b = (timeseries.Panel().span(12).fill_opacity(10 if p.stacked else 0)
+                 .legend(cb.VizLegendOptions().show_legend(True).placement(cm.LegendPlacement.BOTTOM)
+                         .display_mode(cm.LegendDisplayMode.LIST)))
+            if p.stacked:
+                b = b.stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL))
+            if p.dash_recompute:
+                b = b.override_by_regexp(".*recompute.*", dashed)
+        b = b.id(panel_id).title(p.title).description(p.description).unit(p.unit).datasource(source).height(8)
+        for i, q in enumerate(p.queries):
+            b = b.with_target(prometheus.Dataquery().ref_id(chr(ord("A") + i)).expr(q.expr)
+                              .legend_format(q.legend).datasource(source))
+        return b
+
+    board = (db.Dashboard("kvnotes").uid("kvnotes-overview").tags(["kvnotes"]).editable()
+             .description("kvnotes serving: latency, reuse, data plane, health, fidelity, vLLM engine. "
+                          "Generated by python -m cluster.dashboard; do not edit by hand.")
+             .time("now-1h", "now").refresh("10s").timezone("browser").version(1)
+             .with_variable(db.DatasourceVariable("datasource").label("Prometheus").type("prometheus")))
+    panel_id = 0
+    for row in ROWS:
+        panel_id += 1
+        board = board.with_row(db.Row(row.title).id(panel_id).collapsed(False))  # panels follow it
+        for p in row.panels:
+            panel_id += 1
+            board = board.with_panel(panel(p, panel_id))
+    return json.loads(json.dumps(board.build(), cls=JSONEncoder))
+
+
+def panel_queries(board: dict) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target of every panel in a dashboard's JSON, rows opened."""
+    out = []
+    for item in board.get("panels", []):
+        for p in [item, *item.get("panels", [])]:
+            for t in p.get("targets", []):
+                out.append((p["title"], t.get("expr", "")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m cluster.dashboard", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(DASHBOARD_JSON), help="file to write, '-' for stdout")
+    args = ap.parse_args(argv)
+    text = json.dumps(dashboard(), indent=2) + "\n"
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    json.dump(dashboard(), sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    main()
