@@ -1,13 +1,15 @@
 """The deploy/ files stay true to the code: configs load, the dashboard is the generated one
-and queries only metrics the router exports."""
+and queries only metrics the code exports (or that are declared and listed as not yet exported)."""
+import importlib.util
 import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from cluster.config import ClusterConfig
-from cluster.dashboard import dashboard
+from cluster.dashboard import METRICS, dashboard, panel_queries
 from cluster.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,19 +28,57 @@ def test_ray_up_yaml_has_what_ray_up_needs():
     assert any("prefill" in cmd for cmd in c["worker_start_ray_commands"])
 
 
+# Named in DESIGN.md section 7 and queried by the dashboard, but not exported by cluster.metrics
+# yet: the issue 15 work (metrics from every process, honest series) and issue 16 (stage
+# timings) add them. The test below fails once one of them is exported, so this list only
+# shrinks; nothing on the dashboard goes unchecked.
+DECLARED_NOT_YET_EXPORTED = {
+    "kvnotes_stage_seconds",         # issue 16: per-stage timings of the KV path
+    "kvnotes_retries_total",         # issue 15 (retries from issue 12's fault handling)
+    "kvnotes_workers_alive",         # issue 15: gauge per role
+    "kvnotes_tier_remote_up",        # issue 15: remote tier reachability
+    "kvnotes_fidelity_agree_total",  # issue 15: sampled shadow recomputes
+    "kvnotes_fidelity_kl",           # issue 15: sampled shadow recomputes (histogram, label op)
+}
+
+
 def test_dashboard_file_is_generated_and_uses_exported_metrics():
     on_disk = json.loads((ROOT / "deploy" / "grafana" / "kvnotes.json").read_text())
-    assert on_disk == dashboard(), "regenerate: python -m cluster.dashboard > deploy/grafana/kvnotes.json"
-    exported = {m.name for m in Metrics().registry.collect()}
-    for panel in on_disk["panels"]:
-        for t in panel["targets"]:
-            for name in re.findall(r"kvnotes_[a-z_]+", t["expr"]):
-                base = re.sub(r"_(bucket|count|sum|total)$", "", name)
-                assert base in exported, f"{panel['title']}: {name} is not exported"
+    assert on_disk == dashboard(), "regenerate: python -m cluster.dashboard"
+    # prometheus_client names a counter's family without its _total suffix.
+    types = {m.name: m.type for m in Metrics().registry.collect()}
+    ours = {n for n in METRICS if n.startswith("kvnotes_")}
+    assert DECLARED_NOT_YET_EXPORTED <= ours
+    for name in sorted(ours):
+        family = re.sub(r"_total$", "", name)
+        if name in DECLARED_NOT_YET_EXPORTED:
+            assert family not in types, f"{name} is exported now: remove it from DECLARED_NOT_YET_EXPORTED"
+        else:
+            assert family in types, f"the dashboard queries {name}, which cluster.metrics does not export"
+            if name.endswith("_total"):
+                assert types[family] == "counter", name
+    # A name the panels read as <name>_bucket must be a histogram.
+    for _, expr in panel_queries(on_disk):
+        for name in re.findall(r"(kvnotes_\w+)_bucket\b", expr):
+            if name not in DECLARED_NOT_YET_EXPORTED:
+                assert types[name] == "histogram", name
+
+
+def test_dashboard_vllm_metrics_are_defined_by_the_installed_vllm():
+    """The vLLM row reads vLLM's own engine metrics (decode_engine: vllm); the names must be
+    ones the installed vLLM defines (read from its source: importing vLLM is slow)."""
+    ours = [n for n in METRICS if n.startswith("vllm:")]
+    assert ours
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("vllm is not installed (the optional extra kvnotes[vllm])")
+    source = (Path(spec.origin).parent / "v1" / "metrics" / "loggers.py").read_text()
+    for name in ours:
+        family = re.sub(r"_total$", "", name)
+        assert f'name="{family}"' in source, f"vLLM does not define {family}"
 
 
 def test_bad_config_is_a_clear_error(tmp_path):
-    import pytest
     p = tmp_path / "c.yaml"
     p.write_text("model: smollm2-135m\nprefil: {count: 1}\n")
     with pytest.raises(ValueError, match="unknown config key"):
