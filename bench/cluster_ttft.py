@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     cfg = None
     if args.start:
         import socket
-        from cluster.config import ClusterConfig
+        from kvruntime.messages.config import ClusterConfig
         from cluster.launcher import start
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvtransport.lmcache_store import LMCacheStore, TierConfig
-from kvtransport.store import ChunkKey, tenant_salt
+from kvtransport.store import ChunkKey, key_positions, tenant_salt
 from kvtransport.tier_server import start_tier_server, stop_tier_server
 
 LAYERS, KV_HEADS, HEAD_DIM, MODEL = 30, 3, 64, "smollm2-135m"
@@ -68,7 +68,7 @@ def measure(tier: str, tokens: list[int], repeats: int, tmp: Path, url: str | No
             for _ in range(repeats):
                 seq += 1
                 key = ChunkKey.build(MODEL, "float32", "0", range(seq * 10_000, seq * 10_000 + n), tenant_salt("bench"), 1)
-                kv = KVCache(data, key.positions, torch.tensor(key.token_ids))
+                kv = KVCache(data, key_positions(key), torch.tensor(key.token_ids))
                 before = dict(store.stats.hits_by_tier)
                 t0 = time.perf_counter(); store.put(key, kv); t_put.append(time.perf_counter() - t0)      # noqa: E702
                 t0 = time.perf_counter(); hit = store.contains(key); t_look.append(time.perf_counter() - t0)  # noqa: E702

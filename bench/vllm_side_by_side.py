@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from bench.plots import plot_edit, plot_ttft
-from cluster.plan import PlanKind, Policy, RequestPlan, SegmentPlan
-from decode_workers.executor import DecodeSummary, SamplingParams, TokenEvent
+from kvruntime.messages.plan import PlanKind, Policy, RequestPlan, SegmentPlan
+from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 
 SYSTEMS = ("vLLM APC", "kvnotes + vLLM", "full recompute")
 

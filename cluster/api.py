@@ -16,7 +16,7 @@ from cluster.errors import RequestError
 from cluster.router import Finished, Router
 from cluster.validate import (chat_messages, common_options, completions_prompt, edit_strategy, native_body,
                               sampling_from)
-from decode_workers.executor import TokenEvent
+from kvruntime.messages.decode import TokenEvent
 
 log = logging.getLogger(__name__)
 

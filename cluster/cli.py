@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(list_models()))
             return 0
         if args.cmd in ("run", "serve"):
-            from cluster.config import ClusterConfig
+            from kvruntime.messages.config import ClusterConfig
             from cluster.launcher import run_forever
             cfg = (ClusterConfig(model=args.model, port=args.port, decode_engine=args.decode_engine)
                    if args.cmd == "run"

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 
-from cluster.config import ClusterConfig
+from kvruntime.messages.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cluster.plan import FieldEdit, PlanKind, Policy, RequestPlan, SegmentPlan
+from kvruntime.messages.plan import FieldEdit, PlanKind, Policy, RequestPlan, SegmentPlan
 from kvruntime.errata import DEFAULT_ERRATUM_STYLE, erratum_text
 
 

@@ -14,7 +14,7 @@ import logging
 
 import ray
 
-from cluster.config import ClusterConfig, WorkerConfig
+from kvruntime.messages.config import ClusterConfig, WorkerConfig
 from decode_workers.actor import DecodeWorker
 from prefill_workers.actor import PrefillWorker
 

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from cluster.errors import RequestError
-from cluster.plan import Policy
+from kvruntime.messages.plan import Policy
 from cluster.planner import RenderedRequest, RenderedSegment
 
 MAX_NAME = 128

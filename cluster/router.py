@@ -16,12 +16,12 @@ from typing import AsyncIterator, Protocol
 
 from cluster.errors import RequestError
 from cluster.metrics import Metrics
-from cluster.plan import PlanKind, Policy, RequestPlan
+from kvruntime.messages.plan import PlanKind, Policy, RequestPlan
 from cluster.planner import (PlannerConfig, RenderedRequest, SessionContext, TierView, choose_edit_kind,
                              plan_request)
 from cluster.render import Chunk, Registry, Renderer, chunk_key
 from cluster.sessions import SessionStore
-from decode_workers.executor import DecodeSummary, SamplingParams, TokenEvent
+from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
 PROMPT_BLOCK = 32   # plain-prompt prefix cache granularity (tokens)

@@ -10,7 +10,7 @@ from ray import serve
 from starlette.responses import JSONResponse, Response
 
 from cluster import api
-from cluster.config import ClusterConfig
+from kvruntime.messages.config import ClusterConfig
 from cluster.errors import RequestError
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ message names the parameter. Nothing here touches the model or the tier."""
 from __future__ import annotations
 
 from cluster.errors import RequestError
-from decode_workers.executor import SamplingParams
+from kvruntime.messages.decode import SamplingParams
 
 POLICIES = ("exact", "balanced", "fast")
 _NATIVE_KEYS = {"model", "session", "segments", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",

@@ -8,7 +8,7 @@ Plain class; ``cluster.ray_backends`` applies ``ray.remote`` with resources from
 """
 from __future__ import annotations
 
-from cluster.config import ClusterConfig
+from kvruntime.messages.config import ClusterConfig
 
 
 class DecodeWorker:

@@ -6,7 +6,7 @@ whose worker side owns this decode worker's gRPC inbox. vLLM's automatic prefix 
 on. Every request carries a ``cache_salt`` so vLLM's prefix cache never hands KV composed by
 kvnotes (re-rotated, edited: close to but not bit-equal with a full prefill) to a request
 that asked for exact KV, or across tenants: exact prompts are salted by tenant only, composed
-prefixes additionally by their plan's recipe (:meth:`cluster.plan.RequestPlan.kv_salt`).
+prefixes additionally by their plan's recipe (:meth:`kvruntime.messages.plan.RequestPlan.kv_salt`).
 
 One engine per actor, stepped by one background thread; ``generate`` may be called from many
 threads at once (a threaded Ray actor), which is what lets vLLM batch concurrent requests.
@@ -23,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from decode_workers.executor import DecodeSummary, SamplingParams, TokenEvent
+from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 
 _set_num_threads = torch.set_num_threads   # kept before vLLM's CPU worker replaces it with a no-op
 

@@ -8,9 +8,12 @@ How a chunk maps onto LMCache:
   hash (SHA-256 based and process-independent: ``StableTokenDatabase``). ``save_unfull_chunk``
   is on, so the tail piece is stored too: a 300-token chunk is one 256-token piece plus a
   44-token piece, and ``get`` only returns when *every* piece is found (else a counted miss).
-- Every LMCache key carries the tag ``kvn=<ChunkKey.digest>`` (128-bit hash of model, dtype,
-  RoPE, token hash, canonical position and tenant salt). LMCache compares tags exactly, so two
-  tenants (or models, or positions) never share an entry, even for identical token ids.
+- Every LMCache key carries the tag ``kvn=<ChunkKey.namespace>`` (128-bit hash of model, dtype,
+  RoPE, canonical position, tenant salt and exact|approximate recipe). LMCache compares tags
+  exactly, so two tenants (or models, positions, recipes) never share an entry, even for
+  identical token ids; its chained piece hash commits to the tokens. An entry therefore also
+  serves any prefix of its tokens that ends on a 256-token piece boundary (``get`` of that
+  prefix's key hits): the plain-prompt prefix reuse of the router relies on it.
 - Pins are LMCache's (local CPU and disk); its pin timeout is set to "never" (default 300 s).
 Tiers, fastest first (LMCache's lookup order): cpu -> disk -> fs -> remote. The local CPU buffer
 (``local_cpu_gb``) always exists: it stages every transfer even when ``local_cpu`` is False.
@@ -34,8 +37,8 @@ from typing import Any
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.store import (KV_DTYPES, ChunkKey, KVStore, StoreStats, TierWriteError, check_model_id,
-                              rope_fingerprint)
+from kvtransport.store import (KV_DTYPES, ChunkKey, KVStore, StoreStats, TierWriteError, check_kv, check_model_id,
+                              key_positions, rope_fingerprint)
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +169,7 @@ class LMCacheStore(KVStore):
     def put(self, key: ChunkKey, kv: KVCache) -> int:
         with self._lock:
             self._check_key(key)
-            key.check_kv(kv)
+            check_kv(key, kv)
             want = (self.shape[0], 2, self.shape[1], key.num_tokens, self.shape[2])
             if tuple(kv.data.shape) != want or kv.data.dtype != self._torch_dtype:
                 raise ValueError(f"KV {tuple(kv.data.shape)} {kv.data.dtype} does not match the store's "
@@ -215,7 +218,7 @@ class LMCacheStore(KVStore):
             self._bump("hits")
             self._bump(f"hit:{tier}")
             self._bump("get_bytes", out.numel() * out.element_size())
-            return KVCache(out, key.positions.to(out.device),
+            return KVCache(out, key_positions(key, out.device),
                            torch.tensor(key.token_ids, dtype=torch.long, device=out.device))
 
     def pin(self, key: ChunkKey) -> bool:
@@ -288,7 +291,7 @@ class LMCacheStore(KVStore):
 
     @staticmethod
     def _tags(key: ChunkKey) -> dict[str, str]:
-        return {_TAG: key.digest}
+        return {_TAG: key.namespace}
 
     def _pieces(self, key: ChunkKey) -> list[tuple[int, int, Any]]:
         """LMCache's (start, end, CacheEngineKey) pieces of the chunk, tail piece included."""

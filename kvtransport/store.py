@@ -1,5 +1,6 @@
-"""The KV tier seam: :class:`ChunkKey` (what identifies a chunk's KV) and :class:`KVStore`
-(the small interface every tier implements; LMCache behind it in ``lmcache_store``).
+"""The KV tier seam: :class:`KVStore` (the small interface every tier implements; LMCache behind
+it in ``lmcache_store``) and the torch-side helpers of :class:`ChunkKey` (the key itself is a
+torch-free message in ``kvruntime.messages.keys``).
 
 A chunk's KV is stored at its *canonical position* (see ``kvruntime.ops.precompile_chunk``):
 prefilled right after the model's BOS, whose slot is dropped, so the chunk's slots sit at
@@ -10,8 +11,6 @@ plus a tenant salt, so two tenants never share an entry even for identical text.
 from __future__ import annotations
 
 import hashlib
-import hmac
-import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -19,25 +18,9 @@ from typing import Sequence
 import torch
 
 from kvruntime.kv import KVCache
-
-KEY_VERSION = "kvnotes-chunk-v1"   # bump when the key derivation changes: old entries then miss
-KV_DTYPES = ("float32", "bfloat16", "float16")
-_MODEL_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")   # no '@', '%', '/': LMCache key separators
-_HEX = re.compile(r"^[0-9a-f]+$")
-
-
-def check_model_id(model_id: str) -> str:
-    """``model_id`` if usable in keys (LMCache key strings use '@', '%', '/' as separators)."""
-    if not isinstance(model_id, str) or not _MODEL_ID.match(model_id):
-        raise ValueError(f"model_id must match {_MODEL_ID.pattern}, got {model_id!r}")
-    return model_id
-
-
-def token_hash(token_ids: Sequence[int]) -> str:
-    """SHA-256 (hex) of the token ids as little-endian int64. Cost: O(n)."""
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
-    return hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest()
-
+from kvruntime.messages.keys import (KEY_VERSION, KV_DTYPES, ChunkKey, check_model_id,  # noqa: F401 (re-exported)
+                                     tenant_salt, token_hash)
+from kvruntime.messages.plan import KVRef
 
 def rope_fingerprint(rope) -> str:
     """Short hash of a ``kvruntime.rope.RopeTable``: per-layer inverse frequencies (fp64 bytes)
@@ -48,85 +31,27 @@ def rope_fingerprint(rope) -> str:
     return h.hexdigest()[:16]
 
 
-def tenant_salt(tenant: str, secret: bytes = b"") -> str:
-    """The salt mixed into every key of ``tenant``: HMAC-SHA256(secret, tenant), 32 hex chars.
-    With a server-side ``secret`` a tenant cannot compute another tenant's keys."""
-    if not isinstance(tenant, str) or not tenant:
-        raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
-    return hmac.new(secret, b"kvnotes-tenant:" + tenant.encode(), hashlib.sha256).hexdigest()[:32]
+def key_for(engine, ref: KVRef) -> ChunkKey:
+    """The tier key of ``ref`` (a plan's content reference) for ``engine``'s model, KV dtype and
+    RoPE tables: the whole derivation, so any worker finds any chunk from the plan alone."""
+    return ChunkKey.build(engine.spec.name, engine.dtype_name, rope_fingerprint(engine.rope), ref.token_ids,
+                          ref.tenant_salt, ref.position, ref.approx)
 
 
-@dataclass(frozen=True)
-class ChunkKey:
-    """Identity of one chunk's KV (like LMCache's ``CacheEngineKey``, plus a tenant).
+def key_positions(key: ChunkKey, device=None) -> torch.Tensor:
+    """[num_tokens] int64: the canonical positions of the chunk's slots."""
+    return torch.arange(key.position, key.position + key.num_tokens, dtype=torch.long, device=device)
 
-    Equality and hashing use every field except ``token_ids``, which ride along (they are what
-    LMCache chunks and hashes, and what a returned :class:`KVCache` carries); ``token_hash``
-    commits to them. Build keys with :meth:`build` or :meth:`for_engine`, which validate.
-    """
-    model_id: str        # model registry name, e.g. "smollm2-135m"
-    dtype: str           # KV dtype name: one of KV_DTYPES
-    rope: str            # rope_fingerprint() of the model's RoPE table (16 hex)
-    token_hash: str      # token_hash(token_ids): sha256 hex (64)
-    num_tokens: int      # len(token_ids) > 0
-    tenant: str          # tenant_salt() (hex), never the tenant's name
-    position: int        # canonical position of the first slot (1 after BOS, else 0)
-    token_ids: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
-    def __post_init__(self) -> None:
-        check_model_id(self.model_id)
-        if self.dtype not in KV_DTYPES:
-            raise ValueError(f"dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
-        for name in ("rope", "token_hash", "tenant"):
-            v = getattr(self, name)
-            if not isinstance(v, str) or not _HEX.match(v):
-                raise ValueError(f"{name} must be a lowercase hex string, got {v!r}")
-        if self.num_tokens <= 0:
-            raise ValueError(f"a chunk needs at least one token, got num_tokens={self.num_tokens}")
-        if self.position < 0:
-            raise ValueError(f"position must be >= 0, got {self.position}")
-        if len(self.token_ids) != self.num_tokens:
-            raise ValueError(f"token_ids has {len(self.token_ids)} ids but num_tokens={self.num_tokens}")
-
-    @staticmethod
-    def build(model_id: str, dtype: str, rope: str, token_ids: Sequence[int], tenant: str,
-              position: int) -> "ChunkKey":
-        """Validated key for ``token_ids`` (ints >= 0). ``tenant`` is a salt from tenant_salt()."""
-        ids = tuple(int(t) for t in token_ids)
-        if not ids:
-            raise ValueError("cannot key an empty chunk (no token ids)")
-        if min(ids) < 0:
-            raise ValueError("token ids must be >= 0")
-        return ChunkKey(model_id, dtype, rope, token_hash(ids), len(ids), tenant, int(position), ids)
-
-    @staticmethod
-    def for_engine(engine, token_ids: Sequence[int], tenant: str) -> "ChunkKey":
-        """Key for a chunk precompiled by ``kvruntime.ops.precompile_chunk(engine, token_ids)``."""
-        pos = 0 if engine.bos_id is None else 1
-        return ChunkKey.build(engine.spec.name, engine.dtype_name, rope_fingerprint(engine.rope),
-                              token_ids, tenant, pos)
-
-    @property
-    def digest(self) -> str:
-        """128-bit hex digest of every identifying field (the tag LMCache keys carry)."""
-        text = "|".join([KEY_VERSION, self.model_id, self.dtype, self.rope, self.token_hash,
-                         str(self.num_tokens), self.tenant, str(self.position)])
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """[num_tokens] int64: the canonical positions of the chunk's slots."""
-        return torch.arange(self.position, self.position + self.num_tokens, dtype=torch.long)
-
-    def check_kv(self, kv: KVCache) -> None:
-        """``ValueError`` unless ``kv`` is this chunk at its canonical positions."""
-        if kv.num_tokens != self.num_tokens:
-            raise ValueError(f"KV has {kv.num_tokens} slots, key expects {self.num_tokens}")
-        if not torch.equal(kv.token_ids.cpu(), torch.tensor(self.token_ids, dtype=torch.long)):
-            raise ValueError("KV token ids differ from the key's token ids")
-        if not torch.equal(kv.positions.cpu(), self.positions):
-            raise ValueError(f"KV must sit at canonical positions {self.position}..."
-                             f"{self.position + self.num_tokens - 1}")
+def check_kv(key: ChunkKey, kv: KVCache) -> None:
+    """``ValueError`` unless ``kv`` is this chunk at its canonical positions."""
+    if kv.num_tokens != key.num_tokens:
+        raise ValueError(f"KV has {kv.num_tokens} slots, key expects {key.num_tokens}")
+    if not torch.equal(kv.token_ids.cpu(), torch.tensor(key.token_ids, dtype=torch.long)):
+        raise ValueError("KV token ids differ from the key's token ids")
+    if not torch.equal(kv.positions.cpu(), key_positions(key)):
+        raise ValueError(f"KV must sit at canonical positions {key.position}..."
+                         f"{key.position + key.num_tokens - 1}")
 
 
 class TierWriteError(RuntimeError):

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from cluster.plan import PlanKind, RequestPlan, SegmentPlan
 from kvruntime.kv import KVCache
+from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan, SegmentPlan
+from kvruntime.messages.prefill import PrefillResult, PrefillStats
 from kvruntime.ops import edit_in_place, reposition, seam_repair
 from kvruntime.rope import RepositionDisabled
 from kvtransport.blocks import encode_block
@@ -24,34 +24,14 @@ log = logging.getLogger(__name__)
 
 
 class KVSource(Protocol):
-    """What the executor needs from the tier: KV by key (None on a miss), and storing."""
+    """What the executor needs from the tier (``prefill_workers.tier.PrefillTier``): KV by content
+    reference (None on a miss), storing, and re-warming a missing chunk."""
 
-    def get_kv(self, key: str) -> KVCache | None: ...
+    def get(self, ref: KVRef) -> KVCache | None: ...
 
-    def put_kv(self, key: str, kv: KVCache) -> None: ...
+    def put(self, ref: KVRef, kv: KVCache) -> int: ...
 
-
-@dataclass
-class PrefillStats:
-    computed: int = 0                 # tokens through a forward pass
-    reused: int = 0                   # tokens loaded exactly (reuse)
-    repositioned: int = 0             # tokens loaded and re-rotated
-    erratum: int = 0                  # erratum tokens computed
-    tier_lookups: int = 0
-    tier_hits: int = 0
-    fallbacks: list[str] = field(default_factory=list)   # reasons, one per fallback taken
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    transfer_id: str
-    prefix_tokens: int
-    seconds: float                    # building the prefix KV
-    transfer_bytes: int
-    transfer_seconds: float
-    stats: PrefillStats
-    transferred: bool                 # False: the decode worker must recompute (reason in stats.fallbacks)
+    def compile(self, ref: KVRef) -> KVCache: ...
 
 
 class PrefillExecutor:
@@ -88,13 +68,26 @@ class PrefillExecutor:
         if self.policy == "fail":
             raise RuntimeError(f"{step.source}: {reason} (kv load failure policy is 'fail')")
 
-    def _load(self, key: str | None, st: PrefillStats) -> KVCache | None:
-        if key is None:
+    def _load(self, ref: KVRef | None, st: PrefillStats) -> KVCache | None:
+        if ref is None:
             return None
         st.tier_lookups += 1
-        got = self.source.get_kv(key)
+        got = self.source.get(ref)
         st.tier_hits += got is not None
         return got
+
+    def _rewarm(self, step: SegmentPlan, st: PrefillStats) -> KVCache | None:
+        """A registered chunk this worker's tiers do not hold (evicted, or first use on this
+        node): compile it at its canonical position and store it back (counted), so the plan's
+        reposition runs as planned and the next use hits."""
+        try:
+            kv = self.source.compile(step.kv)
+        except Exception as exc:           # a tier that refuses the write: recompute in context
+            log.warning("re-warming %s failed (%s)", step.source, exc)
+            return None
+        st.rewarmed += 1
+        log.info("re-warmed %s (%d tokens) into this worker's tier", step.source, step.tokens)
+        return kv
 
     def _compute(self, kv: KVCache, ids, position: int, st: PrefillStats) -> KVCache:
         if not ids:
@@ -113,10 +106,10 @@ class PrefillExecutor:
             st.erratum += st.computed - before
             st.computed = before
             return kv
-        loaded = self._load(step.chunk_key, st)
+        loaded = self._load(step.kv, st)
+        if k is PlanKind.REPOSITION and loaded is None and step.kv is not None:
+            loaded = self._rewarm(step, st)
         if k is PlanKind.REUSE:
-            if loaded is not None and loaded.num_tokens > step.tokens:
-                loaded = loaded.slice(0, step.tokens)        # a longer cached prefix: take what matches
             ok = (loaded is not None and loaded.num_tokens == step.tokens
                   and loaded.token_ids.tolist() == list(step.token_ids)
                   and int(loaded.positions[0]) == step.position)
@@ -163,15 +156,24 @@ class PrefillExecutor:
 
     # ---- shipping ---------------------------------------------------------------------------
     def execute(self, plan: RequestPlan, decode_address: str, transfer_id: str,
-                store_context_as: str | None = None) -> PrefillResult:
-        """Build the prefix, optionally store it in the tier (a session's context for the next
-        turn), and push it to ``decode_address``. A failed push is reported (``transferred``
-        False + a fallback reason), never raised: the decode worker then recomputes."""
+                store_as: KVRef | None = None) -> PrefillResult:
+        """Build the prefix, optionally store it in the tier under ``store_as`` (a session's
+        context or a plain prompt, for the next request), and push it to ``decode_address``. A
+        failed push is reported (``transferred`` False + a fallback reason), never raised: the
+        decode worker then recomputes. A failed store is counted (``tier_store_failed``) and logged."""
         t = time.perf_counter()
         kv, st = self.build(plan)
         built = time.perf_counter() - t
-        if store_context_as is not None and kv.num_tokens:
-            self.source.put_kv(store_context_as, kv)
+        stored = False
+        if store_as is not None and kv.num_tokens:
+            if store_as.token_ids != plan.prefix_ids or store_as.position != 0 or store_as.approx != plan.approx:
+                raise ValueError("store_as must name this plan's prefix at position 0 with the plan's exactness")
+            try:
+                self.source.put(store_as, kv)
+                stored = True
+            except Exception as exc:
+                st.fallbacks.append("tier_store_failed")
+                log.warning("storing the prefix of %s failed: %s", plan.request_id, exc)
         sent, tsec, ok = 0, 0.0, True
         try:
             receipt = self.transport.send(decode_address, encode_block(transfer_id, plan.model, kv),
@@ -181,4 +183,4 @@ class PrefillExecutor:
             ok = False
             st.fallbacks.append(f"kv_transfer_{exc.reason}")
             log.warning("KV transfer %s failed (%s): decode worker will recompute", transfer_id, exc)
-        return PrefillResult(plan.request_id, transfer_id, kv.num_tokens, built, sent, tsec, st, ok)
+        return PrefillResult(plan.request_id, transfer_id, kv.num_tokens, built, sent, tsec, st, ok, stored)

@@ -11,16 +11,68 @@ _ENGINES: dict = {}
 
 
 class DictSource:
-    """An in-memory tier for executor/router tests (the shipped tier is LMCache, tested in test_tier*)."""
+    """An in-memory tier for executor/router tests (the shipped tier is LMCache behind
+    ``prefill_workers.tier.PrefillTier``, tested in test_tier*). Keyed by content like it."""
 
-    def __init__(self):
-        self.d = {}
+    def __init__(self, engine=None):
+        self.d, self.engine, self.compiled = {}, engine, 0
 
-    def get_kv(self, key):
-        return self.d.get(key)
+    @staticmethod
+    def _k(ref):
+        return (ref.token_ids, ref.position, ref.tenant_salt, ref.approx)
 
-    def put_kv(self, key, kv):
-        self.d[key] = kv
+    def get(self, ref):
+        return self.d.get(self._k(ref))
+
+    def put(self, ref, kv):
+        self.d[self._k(ref)] = kv
+        return kv.nbytes
+
+    def compile(self, ref):
+        from kvruntime.ops import precompile_chunk
+        kv = precompile_chunk(self.engine, list(ref.token_ids))
+        self.compiled += 1
+        self.put(ref, kv)
+        return kv
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A real redis-server (Debian package) on a free loopback port, stopped by PID."""
+    import shutil
+    import subprocess
+    import time
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (scripts/dev.sh test installs Debian's redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import redis
+        r = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def get_engine(name: str):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import ClusterConfig
+from kvruntime.messages.config import ClusterConfig
 from cluster.dashboard import METRICS, dashboard, panel_queries
 from cluster.metrics import Metrics
 

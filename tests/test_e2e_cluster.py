@@ -22,7 +22,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
-    from cluster.config import ClusterConfig
+    from kvruntime.messages.config import ClusterConfig
     from cluster.launcher import start, stop
 
     cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=256 << 20)

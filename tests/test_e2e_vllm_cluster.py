@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def vcluster():
-    from cluster.config import ClusterConfig
+    from kvruntime.messages.config import ClusterConfig
     from cluster.launcher import start, stop
 
     cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",

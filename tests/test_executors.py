@@ -4,9 +4,10 @@ import uuid
 
 import pytest
 
-from cluster.plan import PlanKind, Policy
+from kvruntime.messages.plan import PlanKind, Policy
 from cluster.planner import RenderedRequest, RenderedSegment, SessionContext, TierView, plan_request
-from decode_workers.executor import DecodeExecutor, DecodeSummary, SamplingParams, TokenEvent
+from decode_workers.executor import DecodeExecutor
+from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import precompile_chunk, recompute
 from kvtransport.grpc_transport import GrpcTransport
 from prefill_workers.executor import PrefillExecutor

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from cluster.plan import PlanKind, Policy
+from kvruntime.messages.plan import PlanKind, Policy
 from cluster.planner import (EditChoice, PlannerConfig, RenderedRequest, RenderedSegment, SessionContext,
                              TierView, choose_edit_kind, plan_request)
 

@@ -9,7 +9,8 @@ import pytest
 from cluster.metrics import Metrics
 from cluster.render import Registry, Renderer
 from cluster.router import Finished, Router
-from decode_workers.executor import DecodeExecutor, SamplingParams, TokenEvent
+from decode_workers.executor import DecodeExecutor
+from kvruntime.messages.decode import SamplingParams, TokenEvent
 from kvtransport.grpc_transport import GrpcTransport
 from prefill_workers.executor import PrefillExecutor
 from tests.conftest import DictSource

@@ -120,17 +120,3 @@ def test_tier_config_and_remote_url_validation():
         TierConfig(connector="tpu")
     with pytest.raises(ValueError, match="chunk_size"):
         TierConfig(chunk_size=100)
-
-
-def test_registry_round_trips_through_json(tmp_path):
-    from prefill_workers.registry import ChunkRegistry, RegistryEntry
-
-    path = tmp_path / "reg.json"
-    reg = ChunkRegistry(path)
-    e = RegistryEntry("refund-policy", "skill", "tenant-a", key(), "00" * 32, 123, 1.0, 2.0)
-    reg.add(e)
-    again = ChunkRegistry(path).get(e.ident)
-    assert again == e and again.key.token_ids == tuple(IDS)
-    assert ChunkRegistry(path).used_bytes() == 123
-    reg.remove(e.ident)
-    assert len(ChunkRegistry(path)) == 0

@@ -21,7 +21,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed (scripts/dev.sh installs it)")
 
-from decode_workers.executor import DecodeSummary, SamplingParams, TokenEvent  # noqa: E402
+from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent  # noqa: E402
 from kvruntime.fidelity.cases import load_compose_cases, load_edit_cases, load_passages, split_template  # noqa: E402
 from kvruntime.fidelity.runner import _frame  # noqa: E402
 from kvruntime.kv import KVCache  # noqa: E402
@@ -178,7 +178,7 @@ def test_fail_policy_fails_the_request_with_a_clear_error(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         from decode_workers.vllm_engine import VllmDecodeExecutor
-        from decode_workers.executor import SamplingParams
+        from kvruntime.messages.decode import SamplingParams
         vx = VllmDecodeExecutor({MODEL!r}, dtype="float32", load_failure_policy="fail", receive_timeout=1.0,
                                 kv_cache_gib=1, max_model_len=2048)
         try:

@@ -1,5 +1,6 @@
 """Typed configuration, in one place. ``kvnotes serve --config FILE`` reads YAML or JSON into
-:class:`ClusterConfig`; unknown keys and bad values are ``ValueError`` with the key named."""
+:class:`ClusterConfig`; unknown keys and bad values are ``ValueError`` with the key named.
+Every process (router replicas, prefill and decode actors) receives the same frozen value."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,6 +44,15 @@ class ClusterConfig:
     tier_cpu_bytes: int = 512 << 20            # local CPU tier capacity (LMCache; allocated at start)
     tier_disk_path: str | None = None          # local disk tier (LMCache local_disk)
     tier_remote_url: str | None = None         # lm://host:port (lmcache_server), shared by all prefill actors
+    tier_persist_dir: str | None = None        # LMCache fs:// tier: KV survives a restart of the whole cluster
+    # state that survives (registrations, templates, sessions, prompt index, cluster secret)
+    state_url: str | None = None               # None: sqlite:///<data_dir>/state.db; or sqlite:///PATH, redis://HOST:PORT/DB
+    data_dir: str = "~/.local/share/kvnotes"   # default home of the SQLite state file
+    router_replicas: int = 1                   # stateless Serve router replicas (all read the state store)
+    session_ttl_s: float = 86400.0             # a session unused this long is forgotten
+    session_max: int = 100_000                 # and at most this many are kept (least recently used go first)
+    prompt_index_ttl_s: float = 3600.0         # plain-prompt prefix index entries expire after this
+    prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
     tenant: str = "default"                    # tenant salt used when a request names none
     ray_address: str | None = None             # None: start/attach local Ray
 
@@ -61,8 +71,21 @@ class ClusterConfig:
             raise ValueError("port must be in 1..65535")
         if self.seam_tokens < 0 or self.max_tokens_limit < 1 or self.transfer_timeout_s <= 0:
             raise ValueError("seam_tokens >= 0, max_tokens_limit >= 1 and transfer_timeout_s > 0 required")
+        if self.router_replicas < 1:
+            raise ValueError("router_replicas must be >= 1")
+        if self.session_ttl_s <= 0 or self.prompt_index_ttl_s <= 0 or self.session_max < 1 or self.prompt_index_max < 1:
+            raise ValueError("session_ttl_s, prompt_index_ttl_s > 0 and session_max, prompt_index_max >= 1 required")
+        if self.state_url is not None and not self.state_url.startswith(("sqlite:///", "redis://")):
+            raise ValueError(f"state_url must start with sqlite:/// or redis://, got {self.state_url!r}")
         self.prefill.validate("prefill")
         self.decode.validate("decode")
+
+    @property
+    def resolved_state_url(self) -> str:
+        """``state_url``, or the SQLite file in ``data_dir`` (the embedded default)."""
+        if self.state_url:
+            return self.state_url
+        return "sqlite:///" + str(Path(self.data_dir).expanduser() / "state.db")
 
     @staticmethod
     def from_dict(d: dict) -> "ClusterConfig":

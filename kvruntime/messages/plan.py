@@ -1,13 +1,16 @@
 """The plan is a value: what the planner decides, what workers execute, what ``explain`` shows.
 
 Workers carry a :class:`RequestPlan` out step by step and never re-plan (like vLLM's
-``SchedulerOutput``). Token ids travel inside the plan so an executor needs nothing else.
+``SchedulerOutput``). Token ids travel inside the plan, and every step that loads KV names it by
+content (:class:`KVRef`), so an executor needs nothing else: no name map, no registry.
 """
 from __future__ import annotations
 
 import enum
 import hashlib
 from dataclasses import dataclass, field
+
+from kvruntime.messages.keys import token_hash
 
 
 class PlanKind(str, enum.Enum):
@@ -38,6 +41,26 @@ class FieldEdit:
 
 
 @dataclass(frozen=True)
+class KVRef:
+    """KV in the tier, named by content. With the executing worker's model id, KV dtype and RoPE
+    fingerprint it is exactly one :class:`~kvruntime.messages.keys.ChunkKey`."""
+    token_ids: tuple[int, ...]     # tokens of the stored entry (edit-in-place: the old context)
+    position: int                  # canonical position of its first slot (chunks: 1 after BOS; contexts: 0)
+    tenant_salt: str               # keys.tenant_salt(tenant, cluster secret)
+    approx: str = ""               # "" = exact KV; else the digest of the recipe that built it
+
+    @property
+    def exact(self) -> bool:
+        return not self.approx
+
+    @property
+    def digest(self) -> str:
+        """Short display id (listings, ``explain``); the tier key adds model, dtype and RoPE."""
+        raw = f"{self.tenant_salt}|{self.position}|{self.approx or 'exact'}|{token_hash(self.token_ids)}"
+        return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
 class SegmentPlan:
     kind: PlanKind
     source: str                    # "skill:NAME" | "memory:NAME" | "template:NAME" | "text" | "session:ID" | "prompt"
@@ -45,7 +68,7 @@ class SegmentPlan:
     position: int                  # RoPE position of the step's first token in the context
     computed: int                  # tokens that go through a forward pass in this step
     reused: int                    # tokens whose KV is loaded from the tier
-    chunk_key: str | None = None   # tier key (reuse / reposition / session context)
+    kv: KVRef | None = None        # reuse / reposition / edit-in-place: the KV to load
     seam_tokens: int = 0           # reposition: tokens recomputed at the chunk's start
     edits: tuple[FieldEdit, ...] = ()   # erratum / edit-in-place: the changed fields
     field_span: tuple[int, int] | None = None  # edit-in-place: old field's slots in the cached context
@@ -55,6 +78,15 @@ class SegmentPlan:
     @property
     def tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def approximate(self) -> bool:
+        """True if this step's KV is not bit-for-bit what a full prefill would give."""
+        if self.kind is PlanKind.RECOMPUTE:
+            return False
+        if self.kind is PlanKind.REUSE:
+            return self.kv is not None and not self.kv.exact
+        return True
 
 
 @dataclass(frozen=True)
@@ -74,6 +106,10 @@ class RequestPlan:
         return max(kinds, key=_SEVERITY.index) if kinds else PlanKind.RECOMPUTE
 
     @property
+    def prefix_ids(self) -> tuple[int, ...]:
+        return tuple(t for s in self.steps for t in s.token_ids)
+
+    @property
     def prefix_tokens(self) -> int:
         return sum(s.tokens for s in self.steps)
 
@@ -89,26 +125,36 @@ class RequestPlan:
     def computed_tokens(self) -> int:
         return sum(s.computed for s in self.steps) + len(self.suffix_ids)
 
-    def kv_salt(self, tenant: str) -> str:
-        """Salt for a decode engine's own prefix cache (vLLM ``cache_salt``). Exact KV (reuse and
-        recompute steps only) is shared within a tenant; KV built by an approximate step
-        (reposition, erratum, edit) is close to but not bit-equal with a full prefill of the same
-        tokens, so it is shared only with requests built by the same recipe."""
-        recipe = [(s.kind.value, s.source, s.position, s.tokens, s.seam_tokens, s.top_k, s.field_span,
-                   tuple((e.field, e.old, e.new) for e in s.edits))
-                  for s in self.steps if s.kind not in (PlanKind.REUSE, PlanKind.RECOMPUTE)]
-        raw = f"{tenant}\0{self.model}\0{recipe if recipe else 'exact'}"
+    @property
+    def approx(self) -> str:
+        """"" if the prefix KV this plan builds is exact (only recompute and exact reuse), else a
+        digest of the recipe and the tokens: the tag its stored KV carries, so ``exact`` plans
+        never read it and two recipes never share it."""
+        if not any(s.approximate for s in self.steps):
+            return ""
+        recipe = [(s.kind.value, s.position, s.tokens, s.seam_tokens, s.top_k, s.field_span,
+                   s.kv.digest if s.kv else None, tuple((e.field, e.old, e.new) for e in s.edits))
+                  for s in self.steps]
+        raw = f"{self.model}\0{recipe}\0{token_hash(self.prefix_ids)}"
+        return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+    def kv_salt(self, tenant_salt: str) -> str:
+        """Salt for a decode engine's own prefix cache (vLLM ``cache_salt``). Exact KV is shared
+        within a tenant; KV built by an approximate step is close to but not bit-equal with a full
+        prefill of the same tokens, so it is shared only with plans of the same recipe."""
+        raw = f"{tenant_salt}\0{self.model}\0{self.approx or 'exact'}"
         return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
     def explain(self) -> dict:
         """JSON-able description returned when a request asks ``"explain": true``."""
         return {
             "request_id": self.request_id, "model": self.model, "policy": self.policy.value,
-            "kind": self.kind.value, "session": self.session,
+            "kind": self.kind.value, "session": self.session, "exact": not self.approx,
             "prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
             "computed_tokens": self.computed_tokens,
             "steps": [{"kind": s.kind.value, "source": s.source, "tokens": s.tokens, "position": s.position,
                        "computed": s.computed, "reused": s.reused, "seam_tokens": s.seam_tokens,
+                       "kv": s.kv.digest if s.kv else None,
                        "edits": [{"template": e.template, "field": e.field, "old": e.old, "new": e.new}
                                  for e in s.edits],
                        "top_k": s.top_k, "reason": s.reason} for s in self.steps],

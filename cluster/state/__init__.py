@@ -1,0 +1,31 @@
+"""The state store: what must survive a router restart lives here, not in a process.
+
+Registrations (skills and memories: text, token ids, content key, created / last used, whether
+the tier still holds them), templates, sessions (each one's last cached context), the
+plain-prompt prefix index and the cluster secret that salts tenants' KV keys. Router replicas are
+stateless: each reads and writes this store, so a registration made through one replica is
+usable through another at once, and a restarted replica loses nothing.
+
+Two backends behind one interface (``base.StateStore``), passing the same contract tests:
+- ``sqlite:///PATH`` (the embedded default, a file in the data directory; WAL, safe for several
+  processes on one node);
+- ``redis://HOST:PORT/DB`` (multi-node: a real ``redis-server``).
+Sessions and the prompt index are bounded: a TTL and a maximum count (least recently used go
+first), with their sizes exported as gauges.
+"""
+from __future__ import annotations
+
+from cluster.state.base import Registration, StateStore, StoreLimits, TemplateRecord  # noqa: F401
+
+
+def open_state(url: str, limits: "StoreLimits | None" = None) -> StateStore:
+    """Open the store named by ``url`` (``sqlite:///PATH`` or ``redis://HOST:PORT/DB``).
+    Raises ``ValueError`` for an unknown scheme, ``ConnectionError`` when Redis does not answer."""
+    limits = limits or StoreLimits()
+    if url.startswith("sqlite:///"):
+        from cluster.state.sqlite import SqliteState
+        return SqliteState(url[len("sqlite:///"):], limits)
+    if url.startswith("redis://"):
+        from cluster.state.redis_state import RedisState
+        return RedisState(url, limits)
+    raise ValueError(f"state_url must start with sqlite:/// or redis://, got {url!r}")

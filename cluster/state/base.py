@@ -1,0 +1,138 @@
+"""Records of the state store and the interface both backends implement."""
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    session_ttl_s: float = 86400.0       # a session unused this long is gone
+    session_max: int = 100_000           # at most this many sessions (least recently used dropped)
+    prompt_ttl_s: float = 3600.0         # prompt-index entries unused this long are gone
+    prompt_max: int = 200_000            # at most this many prompt-index entries (LRU)
+
+    def __post_init__(self):
+        if min(self.session_ttl_s, self.prompt_ttl_s) <= 0 or min(self.session_max, self.prompt_max) < 1:
+            raise ValueError("TTLs must be > 0 and maximum counts >= 1")
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A registered skill or memory. Its KV is addressed by content (``key``), not by name."""
+    tenant: str
+    kind: str                        # "skill" | "memory"
+    name: str
+    text: str
+    token_ids: tuple[int, ...]       # text tokenized once at registration
+    token_hash: str                  # sha256 of token_ids (kvruntime.messages.keys.token_hash)
+    key: str                         # KVRef.digest of the chunk (display; the tier key is derived)
+    created: float                   # unix seconds
+    last_used: float                 # unix seconds: registration or last request that named it
+    in_tier: bool | None = None      # last seen in the tier (None: not looked up since registration)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(s: str) -> "Registration":
+        d = json.loads(s)
+        return Registration(**{**d, "token_ids": tuple(d["token_ids"])})
+
+
+@dataclass(frozen=True)
+class TemplateRecord:
+    tenant: str
+    name: str
+    text: str                                    # str.format template
+    fields: tuple[str, ...]                      # placeholders in order of appearance
+    labels: tuple[tuple[str, str], ...] = ()     # field -> human label for errata
+    version: str = ""                            # hash of text + labels: a session notices a re-registration
+    created: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(s: str) -> "TemplateRecord":
+        d = json.loads(s)
+        return TemplateRecord(**{**d, "fields": tuple(d["fields"]), "labels": tuple(tuple(x) for x in d["labels"])})
+
+
+class StateStore(ABC):
+    """Durable control-plane state. Every method is one short round trip (SQLite transaction or a
+    few Redis commands), safe to call from several threads, processes and replicas at once.
+    Writes are last-writer-wins per key. Reads of sessions and prompt-index entries refresh their
+    LRU position; expired entries read as absent."""
+
+    limits: StoreLimits
+
+    # ---- registrations (skills, memories) -------------------------------------------------------
+    @abstractmethod
+    def put_registration(self, reg: Registration) -> None:
+        """Insert or replace (tenant, kind, name)."""
+
+    @abstractmethod
+    def get_registration(self, tenant: str, kind: str, name: str) -> Registration | None: ...
+
+    @abstractmethod
+    def list_registrations(self, tenant: str, kind: str) -> list[Registration]:
+        """Sorted by name."""
+
+    @abstractmethod
+    def delete_registration(self, tenant: str, kind: str, name: str) -> bool:
+        """True if it existed."""
+
+    @abstractmethod
+    def mark_used(self, tenant: str, kind: str, name: str, now: float, in_tier: bool | None) -> None:
+        """Record a use (last_used) and, when not None, whether the tier held the chunk."""
+
+    # ---- templates --------------------------------------------------------------------------
+    @abstractmethod
+    def put_template(self, t: TemplateRecord) -> None: ...
+
+    @abstractmethod
+    def get_template(self, tenant: str, name: str) -> TemplateRecord | None: ...
+
+    @abstractmethod
+    def list_templates(self, tenant: str) -> list[TemplateRecord]: ...
+
+    @abstractmethod
+    def delete_template(self, tenant: str, name: str) -> bool: ...
+
+    # ---- sessions (bounded) -------------------------------------------------------------------
+    @abstractmethod
+    def put_session(self, tenant: str, session: str, data: str, now: float) -> None:
+        """Store a session's context (an opaque JSON string, see ``cluster.sessions``)."""
+
+    @abstractmethod
+    def get_session(self, tenant: str, session: str, now: float) -> str | None: ...
+
+    @abstractmethod
+    def delete_session(self, tenant: str, session: str) -> bool: ...
+
+    # ---- plain-prompt prefix index (bounded) --------------------------------------------------
+    @abstractmethod
+    def put_prompt_blocks(self, tenant: str, blocks: dict[str, int], now: float) -> None:
+        """``blocks``: hash of a prompt prefix -> its length in tokens."""
+
+    @abstractmethod
+    def get_prompt_blocks(self, tenant: str, hashes: list[str], now: float) -> dict[str, int]:
+        """The subset of ``hashes`` present (not expired), with their lengths."""
+
+    # ---- cluster secret, sizes, lifecycle -----------------------------------------------------
+    @abstractmethod
+    def secret(self) -> bytes:
+        """The cluster's secret (32 random bytes), created by the first caller, the same for all."""
+
+    @abstractmethod
+    def sizes(self, now: float) -> dict[str, int]:
+        """Live entries: ``sessions``, ``prompt_index``, ``registrations``, ``templates``."""
+
+    @abstractmethod
+    def expire(self, now: float) -> dict[str, int]:
+        """Drop expired and over-limit sessions / prompt entries now; returns how many of each."""
+
+    def close(self) -> None:
+        """Release connections."""

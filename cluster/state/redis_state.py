@@ -1,0 +1,163 @@
+"""Redis backend (multi-node): a real ``redis-server`` named by ``state_url: redis://HOST:PORT/DB``.
+
+Layout (every key under the prefix ``kvn:``; tenant and names are JSON-encoded inside key names,
+so no separator can be forged):
+- ``kvn:reg:[tenant,kind]``   hash  name -> Registration JSON
+- ``kvn:tpl:[tenant]``        hash  name -> TemplateRecord JSON
+- ``kvn:sess:[tenant,id]``    string (session JSON) with a TTL; ``kvn:sess-lru`` zset member -> last use
+- ``kvn:pfx:[tenant,hash]``   string (tokens) with a TTL;        ``kvn:pfx-lru``  zset member -> last use
+- ``kvn:secret``              the cluster secret (SET NX)
+TTLs are Redis' own; the maximum counts are enforced by trimming the LRU zsets on write.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from cluster.state.base import Registration, StateStore, StoreLimits, TemplateRecord
+
+P = "kvn:"
+
+
+def _k(kind: str, *parts) -> str:
+    return P + kind + ":" + json.dumps(list(parts), separators=(",", ":"))
+
+
+class RedisState(StateStore):
+    def __init__(self, url: str, limits: StoreLimits = StoreLimits()):
+        import redis
+
+        self.limits = limits
+        self.r = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        try:
+            self.r.ping()
+        except redis.RedisError as exc:
+            raise ConnectionError(f"state store {url} does not answer: {exc}") from None
+
+    # ---- registrations ------------------------------------------------------------------------
+    def put_registration(self, reg):
+        self.r.hset(_k("reg", reg.tenant, reg.kind), reg.name, reg.to_json())
+
+    def get_registration(self, tenant, kind, name):
+        v = self.r.hget(_k("reg", tenant, kind), name)
+        return Registration.from_json(v) if v else None
+
+    def list_registrations(self, tenant, kind):
+        d = self.r.hgetall(_k("reg", tenant, kind))
+        return [Registration.from_json(d[n]) for n in sorted(d)]
+
+    def delete_registration(self, tenant, kind, name):
+        return bool(self.r.hdel(_k("reg", tenant, kind), name))
+
+    def mark_used(self, tenant, kind, name, now, in_tier):
+        from dataclasses import replace
+        key = _k("reg", tenant, kind)
+        v = self.r.hget(key, name)
+        if v:
+            reg = Registration.from_json(v)
+            reg = replace(reg, last_used=now, in_tier=reg.in_tier if in_tier is None else in_tier)
+            self.r.hset(key, name, reg.to_json())
+
+    # ---- templates --------------------------------------------------------------------------
+    def put_template(self, t):
+        self.r.hset(_k("tpl", t.tenant), t.name, t.to_json())
+
+    def get_template(self, tenant, name):
+        v = self.r.hget(_k("tpl", tenant), name)
+        return TemplateRecord.from_json(v) if v else None
+
+    def list_templates(self, tenant):
+        d = self.r.hgetall(_k("tpl", tenant))
+        return [TemplateRecord.from_json(d[n]) for n in sorted(d)]
+
+    def delete_template(self, tenant, name):
+        return bool(self.r.hdel(_k("tpl", tenant), name))
+
+    # ---- bounded maps (sessions, prompt index) ------------------------------------------------
+    def _put_bounded(self, kind: str, items: dict[str, str], ttl: float, cap: int, now: float) -> None:
+        lru = P + kind + "-lru"
+        pipe = self.r.pipeline()
+        for key, value in items.items():
+            pipe.set(key, value, px=int(ttl * 1000))
+            pipe.zadd(lru, {key: now})
+        pipe.execute()
+        over = self.r.zcard(lru) - cap
+        if over > 0:
+            dropped = [m for m, _ in self.r.zpopmin(lru, over)]
+            if dropped:
+                self.r.delete(*dropped)
+
+    def _get_bounded(self, kind: str, keys: list[str], ttl: float, now: float) -> list:
+        lru = P + kind + "-lru"
+        pipe = self.r.pipeline()
+        for key in keys:
+            pipe.get(key)
+            pipe.pexpire(key, int(ttl * 1000))
+        out = pipe.execute()[0::2]
+        hits = {k: now for k, v in zip(keys, out) if v is not None}
+        if hits:
+            self.r.zadd(lru, hits, xx=True)
+        return out
+
+    def put_session(self, tenant, session, data, now):
+        self._put_bounded("sess", {_k("sess", tenant, session): data}, self.limits.session_ttl_s,
+                          self.limits.session_max, now)
+
+    def get_session(self, tenant, session, now):
+        v = self._get_bounded("sess", [_k("sess", tenant, session)], self.limits.session_ttl_s, now)[0]
+        return v.decode() if v is not None else None
+
+    def delete_session(self, tenant, session):
+        key = _k("sess", tenant, session)
+        self.r.zrem(P + "sess-lru", key)
+        return bool(self.r.delete(key))
+
+    def put_prompt_blocks(self, tenant, blocks, now):
+        if blocks:
+            self._put_bounded("pfx", {_k("pfx", tenant, h): str(n) for h, n in blocks.items()},
+                              self.limits.prompt_ttl_s, self.limits.prompt_max, now)
+
+    def get_prompt_blocks(self, tenant, hashes, now):
+        if not hashes:
+            return {}
+        vals = self._get_bounded("pfx", [_k("pfx", tenant, h) for h in hashes], self.limits.prompt_ttl_s, now)
+        return {h: int(v) for h, v in zip(hashes, vals) if v is not None}
+
+    # ---- secret, sizes, expiry ----------------------------------------------------------------
+    def secret(self):
+        self.r.set(P + "secret", os.urandom(32), nx=True)
+        return bytes(self.r.get(P + "secret"))
+
+    def _prune(self, kind: str, ttl: float, now: float) -> int:
+        """Drop LRU members whose key expired (Redis removed the value itself)."""
+        lru = P + kind + "-lru"
+        stale = self.r.zrangebyscore(lru, "-inf", now - ttl)
+        if stale:
+            self.r.zrem(lru, *stale)
+            self.r.delete(*stale)
+        return len(stale)
+
+    def sizes(self, now):
+        self._prune("sess", self.limits.session_ttl_s, now)
+        self._prune("pfx", self.limits.prompt_ttl_s, now)
+        regs = sum(self.r.hlen(k) for k in self.r.scan_iter(P + "reg:*"))
+        tpls = sum(self.r.hlen(k) for k in self.r.scan_iter(P + "tpl:*"))
+        return {"sessions": self.r.zcard(P + "sess-lru"), "prompt_index": self.r.zcard(P + "pfx-lru"),
+                "registrations": regs, "templates": tpls}
+
+    def expire(self, now):
+        out = {}
+        for kind, ttl, cap in (("sess", self.limits.session_ttl_s, self.limits.session_max),
+                               ("pfx", self.limits.prompt_ttl_s, self.limits.prompt_max)):
+            n = self._prune(kind, ttl, now)
+            lru = P + kind + "-lru"
+            over = self.r.zcard(lru) - cap
+            if over > 0:
+                dropped = [m for m, _ in self.r.zpopmin(lru, over)]
+                self.r.delete(*dropped)
+                n += len(dropped)
+            out["sessions" if kind == "sess" else "prompt_index"] = n
+        return out
+
+    def close(self):
+        self.r.close()

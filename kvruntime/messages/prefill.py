@@ -1,0 +1,38 @@
+"""What a prefill worker reports back to the router after executing a plan's prefix steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PrefillStats:
+    computed: int = 0                 # tokens through a forward pass
+    reused: int = 0                   # tokens loaded exactly (reuse)
+    repositioned: int = 0             # tokens loaded and re-rotated
+    erratum: int = 0                  # erratum tokens computed
+    tier_lookups: int = 0
+    tier_hits: int = 0
+    rewarmed: int = 0                 # chunks missing from this worker's tier, recomputed and stored back
+    fallbacks: list[str] = field(default_factory=list)   # reasons, one per fallback taken
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    transfer_id: str
+    prefix_tokens: int
+    seconds: float                    # building the prefix KV
+    transfer_bytes: int
+    transfer_seconds: float
+    stats: PrefillStats
+    transferred: bool                 # False: the decode worker must recompute (reason in stats.fallbacks)
+    stored: bool = False              # the prefix KV was stored in the tier under the requested ref
+
+
+@dataclass(frozen=True)
+class PrecompileInfo:
+    """Result of registering one chunk on a prefill worker."""
+    cached: bool                      # True: the tier already held this content (no prefill ran)
+    bytes: int                        # KV bytes stored (0 when cached)
+    seconds: float                    # wall time on the worker
+    worker: str                       # which prefill worker answered

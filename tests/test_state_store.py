@@ -1,0 +1,137 @@
+"""Contract tests of the state store: SQLite and a real redis-server pass the same tests."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from cluster.state import Registration, StoreLimits, TemplateRecord, open_state
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/state.db"
+    return request.getfixturevalue("redis_url")
+
+
+def reg(name="refund", tenant="acme", kind="skill", ids=(1, 2, 3), t=100.0):
+    return Registration(tenant, kind, name, "text " + name, tuple(ids), "ab" * 32, "cd" * 16, t, t)
+
+
+def test_registrations_round_trip_per_tenant_and_kind(store_url):
+    s = open_state(store_url)
+    s.put_registration(reg("b"))
+    s.put_registration(reg("a"))
+    s.put_registration(reg("a", kind="memory", ids=(9,)))
+    s.put_registration(reg("a", tenant="globex"))
+    assert [r.name for r in s.list_registrations("acme", "skill")] == ["a", "b"]
+    assert s.get_registration("acme", "memory", "a").token_ids == (9,)
+    assert s.get_registration("acme", "skill", "zz") is None
+    assert s.get_registration("globex", "memory", "a") is None
+    s.mark_used("acme", "skill", "a", 200.0, in_tier=False)
+    r = s.get_registration("acme", "skill", "a")
+    assert r.last_used == 200.0 and r.in_tier is False and r.created == 100.0
+    s.mark_used("acme", "skill", "a", 300.0, in_tier=None)          # None keeps the last known status
+    assert s.get_registration("acme", "skill", "a").in_tier is False
+    assert s.delete_registration("acme", "skill", "a") and not s.delete_registration("acme", "skill", "a")
+    assert [r.name for r in s.list_registrations("acme", "skill")] == ["b"]
+    assert [r.name for r in s.list_registrations("globex", "skill")] == ["a"]
+    s.close()
+
+
+def test_names_with_separators_cannot_collide(store_url):
+    s = open_state(store_url)
+    s.put_registration(reg("x", tenant="a:b", kind="skill"))
+    s.put_registration(reg("b:x", tenant="a", kind="skill"))
+    s.put_registration(reg("a/b", tenant='t"]', kind="skill"))
+    assert [r.name for r in s.list_registrations("a:b", "skill")] == ["x"]
+    assert [r.name for r in s.list_registrations("a", "skill")] == ["b:x"]
+    assert s.get_registration('t"]', "skill", "a/b") is not None
+    s.close()
+
+
+def test_templates_replace_and_delete(store_url):
+    s = open_state(store_url)
+    s.put_template(TemplateRecord("acme", "booking", "Status: {status}", ("status",), (("status", "flight status"),), "v1"))
+    s.put_template(TemplateRecord("acme", "booking", "State: {status}", ("status",), (), "v2"))
+    t = s.get_template("acme", "booking")
+    assert t.text == "State: {status}" and t.version == "v2" and t.fields == ("status",)
+    assert s.get_template("globex", "booking") is None
+    assert [x.name for x in s.list_templates("acme")] == ["booking"]
+    assert s.delete_template("acme", "booking") and s.get_template("acme", "booking") is None
+    s.close()
+
+
+def test_sessions_expire_after_ttl_and_are_bounded_lru(store_url):
+    s = open_state(store_url, StoreLimits(session_ttl_s=0.5, session_max=3))
+    now = time.time()
+    s.put_session("acme", "s1", '{"a": 1}', now)
+    assert s.get_session("acme", "s1", now) == '{"a": 1}'
+    assert s.get_session("globex", "s1", now) is None
+    time.sleep(0.8)
+    now = time.time()
+    assert s.get_session("acme", "s1", now) is None                    # expired
+    s.close()
+    s = open_state(store_url, StoreLimits(session_ttl_s=600, session_max=3))   # LRU bound, no expiry
+    for i in range(3):
+        s.put_session("acme", f"k{i}", str(i), now + i)
+    assert s.get_session("acme", "k0", now + 2.5) == "0"                 # k0 is recent again
+    s.put_session("acme", "k3", "3", now + 3)
+    s.put_session("acme", "k4", "4", now + 4)
+    s.expire(now + 4)
+    left = {k for k in ("k0", "k1", "k2", "k3", "k4") if s.get_session("acme", k, now + 5) is not None}
+    assert left == {"k0", "k3", "k4"}, left
+    assert s.sizes(now + 5)["sessions"] == 3
+    assert s.delete_session("acme", "k0") and s.get_session("acme", "k0", now + 0.1) is None
+    s.close()
+
+
+def test_prompt_index_bounded_and_per_tenant(store_url):
+    s = open_state(store_url, StoreLimits(prompt_ttl_s=60, prompt_max=4))
+    now = time.time()
+    s.put_prompt_blocks("acme", {"h1": 256, "h2": 512}, now)
+    assert s.get_prompt_blocks("acme", ["h1", "h2", "h3"], now) == {"h1": 256, "h2": 512}
+    assert s.get_prompt_blocks("globex", ["h1"], now) == {}
+    s.put_prompt_blocks("acme", {f"x{i}": i for i in range(4)}, now + 1)
+    s.expire(now + 1)
+    assert s.sizes(now + 1)["prompt_index"] == 4
+    assert s.get_prompt_blocks("acme", ["h1", "h2"], now + 1) == {}    # the oldest went first
+    s.close()
+
+
+def test_secret_is_created_once_and_shared(store_url):
+    a, b = open_state(store_url), open_state(store_url)
+    sa = a.secret()
+    assert len(sa) == 32 and b.secret() == sa and a.secret() == sa
+    a.close(), b.close()
+
+
+def _writer(url: str, tenant: str, n: int) -> None:
+    s = open_state(url)
+    for i in range(n):
+        s.put_registration(reg(f"r{i}", tenant=tenant))
+        s.put_session(tenant, f"s{i}", "{}", time.time())
+    s.close()
+
+
+def test_several_processes_write_at_once(store_url):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(store_url, f"t{j}", 40)) for j in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    s = open_state(store_url)
+    assert all(len(s.list_registrations(f"t{j}", "skill")) == 40 for j in range(3))
+    assert s.sizes(time.time())["sessions"] == 120
+    s.close()
+
+
+def test_bad_urls_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="sqlite:/// or redis://"):
+        open_state("postgres://x")
+    with pytest.raises(ConnectionError, match="does not answer"):
+        open_state("redis://127.0.0.1:1/0")
