@@ -1,0 +1,62 @@
+"""The prefill worker's view of the KV tier: content references in, KV out.
+
+A plan names KV by content (:class:`~kvruntime.messages.plan.KVRef`); with this worker's model,
+KV dtype and RoPE fingerprint that is exactly one :class:`~kvruntime.messages.keys.ChunkKey`
+(``kvtransport.store.key_for``). No name map is kept: any prefill actor finds any chunk its tiers
+hold, after a restart too (``fs://``, ``lm://``). A registered chunk missing from this worker's
+tiers (evicted, or never loaded on this node) is *re-warmed*: precompiled at its canonical
+position and stored back, counted by the caller.
+"""
+from __future__ import annotations
+
+import time
+
+from kvruntime.kv import KVCache
+from kvruntime.messages.keys import ChunkKey
+from kvruntime.messages.plan import KVRef
+from kvruntime.messages.prefill import PrecompileInfo
+from kvtransport.store import KVStore, key_for
+
+
+class PrefillTier:
+    def __init__(self, store: KVStore, engine, worker: str = "prefill"):
+        self.store, self.engine, self.worker = store, engine, worker
+
+    def key(self, ref: KVRef) -> ChunkKey:
+        return key_for(self.engine, ref)
+
+    def contains(self, refs: list[KVRef]) -> list[bool]:
+        """One bounded tier lookup per ref (copies nothing)."""
+        return self.store.contains_many([self.key(r) for r in refs])
+
+    def get(self, ref: KVRef) -> KVCache | None:
+        return self.store.get(self.key(ref))
+
+    def put(self, ref: KVRef, kv: KVCache) -> int:
+        """Store ``kv`` (its slots must sit at ``ref.position`` onwards); returns bytes."""
+        return self.store.put(self.key(ref), kv)
+
+    def evict(self, ref: KVRef) -> bool:
+        return self.store.evict(self.key(ref))
+
+    def compile(self, ref: KVRef) -> KVCache:
+        """Prefill ``ref``'s tokens at their canonical position (a chunk: after BOS, whose slot is
+        dropped) and store the result. Only exact chunks can be compiled from tokens alone."""
+        from kvruntime.ops import precompile_chunk
+
+        if not ref.exact:
+            raise ValueError("approximate KV cannot be recompiled from its tokens alone")
+        want = 0 if self.engine.bos_id is None else 1
+        if ref.position != want:
+            raise ValueError(f"a chunk compiles at canonical position {want}, the ref says {ref.position}")
+        kv = precompile_chunk(self.engine, list(ref.token_ids))
+        self.put(ref, kv)
+        return kv
+
+    def precompile(self, ref: KVRef) -> PrecompileInfo:
+        """Idempotent by content: a chunk the tiers already hold is not prefilled again."""
+        if self.store.contains(self.key(ref)):
+            return PrecompileInfo(True, 0, 0.0, self.worker)
+        t = time.perf_counter()
+        kv = self.compile(ref)
+        return PrecompileInfo(False, kv.nbytes, time.perf_counter() - t, self.worker)
