@@ -173,7 +173,8 @@ async def register(router: Router, kind: str, body, tenant: str) -> Response:
             if extra:
                 raise RequestError(400, f"unknown field(s): {', '.join(sorted(extra))}")
             t = router.registry.add_template(tenant, name, text, body.get("labels"))
-            return JSONResponse({"name": t.name, "kind": "template", "fields": list(t.fields)}, status_code=201)
+            return JSONResponse({"name": t.name, "kind": "template", "fields": list(t.fields), "version": t.version},
+                                status_code=201)
         extra = set(body) - {"name", "text"}
         if extra:
             raise RequestError(400, f"unknown field(s): {', '.join(sorted(extra))}")
@@ -182,11 +183,15 @@ async def register(router: Router, kind: str, body, tenant: str) -> Response:
         return error_response(exc)
 
 
-def listing(router: Router, kind: str, tenant: str) -> Response:
-    if kind == "template":
-        items = [{"name": t.name, "fields": list(t.fields)} for t in router.registry.templates(tenant)]
-    else:
-        items = [{"name": c.name, "tokens": len(c.token_ids), "key": c.key} for c in router.registry.chunks(tenant, kind)]
+async def listing(router: Router, kind: str, tenant: str) -> Response:
+    try:
+        if kind == "template":
+            items = [{"name": t.name, "fields": list(t.fields), "version": t.version}
+                     for t in router.registry.templates(tenant)]
+        else:
+            items = await router.listing(kind, tenant)
+    except Exception as exc:
+        return error_response(exc)
     return JSONResponse({"object": "list", "data": items})
 
 

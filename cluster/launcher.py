@@ -37,7 +37,8 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     start_workers(cfg)
     log.info("workers ready in %.1f s", time.monotonic() - t)
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
-    serve.run(RouterIngress.bind(cfg), name="kvnotes", route_prefix="/", blocking=False)
+    serve.run(RouterIngress.options(num_replicas=cfg.router_replicas).bind(cfg), name="kvnotes", route_prefix="/",
+              blocking=False)
 
 
 def stop(cfg: ClusterConfig) -> None:

@@ -33,6 +33,13 @@ class Metrics:
                                          buckets=(0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0), registry=r)
         self.rope_self_test = Gauge("kvnotes_rope_selftest_ok", "1 if the RoPE re-rotation self-test passed",
                                     ["worker"], registry=r)
+        self.tier_rewarms = Counter("kvnotes_tier_rewarms_total",
+                                    "Registered chunks missing from a worker's tier, recompiled and stored back",
+                                    registry=r)
+        self.registrations = Counter("kvnotes_registrations_total", "Skill/memory registrations by result",
+                                     ["kind", "result"], registry=r)
+        self.state_entries = Gauge("kvnotes_state_entries", "Entries in the state store (sessions and the prompt "
+                                   "index are bounded by TTL and count)", ["kind"], registry=r)
         for src in ("reused", "repositioned", "erratum", "computed"):
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
 

@@ -2,10 +2,12 @@
 the tier holds, the session's last context and the policy to a frozen :class:`RequestPlan`.
 
 Rules (per segment, left to right; DESIGN.md section 3):
-- session context unchanged                    -> reuse it whole (any policy)
+- session context unchanged                    -> reuse it whole (an ``exact`` request only if that
+  context KV is exact; a context whose template was re-registered is planned from scratch)
 - session context with edited template fields  -> erratum or edit-in-place (policy ``fast``;
   which one comes from the model's fidelity table, see :func:`choose_edit_kind`)
-- skill / memory precompiled in the tier       -> reposition + seam (``balanced``, ``fast``)
+- skill / memory                               -> reposition + seam (``balanced``, ``fast``); one the
+  tier no longer holds is re-warmed first (compiled at its canonical position and stored back)
 - plain prompt with a cached prefix            -> reuse the prefix (any policy)
 - everything else                              -> recompute
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvruntime.messages.plan import FieldEdit, PlanKind, Policy, RequestPlan, SegmentPlan
+from kvruntime.messages.plan import FieldEdit, KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
 from kvruntime.errata import DEFAULT_ERRATUM_STYLE, erratum_text
 
 
@@ -23,10 +25,11 @@ class RenderedSegment:
     kind: str                                   # "frame" | "skill" | "memory" | "template" | "text" | "prompt"
     name: str | None
     token_ids: tuple[int, ...]
-    chunk_key: str | None = None                # tier key of the precompiled chunk (skill/memory)
+    kv: KVRef | None = None                     # skill/memory: content address of the precompiled chunk
     fields: tuple[tuple[str, str], ...] = ()    # template: (field, value) in placeholder order
     field_spans: tuple[tuple[str, int, int], ...] = ()  # template: (field, start, end) offsets in token_ids
     labels: tuple[tuple[str, str], ...] = ()    # template: (field, human label for errata)
+    version: str = ""                           # template: version of its text (a re-registration changes it)
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,9 @@ class RenderedRequest:
 @dataclass(frozen=True)
 class TierView:
     """What the tier holds, as seen when planning (a snapshot, not a live handle)."""
-    chunk_keys: frozenset[str] = frozenset()    # precompiled chunks present
+    chunk_keys: frozenset[str] = frozenset()    # KVRef.digest of the precompiled chunks the tier holds
     prompt_prefix_hit: int = 0                  # plain prompts: tokens of the longest cached prefix
-    prompt_prefix_key: str | None = None        # and its tier key
+    prompt_prefix_kv: KVRef | None = None       # and its content address
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class SessionContext:
     """A session's last cached context: the rendered segments it was built from and what was
     appended since (errata), so the next turn can reuse it whole."""
     session: str
-    context_key: str                            # tier key of the cached context KV
+    context: KVRef                              # the cached context KV (position 0; exact or approximate)
     segments: tuple[RenderedSegment, ...]       # as first rendered (original field values)
     token_ids: tuple[int, ...]                  # every token of the cached context (incl. errata)
     current_fields: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()  # template -> effective fields
@@ -120,21 +123,24 @@ def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView
     n = len(seg.token_ids)
     if seg.kind == "prompt" and tier.prompt_prefix_hit > 0 and pos == 0:
         hit = min(tier.prompt_prefix_hit, n)
-        steps = [SegmentPlan(PlanKind.REUSE, source, seg.token_ids[:hit], pos, 0, hit, tier.prompt_prefix_key,
+        steps = [SegmentPlan(PlanKind.REUSE, source, seg.token_ids[:hit], pos, 0, hit, tier.prompt_prefix_kv,
                              reason=f"cached prompt prefix of {hit} tokens")]
         if hit < n:
             steps.append(SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids[hit:], pos + hit, n - hit, 0,
                                      reason="prompt after the cached prefix"))
         return steps
     if seg.kind in ("skill", "memory"):
-        if seg.chunk_key is None or seg.chunk_key not in tier.chunk_keys:
-            notes.append(f"{source} is not precompiled in the tier: recomputed")
-            return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="not in tier")]
+        if seg.kv is None:
+            return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="not registered")]
         if policy is Policy.EXACT:
             return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0,
                                 reason="policy exact: a repositioned chunk is not bit-identical to recompute")]
         k = min(config.seam_tokens, n)
-        return [SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, k, n - k, seg.chunk_key, seam_tokens=k,
+        if seg.kv.digest not in tier.chunk_keys:
+            notes.append(f"{source} is not in the tier: re-warmed (compiled and stored back) before use")
+            return [SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, n, 0, seg.kv, seam_tokens=k,
+                                reason=f"evicted chunk re-warmed, then moved to position {pos}")]
+        return [SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, k, n - k, seg.kv, seam_tokens=k,
                             reason=f"precompiled chunk moved to position {pos}, {k} seam token(s) recomputed")]
     return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="computed in context")]
 
@@ -146,6 +152,9 @@ def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, confi
     if len(req.context) != len(sess.segments):
         notes.append("session context has a different shape: planned from scratch")
         return None
+    if req.policy is Policy.EXACT and not sess.context.exact:
+        notes.append("session context KV was built by an approximate operation; policy exact: planned from scratch")
+        return None
     current = {name: dict(fields) for name, fields in sess.current_fields}
     edits: list[FieldEdit] = []
     spans: list[tuple[int, int]] = []
@@ -153,6 +162,9 @@ def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, confi
     for new, old in zip(req.context, sess.segments):
         if new.kind != old.kind or new.name != old.name:
             notes.append("session context has different segments: planned from scratch")
+            return None
+        if new.kind == "template" and new.version != old.version:
+            notes.append(f"template {new.name!r} was re-registered since the session's context: planned from scratch")
             return None
         if new.kind == "template":
             now = current.get(new.name, dict(old.fields))
@@ -169,7 +181,7 @@ def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, confi
     src = f"session:{sess.session}"
     ctx = sess.token_ids
     if not edits:
-        return [SegmentPlan(PlanKind.REUSE, src, ctx, 0, 0, len(ctx), sess.context_key,
+        return [SegmentPlan(PlanKind.REUSE, src, ctx, 0, 0, len(ctx), sess.context,
                             reason=f"session context unchanged ({len(ctx)} tokens)")]
     if req.policy is not Policy.FAST:
         notes.append(f"{len(edits)} field edit(s) under policy {req.policy.value}: recomputed (erratum needs 'fast')")
@@ -187,14 +199,14 @@ def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, confi
         new_ids = tuple(encode(e.new))
         return [SegmentPlan(PlanKind.EDIT_IN_PLACE, src, ctx[:spans[0][0]] + new_ids + ctx[spans[0][1]:], 0,
                             len(new_ids) + choice.top_k, len(ctx) - (spans[0][1] - spans[0][0]) - choice.top_k,
-                            sess.context_key, edits=(e,), field_span=spans[0], top_k=choice.top_k,
+                            sess.context, edits=(e,), field_span=spans[0], top_k=choice.top_k,
                             reason=f"edit-in-place chosen by {choice.reason}")]
     if choice.kind is PlanKind.EDIT_IN_PLACE:
         notes.append("edit-in-place needs exactly one edit on an uncorrected context: erratum instead")
     text = "".join(erratum_text(e.label, e.new, old=e.old, style=choice.erratum_style) for e in edits)
     err_ids = tuple(encode(text))
     return [
-        SegmentPlan(PlanKind.REUSE, src, ctx, 0, 0, len(ctx), sess.context_key,
+        SegmentPlan(PlanKind.REUSE, src, ctx, 0, 0, len(ctx), sess.context,
                     reason=f"old context reused whole ({len(ctx)} tokens)"),
         SegmentPlan(PlanKind.ERRATUM, "erratum", err_ids, len(ctx), len(err_ids), 0, edits=tuple(edits),
                     reason=f"{len(edits)} field(s) corrected by an appended erratum ({choice.reason})"),

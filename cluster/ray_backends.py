@@ -1,7 +1,7 @@
 """Ray wiring: create the prefill and decode actors from config and expose them to the router
 as :class:`~cluster.router.Backends`.
 
-Topology: HTTP -> Serve ingress (router, one replica) -> prefill actor (plan execution, LMCache
+Topology: HTTP -> Serve ingress (router, ``router_replicas`` stateless replicas) -> prefill actor (plan execution, LMCache
 tier) --gRPC KV block--> decode actor (suffix prefill, decode) -> tokens streamed back to the
 ingress through a Ray streaming generator. Workers are *named, detached-from-Serve actors*
 rather than Serve deployments: a request must reach one specific decode actor (the one the KV
@@ -72,19 +72,28 @@ class RayBackends:
         dec = [ray.get_actor(f"decode-{i}", namespace=NAMESPACE) for i in range(cfg.decode.count)]
         return RayBackends(pre, dec)
 
-    async def contains(self, keys: list[str], index: int = 0) -> set[str]:
-        return set(await self.prefill_actors[index].contains.remote(keys))
+    async def contains(self, refs, index: int = 0) -> list[bool]:
+        return await self.prefill_actors[index].contains.remote(refs)
 
-    async def precompile(self, key: str, token_ids: tuple[int, ...], tenant: str) -> dict:
-        # every prefill actor holds every chunk (their local tiers are not shared)
-        infos = [await a.precompile.remote(key, token_ids, tenant) for a in self.prefill_actors]
-        return {"cached": all(i["cached"] for i in infos), "bytes": max(i["bytes"] for i in infos),
-                "seconds": max(i["seconds"] for i in infos)}
+    async def precompile(self, ref, index: int = 0):
+        """Compile once, on one prefill actor (``index`` first, then the next ones if it fails):
+        it lands in that actor's tiers (shared ones: ``lm://``, ``fs://``); other actors find it
+        there or re-warm it on first use. Fails only when every prefill actor failed."""
+        errors = []
+        for k in range(self.num_prefill):
+            actor = self.prefill_actors[(index + k) % self.num_prefill]
+            try:
+                return await actor.precompile.remote(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                errors.append(f"prefill-{(index + k) % self.num_prefill}: {type(exc).__name__}")
+                log.warning("precompile on prefill-%d failed (%s); trying the next actor",
+                            (index + k) % self.num_prefill, exc)
+        raise RuntimeError(f"no prefill actor could precompile the chunk: {'; '.join(errors)}")
 
-    async def evict(self, key: str) -> bool:
-        return any([await a.evict.remote(key) for a in self.prefill_actors])
+    async def evict(self, ref) -> bool:
+        return any([await a.evict.remote(ref) for a in self.prefill_actors])
 
-    async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as: str | None):
+    async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as):
         return await self.prefill_actors[index].execute.remote(plan, self.addresses[decode_index], transfer_id, store_as)
 
     async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str):

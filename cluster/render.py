@@ -1,5 +1,4 @@
-"""Registries of named context (skills, memories, templates) and rendering a request's
-segments into token ids: the step before planning.
+"""Rendering a request's segments into token ids: the step before planning.
 
 Pieces are joined by token ids, never by text (BPE merges differently across seams): each
 skill/memory is tokenized once at registration, each template literal and field value
@@ -7,125 +6,13 @@ separately, so a field's token span is known exactly.
 """
 from __future__ import annotations
 
-import hashlib
 import string
-import threading
-from dataclasses import dataclass
 
 from cluster.errors import RequestError
-from kvruntime.messages.plan import Policy
 from cluster.planner import RenderedRequest, RenderedSegment
-
-MAX_NAME = 128
-
-
-def chunk_key(model_id: str, dtype: str, tenant: str, token_ids) -> str:
-    """Tier key of a chunk precompiled at its canonical position: everything that changes the
-    KV bytes (model weights id incl. RoPE config, dtype, position, tokens) plus the tenant."""
-    h = hashlib.sha256(f"{model_id}|{dtype}|canonical-after-bos|{tenant}|".encode())
-    h.update(",".join(map(str, token_ids)).encode())
-    return "chunk-" + h.hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class Chunk:
-    kind: str                       # "skill" | "memory"
-    name: str
-    tenant: str
-    text: str
-    token_ids: tuple[int, ...]      # text + "\n\n", tokenized once
-    key: str                        # tier key (chunk_key)
-
-
-@dataclass(frozen=True)
-class Template:
-    name: str
-    tenant: str
-    text: str                                    # str.format template
-    fields: tuple[str, ...]                      # placeholders in order of appearance
-    labels: tuple[tuple[str, str], ...] = ()     # field -> human label for errata
-
-
-def _check_name(name) -> str:
-    if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME:
-        raise RequestError(400, f"name must be a non-empty string of at most {MAX_NAME} characters")
-    return name
-
-
-class Registry:
-    """Named skills, memories and templates per tenant. Thread-safe."""
-
-    def __init__(self):
-        self._chunks: dict[tuple[str, str, str], Chunk] = {}     # (tenant, kind, name) -> chunk
-        self._templates: dict[tuple[str, str], Template] = {}    # (tenant, name) -> template
-        self._lock = threading.Lock()
-
-    def add_chunk(self, chunk: Chunk) -> None:
-        with self._lock:
-            self._chunks[(chunk.tenant, chunk.kind, chunk.name)] = chunk
-
-    def chunk(self, tenant: str, kind: str, name: str) -> Chunk:
-        with self._lock:
-            c = self._chunks.get((tenant, kind, name))
-        if c is None:
-            raise RequestError(404, f"unknown {kind} {name!r}; register it with POST /v1/{kind}s", code=f"{kind}_not_found")
-        return c
-
-    def chunks(self, tenant: str, kind: str) -> list[Chunk]:
-        with self._lock:
-            return [c for (t, k, _), c in sorted(self._chunks.items()) if t == tenant and k == kind]
-
-    def remove_chunk(self, tenant: str, kind: str, name: str) -> Chunk:
-        c = self.chunk(tenant, kind, name)
-        with self._lock:
-            self._chunks.pop((tenant, kind, name), None)
-        return c
-
-    def add_template(self, tenant: str, name: str, text: str, labels: dict | None = None) -> Template:
-        _check_name(name)
-        if not isinstance(text, str) or not text.strip():
-            raise RequestError(400, "template text must be a non-empty string")
-        try:
-            parsed = list(string.Formatter().parse(text))
-        except ValueError as exc:
-            raise RequestError(400, f"template text is not a valid {{field}} template: {exc}") from None
-        fields = []
-        for _, f, spec, conv in parsed:
-            if f is None:
-                continue
-            if not f.isidentifier() or spec or conv:
-                raise RequestError(400, f"template placeholder {{{f}}} must be a plain identifier")
-            if f in fields:
-                raise RequestError(400, f"template placeholder {{{f}}} appears twice; each field must appear once")
-            fields.append(f)
-        if not fields:
-            raise RequestError(400, "template has no {field} placeholders; register plain text as a skill")
-        labels = labels or {}
-        if not isinstance(labels, dict) or set(labels) - set(fields):
-            raise RequestError(400, "labels must map template fields to human-readable names")
-        t = Template(name, tenant, text, tuple(fields), tuple(sorted(labels.items())))
-        with self._lock:
-            self._templates[(tenant, name)] = t
-        return t
-
-    def template(self, tenant: str, name: str) -> Template:
-        with self._lock:
-            t = self._templates.get((tenant, name))
-        if t is None:
-            raise RequestError(404, f"unknown template {name!r}; register it with POST /v1/templates",
-                               code="template_not_found")
-        return t
-
-    def templates(self, tenant: str) -> list[Template]:
-        with self._lock:
-            return [t for (tn, _), t in sorted(self._templates.items()) if tn == tenant]
-
-    def remove_template(self, tenant: str, name: str) -> Template:
-        t = self.template(tenant, name)
-        with self._lock:
-            self._templates.pop((tenant, name), None)
-        return t
-
+from cluster.registry import Registry
+from cluster.state import TemplateRecord
+from kvruntime.messages.plan import KVRef, Policy
 
 class Renderer:
     """Turns a validated native request into a :class:`RenderedRequest` for one model."""
@@ -143,7 +30,16 @@ class Renderer:
     def chunk_ids(self, text: str) -> tuple[int, ...]:
         return tuple(self.encode(text.strip() + "\n\n"))
 
-    def render_template(self, t: Template, values: dict) -> RenderedSegment:
+    @property
+    def chunk_position(self) -> int:
+        """Canonical position of a precompiled chunk's first slot (``kvruntime.ops.precompile_chunk``)."""
+        return 0 if self.bos_id is None else 1
+
+    def chunk_ref(self, token_ids: tuple[int, ...], salt: str) -> KVRef:
+        """Content address of a registered chunk's KV (exact, at its canonical position)."""
+        return KVRef(tuple(token_ids), self.chunk_position, salt)
+
+    def render_template(self, t: TemplateRecord, values: dict) -> RenderedSegment:
         if not isinstance(values, dict):
             raise RequestError(400, f"template {t.name!r}: fields must be an object")
         missing = [f for f in t.fields if f not in values]
@@ -167,11 +63,12 @@ class Renderer:
                 fields.append((f, v))
                 ids += vid
         return RenderedSegment("template", t.name, tuple(ids), fields=tuple(fields), field_spans=tuple(spans),
-                               labels=t.labels)
+                               labels=t.labels, version=t.version)
 
     def render(self, request_id: str, tenant: str, segments: list[dict], policy: Policy,
-               session: str | None) -> RenderedRequest:
-        """``segments``: validated dicts with exactly one of skill/memory/template/text."""
+               session: str | None, salt: str) -> RenderedRequest:
+        """``segments``: validated dicts with exactly one of skill/memory/template/text; ``salt``:
+        the tenant's key salt (registered chunks are referenced by content under it)."""
         ctx = [RenderedSegment("frame", None, self.frame())] if self.frame() else []
         trailing: list[str] = []
         for seg in segments:
@@ -184,7 +81,7 @@ class Renderer:
             if "skill" in seg or "memory" in seg:
                 kind = "skill" if "skill" in seg else "memory"
                 c = self.registry.chunk(tenant, kind, seg[kind])
-                ctx.append(RenderedSegment(kind, c.name, c.token_ids, chunk_key=c.key))
+                ctx.append(RenderedSegment(kind, c.name, c.token_ids, kv=self.chunk_ref(c.token_ids, salt)))
             elif "template" in seg:
                 ctx.append(self.render_template(self.registry.template(tenant, seg["template"]), seg.get("fields", {})))
         suffix = tuple(self.encode("".join(trailing) + self.spec.chat_user_suffix))

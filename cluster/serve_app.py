@@ -1,5 +1,6 @@
-"""The router as a Ray Serve application with a FastAPI ingress (one replica: it holds the
-registries and session memory). Routes are thin: each hands parsed JSON to ``cluster.api``.
+"""The router as a Ray Serve application with a FastAPI ingress. Replicas are stateless
+(``router_replicas`` in config): registrations, templates, sessions and the prompt index live in
+the state store every replica opens. Routes are thin: each hands parsed JSON to ``cluster.api``.
 """
 
 import json
@@ -34,8 +35,10 @@ async def _json(request: Request):
 class RouterIngress:
     def __init__(self, cfg: ClusterConfig):
         from cluster.ray_backends import RayBackends
+        from cluster.registry import Registry
+        from cluster.render import Renderer
         from cluster.router import Router
-        from cluster.render import Registry, Renderer
+        from cluster.state import StoreLimits, open_state
         from kvruntime.checkpoint import ensure_checkpoint
         from kvruntime.fidelity.report import load_summary
         from kvruntime.models import get_model_spec
@@ -46,7 +49,10 @@ class RouterIngress:
         ckpt = ensure_checkpoint(spec)
         tok = transformers.AutoTokenizer.from_pretrained(ckpt)
         backends = RayBackends.from_names(cfg)
-        self.router = Router(backends, Renderer(tok, spec, Registry(), tok.bos_token_id), ckpt.name, cfg.dtype,
+        self.state = open_state(cfg.resolved_state_url, StoreLimits(cfg.session_ttl_s, cfg.session_max,
+                                                                    cfg.prompt_index_ttl_s, cfg.prompt_index_max))
+        self.router = Router(backends, Renderer(tok, spec, Registry(self.state), tok.bos_token_id), self.state,
+                             ckpt.name, cfg.dtype,
                              default_policy=cfg.default_policy, seam_tokens=cfg.seam_tokens,
                              fidelity_summary=load_summary(cfg.model), context_window=spec.context_window,
                              max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant)
@@ -69,6 +75,9 @@ class RouterIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
+        import time
+        for kind, n in self.state.sizes(time.time()).items():
+            self.router.metrics.state_entries.labels(kind).set(n)
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -107,15 +116,15 @@ class RouterIngress:
 
     @app.get("/v1/skills")
     async def list_skills(self, request: Request) -> Response:
-        return api.listing(self.router, "skill", self._tenant(request))
+        return await api.listing(self.router, "skill", self._tenant(request))
 
     @app.get("/v1/memories")
     async def list_memories(self, request: Request) -> Response:
-        return api.listing(self.router, "memory", self._tenant(request))
+        return await api.listing(self.router, "memory", self._tenant(request))
 
     @app.get("/v1/templates")
     async def list_templates(self, request: Request) -> Response:
-        return api.listing(self.router, "template", self._tenant(request))
+        return await api.listing(self.router, "template", self._tenant(request))
 
     @app.delete("/v1/skills/{name}")
     async def del_skill(self, name: str, request: Request) -> Response:

@@ -1,34 +1,48 @@
-"""Per-session memory of the last cached context, so a changed template field next turn
-becomes an erratum plan. Bounded (LRU); a dropped session just plans from scratch."""
+"""Per-session memory of the last cached context, kept in the state store so that any router
+replica (and a restarted one) plans the next turn as an erratum or an edit. Bounded by the
+store (TTL + LRU); a dropped session just plans from scratch. This module owns the JSON codec
+of :class:`~cluster.planner.SessionContext`."""
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import json
+import time
+from dataclasses import asdict
 
-from cluster.planner import SessionContext
+from cluster.planner import RenderedSegment, SessionContext
+from cluster.state import StateStore
+from kvruntime.messages.plan import KVRef
+
+
+def _t(x):
+    """Lists (JSON) back to the tuples the frozen dataclasses hold, recursively."""
+    return tuple(_t(v) for v in x) if isinstance(x, list) else x
+
+
+def _segment(d: dict) -> RenderedSegment:
+    kv = d.pop("kv")
+    return RenderedSegment(**{k: _t(v) for k, v in d.items()}, kv=KVRef(**{k: _t(v) for k, v in kv.items()})
+                           if kv else None)
+
+
+def encode_session(ctx: SessionContext) -> str:
+    return json.dumps(asdict(ctx), separators=(",", ":"))
+
+
+def decode_session(s: str) -> SessionContext:
+    d = json.loads(s)
+    return SessionContext(
+        session=d["session"], context=KVRef(**{k: _t(v) for k, v in d["context"].items()}),
+        segments=tuple(_segment(x) for x in d["segments"]), token_ids=tuple(d["token_ids"]),
+        current_fields=_t(d["current_fields"]), errata=d["errata"])
 
 
 class SessionStore:
-    def __init__(self, max_sessions: int = 10_000):
-        if max_sessions < 1:
-            raise ValueError("max_sessions must be >= 1")
-        self._max = max_sessions
-        self._d: OrderedDict[tuple[str, str], SessionContext] = OrderedDict()   # (tenant, session) -> context
-        self._lock = threading.Lock()
+    def __init__(self, state: StateStore):
+        self.state = state
 
     def get(self, tenant: str, session: str) -> SessionContext | None:
-        with self._lock:
-            ctx = self._d.get((tenant, session))
-            if ctx is not None:
-                self._d.move_to_end((tenant, session))
-            return ctx
+        raw = self.state.get_session(tenant, session, time.time())
+        return decode_session(raw) if raw is not None else None
 
     def put(self, tenant: str, ctx: SessionContext) -> None:
-        with self._lock:
-            self._d[(tenant, ctx.session)] = ctx
-            self._d.move_to_end((tenant, ctx.session))
-            while len(self._d) > self._max:
-                self._d.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._d)
+        self.state.put_session(tenant, ctx.session, encode_session(ctx), time.time())

@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from kvruntime.messages.plan import PlanKind, Policy
+from kvruntime.messages.plan import KVRef, PlanKind, Policy
 from cluster.planner import RenderedRequest, RenderedSegment, SessionContext, TierView, plan_request
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
@@ -20,7 +20,7 @@ from tests.conftest import DictSource
 def wired(smol):
     rx = GrpcTransport(model=smol.spec.name)
     addr = rx.serve()
-    src = DictSource()
+    src = DictSource(smol)
     pre = PrefillExecutor(smol, src, GrpcTransport())
     dec = DecodeExecutor(smol, rx, receive_timeout=5)
     yield smol, src, pre, dec, addr
@@ -29,16 +29,19 @@ def wired(smol):
 
 def _run(pre, dec, addr, plan, sampling=SamplingParams(max_tokens=12), store_as=None):
     tid = uuid.uuid4().hex
-    res = pre.execute(plan, addr, tid, store_context_as=store_as)
+    res = pre.execute(plan, addr, tid, store_as=store_as)
     prefix = tuple(t for s in plan.steps for t in s.token_ids)
     events = list(dec.generate(tid if res.transferred else None, prefix, plan.suffix_ids, sampling))
     return res, [e.token_id for e in events if isinstance(e, TokenEvent)], events[-1]
 
 
+SALT = "5a" * 16
+
+
 def _segments(e):
     frame = RenderedSegment("frame", None, tuple(e.encode(e.spec.chat_user_prefix)))
-    skill = RenderedSegment("skill", "museum", tuple(e.encode("The Varga Museum opens at 10:00 and closes at "
-                                                               "17:30; entry costs 12 euros.\n\n")), chunk_key="skill-1")
+    ids = tuple(e.encode("The Varga Museum opens at 10:00 and closes at 17:30; entry costs 12 euros.\n\n"))
+    skill = RenderedSegment("skill", "museum", ids, kv=KVRef(ids, 1, SALT))
     q = tuple(e.encode("When does the Varga Museum close?" + e.spec.chat_user_suffix))
     return frame, skill, q
 
@@ -58,9 +61,9 @@ def test_exact_plan_output_equals_direct_recompute(wired):
 def test_reposition_plan_loads_chunk_from_tier(wired):
     e, src, pre, dec, addr = wired
     frame, skill, q = _segments(e)
-    src.put_kv("skill-1", precompile_chunk(e, list(skill.token_ids)))
+    src.put(skill.kv, precompile_chunk(e, list(skill.token_ids)))
     plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (frame, skill), q),
-                        TierView(frozenset({"skill-1"})), None, e.encode)
+                        TierView(frozenset({skill.kv.digest})), None, e.encode)
     assert plan.steps[1].kind is PlanKind.REPOSITION
     res, toks, summary = _run(pre, dec, addr, plan)
     assert res.stats.tier_hits == 1 and res.stats.repositioned == len(skill.token_ids) - 1
@@ -68,12 +71,28 @@ def test_reposition_plan_loads_chunk_from_tier(wired):
 
 
 @pytest.mark.slow
-def test_missing_chunk_is_a_counted_fallback_to_recompute(wired):
+def test_a_chunk_missing_at_execution_is_rewarmed_and_runs_as_planned(wired):
     e, src, pre, dec, addr = wired
     frame, skill, q = _segments(e)
     plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (frame, skill), q),
-                        TierView(frozenset({"skill-1"})), None, e.encode)   # planner believed it was there
-    src.d.pop("skill-1", None)
+                        TierView(frozenset({skill.kv.digest})), None, e.encode)   # planner believed it was there
+    src.d.clear()
+    res, toks, _ = _run(pre, dec, addr, plan)
+    assert res.stats.fallbacks == [] and res.stats.rewarmed == 1 and res.stats.tier_hits == 0
+    assert res.stats.repositioned == len(skill.token_ids) - 1 and src.get(skill.kv) is not None
+    res2, toks2, _ = _run(pre, dec, addr, plan)                      # stored back: the next use hits
+    assert res2.stats.rewarmed == 0 and res2.stats.tier_hits == 1 and toks2 == toks
+
+
+@pytest.mark.slow
+def test_missing_session_context_is_a_counted_fallback_to_recompute(wired):
+    e, src, pre, dec, addr = wired
+    frame, skill, q = _segments(e)
+    ctx = frame.token_ids + skill.token_ids
+    sess = SessionContext("s", KVRef(ctx, 0, SALT), (frame, skill), ctx)
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (frame, skill), q, "s"), TierView(), sess,
+                        e.encode)
+    assert [s.kind for s in plan.steps] == [PlanKind.REUSE]
     res, toks, _ = _run(pre, dec, addr, plan)
     assert res.stats.fallbacks == ["kv_load_failed"] and res.stats.computed == plan.prefix_tokens
 
@@ -90,9 +109,10 @@ def test_session_erratum_round_trip(wired):
                                field_spans=(("status", len(before), len(before) + len(v)),))
     turn1 = plan_request(RenderedRequest("r1", e.spec.name, Policy.FAST, (frame, booking("ON TIME")), q, "s"),
                          TierView(), None, e.encode)
-    _run(pre, dec, addr, turn1, store_as="ctx-s-1")
-    ctx_ids = tuple(t for s in turn1.steps for t in s.token_ids)
-    sess = SessionContext("s", "ctx-s-1", (frame, booking("ON TIME")), ctx_ids, (("booking", (("status", "ON TIME"),)),))
+    ctx_ids = turn1.prefix_ids
+    ref = KVRef(ctx_ids, 0, SALT, turn1.approx)
+    assert _run(pre, dec, addr, turn1, store_as=ref)[0].stored
+    sess = SessionContext("s", ref, (frame, booking("ON TIME")), ctx_ids, (("booking", (("status", "ON TIME"),)),))
     turn2 = plan_request(RenderedRequest("r2", e.spec.name, Policy.FAST, (frame, booking("CANCELLED")), q, "s"),
                          TierView(), sess, e.encode)
     assert [s.kind for s in turn2.steps] == [PlanKind.REUSE, PlanKind.ERRATUM]

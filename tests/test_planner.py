@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from kvruntime.messages.plan import PlanKind, Policy
+from kvruntime.messages.plan import KVRef, PlanKind, Policy
 from cluster.planner import (EditChoice, PlannerConfig, RenderedRequest, RenderedSegment, SessionContext,
                              TierView, choose_edit_kind, plan_request)
 
@@ -13,37 +13,64 @@ def encode(text):          # stands in for a tokenizer: one id per word
 
 
 FRAME = RenderedSegment("frame", None, (1, 2, 3))
-SKILL = RenderedSegment("skill", "refund-policy", tuple(range(100, 140)), chunk_key="k-skill")
-MEM = RenderedSegment("memory", "user-42", tuple(range(200, 230)), chunk_key="k-mem")
+SALT = "ab" * 16
+SKILL = RenderedSegment("skill", "refund-policy", tuple(range(100, 140)), kv=KVRef(tuple(range(100, 140)), 1, SALT))
+MEM = RenderedSegment("memory", "user-42", tuple(range(200, 230)), kv=KVRef(tuple(range(200, 230)), 1, SALT))
+CTX = KVRef((1, 2, 3), 0, SALT)
 
 
-def booking(status, gate="B12"):
+def booking(status, gate="B12", version="v1"):
     ids = (50, 51) + (90 if status == "ON TIME" else 91, 92) + (52, 53, 54) + (60,) + (55, 56)
     return RenderedSegment("template", "booking", ids, fields=(("status", status), ("gate", gate)),
-                           field_spans=(("status", 2, 4), ("gate", 7, 8)), labels=(("status", "flight status"),))
+                           field_spans=(("status", 2, 4), ("gate", 7, 8)), labels=(("status", "flight status"),),
+                           version=version)
 
 
 def req(*segs, policy=Policy.FAST, session=None, suffix=(7, 8, 9)):
     return RenderedRequest("r1", "smollm2-135m", policy, tuple(segs), suffix, session)
 
 
-def session_of(*segs, errata=0):
+def session_of(*segs, errata=0, approx=""):
     ids = tuple(t for s in segs for t in s.token_ids)
     cur = tuple((s.name, s.fields) for s in segs if s.kind == "template")
-    return SessionContext("agent-17", "ctx-key", tuple(segs), ids, cur, errata)
+    return SessionContext("agent-17", KVRef(ids, 0, SALT, approx), tuple(segs), ids, cur, errata)
 
 
-def test_reposition_only_when_policy_allows_and_chunk_is_in_tier():
-    tier = TierView(frozenset({"k-skill"}))
+def test_reposition_when_policy_allows_and_an_evicted_chunk_is_rewarmed():
+    tier = TierView(frozenset({SKILL.kv.digest}))
     fast = plan_request(req(FRAME, SKILL, MEM), tier, None, encode)
-    assert [s.kind for s in fast.steps] == [PlanKind.RECOMPUTE, PlanKind.REPOSITION, PlanKind.RECOMPUTE]
-    rep = fast.steps[1]
-    assert rep.position == 3 and rep.seam_tokens == 1 and rep.computed == 1 and rep.reused == 39
-    assert any("user-42 is not precompiled" in n for n in fast.notes)
+    assert [s.kind for s in fast.steps] == [PlanKind.RECOMPUTE, PlanKind.REPOSITION, PlanKind.REPOSITION]
+    rep, warm = fast.steps[1], fast.steps[2]
+    assert rep.position == 3 and rep.seam_tokens == 1 and rep.computed == 1 and rep.reused == 39 and rep.kv == SKILL.kv
+    assert warm.computed == 30 and warm.reused == 0 and warm.kv == MEM.kv and "re-warmed" in warm.reason
+    assert any("user-42 is not in the tier: re-warmed" in n for n in fast.notes)
+    assert fast.approx and len(fast.approx) == 32
     exact = plan_request(req(FRAME, SKILL, policy=Policy.EXACT), tier, None, encode)
     assert [s.kind for s in exact.steps] == [PlanKind.RECOMPUTE, PlanKind.RECOMPUTE]
     assert exact.reused_tokens == 0 and exact.kind is PlanKind.RECOMPUTE
     assert fast.kind is PlanKind.REPOSITION and fast.prompt_tokens == 3 + 40 + 30 + 3
+    assert exact.approx == ""                     # recompute only: exact KV, storable for exact sessions
+
+
+def test_exact_never_reuses_an_approximate_session_context():
+    approx_sess = session_of(FRAME, SKILL, booking("ON TIME"), approx="c0ffee")
+    p = plan_request(req(FRAME, SKILL, booking("ON TIME"), policy=Policy.EXACT, session="agent-17"), TierView(),
+                     approx_sess, encode)
+    assert all(s.kind is PlanKind.RECOMPUTE for s in p.steps) and p.approx == ""
+    assert any("approximate" in n for n in p.notes)
+    exact_sess = session_of(FRAME, SKILL, booking("ON TIME"))
+    p = plan_request(req(FRAME, SKILL, booking("ON TIME"), policy=Policy.EXACT, session="agent-17"), TierView(),
+                     exact_sess, encode)
+    assert [s.kind for s in p.steps] == [PlanKind.REUSE] and p.approx == ""
+    fast = plan_request(req(FRAME, SKILL, booking("ON TIME"), session="agent-17"), TierView(), approx_sess, encode)
+    assert [s.kind for s in fast.steps] == [PlanKind.REUSE] and fast.approx   # reusing approximate KV is approximate
+
+
+def test_a_reregistered_template_is_planned_from_scratch():
+    sess = session_of(FRAME, booking("ON TIME", version="v1"))
+    p = plan_request(req(FRAME, booking("ON TIME", version="v2"), session="agent-17"), TierView(), sess, encode)
+    assert all(s.kind is PlanKind.RECOMPUTE for s in p.steps)
+    assert any("re-registered" in n for n in p.notes)
 
 
 def test_unchanged_session_is_reused_whole_under_any_policy():
@@ -112,16 +139,16 @@ def test_caller_can_ask_for_an_erratum_or_edit_in_place():
 
 def test_different_segments_fall_back_to_per_segment_planning():
     sess = session_of(FRAME, SKILL)
-    p = plan_request(req(FRAME, MEM, session="agent-17"), TierView(frozenset({"k-mem"})), sess, encode)
+    p = plan_request(req(FRAME, MEM, session="agent-17"), TierView(frozenset({MEM.kv.digest})), sess, encode)
     assert [s.kind for s in p.steps] == [PlanKind.RECOMPUTE, PlanKind.REPOSITION]
     assert any("different segments" in n for n in p.notes)
 
 
 def test_plain_prompt_prefix_reuse():
     prompt = RenderedSegment("prompt", None, tuple(range(300)))
-    p = plan_request(req(prompt, policy=Policy.EXACT), TierView(prompt_prefix_hit=300, prompt_prefix_key="pk"), None, encode)
+    p = plan_request(req(prompt, policy=Policy.EXACT), TierView(prompt_prefix_hit=300, prompt_prefix_kv=CTX), None, encode)
     assert p.steps[0].kind is PlanKind.REUSE and p.steps[0].reused == 300 and len(p.steps) == 1
-    part = plan_request(req(prompt), TierView(prompt_prefix_hit=256, prompt_prefix_key="pk"), None, encode)
+    part = plan_request(req(prompt), TierView(prompt_prefix_hit=256, prompt_prefix_kv=CTX), None, encode)
     assert [(s.kind, s.tokens, s.position) for s in part.steps] == [(PlanKind.REUSE, 256, 0), (PlanKind.RECOMPUTE, 44, 256)]
 
 

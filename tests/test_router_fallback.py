@@ -7,7 +7,9 @@ import dataclasses
 import pytest
 
 from cluster.metrics import Metrics
-from cluster.render import Registry, Renderer
+from cluster.registry import Registry
+from cluster.render import Renderer
+from cluster.state import open_state
 from cluster.router import Finished, Router
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import SamplingParams, TokenEvent
@@ -35,33 +37,39 @@ class LocalBackends:
         self.num_prefill = self.num_decode = 1
         self.rx = GrpcTransport(model=engine.spec.name)
         self.addr = self.rx.serve()
-        self.source = DictSource()
+        self.source = DictSource(engine)
         self.pre = PrefillExecutor(engine, self.source, sender)
         self.dec = DecodeExecutor(engine, self.rx, receive_timeout=5)
 
-    async def contains(self, keys, index=0):
-        return {k for k in keys if k in self.source.d}
+    async def contains(self, refs, index=0):
+        return [self.source.get(r) is not None for r in refs]
 
-    async def precompile(self, key, token_ids, tenant):
-        from kvruntime.ops import precompile_chunk
-        self.source.d[key] = precompile_chunk(self.pre.engine, list(token_ids))
-        return {"cached": False, "bytes": 0, "seconds": 0.0}
+    async def precompile(self, ref, index=0):
+        from kvruntime.messages.prefill import PrecompileInfo
+        if self.source.get(ref) is not None:
+            return PrecompileInfo(True, 0, 0.0, "local")
+        kv = self.source.compile(ref)
+        return PrecompileInfo(False, kv.nbytes, 0.0, "local")
 
-    async def evict(self, key):
-        return self.source.d.pop(key, None) is not None
+    async def evict(self, ref):
+        return self.source.d.pop(self.source._k(ref), None) is not None
 
     async def prefill(self, index, plan, decode_index, transfer_id, store_as):
-        return self.pre.execute(plan, self.addr, transfer_id, store_context_as=store_as)
+        return self.pre.execute(plan, self.addr, transfer_id, store_as=store_as)
 
     async def decode(self, index, transfer_id, prefix, suffix, sampling, salt):
         for ev in self.dec.generate(transfer_id, prefix, suffix, sampling):
             yield ev
 
 
-def _router(engine, sender):
+def make_router(engine, backends, state):
+    return Router(backends, Renderer(engine.tokenizer, engine.spec, Registry(state), engine.bos_id), state, "m",
+                  "float32", metrics=Metrics())
+
+
+def _router(engine, sender, tmp_path):
     b = LocalBackends(engine, sender)
-    return Router(b, Renderer(engine.tokenizer, engine.spec, Registry(), engine.bos_id), "m", "float32",
-                  metrics=Metrics()), b
+    return make_router(engine, b, open_state(f"sqlite:///{tmp_path}/state-{id(b)}.db")), b
 
 
 async def _complete(router, segments, policy):
@@ -75,9 +83,9 @@ async def _complete(router, segments, policy):
     return toks, fin
 
 
-def test_wrong_checksum_is_rejected_and_request_completes_by_recompute(smol):
-    good, gb = _router(smol, GrpcTransport())
-    bad, bb = _router(smol, CorruptingTransport())
+def test_wrong_checksum_is_rejected_and_request_completes_by_recompute(smol, tmp_path):
+    good, gb = _router(smol, GrpcTransport(), tmp_path)
+    bad, bb = _router(smol, CorruptingTransport(), tmp_path)
     try:
         segs = [{"text": "The lighthouse on Hallo Point was built in 1871. When was it built?"}]
         want, fin_ok = asyncio.run(_complete(good, segs, "exact"))
@@ -93,14 +101,33 @@ def test_wrong_checksum_is_rejected_and_request_completes_by_recompute(smol):
         bb.rx.stop()
 
 
-def test_registered_chunk_missing_from_tier_is_counted(smol):
-    router, b = _router(smol, GrpcTransport())
+def test_an_evicted_chunk_is_listed_out_of_tier_counted_as_a_miss_and_rewarmed(smol, tmp_path):
+    router, b = _router(smol, GrpcTransport(), tmp_path)
     try:
         info = asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
-        assert info["tokens"] > 5
+        assert info["tokens"] > 5 and not info["cached"]
+        assert [x["in_tier"] for x in asyncio.run(router.listing("skill", "default"))] == [True]
         b.source.d.clear()                                      # the tier lost it after registration
+        assert [x["in_tier"] for x in asyncio.run(router.listing("skill", "default"))] == [False]
+        m0 = router.metrics.render().decode()
         toks, fin = asyncio.run(_complete(router, [{"skill": "museum"}, {"text": "When does it close?"}], "fast"))
-        assert fin.plan.kind.value == "recompute" and len(toks) > 0            # planner saw the miss: no fallback
-        assert any("not precompiled" in n for n in fin.plan.notes)
+        assert len(toks) > 0 and fin.fallbacks == ()
+        assert fin.plan.steps[-1].kind.value == "reposition" and "re-warmed" in fin.plan.steps[-1].reason
+        assert any("not in the tier: re-warmed" in n for n in fin.plan.notes) and b.source.compiled == 2
+        text = router.metrics.render().decode()
+        assert "kvnotes_tier_rewarms_total 1.0" in text
+        assert _metric(text, 'kvnotes_tier_lookups_total{tier="lmcache"}') - \
+            _metric(m0, 'kvnotes_tier_lookups_total{tier="lmcache"}') == 1
+        assert _metric(text, 'kvnotes_tier_hits_total{tier="lmcache"}') == _metric(m0, 'kvnotes_tier_hits_total{tier="lmcache"}')
+        toks2, fin2 = asyncio.run(_complete(router, [{"skill": "museum"}, {"text": "When does it close?"}], "fast"))
+        assert toks2 == toks and "re-warmed" not in fin2.plan.steps[-1].reason     # the next use hits
+        assert b.source.compiled == 2 and [x["in_tier"] for x in asyncio.run(router.listing("skill", "default"))] == [True]
     finally:
         b.rx.stop()
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
