@@ -1,15 +1,28 @@
 """The transport seam: how a KV block gets from a prefill worker to a decode worker.
 
-gRPC (``grpc_transport``) is the default and the one tested across processes. NIXL (GPU RDMA)
-is a later backend: it fills the same two methods.
+Two implementations fill :class:`KVTransport`: gRPC (``grpc_transport``, portable, the default)
+and NIXL (``nixl_transport``, registered memory, UCX; imported lazily). Both receive into an
+:class:`Inbox` (bounded bytes, one block per transfer id, duplicates refused, unclaimed blocks
+expire) and, to avoid page-faulting fresh memory per block, into a :class:`BufferPool` arena
+whose leases end when the last tensor made from a block is dropped.
 """
 from __future__ import annotations
 
+import collections
 import enum
+import logging
+import threading
+import time
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
 from kvtransport.blocks import KVBlock
+
+log = logging.getLogger(__name__)
 
 
 class TransferState(str, enum.Enum):
@@ -21,7 +34,8 @@ class TransferState(str, enum.Enum):
 
 
 class TransferError(RuntimeError):
-    """A transfer that did not complete; ``reason`` is a short metrics label."""
+    """A transfer that did not complete; ``reason`` is a short metrics label (``timeout``,
+    ``unavailable``, ``backpressure``, ``duplicate``, ``rejected``, ``too_large``, ...)."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -45,3 +59,189 @@ class KVTransport(ABC):
     def receive(self, transfer_id: str, *, timeout: float) -> KVBlock:
         """Claim the verified block ``transfer_id`` delivered to this receiver, waiting up to
         ``timeout`` seconds. Removes it from the inbox. Raises :class:`TransferError`."""
+
+    def stop(self) -> None:
+        """Release sockets, threads and registered memory. Idempotent."""
+
+
+class BufferPool:
+    """One arena of ``nbytes`` (a uint8 tensor, allocated once, so its pages stay warm) handed
+    out as leases. :meth:`lease` returns a writable 1-D numpy view; the lease ends (the range is
+    free again) when that array and everything made from it (memoryviews, ``torch.frombuffer``
+    tensors, views of those) is garbage. Thread-safe; first fit over a sorted free list."""
+
+    def __init__(self, nbytes: int, *, align: int = 4096):
+        if nbytes <= 0 or align <= 0:
+            raise ValueError("BufferPool needs nbytes > 0 and align > 0")
+        self.arena = torch.empty(nbytes, dtype=torch.uint8)   # [nbytes] raw bytes, CPU
+        self.nbytes, self.align = nbytes, align
+        self._free: list[tuple[int, int]] = [(0, nbytes)]     # sorted (offset, length)
+        self._lock = threading.Lock()
+        self.leased_bytes = 0                                  # bytes currently leased
+
+    @property
+    def address(self) -> int:
+        return self.arena.data_ptr()
+
+    def lease(self, nbytes: int) -> np.ndarray | None:
+        """A writable view of ``nbytes`` pooled bytes, or None when no free range fits."""
+        size = max(self.align, -(-nbytes // self.align) * self.align)
+        with self._lock:
+            for i, (off, length) in enumerate(self._free):
+                if length >= size:
+                    if length == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + size, length - size)
+                    self.leased_bytes += size
+                    break
+            else:
+                return None
+        view = self.arena[off:off + nbytes].numpy()
+        weakref.finalize(view, self._release, off, size)
+        return view
+
+    def _release(self, off: int, size: int) -> None:
+        with self._lock:
+            self.leased_bytes -= size
+            free = self._free
+            i = 0
+            while i < len(free) and free[i][0] < off:
+                i += 1
+            free.insert(i, (off, size))
+            if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:        # merge right
+                free[i] = (off, size + free.pop(i + 1)[1])
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:                 # merge left
+                free[i - 1] = (free[i - 1][0], free[i - 1][1] + free.pop(i)[1])
+
+
+@dataclass(frozen=True)
+class InboxStats:
+    held_bytes: int            # reserved by transfers in flight + verified, unclaimed blocks
+    blocks: int                # verified, unclaimed blocks
+    pending: int               # transfers begun and not finished
+    expired: int               # unclaimed blocks dropped after the TTL (since start)
+    refused: dict              # reason -> pushes refused before any payload (since start)
+    rejected: int              # transfers that failed verification or were cancelled (since start)
+
+
+class Inbox:
+    """Verified blocks waiting for their claim, keyed by transfer id. Bounded in bytes: a
+    transfer reserves its bytes at :meth:`begin` (refused when full), the claim or a failure
+    releases them. A transfer id is accepted once: a second push of an id that is in flight,
+    held, failed-unclaimed or claimed within the last ``remember`` claims is refused. Unclaimed
+    blocks expire after ``ttl_s`` (counted, logged). All methods lock one condition variable."""
+
+    def __init__(self, capacity_bytes: int, max_block_bytes: int, ttl_s: float, *, remember: int = 4096):
+        if capacity_bytes <= 0 or max_block_bytes <= 0 or ttl_s <= 0:
+            raise ValueError("inbox capacity, max block size and TTL must be positive")
+        self.capacity, self.max_block, self.ttl = capacity_bytes, max_block_bytes, ttl_s
+        self._cv = threading.Condition()
+        self._state: dict[str, tuple[TransferState, str, int, float]] = {}  # tid -> (state, error, reserved bytes, since)
+        self._blocks: dict[str, KVBlock] = {}                               # tid -> verified block (DONE)
+        self._claimed: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent claims
+        self._remember = remember
+        self._held = 0
+        self._expired = self._rejected = 0
+        self._refused: collections.Counter[str] = collections.Counter()
+
+    def begin(self, tid: str, nbytes: int) -> None:
+        """Reserve ``nbytes`` for ``tid`` (state TRANSFERRING) or raise :class:`TransferError`
+        (``too_large``, ``duplicate``, ``backpressure``) without reserving anything."""
+        with self._cv:
+            self._expire()
+            reason, msg = None, ""
+            if nbytes > self.max_block:
+                reason, msg = "too_large", f"block of {nbytes} bytes exceeds max_block_bytes {self.max_block}"
+            elif tid in self._state or tid in self._claimed:
+                reason, msg = "duplicate", f"transfer id {tid} was already pushed to this receiver"
+            elif self._held + nbytes > self.capacity:
+                reason, msg = "backpressure", f"inbox full ({self._held} of {self.capacity} bytes held)"
+            if reason is not None:
+                self._refused[reason] += 1
+                log.warning("refused KV transfer %s: %s", tid, msg)
+                raise TransferError(reason, msg)
+            self._held += nbytes
+            self._state[tid] = (TransferState.TRANSFERRING, "", nbytes, time.monotonic())
+
+    def finish(self, tid: str, block: KVBlock | None, error: str = "") -> None:
+        """Complete ``tid`` begun by :meth:`begin`: DONE with ``block`` (keeps its reservation
+        until claimed) or FAILED with ``error`` (reservation released). Wakes waiting claims."""
+        with self._cv:
+            state = self._state.get(tid)
+            if state is None or state[0] is not TransferState.TRANSFERRING:
+                log.warning("finish of KV transfer %s that is not in flight (%s) ignored", tid, state)
+                return
+            if block is None:
+                self._held -= state[2]
+                self._rejected += 1
+                self._state[tid] = (TransferState.FAILED, error, 0, time.monotonic())
+            else:
+                self._blocks[tid] = block
+                self._state[tid] = (TransferState.DONE, "", state[2], time.monotonic())
+            self._cv.notify_all()
+
+    def abort(self, tid: str, error: str) -> None:
+        """Drop ``tid`` in any state but claimed (a sender's cancel): ABORTED, bytes released."""
+        with self._cv:
+            state = self._state.get(tid)
+            if state is None or state[0] in (TransferState.FAILED, TransferState.ABORTED):
+                return
+            self._held -= state[2]
+            self._blocks.pop(tid, None)
+            self._rejected += 1
+            self._state[tid] = (TransferState.ABORTED, error, 0, time.monotonic())
+            self._cv.notify_all()
+
+    def claim(self, tid: str, timeout: float) -> KVBlock:
+        """Wait up to ``timeout`` s for ``tid``; return its block and forget it (releasing its
+        bytes). Raises :class:`TransferError` ``rejected`` (failed/aborted) or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                state, err, nbytes, _ = self._state.get(tid, (TransferState.PENDING, "", 0, 0.0))
+                if state is TransferState.DONE:
+                    del self._state[tid]
+                    self._held -= nbytes
+                    self._remember_claim(tid)
+                    return self._blocks.pop(tid)
+                if state in (TransferState.FAILED, TransferState.ABORTED):
+                    del self._state[tid]
+                    self._remember_claim(tid)
+                    raise TransferError("rejected", f"transfer {tid} {state.value}: {err}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferError("timeout", f"transfer {tid} not received within {timeout:.1f} s")
+                self._cv.wait(left)
+
+    def state(self, tid: str) -> TransferState:
+        with self._cv:
+            return self._state.get(tid, (TransferState.PENDING,))[0]
+
+    def stats(self) -> InboxStats:
+        with self._cv:
+            self._expire()
+            pending = sum(1 for s in self._state.values() if s[0] is TransferState.TRANSFERRING)
+            return InboxStats(self._held, len(self._blocks), pending, self._expired, dict(self._refused),
+                              self._rejected)
+
+    def _remember_claim(self, tid: str) -> None:
+        self._claimed[tid] = None
+        while len(self._claimed) > self._remember:
+            self._claimed.popitem(last=False)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for tid, (state, _, nbytes, since) in list(self._state.items()):
+            if now - since <= self.ttl:
+                continue
+            if state is TransferState.DONE:
+                del self._blocks[tid]
+                self._held -= nbytes
+                self._expired += 1
+                self._state[tid] = (TransferState.ABORTED, "expired unclaimed", 0, now)
+                log.warning("dropped unclaimed KV block %s (%d bytes) after %.0f s", tid, nbytes, self.ttl)
+            elif state in (TransferState.FAILED, TransferState.ABORTED):
+                del self._state[tid]                 # nobody claimed the failure: forget it
+                self._remember_claim(tid)
+
