@@ -17,6 +17,21 @@ from cluster.errors import RequestError
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.")
 TENANT_HEADER = "x-kvnotes-tenant"
+REPLICA_HEADER = "x-kvnotes-replica"     # which stateless router replica answered (debugging, tests)
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:            # outside a Serve replica (unit tests): no replica id to report
+        return "local"
+
+
+@app.middleware("http")
+async def _tag_replica(request: Request, call_next):
+    response = await call_next(request)
+    response.headers[REPLICA_HEADER] = _replica_id()
+    return response
 
 
 async def _json(request: Request):

@@ -12,12 +12,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def vcluster():
+def vcluster(tmp_path_factory):
     from kvruntime.messages.config import ClusterConfig
     from cluster.launcher import start, stop
 
     cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",
-                        vllm_kv_cache_gib=1, vllm_max_model_len=4096)
+                        vllm_kv_cache_gib=1, vllm_max_model_len=4096, data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
     client = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300)
     for kind, body in (("skills", {"name": "refund", "text": SKILL}), ("memories", {"name": "dana", "text": MEMORY})):
