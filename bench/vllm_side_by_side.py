@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from bench.plots import plot_edit, plot_ttft
-from kvruntime.messages.plan import PlanKind, Policy, RequestPlan, SegmentPlan
+from kvruntime.messages.keys import tenant_salt
+from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 
 SYSTEMS = ("vLLM APC", "kvnotes + vLLM", "full recompute")
@@ -45,6 +46,9 @@ SYSTEMS = ("vLLM APC", "kvnotes + vLLM", "full recompute")
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+BENCH_SALT = tenant_salt("bench")
 
 
 class Harness:
@@ -58,12 +62,13 @@ class Harness:
         from kvtransport.grpc_transport import GrpcTransport
         from kvtransport.lmcache_store import LMCacheStore, TierConfig
         from prefill_workers.executor import PrefillExecutor
-        from prefill_workers.tier_source import TierSource
+        from prefill_workers.tier import PrefillTier
 
         self.engine = ReferenceEngine(model, dtype=dtype, threads=threads)
         self.store = LMCacheStore.for_engine(self.engine, TierConfig(local_cpu_gb=1.5))
-        self.source = TierSource(self.store, self.engine)
+        self.source = PrefillTier(self.store, self.engine)
         self.prefill = PrefillExecutor(self.engine, self.source, GrpcTransport())
+        self.chunk_pos = 0 if self.engine.bos_id is None else 1
         self.model, self.pre, self.post = model, *_frame(self.engine)
         self._prefill_lock = threading.Lock()      # one prefill worker: plans execute one at a time
 
@@ -113,7 +118,7 @@ class Harness:
         for name in chunk_names:
             ids = chunks[name]
             steps.append(SegmentPlan(PlanKind.REPOSITION, f"skill:{name}", tuple(ids), pos, seam, len(ids) - seam,
-                                     chunk_key=name, seam_tokens=seam))
+                                     KVRef(tuple(ids), self.chunk_pos, BENCH_SALT), seam_tokens=seam))
             pos += len(ids)
         return RequestPlan(uuid.uuid4().hex, self.model, Policy.BALANCED, tuple(steps), tuple(q))
 
@@ -140,7 +145,7 @@ def bench_compose(h: Harness, sizes: list[int], reps: int, seam: int, n_out: int
         k = {1024: 2, 2048: 3, 4096: 4}.get(size, 6)
         chunks = _chunks(h.engine, passages, size - len(h.pre) - 24, k, f"s{size}")
         for name, ids in chunks.items():                        # precompile into the tier: not timed
-            h.source.put_chunk(name, ids, precompile_chunk(h.engine, ids), "bench")
+            h.source.put(KVRef(tuple(ids), h.chunk_pos, BENCH_SALT), precompile_chunk(h.engine, ids))
         res: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
         for r in range(reps):
             order = list(chunks)
@@ -194,8 +199,8 @@ def bench_edit(h: Harness, sessions: int, filler_tokens: int, n_out: int) -> dic
         old_ctx, new_ctx = b_ids + old_ids + a_ids, b_ids + new_ids + a_ids
         # turn 0: the agent's first call with the original record (warms vLLM's APC and the tier)
         h.vllm_request(old_ctx + q, "apc", 2)
-        key = f"ctx-{c.id}"
-        h.source.put_kv(key, recompute(h.engine, old_ctx, logits=False).kv, "bench")
+        key = KVRef(tuple(old_ctx), 0, BENCH_SALT)
+        h.source.put(key, recompute(h.engine, old_ctx, logits=False).kv)
         # the measured turn: the field changed
         res["full recompute"].append(h.vllm_request(new_ctx + q, uuid.uuid4().hex, n_out))
         res["vLLM APC"].append(h.vllm_request(new_ctx + q, "apc", n_out))
@@ -203,7 +208,7 @@ def bench_edit(h: Harness, sessions: int, filler_tokens: int, n_out: int) -> dic
         res["kvnotes erratum"].append(h.vllm_request(old_ctx + fix + q, "apc", n_out))
         span = (len(b_ids), len(b_ids) + len(old_ids))
         step = SegmentPlan(PlanKind.EDIT_IN_PLACE, f"session:{c.id}", tuple(new_ctx), 0, len(new_ids) + 16,
-                           len(new_ctx) - len(new_ids) - 16, chunk_key=key, field_span=span, top_k=16)
+                           len(new_ctx) - len(new_ids) - 16, key, field_span=span, top_k=16)
         plan = RequestPlan(uuid.uuid4().hex, h.model, Policy.FAST, (step,), tuple(q))
         res["kvnotes edit-in-place"].append(h.kvnotes_request(plan, n_out, f"edit-{c.id}-{c.new}"))
         done += 1
@@ -227,7 +232,7 @@ def bench_poisson(h: Harness, rates: list[float], n_req: int, n_out: int, seed: 
 
     chunks = _chunks(h.engine, list(load_passages().values())[10:], 1024 - len(h.pre) - 24, 3, "poisson")
     for name, ids in chunks.items():
-        h.source.put_chunk(name, ids, precompile_chunk(h.engine, ids), "bench")
+        h.source.put(KVRef(tuple(ids), h.chunk_pos, BENCH_SALT), precompile_chunk(h.engine, ids))
     rows = []
     for rate in rates:
         for system in ("vLLM APC", "kvnotes + vLLM"):
