@@ -108,3 +108,29 @@ def gemma():
 @pytest.fixture(params=["smollm2-135m", "gemma3-270m"])
 def engine(request):
     return get_engine(request.param)
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the Prometheus text-format samples named ``name`` whose labels include ``labels``."""
+    import re
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            m = re.match(rf'{re.escape(name)}(\{{[^}}]*\}})?\s+([0-9.e+-]+)$', line)
+            if m:
+                total += float(m.group(2))
+    return total
+
+
+def direct_text(prompt_ids, n: int, model: str = "smollm2-135m") -> str:
+    """Greedy continuation of ``prompt_ids`` by a full recompute in this process (the oracle)."""
+    from kvruntime.ops import recompute
+
+    e = get_engine(model)
+    out = recompute(e, list(prompt_ids))
+    toks = []
+    for t in e.greedy(out.kv, out.logits, n, stop_at_eos=True):
+        if t in e.eos_ids:
+            break
+        toks.append(t)
+    return e.decode(toks)

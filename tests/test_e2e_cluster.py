@@ -1,10 +1,11 @@
 """End to end over real HTTP against the real embedded cluster: Ray actors, Ray Serve + FastAPI
 router, gRPC KV transport, LMCache tier, real SmolLM2. OpenAI routes use the official client."""
-import re
 import socket
 
 import httpx
 import pytest
+
+from tests.conftest import direct_text, metric
 
 pytestmark = pytest.mark.slow
 
@@ -39,28 +40,7 @@ def cluster(tmp_path_factory):
     stop(cfg)
 
 
-def _metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            m = re.match(rf'{re.escape(name)}(\{{[^}}]*\}})?\s+([0-9.e+-]+)$', line)
-            if m:
-                total += float(m.group(2))
-    return total
-
-
-def _direct(prompt_ids, n):
-    from tests.conftest import get_engine
-    from kvruntime.ops import recompute
-
-    e = get_engine("smollm2-135m")
-    out = recompute(e, list(prompt_ids))
-    toks = []
-    for t in e.greedy(out.kv, out.logits, n, stop_at_eos=True):
-        if t in e.eos_ids:
-            break
-        toks.append(t)
-    return e.decode(toks)
+_metric, _direct = metric, direct_text
 
 
 def test_openai_completions_exact_equals_recompute_and_prefix_is_reused(cluster):

@@ -4,13 +4,12 @@ a whole-cluster restart finds registered KV in the persistent tier, exact sessio
 approximate KV, and a re-registered template is used by the next turn."""
 from __future__ import annotations
 
-import re
 import time
 
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import direct_text, free_port, metric
 
 pytestmark = pytest.mark.slow
 
@@ -20,28 +19,7 @@ TEMPLATE = "Booking 4417 for {passenger}. Flight KL902 status: {status}. Gate {g
 QUESTION = "What is the status of flight KL902? Answer in one word."
 
 
-def _metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            m = re.match(rf'{re.escape(name)}(\{{[^}}]*\}})?\s+([0-9.e+-]+)$', line)
-            if m:
-                total += float(m.group(2))
-    return total
-
-
-def _direct(text_ids, n):
-    from kvruntime.ops import recompute
-    from tests.conftest import get_engine
-
-    e = get_engine("smollm2-135m")
-    out = recompute(e, list(text_ids))
-    toks = []
-    for t in e.greedy(out.kv, out.logits, n, stop_at_eos=True):
-        if t in e.eos_ids:
-            break
-        toks.append(t)
-    return e.decode(toks)
+_metric, _direct = metric, direct_text
 
 
 def _turn(http, session, status, policy="fast", segments_extra=(), **kw):
