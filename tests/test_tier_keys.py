@@ -8,7 +8,7 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.rope import RopeTable
-from kvtransport.store import ChunkKey, check_model_id, rope_fingerprint, tenant_salt, token_hash
+from kvtransport.store import ChunkKey, check_kv, check_model_id, rope_fingerprint, tenant_salt, token_hash
 
 IDS = list(range(100, 400))
 SALT_A = tenant_salt("tenant-a")
@@ -91,13 +91,13 @@ def test_direct_construction_is_validated_too():
 def test_check_kv_wants_the_chunk_at_canonical_positions():
     k = key(token_ids=[5, 6, 7])
     data = torch.zeros(2, 2, 1, 3, 4)
-    k.check_kv(KVCache(data, torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7])))
+    check_kv(k, KVCache(data, torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7])))
     with pytest.raises(ValueError, match="canonical positions"):
-        k.check_kv(KVCache(data, torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7])))
+        check_kv(k, KVCache(data, torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7])))
     with pytest.raises(ValueError, match="token ids"):
-        k.check_kv(KVCache(data, torch.tensor([1, 2, 3]), torch.tensor([5, 6, 8])))
+        check_kv(k, KVCache(data, torch.tensor([1, 2, 3]), torch.tensor([5, 6, 8])))
     with pytest.raises(ValueError, match="slots"):
-        k.check_kv(KVCache(data[:, :, :, :2], torch.tensor([1, 2]), torch.tensor([5, 6])))
+        check_kv(k, KVCache(data[:, :, :, :2], torch.tensor([1, 2]), torch.tensor([5, 6])))
 
 
 def test_tier_config_and_remote_url_validation():

@@ -15,7 +15,7 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvtransport.lmcache_store import LMCacheStore, TierConfig
-from kvtransport.store import ChunkKey, TierWriteError, tenant_salt
+from kvtransport.store import ChunkKey, TierWriteError, key_positions, tenant_salt
 from kvtransport.tier_server import free_port, start_tier_server, stop_tier_server
 
 # LMCache attaches an OpenTelemetry log handler when opentelemetry-sdk is installed (deprecated API).
@@ -34,7 +34,7 @@ def mkkey(n: int, tenant: str = "a", start: int = 100, position: int = 1) -> Chu
 
 def mkkv(key: ChunkKey, seed: int = 0) -> KVCache:
     g = torch.Generator().manual_seed(seed)
-    return KVCache(torch.randn(L, 2, H, key.num_tokens, D, generator=g), key.positions,
+    return KVCache(torch.randn(L, 2, H, key.num_tokens, D, generator=g), key_positions(key),
                    torch.tensor(key.token_ids))
 
 
@@ -93,7 +93,7 @@ def test_piece_keys_do_not_depend_on_lmcache_process_globals(store):
         tdb.NONE_HASH = saved
     assert len(before) == 3 and [(s, e) for s, e, _ in store._pieces(k)] == [(0, 256), (256, 512), (512, 600)]
     tags = {p[2].tags for p in store._pieces(k)}
-    assert tags == {(("kvn", k.digest),)}
+    assert tags == {(("kvn", k.namespace),)}
 
 
 def test_tenant_b_misses_tenant_a_even_with_identical_tokens(store):
@@ -190,7 +190,7 @@ _FS_CHILD = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
     from kvtransport.lmcache_store import LMCacheStore, TierConfig
-    from kvtransport.store import ChunkKey, TierWriteError, tenant_salt
+    from kvtransport.store import ChunkKey, TierWriteError, key_positions, tenant_salt
     ids = list(range(100, 400))
     s = LMCacheStore("smollm2-135m", "float32", 30, 3, 64, TierConfig(local_cpu_gb=0.1, persist_dir=sys.argv[1]))
     kv = s.get(ChunkKey.build("smollm2-135m", "float32", "5eed", ids, tenant_salt("a"), 1))
