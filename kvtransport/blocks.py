@@ -20,7 +20,7 @@ import ctypes
 import glob
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 import numpy as np
@@ -81,6 +81,14 @@ class KVBlockHeader:
 class KVBlock:
     header: KVBlockHeader
     payload: Payload                # contiguous KV bytes, see module docstring; may alias a tensor
+    # the payload object whose CRC-32C a transport has already checked (that very object, so a
+    # block rebuilt around other bytes is checked again); verify() skips the CRC pass for it
+    verified_payload: object = field(default=None, compare=False, repr=False)
+
+    @staticmethod
+    def verified(header: KVBlockHeader, payload: Payload) -> "KVBlock":
+        """A block whose payload the caller has just checked against ``header.checksum``."""
+        return KVBlock(header, payload, payload)
 
 
 def _load_crc32c():
@@ -157,10 +165,11 @@ def payload_len(payload: Payload) -> int:
 
 def verify(block: KVBlock, *, model: str | None = None, check_crc: bool = True) -> None:
     """Raise :class:`BlockError` unless the payload matches its header (size, CRC, model).
-    ``check_crc=False`` skips only the CRC pass (for a transport that has verified it)."""
+    ``check_crc=False`` skips only the CRC pass, as does a payload a transport already checked
+    (``block.verified_payload is block.payload``)."""
     h = block.header
     h.check(model=model, payload_bytes=payload_len(block.payload))
-    if check_crc:
+    if check_crc and block.verified_payload is not block.payload:
         got = checksum(block.payload)
         if got != h.checksum:
             raise BlockError(f"checksum mismatch: header {h.checksum:#010x}, payload {got:#010x}")

@@ -128,7 +128,7 @@ class _Servicer(grpc.GenericRpcHandler):
             log.warning("rejected KV block %s: %s", tid, error)
             self.inbox.finish(tid, None, error)
             return ack(tid, False, error, got)
-        self.inbox.finish(tid, KVBlock(header, memoryview(dest)))
+        self.inbox.finish(tid, KVBlock.verified(header, memoryview(dest)))
         return ack(tid, True, "", got)
 
 

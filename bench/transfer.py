@@ -1,0 +1,182 @@
+"""KV transfer between two Ray actors on this machine: NIXL, gRPC and a plain memory copy (the
+limit), side by side in one run.
+
+    python -m bench.transfer [--mib 45,180,360] [--reps 5] [--transports nixl,grpc] [--json]
+
+KV is synthetic fp32 with SmolLM2-135M's shape (30 layers, 3 KV heads, head dim 64: 45 MiB per
+1024 tokens). Each transport runs in two actors (a quarter CPU each, so all four fit): a sender and a receiver holding one
+transport object each, metadata/addresses passed through the actor handles. One measurement is
+the whole path the executors run: ``encode_block`` + ``send`` on the sender (returns once the
+receiver has verified the block), then ``receive`` + ``decode_block`` on the receiver; GB/s =
+1e9 bytes/s over their sum, median of ``--reps`` after one untimed warm-up (which faults in the
+pools' pages). ``send_gbps`` is the send alone. ``copy_gbps`` is ``Tensor.copy_`` of the same
+bytes into a warm preallocated tensor inside the sender actor, median of ``--reps``. One progress
+line per measurement goes to stderr; ``--json`` prints one JSON object per line to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+LAYERS, KV_HEADS, HEAD_DIM, MODEL = 30, 3, 64, "smollm2-135m"
+
+
+def _tokens(mib: int) -> int:
+    return mib * 2**20 // (LAYERS * 2 * KV_HEADS * HEAD_DIM * 4)
+
+
+class Endpoint:
+    """One side of one transport, inside a Ray actor. Holds at most one KV tensor."""
+
+    def __init__(self, kind: str):
+        import logging
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        self.kind, self.kv = kind, None
+        if kind == "grpc":
+            from kvtransport.grpc_transport import GrpcTransport
+            self.t = GrpcTransport(model=MODEL)
+        elif kind == "nixl":
+            from kvtransport.nixl_transport import NixlTransport
+            self.t = NixlTransport(model=MODEL)
+        elif kind != "copy":
+            raise ValueError(f"unknown transport {kind!r}; choose nixl, grpc or copy")
+
+    def address(self):
+        """gRPC: serve and return host:port; NIXL: (agent name, metadata)."""
+        if self.kind == "grpc":
+            return self.t.serve("127.0.0.1", 0)
+        return self.t.name, self.t.metadata()
+
+    def add_peer(self, name: str, metadata: bytes) -> str:
+        return self.t.add_peer(name, metadata)
+
+    def make(self, mib: int) -> int:
+        from kvruntime.kv import KVCache
+        n = _tokens(mib)
+        self.kv = None
+        g = torch.Generator().manual_seed(mib)
+        self.kv = KVCache(torch.randn(LAYERS, 2, KV_HEADS, n, HEAD_DIM, generator=g), torch.arange(n),
+                          torch.arange(100, 100 + n))
+        return self.kv.data.nbytes
+
+    def push(self, address: str, tid: str) -> tuple[float, float]:
+        from kvtransport.blocks import encode_block
+        t0 = time.perf_counter()
+        block = encode_block(tid, MODEL, self.kv)
+        t1 = time.perf_counter()
+        self.t.send(address, block, timeout=120)
+        return t1 - t0, time.perf_counter() - t1
+
+    def pull(self, tid: str, expect_bytes: int) -> float:
+        from kvtransport.blocks import decode_block
+        t0 = time.perf_counter()
+        kv = decode_block(self.t.receive(tid, timeout=120), model=MODEL)
+        dt = time.perf_counter() - t0
+        if kv.data.nbytes != expect_bytes:
+            raise RuntimeError(f"received {kv.data.nbytes} bytes, expected {expect_bytes}")
+        return dt
+
+    def copy(self, reps: int) -> list[float]:
+        dst = torch.empty_like(self.kv.data)
+        dst.copy_(self.kv.data)                                   # fault the pages in: a warm copy
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(self.kv.data)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def stop(self) -> None:
+        if self.kind != "copy":
+            self.t.stop()
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(mibs: list[int], reps: int, transports: list[str]) -> list[dict]:
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"}})
+    actor = ray.remote(num_cpus=0.25)(Endpoint)              # 4 actors share the 2 CPUs given to Ray
+    rows = []
+    try:
+        pairs = {}
+        for kind in transports:
+            tx, rx = actor.remote(kind), actor.remote(kind)
+            addr = ray.get(rx.address.remote())
+            if kind == "nixl":
+                name, md = addr
+                addr = ray.get(tx.add_peer.remote(name, md))
+            pairs[kind] = (tx, rx, addr)
+        for mib in mibs:
+            copier = next(iter(pairs.values()))[0] if pairs else actor.remote("copy")
+            nbytes = ray.get(copier.make.remote(mib))
+            copy_s = statistics.median(ray.get(copier.copy.remote(reps)))
+            copy_gbps = nbytes / copy_s / 1e9
+            _progress(f"copy {mib} MiB: {copy_gbps:.2f} GB/s")
+            for kind, (tx, rx, addr) in pairs.items():
+                ray.get(tx.make.remote(mib))
+                totals, sends = [], []
+                for i in range(reps + 1):
+                    tid = f"{kind}-{mib}-{i}"
+                    enc, snd = ray.get(tx.push.remote(addr, tid))
+                    rcv = ray.get(rx.pull.remote(tid, nbytes))
+                    if i == 0:
+                        continue                                      # warm-up
+                    totals.append(enc + snd + rcv)
+                    sends.append(snd)
+                    _progress(f"{kind} {mib} MiB rep {i}: encode {enc * 1e3:.1f} ms, send {snd * 1e3:.1f} ms, "
+                              f"receive+decode {rcv * 1e3:.1f} ms -> {nbytes / (enc + snd + rcv) / 1e9:.2f} GB/s")
+                rows.append({"transport": kind, "mib": mib, "gbps": round(nbytes / statistics.median(totals) / 1e9, 3),
+                             "send_gbps": round(nbytes / statistics.median(sends) / 1e9, 3),
+                             "copy_gbps": round(copy_gbps, 3), "reps": reps})
+            rows.append({"transport": "copy", "mib": mib, "gbps": round(copy_gbps, 3),
+                         "copy_gbps": round(copy_gbps, 3), "reps": reps})
+            for tx, rx, _ in pairs.values():
+                ray.get(tx.make.remote(0))                            # free the sender's KV
+        for tx, rx, _ in pairs.values():
+            ray.get([tx.stop.remote(), rx.stop.remote()])
+    finally:
+        ray.shutdown()
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", default="45,180,360", help="block sizes in MiB, comma-separated")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median)")
+    ap.add_argument("--transports", default="nixl,grpc", help="nixl and/or grpc (copy always runs)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        raise SystemExit("--reps must be >= 1")
+    mibs = [int(x) for x in args.mib.split(",") if x]
+    transports = [t for t in args.transports.split(",") if t]
+    for t in transports:
+        if t not in ("nixl", "grpc"):
+            raise SystemExit(f"unknown transport {t!r}; choose nixl, grpc")
+    rows = run(mibs, args.reps, transports)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(f"# KV transfer between two Ray actors: fp32 SmolLM2-shaped KV, {os.cpu_count()} cores, "
+          f"median of {args.reps}")
+    print("| transport | MiB | GB/s (encode+send+receive+decode) | send GB/s | copy GB/s | of copy |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        send = f"{r['send_gbps']:.2f}" if "send_gbps" in r else "-"
+        print(f"| {r['transport']} | {r['mib']} | {r['gbps']:.2f} | {send} | {r['copy_gbps']:.2f} | "
+              f"{r['gbps'] / r['copy_gbps']:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
