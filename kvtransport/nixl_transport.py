@@ -159,11 +159,16 @@ class NixlTransport(KVTransport):
 
     def add_peer(self, name: str, metadata: bytes) -> str:
         """Load a peer's metadata so that :meth:`send` can reach it as ``name``. Idempotent.
-        Raises ``ValueError`` if the metadata names another agent."""
+        Raises ``ValueError`` if the metadata is unusable or names another agent."""
         if name in self._peers:
             return name
-        with self._lock:
-            loaded = self._agent.add_remote_agent(metadata)
+        if name == self.name:
+            raise ValueError(f"agent {name!r} is this transport itself")
+        try:
+            with self._lock:
+                loaded = self._agent.add_remote_agent(metadata)
+        except Exception as exc:  # nixl's own error types for unparsable/duplicate metadata
+            raise ValueError(f"cannot load NIXL metadata for agent {name!r}: {exc}") from None
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:
             raise ValueError(f"metadata is of agent {loaded!r}, not {name!r}")

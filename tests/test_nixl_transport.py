@@ -1,0 +1,173 @@
+"""NIXL transport between two real processes (multiprocessing spawn): a bit-exact round trip,
+bad blocks refused with a reason (never a crash of the receiver), duplicates refused without
+holding memory. The receiver runs in a child process driven through a command queue."""
+import dataclasses
+import gc
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from kvruntime.kv import KVCache
+from kvtransport.blocks import KVBlock, encode_block
+from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
+from kvtransport.transport import TransferError
+
+CFG = NixlTransportConfig(pool_bytes=64 << 20, max_block_bytes=32 << 20, inbox_bytes=48 << 20,
+                          read_piece_bytes=1 << 20)
+
+
+def _kv(tokens=50, dtype=torch.float32, seed=None):
+    g = torch.Generator().manual_seed(tokens if seed is None else seed)
+    return KVCache(torch.randn(4, 2, 3, tokens, 64, generator=g).to(dtype), torch.arange(5, 5 + tokens),
+                   torch.arange(100, 100 + tokens))
+
+
+def _receiver(cmds, results):
+    """Child: one NixlTransport; answers each command with ("ok", value) or ("error", kind, reason, msg)."""
+    from kvtransport.blocks import decode_block
+    t = NixlTransport(CFG, model="m")
+    results.put((t.name, t.metadata()))
+    while True:
+        cmd = cmds.get()
+        try:
+            if cmd[0] == "stop":
+                break
+            if cmd[0] == "receive":                       # ("receive", tid, timeout, tokens, dtype name)
+                _, tid, timeout, tokens, dtype = cmd
+                kv = decode_block(t.receive(tid, timeout=timeout), model="m")
+                want = _kv(tokens, getattr(torch, dtype))
+                same = (torch.equal(kv.data, want.data) and kv.data.dtype == want.data.dtype
+                        and torch.equal(kv.positions, want.positions) and torch.equal(kv.token_ids, want.token_ids))
+                del kv
+                results.put(("ok", same))
+            elif cmd[0] == "stats":
+                gc.collect()
+                s = t.stats()
+                results.put(("ok", (s.held_bytes, s.blocks, s.pending, dict(s.refused), s.rejected,
+                                    t.pool.leased_bytes, dict(t.counters))))
+        except Exception as exc:  # reported to the parent, which asserts on it
+            results.put(("error", type(exc).__name__, getattr(exc, "reason", ""), str(exc)))
+    t.stop()
+    results.put(("ok", "stopped"))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    ctx = mp.get_context("spawn")
+    cmds, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(cmds, results), daemon=True)
+    proc.start()
+    try:
+        name, md = results.get(timeout=120)
+        tx = NixlTransport(CFG)
+        tx.add_peer(name, md)
+
+        def ask(*cmd, timeout=120):
+            cmds.put(cmd)
+            return results.get(timeout=timeout)
+
+        yield tx, name, ask
+        tx.stop()
+        assert ask("stop") == ("ok", "stopped")
+    finally:
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+def _stats(ask):
+    status, value = ask("stats")
+    assert status == "ok"
+    held, blocks, pending, refused, rejected, leased, counters = value
+    return dict(held=held, blocks=blocks, pending=pending, refused=refused, rejected=rejected, leased=leased,
+                counters=counters)
+
+
+@pytest.mark.parametrize("tokens,dtype", [(50, "float32"), (3000, "bfloat16"), (4000, "float32")])
+def test_round_trip_is_bit_exact(pair, tokens, dtype):
+    tx, name, ask = pair
+    kv = _kv(tokens, getattr(torch, dtype))                         # 4000 fp32 tokens = 23 MiB: many pieces
+    receipt = tx.send(name, encode_block(f"rt-{tokens}", "m", kv), timeout=60)
+    assert receipt.bytes_sent == kv.data.nbytes
+    assert ask("receive", f"rt-{tokens}", 10, tokens, dtype) == ("ok", True)
+    s = _stats(ask)
+    assert s["held"] == 0 and s["blocks"] == 0 and s["leased"] == 0        # claimed and dropped: pool free
+    assert tx.pool.leased_bytes == 0                                        # sender's staging released
+
+
+def _rejected(tx, name, ask, block, match):
+    with pytest.raises(TransferError, match=match) as info:
+        tx.send(name, block, timeout=30)
+    status, kind, reason, msg = ask("receive", block.header.transfer_id, 5, 0, "float32")
+    assert (status, kind, reason) == ("error", "TransferError", "rejected") and "failed" in msg
+    return info.value
+
+
+def test_corrupt_payload_is_rejected(pair):
+    tx, name, ask = pair
+    good = encode_block("corrupt", "m", _kv())
+    bad = bytearray(good.payload)
+    bad[len(bad) // 2] ^= 0xFF
+    assert _rejected(tx, name, ask, KVBlock(good.header, bytes(bad)), "checksum").reason == "rejected"
+
+
+def test_wrong_model_and_wrong_length_are_rejected(pair):
+    tx, name, ask = pair
+    assert _rejected(tx, name, ask, encode_block("other-model", "other", _kv()), "model").reason == "rejected"
+    good = encode_block("short", "m", _kv())
+    assert _rejected(tx, name, ask, KVBlock(good.header, bytes(good.payload)[:-4]), "bytes").reason == "rejected"
+    h = dataclasses.replace(good.header, transfer_id="bad-dtype", dtype="int8")
+    assert _rejected(tx, name, ask, KVBlock(h, good.payload), "dtype").reason == "rejected"
+    s = _stats(ask)
+    assert s["held"] == 0 and s["leased"] == 0 and s["pending"] == 0
+
+
+def test_unknown_transfer_id_and_unknown_peer(pair):
+    tx, name, ask = pair
+    status, kind, reason, msg = ask("receive", "never-sent", 0.3, 0, "float32")
+    assert (status, kind, reason) == ("error", "TransferError", "timeout") and "never-sent" in msg
+    with pytest.raises(TransferError) as info:
+        tx.send("nobody", encode_block("x", "m", _kv(5)), timeout=5)
+    assert info.value.reason == "unknown_peer"
+    with pytest.raises(ValueError, match="agent"):
+        tx.add_peer("someone-else", tx.metadata())
+
+
+def test_duplicate_transfer_id_is_refused_and_holds_no_memory(pair):
+    tx, name, ask = pair
+    kv = _kv(200)
+    tx.send(name, encode_block("dup", "m", kv), timeout=30)
+    before = _stats(ask)
+    with pytest.raises(TransferError) as info:
+        tx.send(name, encode_block("dup", "m", kv), timeout=30)
+    assert info.value.reason == "duplicate"
+    after = _stats(ask)
+    assert after["held"] == before["held"] == kv.data.nbytes                 # counted once
+    assert after["leased"] == before["leased"] and after["refused"].get("duplicate", 0) >= 1
+    assert ask("receive", "dup", 5, 200, "float32") == ("ok", True)
+    with pytest.raises(TransferError) as info:                              # a claimed id stays refused
+        tx.send(name, encode_block("dup", "m", kv), timeout=30)
+    assert info.value.reason == "duplicate"
+    s = _stats(ask)
+    assert s["held"] == 0 and s["leased"] == 0 and s["blocks"] == 0
+    assert tx.pool.leased_bytes == 0
+
+
+def test_forged_notifications_are_counted_not_fatal(pair):
+    tx, name, ask = pair
+    with tx._lock:                                                          # a peer sending garbage
+        tx._agent.send_notif(name, b"O\x01\x02")
+        tx._agent.send_notif(name, b"Zzz")
+    tx.send(name, encode_block("after-garbage", "m", _kv(60)), timeout=30)  # the receiver still works
+    assert ask("receive", "after-garbage", 5, 60, "float32") == ("ok", True)
+    counters = _stats(ask)["counters"]
+    assert counters.get("bad_offer") == 1 and counters.get("bad_notification") == 1
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        NixlTransportConfig(pool_bytes=0)
+    with pytest.raises(ValueError):
+        NixlTransportConfig(busy_poll_s=0.1, idle_poll_s=0.01)
