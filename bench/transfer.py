@@ -9,7 +9,10 @@ transport object each, metadata/addresses passed through the actor handles. One 
 the whole path the executors run: ``encode_block`` + ``send`` on the sender (returns once the
 receiver has verified the block), then ``receive`` + ``decode_block`` on the receiver; GB/s =
 1e9 bytes/s over their sum, median of ``--reps`` after one untimed warm-up (which faults in the
-pools' pages). ``send_gbps`` is the send alone. ``copy_gbps`` is ``Tensor.copy_`` of the same
+pools' pages). ``nixl`` encodes into the transport's registered pool
+(``encode_block(..., into=transport.lease)``: copy + CRC in one pass, no staging copy in send);
+``nixl-staged`` is the plain ``encode_block`` the executors call today (send stages a copy).
+``send_gbps`` is the send alone. ``copy_gbps`` is ``Tensor.copy_`` of the same
 bytes into a warm preallocated tensor inside the sender actor, median of ``--reps``. One progress
 line per measurement goes to stderr; ``--json`` prints one JSON object per line to stdout.
 """
@@ -41,11 +44,11 @@ class Endpoint:
         if kind == "grpc":
             from kvtransport.grpc_transport import GrpcTransport
             self.t = GrpcTransport(model=MODEL)
-        elif kind == "nixl":
+        elif kind in ("nixl", "nixl-staged"):
             from kvtransport.nixl_transport import NixlTransport
             self.t = NixlTransport(model=MODEL)
         elif kind != "copy":
-            raise ValueError(f"unknown transport {kind!r}; choose nixl, grpc or copy")
+            raise ValueError(f"unknown transport {kind!r}; choose nixl, nixl-staged, grpc or copy")
 
     def address(self):
         """gRPC: serve and return host:port; NIXL: (agent name, metadata)."""
@@ -68,7 +71,7 @@ class Endpoint:
     def push(self, address: str, tid: str) -> tuple[float, float]:
         from kvtransport.blocks import encode_block
         t0 = time.perf_counter()
-        block = encode_block(tid, MODEL, self.kv)
+        block = encode_block(tid, MODEL, self.kv, into=self.t.lease if self.kind == "nixl" else None)
         t1 = time.perf_counter()
         self.t.send(address, block, timeout=120)
         return t1 - t0, time.perf_counter() - t1
@@ -112,7 +115,7 @@ def run(mibs: list[int], reps: int, transports: list[str]) -> list[dict]:
         for kind in transports:
             tx, rx = actor.remote(kind), actor.remote(kind)
             addr = ray.get(rx.address.remote())
-            if kind == "nixl":
+            if kind != "grpc":
                 name, md = addr
                 addr = ray.get(tx.add_peer.remote(name, md))
             pairs[kind] = (tx, rx, addr)
@@ -153,7 +156,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", default="45,180,360", help="block sizes in MiB, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median)")
-    ap.add_argument("--transports", default="nixl,grpc", help="nixl and/or grpc (copy always runs)")
+    ap.add_argument("--transports", default="nixl,nixl-staged,grpc",
+                    help="nixl, nixl-staged and/or grpc (copy always runs)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -161,8 +165,8 @@ def main(argv=None) -> None:
     mibs = [int(x) for x in args.mib.split(",") if x]
     transports = [t for t in args.transports.split(",") if t]
     for t in transports:
-        if t not in ("nixl", "grpc"):
-            raise SystemExit(f"unknown transport {t!r}; choose nixl, grpc")
+        if t not in ("nixl", "nixl-staged", "grpc"):
+            raise SystemExit(f"unknown transport {t!r}; choose nixl, nixl-staged, grpc")
     rows = run(mibs, args.reps, transports)
     if args.json:
         for r in rows:

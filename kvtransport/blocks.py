@@ -106,6 +106,7 @@ def _load_crc32c():
 
 
 _crc32c_extend = _load_crc32c()
+_PIECE = 4 << 20                    # copy + CRC granularity of encode_block(into=...): stays in cache
 CRC_IMPLEMENTATION = "libcrc32c" if _crc32c_extend is not None else "google_crc32c-copy"
 if _crc32c_extend is None:
     log.warning("libcrc32c not found next to google_crc32c: checksums copy the payload to bytes first")
@@ -144,18 +145,31 @@ def payload_view(data: torch.Tensor) -> memoryview:
     return memoryview(data.reshape(-1).view(torch.uint8).numpy())
 
 
-def encode_block(transfer_id: str, model: str, kv: KVCache) -> KVBlock:
+def encode_block(transfer_id: str, model: str, kv: KVCache, *, into=None) -> KVBlock:
     """Tensor -> block. Cost: one CRC-32C pass; no copy when ``kv.data`` is a contiguous CPU
     tensor (the payload then *aliases* ``kv.data``: do not modify it until the send returns),
-    else one copy to contiguous CPU memory."""
+    else one copy to contiguous CPU memory.
+
+    ``into``: optional ``nbytes -> writable uint8 array | None`` (e.g. ``NixlTransport.lease``):
+    the payload is copied into that array piece by piece, each piece CRC'd while in cache, so a
+    transport that owns the array (registered memory) sends it without a staging copy. None from
+    ``into`` (its pool is full) keeps the aliasing path."""
     if kv.data.dtype not in _NAMES:
         raise BlockError(f"unsupported KV dtype {kv.data.dtype}")
     data = kv.data.detach().to("cpu").contiguous()
     payload = payload_view(data)
+    dest = into(payload.nbytes) if into is not None and payload.nbytes else None
+    if dest is None:
+        crc = checksum(payload)
+    else:
+        src, crc = as_bytes_array(payload), 0
+        for off in range(0, src.nbytes, _PIECE):
+            dest[off:off + _PIECE] = src[off:off + _PIECE]
+            crc = checksum_extend(crc, dest[off:off + _PIECE])
+        payload = memoryview(dest)
     layers, _, heads, _, head_dim = data.shape
     header = KVBlockHeader(transfer_id, model, layers, heads, head_dim, _NAMES[data.dtype],
-                           tuple(kv.positions.tolist()), tuple(kv.token_ids.tolist()), payload.nbytes,
-                           checksum(payload))
+                           tuple(kv.positions.tolist()), tuple(kv.token_ids.tolist()), payload.nbytes, crc)
     return KVBlock(header, payload)
 
 

@@ -13,7 +13,8 @@ Design (after vLLM's NixlConnector and NIXL's examples/python, shaped for our pu
   actors pass the bytes through their handles). Only the sender needs the receiver's metadata:
   its first offer to a peer carries its own, which the receiver loads (no side channel).
 - **Flow** (``send(peer, block)``; receiver pulls, like vLLM's decode side):
-  1. sender copies the payload into a staging lease, notifies ``OFFER`` (header + address);
+  1. sender copies the payload into a staging lease (none if the block was encoded into one:
+     ``encode_block(..., into=transport.lease)``), notifies ``OFFER`` (header + address);
   2. receiver checks the header (duplicate id, inbox room, model, dtype/shape vs length),
      leases its destination and READs the staging range, NIXL notification ``PULLED`` + id;
      the sender frees its staging lease on it;
@@ -178,7 +179,8 @@ class NixlTransport(KVTransport):
     # ---- sending -------------------------------------------------------------------------------
     def send(self, address: str, block: KVBlock, *, timeout: float = 30.0) -> TransferReceipt:
         """Offer ``block`` to the peer named ``address`` and block until it has pulled and verified
-        it. Copies the payload once into a staging lease. Raises :class:`TransferError`
+        it. Copies the payload once into a staging lease unless it already is one (see
+        :meth:`lease`). Raises :class:`TransferError`
         (``unknown_peer``, ``too_large``, ``backpressure``, ``duplicate``, ``timeout``, or the
         receiver's reason)."""
         t0, deadline = time.perf_counter(), time.monotonic() + timeout
@@ -187,13 +189,15 @@ class NixlTransport(KVTransport):
             raise TransferError("unknown_peer", f"no metadata for NIXL peer {address!r}: call add_peer first")
         if n > self.cfg.pool_bytes:
             raise TransferError("too_large", f"block of {n} bytes exceeds the NIXL pool ({self.cfg.pool_bytes})")
-        staging = self._pool.lease(n)
-        while staging is None:
-            if time.monotonic() > deadline:
-                raise TransferError("backpressure", f"NIXL send pool full for {tid} ({n} bytes)")
-            time.sleep(self.cfg.busy_poll_s * 10)
+        staging = as_bytes_array(block.payload) if n else None
+        if staging is None or not self._in_pool(staging):          # not encoded into our pool: stage it
             staging = self._pool.lease(n)
-        staging[:] = as_bytes_array(block.payload)
+            while staging is None:
+                if time.monotonic() > deadline:
+                    raise TransferError("backpressure", f"NIXL send pool full for {tid} ({n} bytes)")
+                time.sleep(self.cfg.busy_poll_s * 10)
+                staging = self._pool.lease(n)
+            staging[:] = as_bytes_array(block.payload)
         out = _Outgoing(address, staging, time.monotonic())
         with self._out_lock:
             if tid in self._out:
@@ -223,6 +227,15 @@ class NixlTransport(KVTransport):
         if not reply.ok:
             raise TransferError(reply.reason or "rejected", f"receiver rejected {tid}: {reply.error}")
         return TransferReceipt(tid, n, time.perf_counter() - t0)
+
+    def lease(self, nbytes: int) -> np.ndarray | None:
+        """A writable lease of registered memory (None when the pool is full), for
+        ``encode_block(..., into=transport.lease)``: such a block is sent without a staging copy."""
+        return self._pool.lease(nbytes)
+
+    def _in_pool(self, arr: np.ndarray) -> bool:
+        addr = int(arr.ctypes.data)
+        return self._pool.address <= addr and addr + arr.nbytes <= self._pool.address + self._pool.nbytes
 
     def _forget(self, tid: str) -> None:
         with self._out_lock:

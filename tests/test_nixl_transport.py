@@ -97,6 +97,18 @@ def test_round_trip_is_bit_exact(pair, tokens, dtype):
     assert tx.pool.leased_bytes == 0                                        # sender's staging released
 
 
+def test_block_encoded_into_the_pool_is_sent_without_staging(pair):
+    tx, name, ask = pair
+    kv = _kv(3000)
+    block = encode_block("in-pool", "m", kv, into=tx.lease)
+    assert tx.pool.leased_bytes >= kv.data.nbytes                           # the payload is a pool lease
+    tx.send(name, block, timeout=60)
+    assert ask("receive", "in-pool", 10, 3000, "float32") == ("ok", True)
+    del block
+    gc.collect()
+    assert tx.pool.leased_bytes == 0
+
+
 def _rejected(tx, name, ask, block, match):
     with pytest.raises(TransferError, match=match) as info:
         tx.send(name, block, timeout=30)
