@@ -10,4 +10,13 @@ The KV tier (prefill workers put and get whole chunks; LMCache is imported lazil
 - ``lmcache_remote``: the ``lm://`` tier bounded by timeouts, counted when down, reconnecting.
 - ``lmcache_env``: LMCache's process-wide settings (telemetry off) and the globals it touches.
 - ``tier_server``: start/stop ``lmcache_server`` by PID.
+
+The transfer (prefill worker -> decode worker, one block per request):
+- ``blocks``: ``KVBlock`` (header + one contiguous payload), the one codec (zero-copy encode and
+  decode, CRC-32C via libcrc32c; ``encode_block(into=transport.lease)`` encodes into registered memory).
+- ``transport``: the ``KVTransport`` seam, transfer states and errors, the bounded ``Inbox``
+  (duplicate ids refused, expiry counted) and the ``BufferPool`` arena receivers lease from.
+- ``grpc_transport`` + ``grpc_codec`` + ``proto/``: the portable push over gRPC (decode serves).
+- ``nixl_transport``: NIXL/UCX, registered pool, receiver READs, completion by notification;
+  agent metadata passes through the caller (``metadata()`` / ``add_peer``). Imports NIXL lazily.
 """
