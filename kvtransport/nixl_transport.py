@@ -12,20 +12,18 @@ Design (after vLLM's NixlConnector and NIXL's examples/python, shaped for our pu
 - **Metadata through the caller**: :meth:`NixlTransport.metadata` / :meth:`add_peer` (Ray
   actors pass the bytes through their handles). Only the sender needs the receiver's metadata:
   its first offer to a peer carries its own, which the receiver loads (no side channel).
-- **Flow** (``send(peer, block)``; receiver pulls, like vLLM's decode side):
-  1. sender copies the payload into a staging lease (none if the block was encoded into one:
-     ``encode_block(..., into=transport.lease)``), notifies ``OFFER`` (header + address);
-  2. receiver checks the header (duplicate id, inbox room, model, dtype/shape vs length),
-     leases its destination and READs the staging range, NIXL notification ``PULLED`` + id;
-     the sender frees its staging lease on it;
-  3. receiver checks the CRC-32C (``verify_crc``; cma copies are kernel memcpy, the CRC guards
-     against forged/corrupt blocks and stale staging, ~16 GB/s), makes the block visible and
-     notifies ``REPLY`` (ok or reason) + id; ``send`` returns or raises on it.
-  A refused offer is answered with a ``REPLY`` carrying the :class:`TransferError` reason
-  (``duplicate``, ``backpressure``, ``too_large``, ``rejected``, ``nixl_error``). A sender that
-  times out notifies ``CANCEL``; its staging lease is kept until ``PULLED`` or the TTL.
-Between two processes on one host UCX picks ``cma``; across hosts ``tcp``/RDMA (``UCX_TLS``,
-``UCX_NET_DEVICES`` select). CUDA (VRAM) pools are left out: blocks are CPU bytes by construction.
+- **Flow** (``send(peer, block)``; the receiver pulls, like vLLM's decode side): 1. the sender
+  stages the payload in a lease (none if encoded into one: ``encode_block(..., into=
+  transport.lease)``) and notifies ``OFFER`` (header + address); 2. the receiver checks the
+  header (duplicate id, inbox room, model, dtype/shape vs length), leases a destination and READs
+  in pieces, CRC-32C'ing each while in cache (``verify_crc``: cma is a kernel memcpy, the CRC
+  guards against forged/corrupt blocks and stale staging); NIXL notifies ``PULLED`` + id and the
+  sender frees its staging; 3. the block becomes visible, the receiver notifies ``REPLY`` + id
+  (ok, or a :class:`TransferError` reason: ``duplicate``, ``backpressure``, ``too_large``,
+  ``rejected``, ``nixl_error``); ``send`` returns or raises on it. A sender that times out
+  notifies ``CANCEL`` and keeps its staging until ``PULLED`` or the TTL.
+Same host: UCX picks ``cma``; across hosts tcp/RDMA (``UCX_TLS``, ``UCX_NET_DEVICES``). No VRAM
+pool: blocks are CPU bytes by construction (``encode_block`` moves KV to the CPU).
 """
 from __future__ import annotations
 
@@ -49,7 +47,7 @@ from kvtransport.transport import BufferPool, Inbox, InboxStats, KVTransport, Tr
 
 log = logging.getLogger(__name__)
 
-_OFFER, _PULLED, _REPLY, _CANCEL = b"O", b"P", b"R", b"C"
+_OFFER, _PULLED, _REPLY, _CANCEL = b"O", b"P", b"R", b"C"   # notification kinds (first byte)
 _OFFER_FIXED = struct.Struct("<QQIII")      # addr, nbytes, dev_id, len(metadata), len(header)
 
 
@@ -69,10 +67,8 @@ class NixlTransportConfig:
     def __post_init__(self):
         if self.pool_bytes <= 0 or self.max_block_bytes <= 0 or self.inbox_bytes <= 0:
             raise ValueError("pool_bytes, max_block_bytes and inbox_bytes must be positive")
-        if self.read_piece_bytes <= 0:
-            raise ValueError("read_piece_bytes must be positive")
-        if not 0 < self.busy_poll_s <= self.idle_poll_s:
-            raise ValueError("need 0 < busy_poll_s <= idle_poll_s")
+        if self.read_piece_bytes <= 0 or not 0 < self.busy_poll_s <= self.idle_poll_s:
+            raise ValueError("need read_piece_bytes > 0 and 0 < busy_poll_s <= idle_poll_s")
 
 
 @dataclass(frozen=True)
@@ -93,11 +89,9 @@ class Offer:
     def decode(msg: bytes) -> "Offer":
         """Raises ``ValueError`` for a malformed offer."""
         n = 1 + _OFFER_FIXED.size
-        if len(msg) < n:
-            raise ValueError("offer too short")
-        addr, nbytes, dev, lmd, lhdr = _OFFER_FIXED.unpack_from(msg, 1)
-        if len(msg) != n + lmd + lhdr:
-            raise ValueError("offer length does not match its fields")
+        addr, nbytes, dev, lmd, lhdr = _OFFER_FIXED.unpack_from(msg, 1) if len(msg) >= n else (0, 0, 0, -1, 0)
+        if lmd < 0 or len(msg) != n + lmd + lhdr:
+            raise ValueError("offer too short or its length does not match its fields")
         return Offer(header_from_bytes(msg[n + lmd:]), addr, nbytes, dev, bytes(msg[n:n + lmd]))
 
 
@@ -122,7 +116,7 @@ class Reply:
 class _Outgoing:              # one open send, owned by the sending thread + the progress thread
     peer: str
     staging: np.ndarray | None              # [nbytes] uint8 lease, dropped on PULLED / reply / TTL
-    since: float
+    since: float                            # time.monotonic() of the offer
     done: threading.Event = field(default_factory=threading.Event)
     reply: Reply | None = None
 
@@ -223,8 +217,7 @@ class NixlTransport(KVTransport):
                     self._quarantine[tid] = out
             raise TransferError("timeout", f"NIXL transfer {tid} to {address} not verified within {timeout:.1f} s")
         self._forget(tid)
-        reply = out.reply
-        if not reply.ok:
+        if not (reply := out.reply).ok:
             raise TransferError(reply.reason or "rejected", f"receiver rejected {tid}: {reply.error}")
         return TransferReceipt(tid, n, time.perf_counter() - t0)
 
@@ -234,14 +227,13 @@ class NixlTransport(KVTransport):
         return self._pool.lease(nbytes)
 
     def _in_pool(self, arr: np.ndarray) -> bool:
-        addr = int(arr.ctypes.data)
-        return self._pool.address <= addr and addr + arr.nbytes <= self._pool.address + self._pool.nbytes
+        return self._pool.address <= int(arr.ctypes.data) <= self._pool.address + self._pool.nbytes - arr.nbytes
 
     def _forget(self, tid: str) -> None:
         with self._out_lock:
             out = self._out.pop(tid, None)
         if out is not None:
-            out.staging = None
+            out.staging = None                                     # the staging lease ends here
 
     # ---- receiving -----------------------------------------------------------------------------
     def receive(self, transfer_id: str, *, timeout: float = 30.0) -> KVBlock:
@@ -252,12 +244,10 @@ class NixlTransport(KVTransport):
     def state(self, transfer_id: str) -> TransferState:
         return self._inbox.state(transfer_id)
 
-    def stats(self) -> InboxStats:
+    def stats(self) -> InboxStats:   # inbox accounting (held bytes, expiries, refusals by reason)
         return self._inbox.stats()
 
-    @property
-    def pool(self) -> BufferPool:
-        return self._pool
+    pool = property(lambda self: self._pool, doc="the registered arena (staging + received blocks)")
 
     def stop(self) -> None:
         """Stop the progress thread and deregister the pool. Idempotent; blocks on the thread."""
@@ -296,10 +286,8 @@ class NixlTransport(KVTransport):
     def _sweep(self) -> None:
         now = time.monotonic()
         with self._out_lock:
-            for tid, out in list(self._quarantine.items()):
-                if now - out.since > self.cfg.unclaimed_ttl_s:
-                    del self._quarantine[tid]
-                    out.staging = None
+            for tid in [t for t, o in self._quarantine.items() if now - o.since > self.cfg.unclaimed_ttl_s]:
+                self._quarantine.pop(tid).staging = None
         self._inbox.stats()                                        # runs the inbox's expiry
 
     def _dispatch(self, peer: str, msg: bytes) -> None:
@@ -332,7 +320,7 @@ class NixlTransport(KVTransport):
             self.counters["bad_notification"] += 1
             log.warning("unknown NIXL notification %r from %s dropped", msg[:16], peer)
 
-    def _reply(self, peer: str, reply: Reply) -> None:
+    def _notify(self, peer: str, reply: Reply) -> None:
         with self._lock:
             self._safe_notify(peer, reply.encode())
 
@@ -355,7 +343,7 @@ class NixlTransport(KVTransport):
         try:
             self._inbox.begin(tid, h.payload_bytes)
         except TransferError as exc:
-            return self._reply(peer, Reply(tid, False, exc.reason, str(exc)))
+            return self._notify(peer, Reply(tid, False, exc.reason, str(exc)))
         try:
             h.check(model=self.model, payload_bytes=offer.nbytes)
         except BlockError as exc:
@@ -376,7 +364,7 @@ class NixlTransport(KVTransport):
                                                      f"payload {crc:#010x}")
         payload = memoryview(dest)
         self._inbox.finish(tid, KVBlock.verified(h, payload) if crc is not None else KVBlock(h, payload))
-        self._reply(peer, Reply(tid, True))
+        self._notify(peer, Reply(tid, True))
 
     def _read(self, peer: str, dest: np.ndarray, offer: Offer, notif: bytes) -> tuple[str, int | None]:
         """Pull ``offer`` into ``dest`` piece by piece (the last piece carries ``notif``); returns
@@ -400,10 +388,11 @@ class NixlTransport(KVTransport):
             if crc is not None:
                 crc = checksum_extend(crc, dest[off:off + size])
         if n == 0 and notif:
-            self._safe_notify(peer, notif)
+            with self._lock:
+                self._safe_notify(peer, notif)
         return state, crc
 
     def _fail(self, peer: str, tid: str, reason: str, error: str) -> None:
         log.warning("rejected NIXL KV block %s from %s: %s", tid, peer, error)
         self._inbox.finish(tid, None, error)
-        self._reply(peer, Reply(tid, False, reason, error))
+        self._notify(peer, Reply(tid, False, reason, error))
