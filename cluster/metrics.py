@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16)
 
 
 class Metrics:
@@ -27,6 +28,9 @@ class Metrics:
                                       ["transport"], registry=r)
         self.transfer_seconds = Histogram("kvnotes_kv_transfer_seconds", "Seconds per KV block transfer",
                                           ["transport"], registry=r)
+        self.stage_seconds = Histogram("kvnotes_stage_seconds", "Seconds per stage of a request's KV path (tier get, "
+                                       "re-rotate, forward, serialise, transfer, receive, load, suffix forward, "
+                                       "first token)", ["stage", "transport"], buckets=_STAGE_BUCKETS, registry=r)
         self.fallbacks = Counter("kvnotes_fallbacks_total", "Fallbacks taken (each one also logged)", ["reason"],
                                  registry=r)
         self.fidelity_cosine = Histogram("kvnotes_fidelity_cosine", "Logit cosine vs recompute (shadow checks)",

@@ -2,7 +2,7 @@
 as :class:`~cluster.router.Backends`.
 
 Topology: HTTP -> Serve ingress (router, ``router_replicas`` stateless replicas) -> prefill actor (plan execution, LMCache
-tier) --gRPC KV block--> decode actor (suffix prefill, decode) -> tokens streamed back to the
+tier) --KV block (NIXL or gRPC, granted per transfer)--> decode actor (suffix prefill, decode) -> tokens streamed back to the
 ingress through a Ray streaming generator. Workers are *named, detached-from-Serve actors*
 rather than Serve deployments: a request must reach one specific decode actor (the one the KV
 was pushed to), and each decode actor owns a gRPC server with a stable address, which Serve's
@@ -63,7 +63,10 @@ class RayBackends:
     def __init__(self, prefill: list, decode: list):
         self.prefill_actors, self.decode_actors = prefill, decode
         self.num_prefill, self.num_decode = len(prefill), len(decode)
-        self.addresses = ray.get([d.address.remote() for d in decode])
+        # each decode actor's KV endpoint (gRPC address on its node, NIXL agent metadata): handed to
+        # prefill actors with every push, so a restarted prefill actor needs no other exchange
+        self.endpoints = ray.get([d.endpoint.remote() for d in decode])
+        self.addresses = [e.grpc_address for e in self.endpoints]
         self.ready = ray.get([a.ready.remote() for a in prefill])
 
     @staticmethod
@@ -93,8 +96,12 @@ class RayBackends:
     async def evict(self, ref) -> bool:
         return any([await a.evict.remote(ref) for a in self.prefill_actors])
 
-    async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as):
-        return await self.prefill_actors[index].execute.remote(plan, self.addresses[decode_index], transfer_id, store_as)
+    async def expect(self, decode_index: int, grant) -> None:
+        await self.decode_actors[decode_index].expect.remote(grant)
+
+    async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as, *, credential: str):
+        return await self.prefill_actors[index].execute.remote(plan, self.endpoints[decode_index], transfer_id,
+                                                               store_as, credential)
 
     async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str):
         gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(

@@ -30,6 +30,7 @@ from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.messages.keys import tenant_salt, token_hash
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan
 from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
+from kvruntime.messages.transfer import STAGES, TransferGrant
 
 log = logging.getLogger(__name__)
 # Plain-prompt prefix reuse granularity (tokens). Equal to the tier's LMCache piece size
@@ -45,8 +46,9 @@ class Backends(Protocol):
     async def contains(self, refs: list[KVRef], index: int = 0) -> list[bool]: ...
     async def precompile(self, ref: KVRef, index: int = 0) -> PrecompileInfo: ...
     async def evict(self, ref: KVRef) -> bool: ...
+    async def expect(self, decode_index: int, grant: TransferGrant) -> None: ...
     async def prefill(self, index: int, plan: RequestPlan, decode_index: int, transfer_id: str,
-                      store_as: KVRef | None) -> PrefillResult: ...
+                      store_as: KVRef | None, *, credential: str) -> PrefillResult: ...
     def decode(self, index: int, transfer_id: str | None, prefix: tuple[int, ...], suffix: tuple[int, ...],
                sampling: SamplingParams, salt: str) -> AsyncIterator[TokenEvent | DecodeSummary]: ...
 
@@ -61,6 +63,8 @@ class Finished:
     cached_tokens: int             # prompt tokens whose KV was loaded (reused + repositioned)
     fallbacks: tuple[str, ...]
     stored: bool = False           # the prefix KV was stored in the tier for the next request
+    stages: tuple[tuple[str, float], ...] = ()   # KV path seconds per stage (transfer.STAGES order)
+    transport: str = ""            # what carried the prefix KV (nixl | grpc; "" if none was sent)
 
 
 class Router:
@@ -224,7 +228,10 @@ class Router:
         try:
             res = None
             if plan.steps:
-                res = await self.backends.prefill(pi, plan, di, tid, store_as)
+                # the decode actor accepts this block only: credential (the prefill actor's alone), shape, dtype
+                grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, plan.prefix_ids)
+                await self.backends.expect(di, grant)
+                res = await self.backends.prefill(pi, plan, di, tid, store_as, credential=cred)
             ttft = None
             fallbacks = list(res.stats.fallbacks) if res else []
             async for ev in self.backends.decode(di, tid if res is not None and res.transferred else None,
@@ -261,12 +268,17 @@ class Router:
             m.prompt_tokens.labels("computed").inc(plan.prompt_tokens - cached - st.erratum)
             m.tier_rewarms.inc(st.rewarmed)
             if res.transferred:
-                m.transfer_bytes.labels("grpc").inc(res.transfer_bytes)
-                m.transfer_seconds.labels("grpc").observe(res.transfer_seconds)
+                m.transfer_bytes.labels(res.transport or "grpc").inc(res.transfer_bytes)
+                m.transfer_seconds.labels(res.transport or "grpc").observe(res.transfer_seconds)
         else:
             m.prompt_tokens.labels("computed").inc(plan.prompt_tokens)
+        transport = res.transport if res is not None and res.transferred else ""
+        got = {**(res.stats.stages if res is not None else {}), **dict(summary.stages)}
+        stages = tuple((k, got[k]) for k in STAGES if k in got)
+        for k, sec in stages:
+            m.stage_seconds.labels(k, transport or "none").observe(sec)
         yield Finished(plan, summary, ttft, plan.prompt_tokens, cached, tuple(fallbacks),
-                       bool(res is not None and res.stored))
+                       bool(res is not None and res.stored), stages, transport)
 
     def _remember(self, tenant: str, req: RenderedRequest, sess: SessionContext | None, plan: RequestPlan,
                   stored_as: KVRef | None) -> None:

@@ -29,15 +29,23 @@ class DecodeExecutor:
         self.engine, self.transport = engine, transport
         self.policy, self.receive_timeout = load_failure_policy, receive_timeout
 
-    def _prefix(self, transfer_id: str | None, prefix_ids: tuple[int, ...], fallbacks: list[str]) -> KVCache:
+    def _prefix(self, transfer_id: str | None, prefix_ids: tuple[int, ...], fallbacks: list[str],
+                stages: dict[str, float] | None = None) -> KVCache:
+        stages = {} if stages is None else stages
         if not prefix_ids:
             return self.engine.empty_kv()
         if transfer_id is None:
             # the caller knows no block was sent and has already counted that fallback
             return recompute(self.engine, list(prefix_ids), logits=False).kv
         try:
-            kv = decode_block(self.transport.receive(transfer_id, timeout=self.receive_timeout),
-                              model=self.engine.spec.name, device=self.engine.device)
+            t = time.perf_counter()
+            block = self.transport.receive(transfer_id, timeout=self.receive_timeout)
+            stages["receive"] = time.perf_counter() - t
+            kv = decode_block(block, model=self.engine.spec.name, device=self.engine.device)
+            del block
+            if kv.data.dtype != self.engine.dtype:
+                kv = kv.to(self.engine.device, self.engine.dtype)
+            stages["load"] = time.perf_counter() - t - stages["receive"]
             if kv.token_ids.tolist() == list(prefix_ids):
                 return kv
             reason = "kv_mismatch"
@@ -59,10 +67,13 @@ class DecodeExecutor:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
         t = time.perf_counter()
         fallbacks: list[str] = []
-        kv = self._prefix(transfer_id, prefix_ids, fallbacks)
+        stages: dict[str, float] = {}
+        kv = self._prefix(transfer_id, prefix_ids, fallbacks, stages)
         received = time.perf_counter() - t
         start = len(prefix_ids)
+        t_suffix = time.perf_counter()
         out = self.engine.prefill(list(suffix_ids), torch.arange(start, start + len(suffix_ids)), kv, logits=True)
+        stages["suffix_forward"] = time.perf_counter() - t_suffix
         kv = KVCache.cat([kv, out.kv])
         ids: list[int] = []
         text = ""
@@ -73,6 +84,8 @@ class DecodeExecutor:
                 finish = "stop"
                 break
             ids.append(tok)
+            if i == 0:
+                stages["first_token"] = time.perf_counter() - t_suffix
             full = self.engine.decode(ids)
             delta, text = full[len(text):], full
             yield TokenEvent(tok, delta, i)
@@ -80,4 +93,5 @@ class DecodeExecutor:
                 finish = "stop"
                 break
         n_prefix = 0 if fallbacks or transfer_id is None else len(prefix_ids)
-        yield DecodeSummary(len(ids), finish, tuple(fallbacks), received, text, n_prefix, n_prefix)
+        yield DecodeSummary(len(ids), finish, tuple(fallbacks), received, text, n_prefix, n_prefix,
+                            tuple(stages.items()))

@@ -40,6 +40,7 @@ class ClusterConfig:
     seam_tokens: int = 1
     kv_load_failure_policy: str = "recompute"  # recompute | fail
     transfer_timeout_s: float = 30.0
+    kv_transport: str = "auto"                 # auto (NIXL where it imports and starts, else gRPC) | nixl | grpc
     max_tokens_limit: int = 2048               # largest max_tokens a request may ask for
     tier_cpu_bytes: int = 512 << 20            # local CPU tier capacity (LMCache; allocated at start)
     tier_disk_path: str | None = None          # local disk tier (LMCache local_disk)
@@ -61,6 +62,8 @@ class ClusterConfig:
             raise ValueError("default_policy must be exact, balanced or fast")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy must be recompute or fail")
+        if self.kv_transport not in ("auto", "nixl", "grpc"):
+            raise ValueError(f"kv_transport must be auto, nixl or grpc, got {self.kv_transport!r}")
         if self.decode_engine not in ("reference", "vllm"):
             raise ValueError("decode_engine must be reference or vllm")
         if self.vllm_kv_cache_gib <= 0 or self.vllm_max_model_len < 16 or self.vllm_max_concurrency < 1:
