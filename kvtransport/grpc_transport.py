@@ -139,6 +139,7 @@ class _Servicer(grpc.GenericRpcHandler):
 class GrpcTransport(KVTransport):
     """Both ends of the gRPC transport. A decode worker calls :meth:`serve` once and then
     :meth:`receive`; a prefill worker only calls :meth:`send`."""
+    kind = "grpc"
 
     def __init__(self, cfg: GrpcTransportConfig = GrpcTransportConfig(), *, model: str | None = None,
                  inbox: Inbox | None = None):

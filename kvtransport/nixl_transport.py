@@ -250,9 +250,9 @@ class NixlTransport(KVTransport):
 
     stats = lambda self: self._inbox.stats()  # noqa: E731 -- InboxStats: held bytes, expiries, refusals
     pool = property(lambda self: self._pool, doc="the registered arena (staging + received blocks)")
+    kind = "nixl"
 
-    def stop(self) -> None:
-        """Stop the progress thread and deregister the pool. Idempotent; blocks on the thread."""
+    def stop(self) -> None:  # stop the progress thread, deregister the pool; idempotent, joins the thread
         if self._stop.is_set():
             return
         self._stop.set()

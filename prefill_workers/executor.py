@@ -210,7 +210,7 @@ class PrefillExecutor:
                     block = encode_block(transfer_id, plan.model, kv, credential=credential)
                 receipt = self.transport.send(decode, block, timeout=self.transfer_timeout)
                 del block
-                used = type(self.transport).__name__.replace("Transport", "").lower()
+                used = getattr(self.transport, "kind", "")
                 st.stages["transfer"] = receipt.seconds
             sent, tsec = receipt.bytes_sent, receipt.seconds
         except TransferError as exc:
