@@ -40,11 +40,11 @@ def _log_once(reason: str, msg: str, *args) -> None:
         log.warning(msg + " (counted in kvnotes_fallbacks_total{reason=%s}; logged once)", *args, reason)
 
 
-def _start_nixl(kind: str, **kw):
-    """A NixlTransport, or (None, fallback reason) under ``auto``; ``nixl`` raises RuntimeError."""
+def _start_nixl(kind: str, cfg=None, require_grant: bool = False, **kw):
+    """(NixlTransport, None), or (None, fallback reason) under ``auto``; ``nixl`` raises RuntimeError."""
     try:
-        from kvtransport.nixl_transport import NixlTransport
-        return NixlTransport(**kw), None
+        from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
+        return NixlTransport(cfg or NixlTransportConfig(require_grant=require_grant), **kw), None
     except Exception as exc:  # ImportError, or NIXL/UCX failing to start: auto falls back, counted + logged
         if kind == "nixl":
             raise RuntimeError(f"kv_transport is 'nixl' but NIXL cannot start: {exc}") from exc
@@ -67,9 +67,7 @@ class Receiver(KVTransport):
         address = self.grpc.serve(bind, 0, advertise=advertise)
         self.nixl, self.fallback = None, None
         if kind != "grpc":
-            from kvtransport.nixl_transport import NixlTransportConfig
-            ncfg = nixl_cfg or NixlTransportConfig(require_grant=gcfg.require_grant)
-            self.nixl, self.fallback = _start_nixl(kind, cfg=ncfg, model=model, inbox=self.inbox)
+            self.nixl, self.fallback = _start_nixl(kind, nixl_cfg, gcfg.require_grant, model=model, inbox=self.inbox)
         n = self.nixl
         self.endpoint = KVEndpoint("nixl" if n else "grpc", address, dtype, node_id,
                                    n.name if n else "", n.metadata() if n else b"")
@@ -102,8 +100,7 @@ class Sender:
         self.grpc = GrpcTransport()
         self.nixl, self.fallback = None, None
         if kind != "grpc":
-            kw = {"cfg": nixl_cfg} if nixl_cfg is not None else {}
-            self.nixl, self.fallback = _start_nixl(kind, **kw)
+            self.nixl, self.fallback = _start_nixl(kind, nixl_cfg)
 
     def _nixl_peer(self, ep: KVEndpoint) -> str | None:
         if ep.transport != "nixl" or self.nixl is None or not ep.nixl_agent:
