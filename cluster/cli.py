@@ -27,6 +27,16 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start a cluster from a config file (YAML or JSON)")
     s.add_argument("--config", required=True)
 
+    k = sub.add_parser("keys", help="API keys: each maps to a tenant (only its hash is stored)")
+    ksub = k.add_subparsers(dest="action", required=True)
+    kc = ksub.add_parser("create", help="create a key for a tenant; the key is the last line printed")
+    kc.add_argument("--tenant", required=True)
+    kl = ksub.add_parser("list", help="list keys (id, tenant, created), never the keys themselves")
+    kr = ksub.add_parser("revoke", help="revoke a key by its id (from `keys list`)")
+    kr.add_argument("key_id")
+    for x in (kc, kl, kr):
+        x.add_argument("--config", default=None, help="the cluster's config file (default: the embedded default's)")
+
     e = sub.add_parser("eval", help="measurements")
     esub = e.add_subparsers(dest="what", required=True)
     f = esub.add_parser("fidelity", help="run the fidelity harness on the shipped case set")
@@ -58,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                    if args.cmd == "run"
                    else ClusterConfig.from_file(args.config))
             return run_forever(cfg, register_demo=args.cmd == "run")
+        if args.cmd == "keys":
+            return _keys(args)
         if args.cmd == "demo":
             from cluster.demo import run_demo
             return run_demo(args.model, threads=args.threads)
@@ -74,6 +86,35 @@ def main(argv: list[str] | None = None) -> int:
         print("kvnotes: interrupted", file=sys.stderr)
         return 130
     return 2
+
+
+def _keys(args) -> int:
+    import datetime
+
+    from cluster.auth import check_tenant, create_key
+    from cluster.state import open_state
+    from kvruntime.messages.config import ClusterConfig
+
+    cfg = ClusterConfig.from_file(args.config) if args.config else ClusterConfig()
+    if args.action == "create":
+        check_tenant(args.tenant)
+    state = open_state(cfg.resolved_state_url)
+    try:
+        if args.action == "create":
+            key, rec = create_key(state, args.tenant)
+            print(f"created key {rec.key_id} for tenant {rec.tenant}; it is shown only now:")
+            print(key)
+        elif args.action == "list":
+            for r in state.list_api_keys():
+                when = datetime.datetime.fromtimestamp(r.created, datetime.timezone.utc).isoformat(timespec="seconds")
+                print(f"{r.key_id}  {r.tenant}  {when}")
+        elif not state.revoke_api_key(args.key_id):
+            raise ValueError(f"no key with id {args.key_id!r} (see `kvnotes keys list`)")
+        else:
+            print(f"revoked key {args.key_id}")
+    finally:
+        state.close()
+    return 0
 
 
 if __name__ == "__main__":

@@ -33,12 +33,27 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     from cluster.ray_backends import start_workers
     from cluster.serve_app import RouterIngress
 
+    ensure_api_key(cfg)
     t = time.monotonic()
     start_workers(cfg)
     log.info("workers ready in %.1f s", time.monotonic() - t)
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
     serve.run(RouterIngress.options(num_replicas=cfg.router_replicas).bind(cfg), name="kvnotes", route_prefix="/",
               blocking=False)
+
+
+def ensure_api_key(cfg: ClusterConfig) -> str | None:
+    """With auth on: the key in ``<data_dir>/api_key`` (created, printed and saved mode 0600 on
+    first start when the state store holds no key); None when auth is off or other keys exist."""
+    if not cfg.auth:
+        return None
+    from cluster.auth import ensure_default_key
+    from cluster.state import open_state
+    state = open_state(cfg.resolved_state_url)
+    try:
+        return ensure_default_key(state, cfg.tenant, cfg.api_key_file)
+    finally:
+        state.close()
 
 
 def stop(cfg: ClusterConfig) -> None:
@@ -60,9 +75,14 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     base = f"http://{cfg.host}:{cfg.port}"
     try:
         start(cfg)
-        if register_demo:
+        key = ensure_api_key(cfg)
+        if register_demo and cfg.auth and key is None:
+            print(f"kvnotes: not registering the demo skill: API keys exist but {cfg.api_key_file} holds none of them")
+        elif register_demo:
             import httpx
-            r = httpx.post(f"{base}/v1/skills", json={"name": "refund-policy", "text": DEMO_SKILL}, timeout=300)
+            auth = {"authorization": f"Bearer {key}"} if key else {}
+            r = httpx.post(f"{base}/v1/skills", json={"name": "refund-policy", "text": DEMO_SKILL}, headers=auth,
+                           timeout=300)
             if r.status_code != 201:
                 raise RuntimeError(f"registering the demo skill failed: HTTP {r.status_code}: {r.text[:300]}")
             print(f"kvnotes: registered demo skill 'refund-policy' ({r.json()['tokens']} tokens precompiled)")
@@ -70,9 +90,10 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
         print("kvnotes: start failed; stopping what was started", flush=True)
         stop(cfg)
         raise
+    hdr = f"-H \"authorization: Bearer $(cat {cfg.api_key_file})\" " if cfg.auth else ""
     print(f"""kvnotes: serving {cfg.model} on {base}  (Ctrl-C to stop)
-  curl -s {base}/v1/notes/completions -H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
-  curl -s {base}/v1/chat/completions -H 'content-type: application/json' -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
+  curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
+  curl -s {base}/v1/chat/completions {hdr}-H 'content-type: application/json' -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
   metrics: {base}/metrics""", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

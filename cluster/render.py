@@ -21,7 +21,31 @@ class Renderer:
         self.tok, self.spec, self.registry, self.bos_id = tokenizer, spec, registry, bos_id
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False).input_ids)
+        """Token ids of user text: special-token strings in it (``<|im_start|>``...) stay plain text."""
+        return list(self.tok(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The chat template applied to ``messages`` (``{"role", "content": str}``), with the
+        template's own markup tokenized as special tokens and every message's content as plain
+        text: content is replaced by a sentinel while rendering, then spliced back by ids."""
+        if not getattr(self.tok, "chat_template", None):
+            raise RequestError(400, f"model {self.spec.name} has no chat template; use /v1/completions or "
+                                    "/v1/notes/completions", param="messages")
+        real = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        marks = [f"\x00kvnotes-message-{i}\x00" for i in range(len(messages))]
+        shaped = self.tok.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)],
+                                              add_generation_prompt=True, tokenize=False)
+        ids: list[int] = []
+        rest = shaped
+        for m, k in zip(messages, marks):
+            head, found, rest = rest.partition(k)
+            if not found:
+                raise RequestError(400, "the chat template dropped a message; send it in another role",
+                                   param="messages")
+            c = m["content"]
+            c = c if c in real else c.strip()             # templates that trim content
+            ids += list(self.tok(head, add_special_tokens=False).input_ids) + self.encode(c)
+        return ids + list(self.tok(rest, add_special_tokens=False).input_ids)
 
     def frame(self) -> tuple[int, ...]:
         ids = [self.bos_id] if self.spec.prepend_bos and self.bos_id is not None else []

@@ -10,6 +10,7 @@ tiers hold without a name map.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import logging
@@ -93,7 +94,7 @@ class Router:
     async def register_chunk(self, kind: str, tenant: str, name: str, text: str) -> dict:
         if not isinstance(text, str) or not text.strip():
             raise RequestError(400, f"{kind} text must be a non-empty string", param="text")
-        ids = self.renderer.chunk_ids(text)
+        ids = await asyncio.to_thread(self.renderer.chunk_ids, text)     # tokenize off the event loop
         if len(ids) + 16 > self.context_window:
             raise RequestError(400, f"{kind} is {len(ids)} tokens; the model's window is {self.context_window}")
         ref = self.renderer.chunk_ref(ids, self.salt(tenant))
@@ -151,8 +152,9 @@ class Router:
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex
         salt = self.salt(tenant)
-        req = replace(self.renderer.render(rid, tenant, segments, Policy(policy or self.default_policy.value),
-                                           session, salt), edit_strategy=edit)
+        req = replace(await asyncio.to_thread(self.renderer.render, rid, tenant, segments,      # off the event loop
+                                              Policy(policy or self.default_policy.value), session, salt),
+                      edit_strategy=edit)
         sess = self.sessions.get(tenant, session) if session else None
         pi = self._pick_prefill(f"{tenant}|{session}" if session else None)
         refs = [s.kv for s in req.context if s.kv is not None] + ([sess.context] if sess else [])

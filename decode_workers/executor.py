@@ -15,6 +15,7 @@ import torch
 from kvruntime.kv import KVCache
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import recompute
+from decode_workers.sampling import Sampler, TextStream
 from kvtransport.blocks import BlockError, decode_block
 from kvtransport.transport import KVTransport, TransferError
 
@@ -61,7 +62,8 @@ class DecodeExecutor:
 
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
                  sampling: SamplingParams, *, salt: str | None = None) -> Iterator[TokenEvent | DecodeSummary]:
-        """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`.
+        """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`. Text is
+        detokenized incrementally (never half a character) and ends before a stop string.
         ``salt`` is ignored: this engine keeps no KV across requests."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
@@ -75,14 +77,15 @@ class DecodeExecutor:
         out = self.engine.prefill(list(suffix_ids), torch.arange(start, start + len(suffix_ids)), kv, logits=True)
         stages["suffix_forward"] = time.perf_counter() - t_suffix
         kv = KVCache.cat([kv, out.kv])
-        ids: list[int] = []
-        text = ""
-        finish = "length"
-        for i, tok in enumerate(self.engine.generate(kv, out.logits, sampling.max_tokens, temperature=sampling.temperature,
-                                                     top_p=sampling.top_p, seed=sampling.seed)):
+        sampler = Sampler(sampling, out.logits.numel())
+        stream = TextStream(self.engine.decode, sampling.stop)
+        logits, pos, n, finish = out.logits, start + len(suffix_ids), 0, "length"
+        while n < sampling.max_tokens:
+            tok, lp, top = sampler.pick(logits)
             if tok in self.engine.eos_ids:
                 finish = "stop"
                 break
+<<<<<<< HEAD
             ids.append(tok)
             if i == 0:
                 stages["first_token"] = time.perf_counter() - t_suffix
@@ -90,8 +93,25 @@ class DecodeExecutor:
             delta, text = full[len(text):], full
             yield TokenEvent(tok, delta, i)
             if sampling.stop and any(s in text for s in sampling.stop):
+=======
+            n += 1
+            delta = stream.push(tok)
+            if stream.stopped or n == sampling.max_tokens:
+                delta += stream.finish()
+            yield TokenEvent(tok, delta, n - 1, lp, top)
+            if stream.stopped:
+>>>>>>> w13
                 finish = "stop"
                 break
+            if n < sampling.max_tokens:
+                step = self.engine.prefill([tok], [pos], kv, logits=True)
+                kv, logits, pos = KVCache.cat([kv, step.kv]), step.logits, pos + 1
+        stream.finish()       # after EOS: text still held back is in the summary's text, not in an event
+        text = stream.text
         n_prefix = 0 if fallbacks or transfer_id is None else len(prefix_ids)
+<<<<<<< HEAD
         yield DecodeSummary(len(ids), finish, tuple(fallbacks), received, text, n_prefix, n_prefix,
                             tuple(stages.items()))
+=======
+        yield DecodeSummary(n, finish, tuple(fallbacks), received, text, n_prefix, n_prefix)
+>>>>>>> w13

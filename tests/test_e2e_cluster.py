@@ -5,7 +5,7 @@ import socket
 import httpx
 import pytest
 
-from tests.conftest import direct_text, metric
+from tests.conftest import api_key, direct_text, http_client, metric
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +29,17 @@ def cluster(tmp_path_factory):
     cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
     base = f"http://127.0.0.1:{cfg.port}"
-    client = httpx.Client(base_url=base, timeout=300)
+    client = http_client(cfg)
     assert client.get("/health").json()["status"] == "ok"
     for kind, body in (("skills", {"name": "refund", "text": SKILL}), ("memories", {"name": "dana", "text": MEMORY}),
                        ("templates", {"name": "booking", "text": TEMPLATE, "labels": {"status": "flight status"}})):
         r = client.post(f"/v1/{kind}", json=body)
         assert r.status_code == 201, r.text
-    yield base, client
-    client.close()
-    stop(cfg)
+    try:
+        yield base, client
+    finally:
+        client.close()
+        stop(cfg)
 
 
 _metric, _direct = metric, direct_text
@@ -47,7 +49,7 @@ def test_openai_completions_exact_equals_recompute_and_prefix_is_reused(cluster)
     import openai
 
     base, http = cluster
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=base + "/v1", api_key=http.headers["authorization"].split()[1])
     prompt = "The three primary colours of light are red, green and blue. " * 24 + "Name one primary colour:"
     first = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0,
                                       extra_body={"kv_policy": "exact"})
@@ -65,8 +67,8 @@ def test_openai_completions_exact_equals_recompute_and_prefix_is_reused(cluster)
 def test_openai_chat_streaming(cluster):
     import openai
 
-    base, _ = cluster
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    base, http = cluster
+    client = openai.OpenAI(base_url=base + "/v1", api_key=http.headers["authorization"].split()[1])
     stream = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Say hello."}],
                                             max_tokens=8, temperature=0, stream=True)
     chunks = list(stream)

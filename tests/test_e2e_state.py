@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import direct_text, free_port, metric
+from tests.conftest import direct_text, free_port, http_client, metric
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def state_cluster(tmp_path_factory):
     cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=128 << 20, router_replicas=2, data_dir=str(root / "data"),
                         tier_persist_dir=str(root / "tier"))
     start(cfg, local_cpus=4)
-    http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300)
+    http = http_client(cfg)
     try:
         yield cfg, http
     finally:

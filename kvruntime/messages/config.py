@@ -54,7 +54,19 @@ class ClusterConfig:
     session_max: int = 100_000                 # and at most this many are kept (least recently used go first)
     prompt_index_ttl_s: float = 3600.0         # plain-prompt prefix index entries expire after this
     prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
-    tenant: str = "default"                    # tenant salt used when a request names none
+    tenant: str = "default"                    # tenant of the key the embedded default creates (and of every request when auth is off)
+    # who may do what (cluster.auth): API keys map to tenants in the state store (`kvnotes keys ...`)
+    auth: bool = True                          # False only allowed with a loopback host
+    trusted_proxies: tuple[str, ...] = ()      # client IPs whose x-kvnotes-tenant header is honoured (after their own key)
+    # request limits (cluster.limits): 413 / 400 / 429
+    max_body_bytes: int = 8 << 20              # largest request body (bytes) -> 413
+    max_text_chars: int = 400_000              # per text field: segment text, prompt, message content, registration
+    max_segments: int = 256                    # segments (native) or messages (chat) per request
+    max_template_fields: int = 64              # {placeholders} per template
+    max_name_chars: int = 128                  # skill / memory / template / session names
+    max_stop: int = 4                          # stop strings per request
+    max_stop_chars: int = 128                  # characters per stop string
+    max_inflight_per_tenant: int = 64          # requests one tenant may have in flight per router replica -> 429
     ray_address: str | None = None             # None: start/attach local Ray
 
     def __post_init__(self):
@@ -80,8 +92,20 @@ class ClusterConfig:
             raise ValueError("session_ttl_s, prompt_index_ttl_s > 0 and session_max, prompt_index_max >= 1 required")
         if self.state_url is not None and not self.state_url.startswith(("sqlite:///", "redis://")):
             raise ValueError(f"state_url must start with sqlite:/// or redis://, got {self.state_url!r}")
+        if not self.auth and not _is_loopback(self.host):
+            raise ValueError(f"auth: false is only allowed when host is a loopback address, not {self.host!r}")
+        if not isinstance(self.trusted_proxies, tuple) or not all(isinstance(p, str) and p for p in self.trusted_proxies):
+            raise ValueError("trusted_proxies must be a list of IP addresses")
+        if min(self.max_body_bytes, self.max_text_chars, self.max_segments, self.max_template_fields,
+               self.max_name_chars, self.max_stop, self.max_stop_chars, self.max_inflight_per_tenant) < 1:
+            raise ValueError("every max_* limit must be >= 1")
         self.prefill.validate("prefill")
         self.decode.validate("decode")
+
+    @property
+    def api_key_file(self) -> Path:
+        """Where the embedded default keeps the key it created on first start (mode 0600)."""
+        return Path(self.data_dir).expanduser() / "api_key"
 
     @property
     def resolved_state_url(self) -> str:
@@ -97,6 +121,8 @@ class ClusterConfig:
         if unknown:
             raise ValueError(f"unknown config key(s): {', '.join(sorted(unknown))}")
         kw = dict(d)
+        if isinstance(kw.get("trusted_proxies"), list):
+            kw["trusted_proxies"] = tuple(kw["trusted_proxies"])
         for k in ("prefill", "decode"):
             if k in kw:
                 sub = kw[k]
@@ -123,3 +149,13 @@ class ClusterConfig:
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping")
         return ClusterConfig.from_dict(data)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
