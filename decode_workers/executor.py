@@ -85,22 +85,14 @@ class DecodeExecutor:
             if tok in self.engine.eos_ids:
                 finish = "stop"
                 break
-<<<<<<< HEAD
-            ids.append(tok)
-            if i == 0:
-                stages["first_token"] = time.perf_counter() - t_suffix
-            full = self.engine.decode(ids)
-            delta, text = full[len(text):], full
-            yield TokenEvent(tok, delta, i)
-            if sampling.stop and any(s in text for s in sampling.stop):
-=======
             n += 1
+            if n == 1:
+                stages["first_token"] = time.perf_counter() - t_suffix
             delta = stream.push(tok)
             if stream.stopped or n == sampling.max_tokens:
                 delta += stream.finish()
             yield TokenEvent(tok, delta, n - 1, lp, top)
             if stream.stopped:
->>>>>>> w13
                 finish = "stop"
                 break
             if n < sampling.max_tokens:
@@ -109,9 +101,4 @@ class DecodeExecutor:
         stream.finish()       # after EOS: text still held back is in the summary's text, not in an event
         text = stream.text
         n_prefix = 0 if fallbacks or transfer_id is None else len(prefix_ids)
-<<<<<<< HEAD
-        yield DecodeSummary(len(ids), finish, tuple(fallbacks), received, text, n_prefix, n_prefix,
-                            tuple(stages.items()))
-=======
-        yield DecodeSummary(n, finish, tuple(fallbacks), received, text, n_prefix, n_prefix)
->>>>>>> w13
+        yield DecodeSummary(n, finish, tuple(fallbacks), received, text, n_prefix, n_prefix, tuple(stages.items()))
