@@ -82,7 +82,7 @@ class PrometheusClient:
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> dict:
         return self._get("/api/v1/query_range", {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
-                                                 "step": f"{step:g}s"})
+                                                 "step": f"{step:g}"})
 
 
 def legend(template: str, labels: dict) -> str:

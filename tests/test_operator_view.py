@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from cluster.dashboard import dashboard, panel_queries
-from tests.conftest import free_port
+from tests.conftest import free_port, metric
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,21 +135,38 @@ def workload(cluster, prometheus, tmp_path_factory):
                                                       "max_tokens": 4, "temperature": 0, "kv_policy": policy,
                                                       "explain": True})
             assert r.status_code == 200, r.text
-            kinds.add(r.json()["kvnotes"]["plan"])
+            kinds.add(r.json()["plan"])
         for status in ("ON TIME", "DELAYED"):         # a session turn, then an erratum / edit-in-place
             r = c.post("/v1/notes/completions", json={
                 "session": "s1", "kv_policy": "fast", "max_tokens": 4, "temperature": 0, "explain": True,
                 "segments": [{"template": "booking", "fields": {"passenger": "Ada Byron", "status": status,
                                                                  "gate": "B12"}}, {"text": "Status?"}]})
             assert r.status_code == 200, r.text
-            kinds.add(r.json()["kvnotes"]["plan"])
+            kinds.add(r.json()["plan"])
+        # the one failure: the tier loses the session's context (as an LRU eviction would); the next
+        # turn must notice at plan time, count a fallback and plan from scratch
+        import ray
+
+        from cluster.sessions import SessionStore
+        from cluster.state import StoreLimits, open_state
+        state = open_state(cfg.resolved_state_url, StoreLimits(cfg.session_ttl_s, cfg.session_max,
+                                                               cfg.prompt_index_ttl_s, cfg.prompt_index_max))
+        ctx = SessionStore(state).get(cfg.tenant, "s1").context
+        assert any(ray.get([ray.get_actor(f"prefill-{i}", namespace="kvnotes").evict.remote(ctx)
+                            for i in range(cfg.prefill.count)]))
+        r = c.post("/v1/notes/completions", json={
+            "session": "s1", "kv_policy": "fast", "max_tokens": 4, "temperature": 0, "explain": True,
+            "segments": [{"template": "booking", "fields": {"passenger": "Ada Byron", "status": "CANCELLED",
+                                                             "gate": "B12"}}, {"text": "Status?"}]})
+        assert r.status_code == 200, r.text
+        assert metric(c.get("/metrics").text, "kvnotes_fallbacks_total", reason="session_context_evicted") == 1
         prompt = "The three primary colours of light are red, green and blue. " * 24 + "Name one:"
         for _ in range(2):                            # stored, then reused
             r = c.post("/v1/completions", json={"model": cfg.model, "prompt": prompt, "max_tokens": 3,
                                                 "temperature": 0})
             assert r.status_code == 200, r.text
         r = c.post("/v1/notes/completions", json={"segments": [{"skill": "no-such-skill"}], "max_tokens": 2})
-        assert r.status_code in (400, 404), r.text   # the one failure
+        assert r.status_code in (400, 404), r.text   # and a client error
     # two scrapes after the last request, so rate() windows hold the whole workload
     time.sleep(3)
     return kinds
