@@ -10,8 +10,7 @@ import logging
 import time
 from typing import Iterator
 
-import torch
-
+from kvruntime.decode_cache import DecodeSession
 from kvruntime.kv import KVCache
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import recompute
@@ -74,12 +73,13 @@ class DecodeExecutor:
         received = time.perf_counter() - t
         start = len(prefix_ids)
         t_suffix = time.perf_counter()
-        out = self.engine.prefill(list(suffix_ids), torch.arange(start, start + len(suffix_ids)), kv, logits=True)
+        # the context is copied once into a buffer with room for the suffix and every token to come
+        session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens)
+        logits = session.step(suffix_ids, range(start, start + len(suffix_ids)))
         stages["suffix_forward"] = time.perf_counter() - t_suffix
-        kv = KVCache.cat([kv, out.kv])
-        sampler = Sampler(sampling, out.logits.numel())
+        sampler = Sampler(sampling, logits.numel())
         stream = TextStream(self.engine.decode, sampling.stop)
-        logits, pos, n, finish = out.logits, start + len(suffix_ids), 0, "length"
+        pos, n, finish = start + len(suffix_ids), 0, "length"
         while n < sampling.max_tokens:
             tok, lp, top = sampler.pick(logits)
             if tok in self.engine.eos_ids:
@@ -96,8 +96,7 @@ class DecodeExecutor:
                 finish = "stop"
                 break
             if n < sampling.max_tokens:
-                step = self.engine.prefill([tok], [pos], kv, logits=True)
-                kv, logits, pos = KVCache.cat([kv, step.kv]), step.logits, pos + 1
+                logits, pos = session.step([tok], [pos]), pos + 1
         stream.finish()       # after EOS: text still held back is in the summary's text, not in an event
         text = stream.text
         n_prefix = 0 if fallbacks or transfer_id is None else len(prefix_ids)
