@@ -1,7 +1,7 @@
 """Errors a caller can cause, mapped to HTTP status codes and OpenAI-shaped error JSON.
 
-Every error body is ``{"error": {"message", "type", "param", "code", "request_id"}}`` and the
-response carries the same id in ``x-request-id``; anything that is not the caller's mistake is a
+Every error body is ``{"error": {"message", "type", "param", "code", "request_id"}}``; the Serve
+proxy returns the same id in ``x-request-id``; anything that is not the caller's mistake is a
 500 whose message holds only that id (the details are logged under it)."""
 from __future__ import annotations
 
@@ -39,8 +39,6 @@ def error_response(exc: BaseException, request_id: str | None) -> JSONResponse:
     else:
         log.error("request %s: internal error", request_id, exc_info=exc)
         r = JSONResponse(internal_error_json(request_id), status_code=500)
-    if request_id:
-        r.headers[REQUEST_ID_HEADER] = request_id
     if isinstance(exc, RequestError) and exc.status == 401:
         r.headers["www-authenticate"] = "Bearer"
     return r

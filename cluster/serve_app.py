@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster import api
-from cluster.errors import REQUEST_ID_HEADER, RequestError, error_response
+from cluster.errors import RequestError, error_response
 from cluster.limits import RequestLimits, read_json
 from kvruntime.messages.config import ClusterConfig
 
@@ -46,7 +46,13 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
 
 
 def _new_rid() -> str:
-    return "req-" + uuid.uuid4().hex[:24]
+    """Serve's id of this request (its proxy returns it in ``x-request-id`` and logs under it),
+    or a fresh one outside Serve."""
+    try:
+        rid = serve.context._get_serve_request_context().request_id
+    except Exception:                # outside a Serve replica
+        rid = ""
+    return rid or "req-" + uuid.uuid4().hex[:24]
 
 
 @serve.deployment(name="kvnotes-router", num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -108,7 +114,6 @@ class RouterIngress:
         finally:
             if not streaming:
                 self.inflight.release(tenant)
-        resp.headers[REQUEST_ID_HEADER] = rid
         return resp
 
     async def _release_after(self, it, tenant: str):
