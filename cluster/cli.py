@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start a cluster from a config file (YAML or JSON)")
     s.add_argument("--config", required=True)
+    s.add_argument("--address", default=None,
+                   help="join this Ray cluster (host:port or auto; overrides ray_address in the config)")
 
     e = sub.add_parser("eval", help="measurements")
     esub = e.add_subparsers(dest="what", required=True)
@@ -57,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = (ClusterConfig(model=args.model, port=args.port, decode_engine=args.decode_engine)
                    if args.cmd == "run"
                    else ClusterConfig.from_file(args.config))
+            if args.cmd == "serve" and args.address:
+                import dataclasses
+                cfg = dataclasses.replace(cfg, ray_address=args.address)
             return run_forever(cfg, register_demo=args.cmd == "run")
         if args.cmd == "demo":
             from cluster.demo import run_demo

@@ -44,6 +44,13 @@ class PrefillWorker:
                 "rope_self_test_ok": r.enabled, "rope_self_test_error": r.self_test_error,
                 "tiers": self.store.tiers}
 
+    def health(self) -> dict:
+        """Cheap liveness answer (runs in the actor's "health" concurrency group, beside a running
+        plan): process id and whether the remote tier (if configured) is reachable."""
+        st = self.store.stats
+        return {"worker": f"prefill-{self.index}", "pid": os.getpid(),
+                "remote_up": st.remote_up if self.cfg.tier_remote_url else None}
+
     def contains(self, refs: list[KVRef]) -> list[bool]:
         return self.tier.contains(refs)
 

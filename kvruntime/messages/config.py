@@ -54,7 +54,16 @@ class ClusterConfig:
     prompt_index_ttl_s: float = 3600.0         # plain-prompt prefix index entries expire after this
     prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
     tenant: str = "default"                    # tenant salt used when a request names none
-    ray_address: str | None = None             # None: start/attach local Ray
+    ray_address: str | None = None             # None: start/attach local Ray; "auto" or host:port: join a cluster
+    ray_auth_mode: str | None = None           # None: "token" when ~/.ray/auth_token exists (Ray 2.60 heads); token | disabled
+    # fault handling and routing (cluster.health, cluster.routing)
+    worker_max_restarts: int = 5               # Ray restarts a dead worker actor this often (-1: forever)
+    health_period_s: float = 1.0               # each router replica calls health() on every worker this often
+    health_timeout_s: float = 5.0              # a worker that does not answer within this is marked down
+    request_retries: int = 1                   # retries (on another worker) of a request whose worker died before its first token
+    prefill_load_factor: float = 1.0           # prefill affinity load cap: <= factor x mean outstanding requests per actor
+    request_deadline_s: float = 600.0          # default per-request deadline (a request may ask for less: deadline_s)
+    start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
 
     def __post_init__(self):
         if self.default_policy not in ("exact", "balanced", "fast"):
@@ -77,6 +86,14 @@ class ClusterConfig:
             raise ValueError("session_ttl_s, prompt_index_ttl_s > 0 and session_max, prompt_index_max >= 1 required")
         if self.state_url is not None and not self.state_url.startswith(("sqlite:///", "redis://")):
             raise ValueError(f"state_url must start with sqlite:/// or redis://, got {self.state_url!r}")
+        if self.ray_auth_mode not in (None, "token", "disabled"):
+            raise ValueError("ray_auth_mode must be token or disabled (or unset: token when ~/.ray/auth_token exists)")
+        if self.worker_max_restarts < -1 or self.request_retries < 0:
+            raise ValueError("worker_max_restarts must be >= -1 and request_retries >= 0")
+        if self.health_period_s <= 0 or self.health_timeout_s <= 0 or self.prefill_load_factor < 1.0:
+            raise ValueError("health_period_s, health_timeout_s > 0 and prefill_load_factor >= 1.0 required")
+        if self.request_deadline_s <= 0 or self.start_timeout_s <= 0:
+            raise ValueError("request_deadline_s and start_timeout_s must be > 0")
         self.prefill.validate("prefill")
         self.decode.validate("decode")
 
