@@ -177,8 +177,8 @@ class Router:
                 lease.release()
 
     async def _stream_native(self, leases: list, tenant: str, segments: list[dict], *, policy: str | None,
-                             session: str | None, sampling: SamplingParams,
-                             edit: str = "auto") -> AsyncIterator[TokenEvent | Finished]:
+                             session: str | None, sampling: SamplingParams, edit: str = "auto",
+                             deadline_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex
         salt = self.salt(tenant)
@@ -201,13 +201,14 @@ class Router:
         store_as = None
         if session and plan.steps and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
             store_as = KVRef(plan.prefix_ids, 0, salt, plan.approx)
-        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, leases=leases):
+        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases):
             if isinstance(ev, Finished) and session:
                 self._remember(tenant, req, sess, plan, store_as if ev.stored else None)
             yield ev
 
     async def _stream_prompt(self, leases: list, tenant: str, prompt_ids: list[int], *, policy: str | None,
-                             sampling: SamplingParams) -> AsyncIterator[TokenEvent | Finished]:
+                             sampling: SamplingParams,
+                             deadline_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex
         salt = self.salt(tenant)
@@ -221,7 +222,7 @@ class Router:
         store_as = None
         if len(prefix) >= PROMPT_BLOCK and hit < len(prefix):
             store_as = KVRef(prefix, 0, salt)
-        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, leases=leases):
+        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases):
             if isinstance(ev, Finished) and ev.stored:
                 bounds = {*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)}
                 self.state.put_prompt_blocks(tenant, {_h(tenant, prefix[:b]): b for b in bounds}, time.time())
@@ -261,7 +262,7 @@ class Router:
         error. Past the deadline: the decode worker is told to stop; 504. All counted."""
         m = self.metrics
         kind = plan.kind.value
-        deadline = t0 + (deadline_s or self.fault.deadline_s)
+        deadline = t0 + min(deadline_s or self.fault.deadline_s, self.fault.deadline_s)
         tried = {"prefill": set(), "decode": set()}
         attempt, ttft, sent = 0, None, 0
         while True:

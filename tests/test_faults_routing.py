@@ -76,11 +76,11 @@ class FlakyBackends(LocalBackends):
         self.cancelled.append((index, key))
 
 
-async def _run(router, max_tokens=6):
+async def _run(router, max_tokens=6, **kw):
     toks, fin = [], None
     async for ev in router.stream_native("default", [{"text": "The lighthouse on Hallo Point was built in 1871."}],
                                          policy=None, session=None,
-                                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0)):
+                                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0), **kw):
         if isinstance(ev, TokenEvent):
             toks.append(ev.token_id)
         else:
@@ -128,12 +128,12 @@ def test_worker_lost_mid_stream_is_a_clear_counted_error(smol, tmp_path):
 
 
 def test_deadline_stops_the_decode_worker_and_answers_504(smol, tmp_path):
-    from dataclasses import replace
+    """The request asks for a 4 s deadline (below the config default, 600 s)."""
     b = FlakyBackends(smol, lose={}, slow_s=1.5)
     r = _router(smol, tmp_path, b)
-    r.fault = replace(r.fault, deadline_s=4.0)
+    assert r.fault.deadline_s == 600
     with pytest.raises(RequestError) as ei:
-        asyncio.run(_run(r, max_tokens=20))
+        asyncio.run(_run(r, max_tokens=20, deadline_s=4.0))
     assert ei.value.status == 504 and ei.value.code == "deadline_exceeded"
     assert len(b.cancelled) == 1 and b.cancelled[0][0] == b.calls[0]
     text = r.metrics.render().decode()
