@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start a cluster from a config file (YAML or JSON)")
     s.add_argument("--config", required=True)
+    s.add_argument("--address", default=None,
+                   help="join this Ray cluster (host:port or auto; overrides ray_address in the config)")
 
     k = sub.add_parser("keys", help="API keys: each maps to a tenant (only its hash is stored)")
     ksub = k.add_subparsers(dest="action", required=True)
@@ -92,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = (ClusterConfig(model=args.model, port=args.port, decode_engine=args.decode_engine)
                    if args.cmd == "run"
                    else ClusterConfig.from_file(args.config))
+            if args.cmd == "serve" and args.address:
+                import dataclasses
+                cfg = dataclasses.replace(cfg, ray_address=args.address)
             return run_forever(cfg, register_demo=args.cmd == "run")
         if args.cmd == "keys":
             return _keys(args)

@@ -44,6 +44,14 @@ class Metrics:
                                      ["kind", "result"], registry=r)
         self.state_entries = Gauge("kvnotes_state_entries", "Entries in the state store (sessions and the prompt "
                                    "index are bounded by TTL and count)", ["kind"], registry=r)
+        self.workers_alive = Gauge("kvnotes_workers_alive", "Worker actors this router replica sees alive, by role",
+                                   ["role"], registry=r)
+        self.retries = Counter("kvnotes_retries_total", "Requests retried on another worker, and mid-stream worker "
+                               "failures (reason says which; each one also logged)", ["role", "reason"], registry=r)
+        self.tier_remote_up = Gauge("kvnotes_tier_remote_up", "1 when every prefill worker reaches the remote (lm://) "
+                                    "KV tier, 0 when one cannot (it recomputes meanwhile)", registry=r)
+        self.deadlines = Counter("kvnotes_deadline_exceeded_total", "Requests cancelled because their deadline "
+                                 "passed, by the stage they were in", ["stage"], registry=r)
         for src in ("reused", "repositioned", "erratum", "computed"):
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
 

@@ -125,7 +125,19 @@ class RouterIngress:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": self.cfg.model})
+        """Liveness now: live workers per role (the router's health view); 503 when a role has none."""
+        snap = self.router.view.snapshot()
+        ok = all(v["live"] > 0 for v in snap.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "model": self.cfg.model, "workers": snap},
+                            status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """Start-up finished: this replica is constructed and its first health sweep is done
+        (liveness after that is /health)."""
+        sweeps = getattr(self.router.backends, "health_sweeps", 1)
+        return JSONResponse({"ready": sweeps > 0, "model": self.cfg.model, "health_sweeps": sweeps},
+                            status_code=200 if sweeps > 0 else 503)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:

@@ -12,6 +12,9 @@ Plain class; ``cluster.ray_backends`` applies ``ray.remote`` with resources from
 """
 from __future__ import annotations
 
+import os
+import threading
+
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
 
@@ -32,6 +35,8 @@ class DecodeWorker:
         from kvtransport.endpoints import Receiver
 
         self.index, self.engine_kind, self.model = index, cfg.decode_engine, cfg.model
+        self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
+        self._cancel_lock = threading.Lock()
         device = "cuda" if cfg.decode.num_gpus > 0 else "cpu"
         ip, node_id = node_address()
         host = host or ip
@@ -74,8 +79,29 @@ class DecodeWorker:
                 "grpc": ep.grpc_address, "kv_transport": ep.transport, "node_id": ep.node_id,
                 "transport_fallback": self.receiver.fallback}
 
-    def generate(self, transfer_id, prefix, suffix, sampling, salt=None):
-        yield from self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt)
+    def health(self) -> dict:
+        """Cheap liveness answer (the actor's "health" concurrency group, beside a running
+        generate): process id and the gRPC address (new after a restart)."""
+        return {"worker": f"decode-{self.index}", "pid": os.getpid(), "grpc": self._address}
+
+    def cancel(self, key: str) -> None:
+        """Stop the generate() call started with ``cancel_key=key`` after its current token
+        (deadline passed, client gone). Runs in the "health" group, beside generate."""
+        with self._cancel_lock:
+            self._cancelled.add(key)
+
+    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None):
+        gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt)
+        try:
+            for ev in gen:
+                if cancel_key is not None and cancel_key in self._cancelled:
+                    return                     # cancelled: the router stops reading and counts it
+                yield ev
+        finally:
+            gen.close()
+            if cancel_key is not None:
+                with self._cancel_lock:
+                    self._cancelled.discard(cancel_key)
 
     def shutdown(self) -> None:
         if self.engine_kind == "vllm":

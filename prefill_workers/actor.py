@@ -48,6 +48,13 @@ class PrefillWorker:
                 "tiers": self.store.tiers, "node_id": _node_id(),
                 "kv_transport": "nixl" if self.sender.nixl is not None else "grpc"}
 
+    def health(self) -> dict:
+        """Cheap liveness answer (runs in the actor's "health" concurrency group, beside a running
+        plan): process id and whether the remote tier (if configured) is reachable."""
+        st = self.store.stats
+        return {"worker": f"prefill-{self.index}", "pid": os.getpid(),
+                "remote_up": st.remote_up if self.cfg.tier_remote_url else None}
+
     def contains(self, refs: list[KVRef]) -> list[bool]:
         return self.tier.contains(refs)
 
