@@ -82,7 +82,7 @@ class DecodeWorker:
     def health(self) -> dict:
         """Cheap liveness answer (the actor's "health" concurrency group, beside a running
         generate): process id and the gRPC address (new after a restart)."""
-        return {"worker": f"decode-{self.index}", "pid": os.getpid(), "grpc": self._address}
+        return {"worker": f"decode-{self.index}", "pid": os.getpid(), "grpc": self.receiver.endpoint.grpc_address}
 
     def cancel(self, key: str) -> None:
         """Stop the generate() call started with ``cancel_key=key`` after its current token
