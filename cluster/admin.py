@@ -93,21 +93,17 @@ def status(t: Target, out=sys.stdout) -> int:
     print(f"router   {t.url}  HTTP {h.status_code}  status={health.get('status', '?')}  "
           f"model={health.get('model', '?')}", file=out)
     workers = health.get("workers") or {}
-    for role, items in sorted(workers.items()) if isinstance(workers, dict) else ():
-        for w in items if isinstance(items, list) else []:
+    for role, info in sorted(workers.items()) if isinstance(workers, dict) else ():
+        print(f"workers  {role}: {info.get('live', '?')}/{info.get('total', '?')} alive", file=out)
+        for w in info.get("workers", []) if isinstance(info, dict) else []:
             extra = "  ".join(f"{k}={v}" for k, v in w.items() if k not in ("name", "alive"))
-            print(f"  {role:<8} {w.get('name', '?'):<12} {'alive' if w.get('alive') else 'DOWN':<6} {extra}",
-                  file=out)
+            print(f"  {w.get('name', '?'):<12} {'alive' if w.get('alive') else 'DOWN':<6} {extra}", file=out)
     m = _metrics(_request(t, "GET", "/metrics").text)
 
     def one(name, **labels):
         vals = [v for lab, v in m.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
         return vals[0] if vals else None
 
-    for role in ("prefill", "decode"):
-        n = one("kvnotes_workers_alive", role=role)
-        if n is not None:
-            print(f"workers  {role}: {int(n)} alive", file=out)
     state = {lab.get("kind"): int(v) for lab, v in m.get("kvnotes_state_entries", [])}
     if state:
         print("state    " + "  ".join(f"{k}={v}" for k, v in sorted(state.items())), file=out)

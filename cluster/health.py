@@ -60,6 +60,7 @@ class HealthMonitor(threading.Thread):
                 continue
             restarted = b.view.workers[role][i].pid not in (None, info.get("pid"))
             b.view.workers[role][i].pid = info.get("pid")
+            b.view.workers[role][i].metrics = info.get("metrics")
             if role == "decode" and (restarted or (info.get("grpc") and info["grpc"] != b.addresses[i])):
                 # a restarted decode actor has a new inbox address and a new NIXL agent: fetch its
                 # whole KV endpoint before any push goes to it again

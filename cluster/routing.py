@@ -73,6 +73,7 @@ class WorkerState:
     since: float = 0.0             # monotonic time of the last alive/down change
     reason: str = ""               # why it is down
     pid: int | None = None         # last reported process id (health)
+    metrics: str | None = None     # the worker's own metrics endpoint host:port (health)
 
 
 class WorkerView:

@@ -7,6 +7,8 @@ JSON to ``cluster.api``. ``/health``, ``/ready`` and ``/metrics`` need no key.
 """
 
 import logging
+import threading
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -22,6 +24,8 @@ from kvruntime.messages.config import ClusterConfig
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.")
 REPLICA_HEADER = "x-kvnotes-replica"     # which stateless router replica answered (debugging, tests)
+TARGET_REFRESH_S = 5.0                   # each replica re-announces its metrics endpoint this often
+TARGET_TTL_S = 30.0                      # and a replica silent this long drops out of /metrics/targets
 
 
 def _replica_id() -> str:
@@ -90,7 +94,25 @@ class RouterIngress:
         self.inflight = InflightLimiter(cfg.max_inflight_per_tenant)
         for info in backends.ready:
             self.router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
+        # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
+        # (Prometheus' service discovery) lists every replica, not the one the proxy picked
+        from kvruntime.telemetry import node_ip, start_exporter
+        self.process = f"router-{_replica_id()}"
+        self.metrics_target = start_exporter(self.router.metrics.registry, host=node_ip())
+        threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
         log.info("router up: model %s, edit plans by %s", cfg.model, self.router.edit_choice)
+
+    def _announce(self) -> None:
+        """Every TARGET_REFRESH_S: refresh this replica's target and the state-size gauges."""
+        while True:
+            try:
+                now = time.time()
+                self.state.put_target(self.process, self.metrics_target, now)
+                for kind, n in self.state.sizes(now).items():
+                    self.router.metrics.state_entries.labels(kind).set(n)
+            except Exception as exc:      # the state store is down: logged, retried next period
+                log.warning("announcing the metrics target failed: %s", exc)
+            time.sleep(TARGET_REFRESH_S)
 
     async def _call(self, request: Request, handler, *, body: bool = True) -> Response:
         """Run ``handler(body, tenant, request_id)`` for an authenticated request within the limits;
@@ -141,10 +163,24 @@ class RouterIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        import time
+        """This replica's series only (the one the proxy picked); Prometheus should discover every
+        process through /metrics/targets instead."""
         for kind, n in self.state.sizes(time.time()).items():
             self.router.metrics.state_entries.labels(kind).set(n)
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/metrics/targets")
+    async def metrics_targets(self) -> JSONResponse:
+        """Prometheus HTTP service discovery (``http_sd_configs``): every router replica's and
+        every worker's own metrics endpoint, labelled ``kvnotes_role`` and ``kvnotes_process``."""
+        groups = [{"targets": [addr], "labels": {"kvnotes_role": "router", "kvnotes_process": name}}
+                  for name, addr in self.state.targets(time.time(), TARGET_TTL_S).items()]
+        for role, workers in self.router.view.workers.items():
+            for i, w in enumerate(workers):
+                if w.metrics:
+                    groups.append({"targets": [w.metrics], "labels": {"kvnotes_role": role,
+                                                                      "kvnotes_process": f"{role}-{i}"}})
+        return JSONResponse(groups)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

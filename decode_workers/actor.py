@@ -41,6 +41,11 @@ class DecodeWorker:
         ip, node_id = node_address()
         host = host or ip
         self.receiver = Receiver(cfg.kv_transport, cfg.model, cfg.dtype, bind=host, advertise=host, node_id=node_id)
+        # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine
+        # is vLLM (they live in the process-wide registry served here)
+        from decode_workers.metrics import worker_registry
+        from kvruntime.telemetry import start_exporter
+        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}"), host=ip)
         if cfg.decode_engine == "vllm":
             from decode_workers.vllm_engine import VllmDecodeExecutor
 
@@ -82,7 +87,8 @@ class DecodeWorker:
     def health(self) -> dict:
         """Cheap liveness answer (the actor's "health" concurrency group, beside a running
         generate): process id and the gRPC address (new after a restart)."""
-        return {"worker": f"decode-{self.index}", "pid": os.getpid(), "grpc": self.receiver.endpoint.grpc_address}
+        return {"worker": f"decode-{self.index}", "pid": os.getpid(), "grpc": self.receiver.endpoint.grpc_address,
+                "metrics": self.metrics_target}
 
     def cancel(self, key: str) -> None:
         """Stop the generate() call started with ``cancel_key=key`` after its current token

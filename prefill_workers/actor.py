@@ -40,6 +40,10 @@ class PrefillWorker:
         self.executor = PrefillExecutor(self.engine, self.tier, self.sender,
                                         load_failure_policy=cfg.kv_load_failure_policy,
                                         transfer_timeout=cfg.transfer_timeout_s)
+        from kvruntime.telemetry import node_ip, start_exporter
+        from prefill_workers.metrics import worker_registry
+        self.metrics_target = start_exporter(worker_registry(self.store, f"prefill-{index}", bool(cfg.tier_remote_url)),
+                                             host=node_ip())
 
     def ready(self) -> dict:
         r = self.engine.rope
@@ -52,7 +56,7 @@ class PrefillWorker:
         """Cheap liveness answer (runs in the actor's "health" concurrency group, beside a running
         plan): process id and whether the remote tier (if configured) is reachable."""
         st = self.store.stats
-        return {"worker": f"prefill-{self.index}", "pid": os.getpid(),
+        return {"worker": f"prefill-{self.index}", "pid": os.getpid(), "metrics": self.metrics_target,
                 "remote_up": st.remote_up if self.cfg.tier_remote_url else None}
 
     def contains(self, refs: list[KVRef]) -> list[bool]:

@@ -76,7 +76,9 @@ def prometheus(cluster, tmp_path_factory):
     conf = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     conf["global"]["scrape_interval"] = "1s"
     for job in conf["scrape_configs"]:
-        job["static_configs"] = [{"targets": [f"127.0.0.1:{cfg.port}"]}]
+        for sd in job["http_sd_configs"]:
+            sd["url"] = f"{base}/metrics/targets"
+            sd["refresh_interval"] = "2s"
     shutil.copy(ROOT / "deploy" / "alerts.yml", d / "alerts.yml")
     (d / "prometheus.yml").write_text(yaml.safe_dump(conf))
     port = free_port()
@@ -86,9 +88,10 @@ def prometheus(cluster, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while _query(url, 'up{job="kvnotes"} == 1', quiet=True) in (None, []):
+        # every process discovered and scraped: the router replica, the prefill and the decode actor
+        while len(_query(url, 'up{job="kvnotes"} == 1', quiet=True) or []) < 3:
             assert proc.poll() is None, (d / "log.txt").read_text()[-2000:]
-            assert time.monotonic() < deadline, "prometheus never scraped the router"
+            assert time.monotonic() < deadline, f"prometheus did not scrape every process: {_query(url, 'up')}"
             time.sleep(0.5)
         yield url
     finally:
@@ -186,6 +189,24 @@ def test_every_panel_query_returns_series(prometheus, workload):
     assert not grown, f"these panels have data now; remove them from NOT_YET: {grown}"
 
 
+def test_every_process_is_discovered_and_exports_its_own_series(cluster, prometheus, workload):
+    cfg, base = cluster
+    groups = httpx.get(f"{base}/metrics/targets", timeout=30).json()
+    roles = sorted(g["labels"]["kvnotes_role"] for g in groups)
+    assert roles == ["decode", "prefill", "router"], groups
+    up = {r["metric"]["kvnotes_process"]: r["value"][1] for r in _query(prometheus, 'up{job="kvnotes"}')}
+    assert set(up) == {"prefill-0", "decode-0"} | {g["labels"]["kvnotes_process"] for g in groups
+                                                   if g["labels"]["kvnotes_role"] == "router"}
+    assert set(up.values()) == {"1"}, up
+    # series only a worker has: the prefill actor's tier traffic, the decode actor's inbox
+    put = _query(prometheus, 'sum(kvnotes_worker_tier_bytes_total{direction="put", kvnotes_role="prefill"})')
+    assert put and float(put[0]["value"][1]) > 0, put
+    assert _query(prometheus, 'kvnotes_inbox_held_bytes{kvnotes_role="decode"}')
+    # the router's request counter is summed from the replica's own endpoint (no double count)
+    reqs = _query(prometheus, 'sum(kvnotes_requests_total{kvnotes_role="router"})')
+    assert float(reqs[0]["value"][1]) == float(_query(prometheus, "sum(kvnotes_requests_total)")[0]["value"][1])
+
+
 def test_alert_rules_are_loaded_and_evaluated(prometheus, workload):
     with urllib.request.urlopen(prometheus + "/api/v1/rules", timeout=10) as r:
         groups = json.loads(r.read())["data"]["groups"]
@@ -211,6 +232,7 @@ def test_admin_cli_lists_status_and_removes(cluster, workload):
     st = _cli("status", *auth)
     assert st.returncode == 0, st.stdout + st.stderr
     assert "skills   2 registered, 2 in the tier" in st.stdout and "state    " in st.stdout, st.stdout
+    assert "workers  prefill: 1/1 alive" in st.stdout and "workers  decode: 1/1 alive" in st.stdout, st.stdout
     rm = _cli("skills", "rm", "shipping", *auth)
     assert rm.returncode == 0 and "shipping: deleted" in rm.stdout, rm.stdout + rm.stderr
     after = _cli("skills", "list", *auth)
