@@ -24,6 +24,11 @@ class Renderer:
         """Token ids of user text: special-token strings in it (``<|im_start|>``...) stay plain text."""
         return list(self.tok(text, add_special_tokens=False, split_special_tokens=True).input_ids)
 
+    def markup(self, text: str) -> list[int]:
+        """Token ids of the model's own chat markup (``<|im_start|>user``...): special tokens stay
+        special. Never for user text (:meth:`encode`)."""
+        return list(self.tok(text, add_special_tokens=False).input_ids)
+
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The chat template applied to ``messages`` (``{"role", "content": str}``), with the
         template's own markup tokenized as special tokens and every message's content as plain
@@ -49,7 +54,7 @@ class Renderer:
 
     def frame(self) -> tuple[int, ...]:
         ids = [self.bos_id] if self.spec.prepend_bos and self.bos_id is not None else []
-        return tuple(ids + (self.encode(self.spec.chat_user_prefix) if self.spec.chat_user_prefix else []))
+        return tuple(ids + (self.markup(self.spec.chat_user_prefix) if self.spec.chat_user_prefix else []))
 
     def chunk_ids(self, text: str) -> tuple[int, ...]:
         return tuple(self.encode(text.strip() + "\n\n"))
@@ -108,7 +113,7 @@ class Renderer:
                 ctx.append(RenderedSegment(kind, c.name, c.token_ids, kv=self.chunk_ref(c.token_ids, salt)))
             elif "template" in seg:
                 ctx.append(self.render_template(self.registry.template(tenant, seg["template"]), seg.get("fields", {})))
-        suffix = tuple(self.encode("".join(trailing) + self.spec.chat_user_suffix))
+        suffix = tuple(self.encode("".join(trailing)) + self.markup(self.spec.chat_user_suffix))
         return RenderedRequest(request_id, self.spec.name, policy, tuple(ctx), suffix, session)
 
     def render_prompt(self, request_id: str, prompt_ids: list[int], policy: Policy) -> RenderedRequest:

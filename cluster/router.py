@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
 from cluster.errors import RequestError
-from cluster.metrics import Metrics
+from cluster.metrics import REQUEST_ACCOUNT, Metrics
 from cluster.planner import (PlannerConfig, RenderedRequest, SessionContext, TierView, choose_edit_kind,
                              plan_request)
 from cluster.registry import Registry
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # (kvtransport.lmcache_store.TierConfig.chunk_size): a stored prompt serves every prefix of it that
 # ends on a piece boundary, so the index records exactly those boundaries (and the whole prefix).
 PROMPT_BLOCK = 256
+# Fallbacks after which the request still executed as planned (only storing its KV failed).
+STORE_ONLY_FALLBACKS = frozenset({"tier_store_failed"})
 
 
 class Backends(Protocol):
@@ -267,6 +269,9 @@ class Router:
         error. Past the deadline: the decode worker is told to stop; 504. All counted."""
         m = self.metrics
         kind = plan.kind.value
+        acct = REQUEST_ACCOUNT.get()
+        if acct is not None:
+            acct["plan"] = kind                    # what the API layer labels the request with if it is abandoned
         deadline = t0 + min(deadline_s or self.fault.deadline_s, self.fault.deadline_s)
         tried = {"prefill": set(), "decode": set()}
         attempt, ttft, sent = 0, None, 0
@@ -276,7 +281,7 @@ class Router:
                 if pi in tried["prefill"] or not self.view.is_alive("prefill", pi):
                     pi = self.view.pick_prefill(None, exclude=tried["prefill"])
             except NoLiveWorker as exc:
-                m.requests.labels(kind, "no_live_worker").inc()
+                m.count_request(kind, "no_live_worker")
                 raise RequestError(503, str(exc), code="no_live_worker") from None
             tid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
             self.view.begin("decode", di, sampling.max_tokens)
@@ -309,9 +314,8 @@ class Router:
                             await self.backends.cancel(di, tid)
                         raise
                     if isinstance(ev, TokenEvent):
-                        if ttft is None:
+                        if ttft is None:               # observed below, labelled with what executed
                             ttft = time.perf_counter() - t0
-                            m.ttft.labels(kind).observe(ttft)
                         sent += 1
                         yield ev
                     else:
@@ -328,7 +332,7 @@ class Router:
                     continue
                 reason = "lost_mid_stream" if sent else "retries_exhausted"
                 m.retries.labels(exc.role, reason).inc()
-                m.requests.labels(kind, "worker_lost").inc()
+                m.count_request(kind, "worker_lost")
                 log.error("request %s failed: %s (%s after %d tokens)", plan.request_id, exc, reason, sent)
                 if sent:
                     raise WorkerLost(exc.role, exc.index, f"{exc.reason} mid-stream after {sent} tokens; the answer "
@@ -337,22 +341,25 @@ class Router:
                                         "again", code="worker_lost") from None
             except DeadlineExceeded as exc:
                 m.deadlines.labels(exc.stage).inc()
-                m.requests.labels(kind, "deadline").inc()
+                m.count_request(kind, "deadline")
                 log.warning("request %s: deadline passed during %s; worker told to stop", plan.request_id, exc.stage)
                 raise RequestError(504, str(exc), code="deadline_exceeded") from None
             except RequestError:
-                m.requests.labels(kind, "client_error").inc()
+                m.count_request(kind, "client_error")
                 raise
             except Exception:
-                m.requests.labels(kind, "error").inc()
+                m.count_request(kind, "error")
                 raise
             finally:
                 self.view.end("decode", di, sampling.max_tokens)
 
         if ttft is None:                           # no token at all (immediate EOS): TTFT is the whole call
             ttft = time.perf_counter() - t0
-            m.ttft.labels(kind).observe(ttft)
-        m.requests.labels(kind, "ok").inc()
+        # what executed: a fallback that recomputed the prefix (a missing chunk, a refused or lost
+        # block) makes the request a recompute, whatever was planned
+        executed = "recompute" if any(f not in STORE_ONLY_FALLBACKS for f in fallbacks) else kind
+        m.ttft.labels(executed).observe(ttft)
+        m.count_request(executed, "ok", fallbacks[0] if fallbacks else "")
         for f in fallbacks:
             m.record_fallback(f)
         cached = 0

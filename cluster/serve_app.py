@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cluster import api
 from cluster.errors import RequestError, error_response
 from cluster.limits import RequestLimits, read_json
+from cluster.metrics import REQUEST_ACCOUNT, status_label
 from kvruntime.messages.config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -119,31 +120,42 @@ class RouterIngress:
         every failure becomes an OpenAI-shaped error carrying the request id."""
         rid = _new_rid()
         tenant = None
+        acct = {"counted": False}          # the router marks it when it counts the final status
+        REQUEST_ACCOUNT.set(acct)
         try:
             tenant = self.auth.tenant(request.headers, request.client.host if request.client else None)
             self.inflight.acquire(tenant)
         except Exception as exc:
-            return error_response(exc, rid)
+            return self._counted(error_response(exc, rid), acct)
         streaming = False
         try:
             parsed = await read_json(request, self.limits) if body else None
             resp = await handler(parsed, tenant, rid)
             if isinstance(resp, StreamingResponse):       # the slot is held until the stream ends
-                resp.body_iterator = self._release_after(resp.body_iterator, tenant)
+                resp.body_iterator = self._release_after(resp.body_iterator, tenant, acct)
                 streaming = True
         except Exception as exc:
             resp = error_response(exc, rid)
         finally:
             if not streaming:
                 self.inflight.release(tenant)
+        return resp if streaming else self._counted(resp, acct)
+
+    def _counted(self, resp: Response, acct: dict) -> Response:
+        """Count a request the router did not (it never reached a plan: auth, limits, bad input,
+        listing and registration routes), once, by its HTTP status."""
+        if not acct["counted"]:
+            self.router.metrics.count_request("none", status_label(resp.status_code))
         return resp
 
-    async def _release_after(self, it, tenant: str):
+    async def _release_after(self, it, tenant: str, acct: dict):
         try:
             async for chunk in it:
                 yield chunk
         finally:
             self.inflight.release(tenant)
+            if not acct["counted"]:       # the stream ended before the router counted it: the client left
+                self.router.metrics.count_request(acct.get("plan", "none"), "cancelled")
 
     @app.get("/health")
     async def health(self) -> JSONResponse:

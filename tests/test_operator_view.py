@@ -168,10 +168,38 @@ def workload(cluster, prometheus, tmp_path_factory):
                                                 "temperature": 0})
             assert r.status_code == 200, r.text
         r = c.post("/v1/notes/completions", json={"segments": [{"skill": "no-such-skill"}], "max_tokens": 2})
-        assert r.status_code in (400, 404), r.text   # and a client error
+        assert r.status_code == 404, r.text           # a client error before any plan
+        if h:
+            assert httpx.get(f"{base}/v1/skills", timeout=30).status_code == 401    # no key
+        # a client that leaves mid-stream: counted as cancelled, with the plan it had
+        with c.stream("POST", "/v1/notes/completions", json={
+                "segments": [{"skill": "returns"}, q], "max_tokens": 48, "temperature": 0, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {") and '"token"' in line:
+                    break                                   # first token seen: hang up
     # two scrapes after the last request, so rate() windows hold the whole workload
     time.sleep(3)
     return kinds
+
+
+def test_every_request_is_counted_once_with_its_final_status(cluster, workload):
+    cfg, base = cluster
+    h = _auth(cfg)
+    deadline = time.monotonic() + 60
+    while True:                       # the cancelled stream is counted when the router notices the hang-up
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        if metric(text, "kvnotes_requests_total", status="cancelled") >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert metric(text, "kvnotes_requests_total", plan="reposition", status="cancelled") == 1
+    assert metric(text, "kvnotes_requests_total", plan="none", status="not_found") == 1
+    if h:
+        assert metric(text, "kvnotes_requests_total", plan="none", status="unauthorized") >= 1
+    # 2 compose, 3 session turns, 2 prompts: ok; registrations and the template: ok with plan "none"
+    ok_planned = sum(metric(text, "kvnotes_requests_total", plan=p, status="ok")
+                     for p in ("reuse", "reposition", "recompute", "erratum", "edit_in_place"))
+    assert ok_planned == 7, text
+    assert metric(text, "kvnotes_requests_total", plan="none", status="ok") >= 3
 
 
 def test_workload_ran_every_plan_kind(workload):
