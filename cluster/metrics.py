@@ -20,6 +20,20 @@ _STATUS_BY_CODE = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413:
                    503: "unavailable", 504: "deadline"}
 
 
+def begin_request() -> dict:
+    """Start the accounting of one HTTP request (API layer); returns its holder."""
+    acct = {"counted": False}
+    REQUEST_ACCOUNT.set(acct)
+    return acct
+
+
+def note_plan(kind: str) -> None:
+    """The router planned the current request as ``kind`` (its label if it is abandoned)."""
+    acct = REQUEST_ACCOUNT.get()
+    if acct is not None:
+        acct["plan"] = kind
+
+
 def status_label(code: int) -> str:
     """HTTP status -> the ``status`` label of ``kvnotes_requests_total``."""
     if 200 <= code < 300:

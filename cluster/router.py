@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
 from cluster.errors import RequestError
-from cluster.metrics import REQUEST_ACCOUNT, Metrics
+from cluster.metrics import Metrics, note_plan
 from cluster.planner import (PlannerConfig, RenderedRequest, SessionContext, TierView, choose_edit_kind,
                              plan_request)
 from cluster.registry import Registry
@@ -269,9 +269,7 @@ class Router:
         error. Past the deadline: the decode worker is told to stop; 504. All counted."""
         m = self.metrics
         kind = plan.kind.value
-        acct = REQUEST_ACCOUNT.get()
-        if acct is not None:
-            acct["plan"] = kind                    # what the API layer labels the request with if it is abandoned
+        note_plan(kind)                            # the API layer's label for it if it is abandoned
         deadline = t0 + min(deadline_s or self.fault.deadline_s, self.fault.deadline_s)
         tried = {"prefill": set(), "decode": set()}
         attempt, ttft, sent = 0, None, 0

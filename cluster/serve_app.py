@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cluster import api
 from cluster.errors import RequestError, error_response
 from cluster.limits import RequestLimits, read_json
-from cluster.metrics import REQUEST_ACCOUNT, status_label
+from cluster import metrics as request_metrics      # a module reference: Serve pickles this app
 from kvruntime.messages.config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,7 @@ class RouterIngress:
         every failure becomes an OpenAI-shaped error carrying the request id."""
         rid = _new_rid()
         tenant = None
-        acct = {"counted": False}          # the router marks it when it counts the final status
-        REQUEST_ACCOUNT.set(acct)
+        acct = request_metrics.begin_request()   # the router marks it when it counts the final status
         try:
             tenant = self.auth.tenant(request.headers, request.client.host if request.client else None)
             self.inflight.acquire(tenant)
@@ -145,7 +144,7 @@ class RouterIngress:
         """Count a request the router did not (it never reached a plan: auth, limits, bad input,
         listing and registration routes), once, by its HTTP status."""
         if not acct["counted"]:
-            self.router.metrics.count_request("none", status_label(resp.status_code))
+            self.router.metrics.count_request("none", request_metrics.status_label(resp.status_code))
         return resp
 
     async def _release_after(self, it, tenant: str, acct: dict):
