@@ -36,7 +36,7 @@ class HealthMonitor(threading.Thread):
             self.metrics.workers_alive.labels(role).set(len(self.backends.view.live(role)))
         ups = [v for v in self.backends.remote_up.values() if v is not None]
         if ups:
-            self.metrics.tier_remote_up.set(1 if all(ups) else 0)
+            self.metrics.tier_remote_up.labels("remote").set(1 if all(ups) else 0)
 
     def sweep(self) -> None:
         """One round: ask every worker, wait at most ``timeout_s`` for all answers."""

@@ -81,11 +81,15 @@ class Metrics:
         self.retries = Counter("kvnotes_retries_total", "Requests retried on another worker, and mid-stream worker "
                                "failures (reason says which; each one also logged)", ["role", "reason"], registry=r)
         self.tier_remote_up = Gauge("kvnotes_tier_remote_up", "1 when every prefill worker reaches the remote (lm://) "
-                                    "KV tier, 0 when one cannot (it recomputes meanwhile)", registry=r)
+                                    "KV tier, 0 when one cannot (it recomputes meanwhile); absent without one",
+                                    ["tier"], registry=r)
         self.deadlines = Counter("kvnotes_deadline_exceeded_total", "Requests cancelled because their deadline "
                                  "passed, by the stage they were in", ["stage"], registry=r)
         for src in ("reused", "repositioned", "erratum", "computed"):
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
+        for role in ("prefill", "decode"):
+            for reason in ("lost_before_first_token", "lost_mid_stream", "retries_exhausted"):
+                self.retries.labels(role, reason)   # zeros: "no retries" is a value, not a missing series
 
     def count_request(self, plan: str, status: str, fallback: str = "") -> None:
         """The one place a request's final status is counted; marks the current HTTP request."""
