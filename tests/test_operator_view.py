@@ -42,6 +42,9 @@ NOT_YET = {
 }
 
 
+TIER: dict = {}       # the lm:// tier server of the module's cluster (the workload restarts it)
+
+
 def _auth(cfg) -> dict:
     key_file = Path(cfg.data_dir) / "api_key"
     return {"authorization": f"Bearer {key_file.read_text().strip()}"} if key_file.exists() else {}
@@ -59,17 +62,17 @@ def cluster(tmp_path_factory):
     from kvtransport.tier_server import start_tier_server, stop_tier_server
 
     root = tmp_path_factory.mktemp("operator")
-    tier = start_tier_server(log_path=root / "tier.log")          # a shared lm:// tier, as deployed
+    TIER["server"] = start_tier_server(log_path=root / "tier.log")   # a shared lm:// tier, as deployed
     try:
         cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(root / "state"),
-                            tier_remote_url=tier.url)
+                            tier_remote_url=TIER["server"].url)
         start(cfg, local_cpus=4)
         try:
             yield cfg, f"http://127.0.0.1:{cfg.port}"
         finally:
             stop(cfg)
     finally:
-        stop_tier_server(tier)
+        stop_tier_server(TIER["server"])
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +152,14 @@ def workload(cluster, prometheus, tmp_path_factory):
                                                                  "gate": "B12"}}, {"text": "Status?"}]})
             assert r.status_code == 200, r.text
             kinds.add(r.json()["plan"])
-        # the one failure: the tier loses the session's context (as an LRU eviction would); the next
-        # turn must notice at plan time, count a fallback and plan from scratch
+        # the one failure: the remote tier goes down while the session's context has left the
+        # prefill actor's local tier (as an LRU eviction would); the next turn must notice at plan
+        # time, count a fallback and plan from scratch. Then the remote tier comes back.
         import ray
+
+        from kvtransport.tier_server import start_tier_server, stop_tier_server
+        old = TIER["server"]
+        stop_tier_server(old)
 
         from cluster.sessions import SessionStore
         from cluster.state import StoreLimits, open_state
@@ -166,6 +174,7 @@ def workload(cluster, prometheus, tmp_path_factory):
                                                              "gate": "B12"}}, {"text": "Status?"}]})
         assert r.status_code == 200, r.text
         assert metric(c.get("/metrics").text, "kvnotes_fallbacks_total", reason="session_context_evicted") == 1
+        TIER["server"] = start_tier_server(old.host, old.port, log_path=old.log_path)
         prompt = "The three primary colours of light are red, green and blue. " * 24 + "Name one:"
         for _ in range(2):                            # stored, then reused
             r = c.post("/v1/completions", json={"model": cfg.model, "prompt": prompt, "max_tokens": 3,
