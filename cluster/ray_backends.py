@@ -96,12 +96,13 @@ class RayBackends:
     async def evict(self, ref) -> bool:
         return any([await a.evict.remote(ref) for a in self.prefill_actors])
 
-    async def expect(self, decode_index: int, grant) -> None:
-        await self.decode_actors[decode_index].expect.remote(grant)
+    async def expect(self, decode_index: int, grant, prefix, salt: str) -> int:
+        return await self.decode_actors[decode_index].expect.remote(grant, prefix, salt)
 
-    async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as, *, credential: str):
+    async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as, *, credential: str,
+                      send_from: int = 0):
         return await self.prefill_actors[index].execute.remote(plan, self.endpoints[decode_index], transfer_id,
-                                                               store_as, credential)
+                                                               store_as, credential, send_from)
 
     async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str):
         gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(
