@@ -170,16 +170,17 @@ class RayBackends:
                 self._lost("prefill", i, exc)
         return out
 
-    async def expect(self, decode_index: int, grant) -> None:
+    async def expect(self, decode_index: int, grant, prefix, salt: str) -> int:
         try:
-            await self.decode_actors[decode_index].expect.remote(grant)
+            return await self.decode_actors[decode_index].expect.remote(grant, prefix, salt)
         except ACTOR_LOST as exc:
             raise self._lost("decode", decode_index, exc) from None
 
-    async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as, *, credential: str):
+    async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as, *, credential: str,
+                      send_from: int = 0):
         try:
             return await self.prefill_actors[index].execute.remote(plan, self.endpoints[decode_index], transfer_id,
-                                                                   store_as, credential)
+                                                                   store_as, credential, send_from)
         except ACTOR_LOST as exc:
             raise self._lost("prefill", index, exc) from None
 

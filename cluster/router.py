@@ -49,9 +49,9 @@ class Backends(Protocol):
     async def contains(self, refs: list[KVRef], index: int = 0) -> list[bool]: ...
     async def precompile(self, ref: KVRef, index: int = 0) -> PrecompileInfo: ...
     async def evict(self, ref: KVRef) -> bool: ...
-    async def expect(self, decode_index: int, grant: TransferGrant) -> None: ...
+    async def expect(self, decode_index: int, grant: TransferGrant, prefix: tuple[int, ...], salt: str) -> int: ...
     async def prefill(self, index: int, plan: RequestPlan, decode_index: int, transfer_id: str,
-                      store_as: KVRef | None, *, credential: str) -> PrefillResult: ...
+                      store_as: KVRef | None, *, credential: str, send_from: int = 0) -> PrefillResult: ...
     def decode(self, index: int, transfer_id: str | None, prefix: tuple[int, ...], suffix: tuple[int, ...],
                sampling: SamplingParams, salt: str) -> AsyncIterator[TokenEvent | DecodeSummary]: ...
     # Optional (cluster.ray_backends): ``view`` (routing.WorkerView), ``fault_policy``
@@ -293,9 +293,11 @@ class Router:
                         # the decode actor accepts this block only: credential (the prefill actor's
                         # alone), shape, dtype
                         grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, plan.prefix_ids)
-                        await self._before(deadline, "prefill", self.backends.expect(di, grant))
-                        res = await self._before(deadline, "prefill",
-                                                 self.backends.prefill(pi, plan, di, tid, store_as, credential=cred))
+                        # ship nothing twice: the decode actor says how much of the prefix it holds
+                        held = await self._before(deadline, "prefill", self.backends.expect(
+                            di, grant, plan.prefix_ids, plan.kv_salt(salt)))
+                        res = await self._before(deadline, "prefill", self.backends.prefill(
+                            pi, plan, di, tid, store_as, credential=cred, send_from=held))
                     finally:
                         self.view.end("prefill", pi, plan.prompt_tokens)
                 fallbacks = list(res.stats.fallbacks) if res else []

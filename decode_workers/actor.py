@@ -12,10 +12,12 @@ Plain class; ``cluster.ray_backends`` applies ``ray.remote`` with resources from
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
 from kvruntime.messages.config import ClusterConfig
+from kvruntime.messages.keys import token_hash
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
 
 
@@ -68,9 +70,20 @@ class DecodeWorker:
         """Where and how prefill actors send this actor's KV (NIXL agent metadata included)."""
         return self.receiver.endpoint
 
-    def expect(self, grant: TransferGrant) -> None:
-        """The router announces a transfer before the prefill actor pushes it."""
+    def expect(self, grant: TransferGrant, prefix_ids: tuple[int, ...] = (), salt: str | None = None) -> int:
+        """The router announces a transfer before the prefill actor pushes it. Returns how many
+        leading prefix tokens this engine already holds (vLLM's prefix cache under ``salt``): the
+        grant is narrowed to the rest, which is all the prefill actor then sends."""
+        held = 0
+        if self.engine_kind == "vllm" and prefix_ids and grant.first_position == 0:
+            if token_hash(tuple(prefix_ids)) != grant.tokens_sha256 or len(prefix_ids) != grant.tokens:
+                raise ValueError(f"prefix ids do not match the grant of transfer {grant.transfer_id}")
+            held = min(self.executor.held_prefix(tuple(prefix_ids), salt), grant.tokens)
+            if held:
+                grant = dataclasses.replace(grant, first_position=held, tokens=grant.tokens - held,
+                                            tokens_sha256=token_hash(tuple(prefix_ids[held:])))
         self.receiver.expect(grant)
+        return held
 
     def inbox_stats(self) -> dict:
         """Inbox accounting: held bytes, refusals by reason, expiries (reads only)."""

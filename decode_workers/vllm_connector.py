@@ -224,10 +224,13 @@ class KvnotesConnector(KVConnectorBase_V1):
         kv = decode_block(block, model=self._model)
         del block
         n = spec.prefix_tokens
-        want = torch.arange(n)
-        if kv.num_tokens < n or not torch.equal(kv.positions[:n], want):
-            raise _Mismatch(f"block holds {kv.num_tokens} tokens at positions not 0..{n - 1}")
-        if tuple(kv.token_ids[:n].tolist()) != spec.token_ids:
+        # the block holds tokens [f, N): f > 0 when the sender skipped what this engine's prefix
+        # cache held at grant time (``held_prefix``); it must still cover [start, n)
+        f = int(kv.positions[0]) if kv.num_tokens else n
+        if f > spec.start or kv.num_tokens < n - f or not torch.equal(kv.positions[:n - f], torch.arange(f, n)):
+            raise _Mismatch(f"block holds {kv.num_tokens} tokens from position {f}; tokens {spec.start}..{n - 1} "
+                            f"are needed")
+        if tuple(kv.token_ids[:n - f].tolist()) != spec.token_ids[f:n]:
             raise _Mismatch("block token ids differ from the request's prompt")
         layers = [ctx.no_compile_layers[name] for name in self._layer_names]
         if kv.data.shape[0] != len(layers):
@@ -237,8 +240,8 @@ class KvnotesConnector(KVConnectorBase_V1):
         for i, layer in enumerate(layers):
             cache = layer.kv_cache
             # ours: [2, kv_heads, tokens, head_dim] -> vLLM's op wants [tokens, kv_heads, head_dim]
-            k = kv.data[i, 0, :, spec.start:n].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
-            v = kv.data[i, 1, :, spec.start:n].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
+            k = kv.data[i, 0, :, spec.start - f:n - f].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
+            v = kv.data[i, 1, :, spec.start - f:n - f].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
             layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
         with self._lock:
             self._stages[spec.req_id] = {"receive": t1 - t0, "load": time.perf_counter() - t1}

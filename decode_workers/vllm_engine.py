@@ -146,6 +146,25 @@ class VllmDecodeExecutor:
             from decode_workers.vllm_connector import RECEIVERS
             RECEIVERS.pop(self._receiver_key, None)
 
+    def held_prefix(self, prefix_ids: tuple[int, ...], salt: str | None = None) -> int:
+        """Leading tokens of ``prefix_ids`` whose KV vLLM's prefix cache holds now under ``salt``
+        (whole blocks): the part a prefill worker need not send. A lookup only (no allocation, no
+        stats); the cache may evict before the request is scheduled, and the connector then
+        reports the block as unusable (recompute, counted)."""
+        from vllm import SamplingParams as VSampling
+        from vllm.v1.request import Request
+
+        core = getattr(self.engine.engine_core, "engine_core", None)      # in-process engine core only
+        hasher = getattr(core, "request_block_hasher", None)
+        if hasher is None or len(prefix_ids) < self.block_size:
+            return 0
+        with self._work:                                   # not while the step loop is inside a step
+            probe = Request("kvnotes-apc-probe", list(prefix_ids), VSampling(max_tokens=1), None, cache_salt=salt,
+                            block_hasher=hasher)
+            _, hit, _ = core.scheduler.kv_cache_manager.coordinator.find_longest_cache_hit(
+                probe.block_hashes, len(prefix_ids))
+        return int(hit)
+
     # ---- requests -----------------------------------------------------------------------------
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
                  sampling: SamplingParams, *, salt: str | None = None) -> Iterator[TokenEvent | DecodeSummary]:

@@ -20,8 +20,8 @@ Design (after vLLM's NixlConnector and NIXL's examples/python, shaped for our pu
   guards against forged/corrupt blocks and stale staging); NIXL notifies ``PULLED`` + id and the
   sender frees its staging; 3. the block becomes visible, the receiver notifies ``REPLY`` + id
   (ok, or a :class:`TransferError` reason: ``duplicate``, ``backpressure``, ``too_large``,
-  ``rejected``, ``nixl_error``); ``send`` returns or raises on it. A sender that times out
-  notifies ``CANCEL`` and keeps its staging until ``PULLED`` or the TTL.
+  ``rejected``, ``nixl_error``, or a grant refusal, see ``Inbox``); ``send`` returns or raises on
+  it. A sender that times out notifies ``CANCEL`` and keeps its staging until ``PULLED`` or TTL.
 Same host: UCX picks ``cma``; across hosts tcp/RDMA (``UCX_TLS``, ``UCX_NET_DEVICES``). No VRAM
 pool: blocks are CPU bytes by construction (``encode_block`` moves KV to the CPU).
 """
@@ -42,8 +42,7 @@ import numpy as np
 
 from kvtransport.blocks import BlockError, KVBlock, KVBlockHeader, as_bytes_array, checksum_extend, payload_len
 from kvtransport.grpc_codec import header_from_bytes, header_to_bytes
-from kvtransport.transport import BufferPool, Inbox, InboxStats, KVTransport, TransferError, TransferReceipt, \
-    TransferState
+from kvtransport.transport import BufferPool, Inbox, KVTransport, TransferError, TransferReceipt, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +141,7 @@ class NixlTransport(KVTransport):
         self._introduced: set[str] = set()                          # peers sent our metadata
         self._out: dict[str, _Outgoing] = {}                        # transfer id -> open send
         self._quarantine: dict[str, _Outgoing] = {}                 # timed-out send -> staging kept until PULLED/TTL
-        self._out_lock = threading.Lock()
+        self._out_lock = threading.Lock()  # guards _out and _quarantine
         self.counters: collections.Counter[str] = collections.Counter()  # fallback/failure kind -> count
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._progress, name=f"nixl-progress-{self.name}", daemon=True)

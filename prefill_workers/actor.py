@@ -69,8 +69,9 @@ class PrefillWorker:
         return self.tier.evict(ref)
 
     def execute(self, plan: RequestPlan, decode: KVEndpoint, transfer_id: str,
-                store_as: KVRef | None, credential: str = "") -> PrefillResult:
-        return self.executor.execute(plan, decode, transfer_id, store_as=store_as, credential=credential)
+                store_as: KVRef | None, credential: str = "", send_from: int = 0) -> PrefillResult:
+        return self.executor.execute(plan, decode, transfer_id, store_as=store_as, credential=credential,
+                                     send_from=send_from)
 
     def tier_stats(self):
         return self.store.stats

@@ -176,11 +176,12 @@ class PrefillExecutor:
 
     # ---- shipping ---------------------------------------------------------------------------
     def execute(self, plan: RequestPlan, decode: KVEndpoint | str, transfer_id: str,
-                store_as: KVRef | None = None, credential: str = "") -> PrefillResult:
+                store_as: KVRef | None = None, credential: str = "", send_from: int = 0) -> PrefillResult:
         """Build the prefix, optionally store it in the tier under ``store_as`` (a session's
         context or a plain prompt, for the next request), and push it to ``decode`` (an endpoint
         for a :class:`~kvtransport.endpoints.Sender`, an address for a plain transport) with the
-        transfer's ``credential``. A failed push is reported (``transferred`` False + a fallback
+        transfer's ``credential``; only tokens from ``send_from`` on (the decode engine holds the
+        rest, see ``DecodeWorker.expect``). A failed push is reported (``transferred`` False + a fallback
         reason), never raised: the decode worker then recomputes. A failed store is counted
         (``tier_store_failed``) and logged."""
         t = time.perf_counter()
@@ -197,17 +198,19 @@ class PrefillExecutor:
                 st.fallbacks.append("tier_store_failed")
                 log.warning("storing the prefix of %s failed: %s", plan.request_id, exc)
         sent, tsec, ok, used = 0, 0.0, True, ""
+        st.not_sent = min(send_from, kv.num_tokens)
+        ship = kv.slice(st.not_sent) if st.not_sent else kv
         try:
             if isinstance(self.transport, Sender):
                 if not isinstance(decode, KVEndpoint):
                     raise TypeError("a Sender sends to a KVEndpoint")
                 receipt, used, stages, fallbacks = self.transport.send(
-                    decode, transfer_id, plan.model, kv, credential=credential, timeout=self.transfer_timeout)
+                    decode, transfer_id, plan.model, ship, credential=credential, timeout=self.transfer_timeout)
                 st.stages.update(stages)
                 st.fallbacks.extend(fallbacks)
             else:
                 with _timed(st, "serialise"):
-                    block = encode_block(transfer_id, plan.model, kv, credential=credential)
+                    block = encode_block(transfer_id, plan.model, ship, credential=credential)
                 receipt = self.transport.send(decode, block, timeout=self.transfer_timeout)
                 del block
                 used = getattr(self.transport, "kind", "")

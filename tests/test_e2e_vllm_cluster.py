@@ -49,3 +49,28 @@ def test_vllm_decode_actor_serves_exact_and_composed_requests(vcluster):
     metrics = http.get("/metrics").text
     assert _metric(metrics, "kvnotes_fallbacks_total") == 0, "a composed prefix fell back to recompute"
     assert http.get("/health").json()["status"] == "ok"
+
+
+PRICES = " ".join(f"Item {i} costs {i * 7 % 100} dollars." for i in range(120))    # ~1k tokens
+
+
+def test_a_repeated_composed_prefix_is_not_sent_twice(vcluster):
+    """The decode actor tells the router what vLLM's prefix cache already holds of the prefix;
+    the prefill actor then ships only the rest (fewer bytes), and the answer is the same."""
+    http = vcluster
+    assert http.post("/v1/skills", json={"name": "prices", "text": PRICES}).status_code == 201
+    body = {"segments": [{"skill": "prices"}, {"text": "What does item 3 cost?"}], "max_tokens": 6,
+            "temperature": 0, "kv_policy": "fast", "explain": True}
+
+    def sent() -> float:
+        return _metric(http.get("/metrics").text, "kvnotes_kv_transfer_bytes_total")
+
+    b0 = sent()
+    first = http.post("/v1/notes/completions", json=body).json()
+    b1 = sent()
+    second = http.post("/v1/notes/completions", json=body).json()
+    b2 = sent()
+    assert first["plan"] == second["plan"] == "reposition" and second["text"] == first["text"], second
+    assert b1 - b0 > 0 and 0 < b2 - b1 < (b1 - b0) / 2, (b0, b1, b2)      # only the tail travelled again
+    assert second["explain"]["transport"] in ("nixl", "grpc") and "transfer" in second["explain"]["stages"]
+    assert _metric(http.get("/metrics").text, "kvnotes_fallbacks_total") == 0

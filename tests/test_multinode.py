@@ -15,23 +15,38 @@ SKILL = ("Refund policy: customers may return unused items within 30 days of del
          "Opened electronics can be returned within 14 days with a 15 percent restocking fee.")
 
 
+def _start_cluster():
+    """Head + a ``prefill`` node + a ``decode`` node. A raylet gives its dashboard agent a fixed
+    15 s to write its port file and crashes otherwise (ray-project/ray#65983), which a loaded
+    2-core machine can exceed: one more attempt, each started cluster shut down on failure."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in (1, 2):
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            c.add_node(num_cpus=1, resources={"prefill": 1})
+            c.add_node(num_cpus=1, resources={"decode": 1})
+            c.wait_for_nodes(timeout=120)
+            return c
+        except Exception:  # a node that did not come up: this cluster is stopped, then retried once
+            c.shutdown()
+            if attempt == 2:
+                raise
+
+
 @pytest.fixture(scope="module")
 def multinode(tmp_path_factory):
     import ray
-    from ray.cluster_utils import Cluster
 
     from cluster.ray_backends import RayBackends, start_workers, stop_workers
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
 
     assert not ray.is_initialized()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cfg = ClusterConfig(prefill=WorkerConfig(num_cpus=1, custom_resource=True),
                         decode=WorkerConfig(num_cpus=1, custom_resource=True), kv_transport="auto",
                         tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
+    c = _start_cluster()
     try:
-        c.add_node(num_cpus=1, resources={"prefill": 1})
-        c.add_node(num_cpus=1, resources={"decode": 1})
-        c.wait_for_nodes(timeout=120)
         ray.init(address=c.address, namespace="kvnotes", log_to_driver=False)
         pre, dec = start_workers(cfg)
         yield cfg, RayBackends(pre, dec)

@@ -54,11 +54,13 @@ class LocalBackends:
     async def evict(self, ref):
         return self.source.d.pop(self.source._k(ref), None) is not None
 
-    async def expect(self, decode_index, grant):
+    async def expect(self, decode_index, grant, prefix, salt):
         self.rx.expect(grant)
+        return 0                                    # the reference engine keeps no KV across requests
 
-    async def prefill(self, index, plan, decode_index, transfer_id, store_as, *, credential):
-        return self.pre.execute(plan, self.addr, transfer_id, store_as=store_as, credential=credential)
+    async def prefill(self, index, plan, decode_index, transfer_id, store_as, *, credential, send_from=0):
+        return self.pre.execute(plan, self.addr, transfer_id, store_as=store_as, credential=credential,
+                                send_from=send_from)
 
     async def decode(self, index, transfer_id, prefix, suffix, sampling, salt):
         for ev in self.dec.generate(transfer_id, prefix, suffix, sampling):

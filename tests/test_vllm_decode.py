@@ -213,3 +213,29 @@ def test_prefix_wholly_in_apc_moves_nothing_and_drops_the_block(smol, vx, sender
     assert again == first and s2.fallbacks == () and s2.loaded_tokens == 0
     assert s2.cached_tokens >= len(prefix)
     assert inbox.state("aligned-2") is TransferState.PENDING   # claimed and dropped, not left to expire
+
+
+def test_prefix_held_by_vllm_is_not_sent_again(smol, vx, sender, one_torch_thread):
+    """Ship nothing twice: ``held_prefix`` reads what vLLM's prefix cache holds of a prefix (whole
+    blocks, per salt); a block carrying only the rest (positions from there) is loaded into the
+    remaining slots and decodes exactly like the full block."""
+    prefix, suffix = _prompt(smol, 350)
+    if len(prefix) % vx.block_size == 0:
+        prefix = prefix[:-1]                                      # a partial last block: the tail must be loaded
+    other = smol.encode("Which item is the cheapest? Answer briefly.")
+    kv = recompute(smol, prefix, logits=False).kv
+    assert vx.held_prefix(tuple(prefix), "held") == 0
+    full = encode_block("held-1", MODEL, kv)
+    sender.send(vx.address, full, timeout=30)
+    _run(vx, "held-1", prefix, suffix, salt="held")
+    held = vx.held_prefix(tuple(prefix), "held")
+    assert held == (len(prefix) // vx.block_size) * vx.block_size > 0
+    assert vx.held_prefix(tuple(prefix), "another-salt") == 0
+    part = encode_block("held-2", MODEL, kv.slice(held))
+    assert part.header.positions[0] == held and part.header.payload_bytes < full.header.payload_bytes // 4
+    sender.send(vx.address, part, timeout=30)
+    got, s2 = _run(vx, "held-2", prefix, other, salt="held")          # another suffix: APC holds `held` tokens
+    assert s2.fallbacks == () and s2.loaded_tokens == len(prefix) - held
+    sender.send(vx.address, encode_block("held-3", MODEL, kv), timeout=30)
+    want, s3 = _run(vx, "held-3", prefix, other, salt="fresh-salt")     # the whole block, nothing cached
+    assert s3.loaded_tokens == len(prefix) and got == want
