@@ -66,7 +66,13 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
         missing = [n for n, r in zip(names, refs) if r in set(pending)]
         stop_workers(cfg)
         raise RuntimeError(_start_timeout_message(cfg, missing))
-    for info in ray.get(refs):
+    try:
+        infos = ray.get(refs)
+    except ray.exceptions.RayError as exc:     # an actor died while loading: one line, not a traceback
+        stop_workers(cfg)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RuntimeError(f"a worker actor failed while starting: {type(exc).__name__}: {first}") from None
+    for info in infos:
         log.info("worker ready: %s", info)
     return pre, dec
 
