@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -193,10 +194,30 @@ def test_serve_address_unreachable_fails_with_one_line(tmp_path):
     cfg = tmp_path / "kvnotes.yaml"
     cfg.write_text(yaml.safe_dump({"port": free_port(), "data_dir": str(tmp_path / "data")}))
     dead = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_gcs_rpc_server_connect_timeout_s="5")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run(KVNOTES + ["serve", "--config", str(cfg), "--address", dead], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=240)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("kvnotes: error:")]
     assert len(err) == 1 and "cannot connect to the Ray cluster at " + dead in err[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "Started a local Ray instance" not in r.stderr + r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_start_gives_up_after_a_bounded_wait_naming_the_missing_resources(tmp_path):
+    """A config asking for more CPUs than the machine has: the CLI exits 2 after start_timeout_s
+    with one line naming the actor and what it needs (it used to wait forever)."""
+    cfg = tmp_path / "kvnotes.yaml"
+    cfg.write_text(yaml.safe_dump({"port": free_port(), "data_dir": str(tmp_path / "data"), "start_timeout_s": 15,
+                                   "tier_cpu_bytes": 64 << 20, "prefill": {"count": 1, "num_cpus": 64}}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false")
+    t = time.monotonic()
+    r = subprocess.run(KVNOTES + ["serve", "--config", str(cfg)], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("kvnotes: error:")]
+    assert len(err) == 1, r.stderr[-2000:]
+    assert "did not start within 15 s" in err[0], err[0]
+    assert re.search(r"prefill-0 needs \{'CPU': 64.0\} but no node has CPU 64 \(largest: CPU \d+\)", err[0]), err[0]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t < 240
