@@ -56,6 +56,8 @@ def connect(cfg: ClusterConfig) -> None:
     mode = ray_auth_mode(cfg)
     if mode and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = mode
+        from ray._raylet import Config
+        Config.initialize("")     # Ray read its config at import: make it see the auth mode (as Ray itself does)
         log.info("joining %s with RAY_AUTH_MODE=%s", cfg.ray_address, mode)
     try:
         ray.init(address=cfg.ray_address, namespace="kvnotes", log_to_driver=False)

@@ -66,26 +66,34 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
         missing = [n for n, r in zip(names, refs) if r in set(pending)]
         stop_workers(cfg)
         raise RuntimeError(_start_timeout_message(cfg, missing))
-    for info in ray.get(refs):
+    try:
+        infos = ray.get(refs)
+    except ray.exceptions.RayError as exc:     # an actor died while loading: one line, not a traceback
+        stop_workers(cfg)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RuntimeError(f"a worker actor failed while starting: {type(exc).__name__}: {first}") from None
+    for info in infos:
         log.info("worker ready: %s", info)
     return pre, dec
 
 
 def _start_timeout_message(cfg: ClusterConfig, missing: list[str]) -> str:
-    total = {k: v for k, v in ray.cluster_resources().items() if not k.startswith(("node:", "memory",
-                                                                                   "object_store_memory"))}
-    wants = {}
-    for kind in ("prefill", "decode"):
-        n = sum(1 for m in missing if m.startswith(kind))
-        if n:
-            wants[kind] = (n, worker_resources(cfg, kind))
-    need = ", ".join(f"{n} x {kind} {res}" for kind, (n, res) in wants.items())
-    short = sorted({k for _, (_, res) in wants.items() for k in res if res[k] > total.get(k, 0.0)})
-    why = (f"the cluster has no node with {', '.join(short)}" if short else
-           "the cluster's resources are in use, or the model is still loading")
-    return (f"{len(missing)} worker actor(s) did not start within {cfg.start_timeout_s:g} s "
-            f"({', '.join(missing)}): they need {need}; {why} (cluster total: "
-            f"{ {k: round(v, 2) for k, v in sorted(total.items())} })")
+    """Which of the missing actors no node can hold (and what they need), and which are still
+    loading (placed, but the model load did not finish in time)."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    unplaceable, loading = [], []
+    for name in missing:
+        want = worker_resources(cfg, name.split("-")[0])
+        if any(all(res.get(k, 0.0) >= v for k, v in want.items()) for res in nodes):
+            loading.append(name)
+            continue
+        short = [k for k, v in want.items() if not any(res.get(k, 0.0) >= v for res in nodes)]
+        most = {k: max((res.get(k, 0.0) for res in nodes), default=0.0) for k in short}
+        unplaceable.append(f"{name} needs {want} but no node has {', '.join(f'{k} {want[k]:g}' for k in short)} "
+                           f"(largest: {', '.join(f'{k} {v:g}' for k, v in most.items())})")
+    parts = unplaceable + ([f"{', '.join(loading)} placed but still loading (or waiting for resources in use)"]
+                           if loading else [])
+    return (f"{len(missing)} worker actor(s) did not start within {cfg.start_timeout_s:g} s: " + "; ".join(parts))
 
 
 def stop_workers(cfg: ClusterConfig) -> None:

@@ -57,7 +57,8 @@ class PrefillWorker:
         plan): process id and whether the remote tier (if configured) is reachable."""
         st = self.store.stats
         return {"worker": f"prefill-{self.index}", "pid": os.getpid(), "metrics": self.metrics_target,
-                "remote_up": st.remote_up if self.cfg.tier_remote_url else None}
+                "remote_up": st.remote_up if self.cfg.tier_remote_url else None,
+                "remote_down_misses": st.remote_down_misses}
 
     def contains(self, refs: list[KVRef]) -> list[bool]:
         return self.tier.contains(refs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -64,13 +65,13 @@ def test_node_types_carry_exactly_what_the_actors_request():
 
 
 # ---- the node types on one machine: Ray's fake multi-node autoscaler ----------------------------
-def _kill_tree(marker: str) -> None:
+def _kill_tree(*markers: str) -> None:
     """Stop every process of the fake cluster by PID: those whose command line names its private
-    temp dir, and their descendants (actor workers)."""
+    temp dir or its GCS address, and their descendants (actor workers)."""
     procs = []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if any(marker in a for a in (p.info["cmdline"] or [])):
+            if any(m in a for a in (p.info["cmdline"] or []) for m in markers):
                 procs.append(p)
                 procs.extend(p.children(recursive=True))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -100,7 +101,10 @@ def _fake_config(head_cpus: int, gcs_address: str) -> dict:
             t["resources"] = dict(t["resources"], object_store_memory=80 << 20)
     types["ray.head.default"]["max_workers"] = 0
     return {"cluster_name": "kvnotes-fake", "max_workers": 2, "upscaling_speed": 1.0, "idle_timeout_minutes": 5,
-            "docker": {}, "provider": {"type": "fake_multinode", "gcs_address": gcs_address},
+            "docker": {}, "provider": {"type": "fake_multinode", "gcs_address": gcs_address,
+                                                # what Ray's fake_multi_node example config sets
+                                                "use_node_id_as_ip": True, "disable_node_updaters": True,
+                                                "disable_launch_config_check": True},
             "auth": {"ssh_user": "ubuntu"}, "available_node_types": types, "head_node_type": "ray.head.default",
             "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
             "rsync_exclude": [], "rsync_filter": [], "initialization_commands": [], "setup_commands": [],
@@ -137,19 +141,21 @@ def test_node_types_under_the_fake_autoscaler_serve_a_request(tmp_path):
               "prefill": {"count": 1, "num_cpus": 2, "custom_resource": True},
               "decode": {"count": 1, "num_cpus": 2, "custom_resource": True}}
     (tmp_path / "kvnotes.yaml").write_text(yaml.safe_dump(kv_cfg))
-    serve_proc = None
+    serve_proc, log_path = None, tmp_path / "serve.log"
+    serve_log = log_path.open("w")
     try:
         subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=4", f"--temp-dir={temp_dir}",
                         f"--autoscaling-config={cfg_path}", "--include-dashboard=false",
-                        "--disable-usage-stats"], env=env, check=True, timeout=180, capture_output=True)
+                        f"--ray-client-server-port={free_port()}", "--disable-usage-stats"],
+                       env=env, check=True, timeout=180, capture_output=True)
         # the CLI, as an operator runs it: no RAY_AUTH_MODE in its environment
         serve_proc = subprocess.Popen(KVNOTES + ["serve", "--config", str(tmp_path / "kvnotes.yaml"),
                                                  "--address", address],
-                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                      env=env, cwd=ROOT, stdout=serve_log, stderr=subprocess.STDOUT)
         http = httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=120)
         end = time.monotonic() + 540
         while time.monotonic() < end:
-            assert serve_proc.poll() is None, serve_proc.stdout.read()[-3000:]
+            assert serve_proc.poll() is None, log_path.read_text()[-3000:]
             try:
                 if http.get("/ready").status_code == 200:
                     break
@@ -162,11 +168,12 @@ def test_node_types_under_the_fake_autoscaler_serve_a_request(tmp_path):
                                                      "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
         placed = _ray_query(address, """
+from ray._private.state import actors        # the GCS actor table (the state API needs the dashboard)
 nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-from ray.util.state import list_actors
-out = {"nodes": [sorted(k for k in n["Resources"] if k in ("prefill", "decode")) for n in nodes.values()],
-       "actors": {a.name: sorted(k for k in nodes[a.node_id]["Resources"] if k in ("prefill", "decode"))
-                  for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.name in ("prefill-0", "decode-0")}}
+kinds = lambda nid: sorted(k for k in nodes[nid]["Resources"] if k in ("prefill", "decode"))
+out = {"nodes": [kinds(nid) for nid in nodes],
+       "actors": {a["Name"]: kinds(a["Address"]["NodeID"]) for a in actors().values()
+                  if a["State"] == "ALIVE" and a["Name"] in ("prefill-0", "decode-0")}}
 """)
         assert sorted(placed["nodes"]) == [[], ["decode"], ["prefill"]], placed      # head + one node per type
         assert placed["actors"] == {"prefill-0": ["prefill"], "decode-0": ["decode"]}, placed
@@ -178,7 +185,8 @@ out = {"nodes": [sorted(k for k in n["Resources"] if k in ("prefill", "decode"))
             except subprocess.TimeoutExpired:
                 serve_proc.kill()
                 serve_proc.wait(timeout=10)
-        _kill_tree(temp_dir)
+        _kill_tree(temp_dir, address)
+        serve_log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -186,10 +194,30 @@ def test_serve_address_unreachable_fails_with_one_line(tmp_path):
     cfg = tmp_path / "kvnotes.yaml"
     cfg.write_text(yaml.safe_dump({"port": free_port(), "data_dir": str(tmp_path / "data")}))
     dead = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_gcs_rpc_server_connect_timeout_s="5")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run(KVNOTES + ["serve", "--config", str(cfg), "--address", dead], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=240)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("kvnotes: error:")]
     assert len(err) == 1 and "cannot connect to the Ray cluster at " + dead in err[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "Started a local Ray instance" not in r.stderr + r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_start_gives_up_after_a_bounded_wait_naming_the_missing_resources(tmp_path):
+    """A config asking for more CPUs than the machine has: the CLI exits 2 after start_timeout_s
+    with one line naming the actor and what it needs (it used to wait forever)."""
+    cfg = tmp_path / "kvnotes.yaml"
+    cfg.write_text(yaml.safe_dump({"port": free_port(), "data_dir": str(tmp_path / "data"), "start_timeout_s": 15,
+                                   "tier_cpu_bytes": 64 << 20, "prefill": {"count": 1, "num_cpus": 64}}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false")
+    t = time.monotonic()
+    r = subprocess.run(KVNOTES + ["serve", "--config", str(cfg)], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("kvnotes: error:")]
+    assert len(err) == 1, r.stderr[-2000:]
+    assert "did not start within 15 s" in err[0], err[0]
+    assert re.search(r"prefill-0 needs \{'CPU': 64.0\} but no node has CPU 64 \(largest: CPU \d+\)", err[0]), err[0]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t < 240

@@ -140,3 +140,19 @@ def test_deadline_stops_the_decode_worker_and_answers_504(smol, tmp_path):
     assert metric(text, "kvnotes_deadline_exceeded_total", stage="decode") == 1
     assert metric(text, "kvnotes_requests_total", status="deadline") == 1
     assert all(w["in_flight"] == 0 for w in r.view.snapshot()["decode"]["workers"])
+
+
+def test_fault_settings_are_validated_and_auth_mode_follows_the_token_file(tmp_path, monkeypatch):
+    from cluster.launcher import ray_auth_mode
+    from kvruntime.messages.config import ClusterConfig
+
+    for bad in ({"worker_max_restarts": -2}, {"request_retries": -1}, {"health_period_s": 0},
+                {"prefill_load_factor": 0.9}, {"request_deadline_s": 0}, {"ray_auth_mode": "tls"}):
+        with pytest.raises(ValueError):
+            ClusterConfig.from_dict(bad)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    token = tmp_path / "auth_token"
+    assert ray_auth_mode(ClusterConfig(), token) is None
+    token.write_text("x" * 32)
+    assert ray_auth_mode(ClusterConfig(), token) == "token"
+    assert ray_auth_mode(ClusterConfig(ray_auth_mode="disabled"), token) == "disabled"

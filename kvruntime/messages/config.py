@@ -68,13 +68,13 @@ class ClusterConfig:
     max_stop_chars: int = 128                  # characters per stop string
     max_inflight_per_tenant: int = 64          # requests one tenant may have in flight per router replica -> 429
     ray_address: str | None = None             # None: start/attach local Ray; "auto" or host:port: join a cluster
-    ray_auth_mode: str | None = None           # None: "token" when ~/.ray/auth_token exists (Ray 2.60 heads); token | disabled
+    ray_auth_mode: str | None = None           # token | disabled; None: token if ~/.ray/auth_token exists (Ray 2.60)
     # fault handling and routing (cluster.health, cluster.routing)
     worker_max_restarts: int = 5               # Ray restarts a dead worker actor this often (-1: forever)
     health_period_s: float = 1.0               # each router replica calls health() on every worker this often
     health_timeout_s: float = 5.0              # a worker that does not answer within this is marked down
-    request_retries: int = 1                   # retries (on another worker) of a request whose worker died before its first token
-    prefill_load_factor: float = 1.0           # prefill affinity load cap: <= factor x mean outstanding requests per actor
+    request_retries: int = 1                   # retries elsewhere of a request whose worker died before its 1st token
+    prefill_load_factor: float = 1.0           # prefill affinity load cap: factor x mean in-flight requests per actor
     request_deadline_s: float = 600.0          # default per-request deadline (a request may ask for less: deadline_s)
     start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
 
