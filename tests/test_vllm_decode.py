@@ -213,3 +213,24 @@ def test_prefix_wholly_in_apc_moves_nothing_and_drops_the_block(smol, vx, sender
     assert again == first and s2.fallbacks == () and s2.loaded_tokens == 0
     assert s2.cached_tokens >= len(prefix)
     assert inbox.state("aligned-2") is TransferState.PENDING   # claimed and dropped, not left to expire
+
+
+def test_vllm_sampling_params_match_the_reference_decode(vx, smol, one_torch_thread):
+    """Penalties, logit bias, stop strings and log-probs mean the same in both decode engines."""
+    from decode_workers.executor import DecodeExecutor
+
+    ref = DecodeExecutor(smol, transport=None)
+    ids = smol.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,")
+    banana = smol.encode(" banana")[0]
+    for sp in (SamplingParams(max_tokens=12, frequency_penalty=2.0, presence_penalty=2.0, logprobs=3),
+               SamplingParams(max_tokens=3, logit_bias=((banana, 100.0),)),
+               SamplingParams(max_tokens=12, stop=(" 3",))):
+        a = list(ref.generate(None, tuple(ids[:-1]), (ids[-1],), sp))
+        b = list(vx.generate(None, tuple(ids[:-1]), (ids[-1],), sp))
+        assert [e.token_id for e in a[:-1]] == [e.token_id for e in b[:-1]], sp
+        assert a[-1].text == b[-1].text and a[-1].finish_reason == b[-1].finish_reason, (a[-1], b[-1])
+        if sp.logprobs:
+            for x, y in zip(a[:-1], b[:-1]):
+                assert abs(x.logprob - y.logprob) < 1e-2
+                assert [i for i, _ in x.top_logprobs] == [i for i, _ in y.top_logprobs]
+    assert b[-1].finish_reason == "stop" and " 3" not in b[-1].text
