@@ -11,7 +11,9 @@ receiver has verified the block), then ``receive`` + ``decode_block`` on the rec
 1e9 bytes/s over their sum, median of ``--reps`` after one untimed warm-up (which faults in the
 pools' pages). ``nixl`` encodes into the transport's registered pool
 (``encode_block(..., into=transport.lease)``: copy + CRC in one pass, no staging copy in send);
-``nixl-staged`` is the plain ``encode_block`` the executors call today (send stages a copy).
+``nixl-staged`` is the plain ``encode_block`` (send stages a copy). As in the cluster, every
+transfer is authenticated: the driver gives the receiver a grant (``expect``) before the push and
+the block carries the transfer's credential (receivers run with ``require_grant``).
 ``send_gbps`` is the send alone. ``copy_gbps`` is ``Tensor.copy_`` of the same
 bytes into a warm preallocated tensor inside the sender actor, median of ``--reps``. One progress
 line per measurement goes to stderr; ``--json`` prints one JSON object per line to stdout.
@@ -42,11 +44,11 @@ class Endpoint:
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self.kind, self.kv = kind, None
         if kind == "grpc":
-            from kvtransport.grpc_transport import GrpcTransport
-            self.t = GrpcTransport(model=MODEL)
+            from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
+            self.t = GrpcTransport(GrpcTransportConfig(require_grant=True), model=MODEL)
         elif kind in ("nixl", "nixl-staged"):
-            from kvtransport.nixl_transport import NixlTransport
-            self.t = NixlTransport(model=MODEL)
+            from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
+            self.t = NixlTransport(NixlTransportConfig(require_grant=True), model=MODEL)
         elif kind != "copy":
             raise ValueError(f"unknown transport {kind!r}; choose nixl, nixl-staged, grpc or copy")
 
@@ -59,6 +61,14 @@ class Endpoint:
     def add_peer(self, name: str, metadata: bytes) -> str:
         return self.t.add_peer(name, metadata)
 
+    def grant(self, tid: str) -> tuple:
+        """(Sender) a grant for ``tid`` over the KV it holds and its credential."""
+        from kvruntime.messages.transfer import TransferGrant
+        return TransferGrant.issue(tid, MODEL, "float32", self.kv.token_ids.tolist())
+
+    def expect(self, grant) -> None:
+        self.t.expect(grant)
+
     def make(self, mib: int) -> int:
         from kvruntime.kv import KVCache
         n = _tokens(mib)
@@ -68,10 +78,11 @@ class Endpoint:
                           torch.arange(100, 100 + n))
         return self.kv.data.nbytes
 
-    def push(self, address: str, tid: str) -> tuple[float, float]:
+    def push(self, address: str, tid: str, credential: str) -> tuple[float, float]:
         from kvtransport.blocks import encode_block
         t0 = time.perf_counter()
-        block = encode_block(tid, MODEL, self.kv, into=self.t.lease if self.kind == "nixl" else None)
+        block = encode_block(tid, MODEL, self.kv, into=self.t.lease if self.kind == "nixl" else None,
+                             credential=credential)
         t1 = time.perf_counter()
         self.t.send(address, block, timeout=120)
         return t1 - t0, time.perf_counter() - t1
@@ -130,7 +141,9 @@ def run(mibs: list[int], reps: int, transports: list[str]) -> list[dict]:
                 totals, sends = [], []
                 for i in range(reps + 1):
                     tid = f"{kind}-{mib}-{i}"
-                    enc, snd = ray.get(tx.push.remote(addr, tid))
+                    grant, cred = ray.get(tx.grant.remote(tid))       # the router's part, untimed
+                    ray.get(rx.expect.remote(grant))
+                    enc, snd = ray.get(tx.push.remote(addr, tid, cred))
                     rcv = ray.get(rx.pull.remote(tid, nbytes))
                     if i == 0:
                         continue                                      # warm-up

@@ -34,7 +34,8 @@ def _usage(fin: Finished) -> dict:
 def _kvnotes(fin: Finished, explain: bool) -> dict:
     out = {"plan": fin.plan.kind.value, "ttft_s": round(fin.ttft_s, 6), "fallbacks": list(fin.fallbacks)}
     if explain:
-        out["explain"] = fin.plan.explain()
+        out["explain"] = {**fin.plan.explain(), "transport": fin.transport,
+                          "stages": {k: round(v, 6) for k, v in fin.stages}}
     return out
 
 

@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start a cluster from a config file (YAML or JSON)")
     s.add_argument("--config", required=True)
+    s.add_argument("--address", default=None,
+                   help="join this Ray cluster (host:port or auto; overrides ray_address in the config)")
 
     k = sub.add_parser("keys", help="API keys: each maps to a tenant (only its hash is stored)")
     ksub = k.add_subparsers(dest="action", required=True)
@@ -49,6 +51,31 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--tables-dir", default=None, help="where to write <model>.json (default: shipped tables)")
     r = esub.add_parser("report", help="regenerate the tables in docs/fidelity.md from the saved summaries")
     r.add_argument("--doc", default="docs/fidelity.md")
+
+    rep = sub.add_parser("report", help="render the Grafana dashboard's panels to PNG from Prometheus (no Grafana)")
+    rep.add_argument("--prometheus", required=True, help="Prometheus base URL, e.g. http://127.0.0.1:9090")
+    rep.add_argument("--out", required=True, help="directory for the PNGs and index.md")
+    rep.add_argument("--since", default="1h", help="time range ending now (30m, 1h, 2d)")
+    rep.add_argument("--step", default=None, help="query resolution (default: range / 240)")
+
+    def target_args(a):
+        a.add_argument("--url", default=None, help="router URL (default: KVNOTES_URL, the config's, or :8000)")
+        a.add_argument("--key", default=None, help="API key (default: KVNOTES_API_KEY or <data_dir>/api_key)")
+        a.add_argument("--config", default=None, help="the cluster's config file (router address, key file)")
+
+    target_args(sub.add_parser("status", help="workers per role, state store, tier and remote tier state"))
+    for kind in ("skills", "memories", "templates"):
+        k = sub.add_parser(kind, help=f"list, add or remove {kind} through the router's API")
+        ksub = k.add_subparsers(dest="action", required=True)
+        target_args(ksub.add_parser("list", help=f"registered {kind}" + ("" if kind == "templates"
+                                                                          else " and whether the tier holds them")))
+        a = ksub.add_parser("add", help="register a file, or every .txt/.md/.json file of a directory")
+        a.add_argument("path")
+        a.add_argument("--name", default=None, help="name for a single file (default: the file's stem)")
+        target_args(a)
+        rm = ksub.add_parser("rm", help=f"delete one of the {kind}")
+        rm.add_argument("name")
+        target_args(rm)
     return p
 
 
@@ -67,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = (ClusterConfig(model=args.model, port=args.port, decode_engine=args.decode_engine)
                    if args.cmd == "run"
                    else ClusterConfig.from_file(args.config))
+            if args.cmd == "serve" and args.address:
+                import dataclasses
+                cfg = dataclasses.replace(cfg, ray_address=args.address)
             return run_forever(cfg, register_demo=args.cmd == "run")
         if args.cmd == "keys":
             return _keys(args)
@@ -76,6 +106,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "eval" and args.what == "fidelity":
             from kvruntime.fidelity.cli import eval_fidelity
             return eval_fidelity(args, argv if argv is not None else sys.argv[1:])
+        if args.cmd == "report":
+            from cluster.report import run as report
+            return report(args.prometheus, args.out, since=args.since, step=args.step)
+        if args.cmd in ("status", "skills", "memories", "templates"):
+            from cluster import admin
+            t = admin.resolve_target(args.url, args.key, args.config)
+            if args.cmd == "status":
+                return admin.status(t)
+            if args.action == "list":
+                return admin.list_kind(t, args.cmd)
+            if args.action == "add":
+                return admin.add(t, args.cmd, args.path, args.name)
+            return admin.remove(t, args.cmd, args.name)
         if args.cmd == "eval" and args.what == "report":
             from kvruntime.fidelity.cli import write_report
             return write_report(args.doc)

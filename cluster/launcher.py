@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 from kvruntime.messages.config import ClusterConfig
 
@@ -18,6 +19,53 @@ DEMO_SKILL = ("Refund policy: customers may return unused items within 30 days o
               "perishable food are never refundable.")
 
 
+class ConnectError(RuntimeError):
+    """The configured Ray cluster could not be reached (the message says which and why)."""
+
+
+def ray_auth_mode(cfg: ClusterConfig, token_path: Path | None = None) -> str | None:
+    """The ``RAY_AUTH_MODE`` to join ``cfg.ray_address`` with: the config's, else ``token`` when
+    Ray's token file exists (Ray 2.60 heads started by ``ray start`` require it), else unset."""
+    if cfg.ray_auth_mode:
+        return cfg.ray_auth_mode
+    token_path = token_path or Path.home() / ".ray" / "auth_token"
+    return "token" if token_path.exists() or os.environ.get("RAY_AUTH_TOKEN") else None
+
+
+def _probe(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a host:port that does not accept connections (Ray would retry for minutes)."""
+    import socket
+
+    if address == "auto" or "://" in address:
+        return                   # "auto": Ray finds the local head itself, or fails at once
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConnectError(f"ray_address must be host:port or auto, got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectError(f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc} "
+                           f"(is `ray start --head` running there?)") from None
+
+
+def connect(cfg: ClusterConfig) -> None:
+    """Join the Ray cluster at ``cfg.ray_address``; ConnectError (one line) when it cannot."""
+    import ray
+
+    _probe(cfg.ray_address)
+    mode = ray_auth_mode(cfg)
+    if mode and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = mode
+        log.info("joining %s with RAY_AUTH_MODE=%s", cfg.ray_address, mode)
+    try:
+        ray.init(address=cfg.ray_address, namespace="kvnotes", log_to_driver=False)
+    except Exception as exc:   # Ray raises ConnectionError, RuntimeError, AuthenticationError, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = "" if mode == "token" else " (a token-auth head needs ~/.ray/auth_token or ray_auth_mode: token)"
+        raise ConnectError(f"cannot connect to the Ray cluster at {cfg.ray_address}: {type(exc).__name__}: "
+                           f"{first[:300]}{hint}") from None
+
+
 def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     """Start everything and return once the router answers; idempotent within one Ray session."""
     import ray
@@ -26,7 +74,7 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     if not ray.is_initialized():
         if cfg.ray_address:
-            ray.init(address=cfg.ray_address, namespace="kvnotes", log_to_driver=False)
+            connect(cfg)
         else:
             ray.init(num_cpus=local_cpus, namespace="kvnotes", include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
@@ -61,6 +109,8 @@ def stop(cfg: ClusterConfig) -> None:
     from ray import serve
 
     from cluster.ray_backends import stop_workers
+    if not ray.is_initialized():
+        return            # never connected: nothing to stop (serve.shutdown() would start a local Ray)
     try:
         serve.shutdown()
     finally:
@@ -70,7 +120,8 @@ def stop(cfg: ClusterConfig) -> None:
 
 def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     """Start, print how to call it, serve until Ctrl-C / SIGTERM, then stop everything."""
-    print(f"kvnotes: starting local cluster (model {cfg.model}, {cfg.prefill.count} prefill + "
+    where = f"joining the Ray cluster at {cfg.ray_address}" if cfg.ray_address else "starting local cluster"
+    print(f"kvnotes: {where} (model {cfg.model}, {cfg.prefill.count} prefill + "
           f"{cfg.decode.count} decode actors); the first start converts the model (~30 s)...", flush=True)
     base = f"http://{cfg.host}:{cfg.port}"
     try:
@@ -86,6 +137,8 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
             if r.status_code != 201:
                 raise RuntimeError(f"registering the demo skill failed: HTTP {r.status_code}: {r.text[:300]}")
             print(f"kvnotes: registered demo skill 'refund-policy' ({r.json()['tokens']} tokens precompiled)")
+    except ConnectError:
+        raise                          # nothing was started
     except BaseException:
         print("kvnotes: start failed; stopping what was started", flush=True)
         stop(cfg)

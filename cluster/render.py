@@ -24,6 +24,11 @@ class Renderer:
         """Token ids of user text: special-token strings in it (``<|im_start|>``...) stay plain text."""
         return list(self.tok(text, add_special_tokens=False, split_special_tokens=True).input_ids)
 
+    def markup(self, text: str) -> list[int]:
+        """Token ids of the model's own chat markup (``<|im_start|>user``...): special tokens stay
+        special. Never for user text (:meth:`encode`)."""
+        return list(self.tok(text, add_special_tokens=False).input_ids)
+
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The chat template applied to ``messages`` (``{"role", "content": str}``), with the
         template's own markup tokenized as special tokens and every message's content as plain
@@ -44,24 +49,20 @@ class Renderer:
                                    param="messages")
             c = m["content"]
             c = c if c in real else c.strip()             # templates that trim content
-            ids += list(self.tok(head, add_special_tokens=False).input_ids) + self.encode(c)
-        return ids + list(self.tok(rest, add_special_tokens=False).input_ids)
+            ids += self.markup(head) + self.encode(c)
+        return ids + self.markup(rest)
 
     def frame(self) -> tuple[int, ...]:
         ids = [self.bos_id] if self.spec.prepend_bos and self.bos_id is not None else []
-        return tuple(ids + self._markup(self.spec.chat_user_prefix))
-
-    def _markup(self, text: str) -> list[int]:
-        """The model's own chat markup: its special-token strings are special tokens."""
-        return list(self.tok(text, add_special_tokens=False).input_ids) if text else []
+        return tuple(ids + self.markup(self.spec.chat_user_prefix))
 
     def user_then_markup(self, user: str, markup: str) -> list[int]:
         """``user`` text followed by chat markup, tokenized as one string would be up to the
-        markup's first special token (so BPE merges across the seam as before), with no special
-        token ever read from ``user``."""
+        markup's first special token (so BPE merges across the seam as before: Gemma's
+        ``"\nAnswer:"``), with no special token ever read from ``user``."""
         specials = {t for t in (*self.tok.all_special_tokens, *self.tok.get_added_vocab()) if t and t in markup}
         cut = min((markup.index(t) for t in specials), default=len(markup))
-        return self.encode(user + markup[:cut]) + self._markup(markup[cut:])
+        return self.encode(user + markup[:cut]) + (self.markup(markup[cut:]) if markup[cut:] else [])
 
     def chunk_ids(self, text: str) -> tuple[int, ...]:
         return tuple(self.encode(text.strip() + "\n\n"))

@@ -7,6 +7,8 @@ JSON to ``cluster.api``. ``/health``, ``/ready`` and ``/metrics`` need no key.
 """
 
 import logging
+import threading
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -17,11 +19,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cluster import api
 from cluster.errors import RequestError, error_response
 from cluster.limits import RequestLimits, read_json
+from cluster import metrics as request_metrics      # a module reference: Serve pickles this app
 from kvruntime.messages.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.")
 REPLICA_HEADER = "x-kvnotes-replica"     # which stateless router replica answered (debugging, tests)
+TARGET_REFRESH_S = 5.0                   # each replica re-announces its metrics endpoint this often
+TARGET_TTL_S = 30.0                      # and a replica silent this long drops out of /metrics/targets
 
 
 def _replica_id() -> str:
@@ -90,49 +95,103 @@ class RouterIngress:
         self.inflight = InflightLimiter(cfg.max_inflight_per_tenant)
         for info in backends.ready:
             self.router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
+        # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
+        # (Prometheus' service discovery) lists every replica, not the one the proxy picked
+        from kvruntime.telemetry import node_ip, start_exporter
+        self.process = f"router-{_replica_id()}"
+        self.metrics_target = start_exporter(self.router.metrics.registry, host=node_ip())
+        threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
         log.info("router up: model %s, edit plans by %s", cfg.model, self.router.edit_choice)
+
+    def _announce(self) -> None:
+        """Every TARGET_REFRESH_S: refresh this replica's target and the state-size gauges."""
+        while True:
+            try:
+                now = time.time()
+                self.state.put_target(self.process, self.metrics_target, now)
+                for kind, n in self.state.sizes(now).items():
+                    self.router.metrics.state_entries.labels(kind).set(n)
+            except Exception as exc:      # the state store is down: logged, retried next period
+                log.warning("announcing the metrics target failed: %s", exc)
+            time.sleep(TARGET_REFRESH_S)
 
     async def _call(self, request: Request, handler, *, body: bool = True) -> Response:
         """Run ``handler(body, tenant, request_id)`` for an authenticated request within the limits;
         every failure becomes an OpenAI-shaped error carrying the request id."""
         rid = _new_rid()
         tenant = None
+        acct = request_metrics.begin_request()   # the router marks it when it counts the final status
         try:
             tenant = self.auth.tenant(request.headers, request.client.host if request.client else None)
             self.inflight.acquire(tenant)
         except Exception as exc:
-            return error_response(exc, rid)
+            return self._counted(error_response(exc, rid), acct)
         streaming = False
         try:
             parsed = await read_json(request, self.limits) if body else None
             resp = await handler(parsed, tenant, rid)
             if isinstance(resp, StreamingResponse):       # the slot is held until the stream ends
-                resp.body_iterator = self._release_after(resp.body_iterator, tenant)
+                resp.body_iterator = self._release_after(resp.body_iterator, tenant, acct)
                 streaming = True
         except Exception as exc:
             resp = error_response(exc, rid)
         finally:
             if not streaming:
                 self.inflight.release(tenant)
+        return resp if streaming else self._counted(resp, acct)
+
+    def _counted(self, resp: Response, acct: dict) -> Response:
+        """Count a request the router did not (it never reached a plan: auth, limits, bad input,
+        listing and registration routes), once, by its HTTP status."""
+        if not acct["counted"]:
+            self.router.metrics.count_request("none", request_metrics.status_label(resp.status_code))
         return resp
 
-    async def _release_after(self, it, tenant: str):
+    async def _release_after(self, it, tenant: str, acct: dict):
         try:
             async for chunk in it:
                 yield chunk
         finally:
             self.inflight.release(tenant)
+            if not acct["counted"]:       # the stream ended before the router counted it: the client left
+                self.router.metrics.count_request(acct.get("plan", "none"), "cancelled")
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": self.cfg.model})
+        """Liveness now: live workers per role (the router's health view); 503 when a role has none."""
+        snap = self.router.view.snapshot()
+        ok = all(v["live"] > 0 for v in snap.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "model": self.cfg.model, "workers": snap},
+                            status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """Start-up finished: this replica is constructed and its first health sweep is done
+        (liveness after that is /health)."""
+        sweeps = getattr(self.router.backends, "health_sweeps", 1)
+        return JSONResponse({"ready": sweeps > 0, "model": self.cfg.model, "health_sweeps": sweeps},
+                            status_code=200 if sweeps > 0 else 503)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        import time
+        """This replica's series only (the one the proxy picked); Prometheus should discover every
+        process through /metrics/targets instead."""
         for kind, n in self.state.sizes(time.time()).items():
             self.router.metrics.state_entries.labels(kind).set(n)
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/metrics/targets")
+    async def metrics_targets(self) -> JSONResponse:
+        """Prometheus HTTP service discovery (``http_sd_configs``): every router replica's and
+        every worker's own metrics endpoint, labelled ``kvnotes_role`` and ``kvnotes_process``."""
+        groups = [{"targets": [addr], "labels": {"kvnotes_role": "router", "kvnotes_process": name}}
+                  for name, addr in self.state.targets(time.time(), TARGET_TTL_S).items()]
+        for role, workers in self.router.view.workers.items():
+            for i, w in enumerate(workers):
+                if w.metrics:
+                    groups.append({"targets": [w.metrics], "labels": {"kvnotes_role": role,
+                                                                      "kvnotes_process": f"{role}-{i}"}})
+        return JSONResponse(groups)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -1,52 +1,115 @@
-"""The decode worker as a Ray actor: a decode engine and the gRPC KV receiver.
+"""The decode worker as a Ray actor: a decode engine and the KV receiver.
 
-``decode_engine`` in config picks the engine: ``reference`` (torch, the oracle; the actor's
-own gRPC inbox) or ``vllm`` (a vLLM v1 engine whose kvnotes KV connector owns the inbox and
-writes the received prefix into vLLM's paged cache). ``generate`` is a generator method: the
-router calls it with ``num_returns="streaming"`` and forwards each token as it is produced.
+``decode_engine`` in config picks the engine: ``reference`` (torch, the oracle) or ``vllm`` (a
+vLLM v1 engine whose kvnotes KV connector writes the received prefix into vLLM's paged cache).
+Either way the actor owns one :class:`~kvtransport.endpoints.Receiver` (``kv_transport``: NIXL
+and/or gRPC into one inbox that accepts only transfers the router announced with
+:meth:`DecodeWorker.expect`). Its gRPC server binds and advertises the node's address as Ray
+reports it, so prefill actors on other nodes reach it; :meth:`DecodeWorker.endpoint` (NIXL agent
+metadata included) is what the router hands to prefill actors. ``generate`` is a generator
+method: the router calls it with ``num_returns="streaming"`` and forwards each token.
 Plain class; ``cluster.ray_backends`` applies ``ray.remote`` with resources from config.
 """
 from __future__ import annotations
 
+import os
+import threading
+
 from kvruntime.messages.config import ClusterConfig
+from kvruntime.messages.transfer import KVEndpoint, TransferGrant
+
+
+def node_address() -> tuple[str, str]:
+    """(node IP as Ray reports it, Ray node id); ("127.0.0.1", "") outside Ray."""
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+    except Exception:  # no Ray runtime here: a loopback-only receiver (tests, one process)
+        pass
+    return "127.0.0.1", ""
 
 
 class DecodeWorker:
-    def __init__(self, cfg: ClusterConfig, index: int, host: str = "127.0.0.1"):
+    def __init__(self, cfg: ClusterConfig, index: int, host: str | None = None):
+        from kvtransport.endpoints import Receiver
+
         self.index, self.engine_kind, self.model = index, cfg.decode_engine, cfg.model
+        self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
+        self._cancel_lock = threading.Lock()
         device = "cuda" if cfg.decode.num_gpus > 0 else "cpu"
-        self.transport = None
+        ip, node_id = node_address()
+        host = host or ip
+        self.receiver = Receiver(cfg.kv_transport, cfg.model, cfg.dtype, bind=host, advertise=host, node_id=node_id)
+        # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine
+        # is vLLM (they live in the process-wide registry served here)
+        from decode_workers.metrics import worker_registry
+        from kvruntime.telemetry import start_exporter
+        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}"), host=ip)
         if cfg.decode_engine == "vllm":
             from decode_workers.vllm_engine import VllmDecodeExecutor
 
             self.executor = VllmDecodeExecutor(
                 cfg.model, dtype=cfg.dtype, device=device, load_failure_policy=cfg.kv_load_failure_policy,
-                receive_timeout=cfg.transfer_timeout_s, grpc_host=host, kv_cache_gib=cfg.vllm_kv_cache_gib,
+                receive_timeout=cfg.transfer_timeout_s, receiver=self.receiver, kv_cache_gib=cfg.vllm_kv_cache_gib,
                 max_model_len=cfg.vllm_max_model_len, threads=cfg.decode.threads)
-            self._address = self.executor.address
             return
         from decode_workers.executor import DecodeExecutor
         from kvruntime.engine import ReferenceEngine
-        from kvtransport.grpc_transport import GrpcTransport
 
         self.engine = ReferenceEngine(cfg.model, dtype=cfg.dtype, device=device, threads=cfg.decode.threads)
-        self.transport = GrpcTransport(model=cfg.model)
-        self._address = self.transport.serve(host, 0)
-        self.executor = DecodeExecutor(self.engine, self.transport, load_failure_policy=cfg.kv_load_failure_policy,
+        self.executor = DecodeExecutor(self.engine, self.receiver, load_failure_policy=cfg.kv_load_failure_policy,
                                        receive_timeout=cfg.transfer_timeout_s)
 
     def address(self) -> str:
-        return self._address
+        return self.receiver.endpoint.grpc_address
+
+    def endpoint(self) -> KVEndpoint:
+        """Where and how prefill actors send this actor's KV (NIXL agent metadata included)."""
+        return self.receiver.endpoint
+
+    def expect(self, grant: TransferGrant) -> None:
+        """The router announces a transfer before the prefill actor pushes it."""
+        self.receiver.expect(grant)
+
+    def inbox_stats(self) -> dict:
+        """Inbox accounting: held bytes, refusals by reason, expiries (reads only)."""
+        s = self.receiver.stats()
+        return {"held_bytes": s.held_bytes, "blocks": s.blocks, "pending": s.pending, "expired": s.expired,
+                "refused": s.refused, "rejected": s.rejected, "grants": s.grants, "grants_expired": s.grants_expired}
 
     def ready(self) -> dict:
+        ep = self.receiver.endpoint
         return {"worker": f"decode-{self.index}", "model": self.model, "engine": self.engine_kind,
-                "grpc": self._address}
+                "grpc": ep.grpc_address, "kv_transport": ep.transport, "node_id": ep.node_id,
+                "transport_fallback": self.receiver.fallback}
 
-    def generate(self, transfer_id, prefix, suffix, sampling, salt=None):
-        yield from self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt)
+    def health(self) -> dict:
+        """Cheap liveness answer (the actor's "health" concurrency group, beside a running
+        generate): process id and the gRPC address (new after a restart)."""
+        return {"worker": f"decode-{self.index}", "pid": os.getpid(), "grpc": self.receiver.endpoint.grpc_address,
+                "metrics": self.metrics_target}
+
+    def cancel(self, key: str) -> None:
+        """Stop the generate() call started with ``cancel_key=key`` after its current token
+        (deadline passed, client gone). Runs in the "health" group, beside generate."""
+        with self._cancel_lock:
+            self._cancelled.add(key)
+
+    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None):
+        gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt)
+        try:
+            for ev in gen:
+                if cancel_key is not None and cancel_key in self._cancelled:
+                    return                     # cancelled: the router stops reading and counts it
+                yield ev
+        finally:
+            gen.close()
+            if cancel_key is not None:
+                with self._cancel_lock:
+                    self._cancelled.discard(cancel_key)
 
     def shutdown(self) -> None:
-        if self.transport is not None:
-            self.transport.stop()
-        else:
+        if self.engine_kind == "vllm":
             self.executor.stop()
+        self.receiver.stop()

@@ -10,8 +10,7 @@ import logging
 import time
 from typing import Iterator
 
-import torch
-
+from kvruntime.decode_cache import DecodeSession
 from kvruntime.kv import KVCache
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import recompute
@@ -30,15 +29,23 @@ class DecodeExecutor:
         self.engine, self.transport = engine, transport
         self.policy, self.receive_timeout = load_failure_policy, receive_timeout
 
-    def _prefix(self, transfer_id: str | None, prefix_ids: tuple[int, ...], fallbacks: list[str]) -> KVCache:
+    def _prefix(self, transfer_id: str | None, prefix_ids: tuple[int, ...], fallbacks: list[str],
+                stages: dict[str, float] | None = None) -> KVCache:
+        stages = {} if stages is None else stages
         if not prefix_ids:
             return self.engine.empty_kv()
         if transfer_id is None:
             # the caller knows no block was sent and has already counted that fallback
             return recompute(self.engine, list(prefix_ids), logits=False).kv
         try:
-            kv = decode_block(self.transport.receive(transfer_id, timeout=self.receive_timeout),
-                              model=self.engine.spec.name, device=self.engine.device)
+            t = time.perf_counter()
+            block = self.transport.receive(transfer_id, timeout=self.receive_timeout)
+            stages["receive"] = time.perf_counter() - t
+            kv = decode_block(block, model=self.engine.spec.name, device=self.engine.device)
+            del block
+            if kv.data.dtype != self.engine.dtype:
+                kv = kv.to(self.engine.device, self.engine.dtype)
+            stages["load"] = time.perf_counter() - t - stages["receive"]
             if kv.token_ids.tolist() == list(prefix_ids):
                 return kv
             reason = "kv_mismatch"
@@ -61,20 +68,26 @@ class DecodeExecutor:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
         t = time.perf_counter()
         fallbacks: list[str] = []
-        kv = self._prefix(transfer_id, prefix_ids, fallbacks)
+        stages: dict[str, float] = {}
+        kv = self._prefix(transfer_id, prefix_ids, fallbacks, stages)
         received = time.perf_counter() - t
         start = len(prefix_ids)
-        out = self.engine.prefill(list(suffix_ids), torch.arange(start, start + len(suffix_ids)), kv, logits=True)
-        kv = KVCache.cat([kv, out.kv])
-        sampler = Sampler(sampling, out.logits.numel())
+        t_suffix = time.perf_counter()
+        # the context is copied once into a buffer with room for the suffix and every token to come
+        session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens)
+        logits = session.step(suffix_ids, range(start, start + len(suffix_ids)))
+        stages["suffix_forward"] = time.perf_counter() - t_suffix
+        sampler = Sampler(sampling, logits.numel())
         stream = TextStream(self.engine.decode, sampling.stop)
-        logits, pos, n, finish = out.logits, start + len(suffix_ids), 0, "length"
+        pos, n, finish = start + len(suffix_ids), 0, "length"
         while n < sampling.max_tokens:
             tok, lp, top = sampler.pick(logits)
             if tok in self.engine.eos_ids:
                 finish = "stop"
                 break
             n += 1
+            if n == 1:
+                stages["first_token"] = time.perf_counter() - t_suffix
             delta = stream.push(tok)
             if stream.stopped or n == sampling.max_tokens:
                 delta += stream.finish()
@@ -83,9 +96,8 @@ class DecodeExecutor:
                 finish = "stop"
                 break
             if n < sampling.max_tokens:
-                step = self.engine.prefill([tok], [pos], kv, logits=True)
-                kv, logits, pos = KVCache.cat([kv, step.kv]), step.logits, pos + 1
+                logits, pos = session.step([tok], [pos]), pos + 1
         stream.finish()       # after EOS: text still held back is in the summary's text, not in an event
         text = stream.text
         n_prefix = 0 if fallbacks or transfer_id is None else len(prefix_ids)
-        yield DecodeSummary(n, finish, tuple(fallbacks), received, text, n_prefix, n_prefix)
+        yield DecodeSummary(n, finish, tuple(fallbacks), received, text, n_prefix, n_prefix, tuple(stages.items()))

@@ -7,9 +7,10 @@ vLLM loads it with ``kv_transfer_config={"kv_connector": "KvnotesConnector",
   "kvnotes_prefix_tokens": N}`` reports its first N prompt tokens as externally matched, minus
   what vLLM's own prefix cache (APC) already holds. APC stays on: the suffix after our prefix
   is computed by vLLM and cached by it, and a repeated prefix hits APC without a transfer.
-* **Worker side.** Owns the gRPC inbox (a :class:`~kvtransport.grpc_transport.GrpcTransport`
-  served on ``kvnotes_grpc_host:kvnotes_grpc_port`` from the connector's extra config) that
-  prefill workers push blocks to. Before the forward pass it claims each request's block,
+* **Worker side.** Claims blocks from the decode actor's :class:`~kvtransport.endpoints.Receiver`
+  (NIXL and/or gRPC into one granted inbox), found in :data:`RECEIVERS` under the extra config's
+  ``kvnotes_receiver`` key (vLLM runs in the actor's process); without one it serves its own
+  gRPC inbox on ``kvnotes_grpc_host:kvnotes_grpc_port``. Before the forward pass it claims each request's block,
   checks it (CRC, model, token ids, positions 0..N-1 in order) and writes each layer with the
   attention backend's own ``do_kv_cache_update`` op: the paged layout is never sliced by hand.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +56,10 @@ PARAM_TRANSFER = "kvnotes_transfer_id"
 PARAM_PREFIX = "kvnotes_prefix_tokens"
 PARAM_RESULT = "kvnotes_load"       # in RequestOutput.kv_transfer_params: "loaded" | "apc" | "failed:<reason>"
 PARAM_LOADED = "kvnotes_loaded_tokens"   # ... and how many prefix tokens the connector wrote (the rest hit APC)
+PARAM_STAGES = "kvnotes_stages"          # ... and {"receive": s, "load": s} measured on the worker side
+
+#: receivers owned by decode actors in this process, by key (``kvnotes_receiver`` in extra config)
+RECEIVERS: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -76,10 +82,11 @@ class KvnotesConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class KvnotesWorkerMetadata(KVConnectorWorkerMetadata):
     failures: dict[str, str] = field(default_factory=dict)     # req_id -> reason label
+    stages: dict[str, dict] = field(default_factory=dict)      # req_id -> {"receive": s, "load": s}
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, KvnotesWorkerMetadata)
-        return KvnotesWorkerMetadata({**self.failures, **other.failures})
+        return KvnotesWorkerMetadata({**self.failures, **other.failures}, {**self.stages, **other.stages})
 
 
 def load_params(transfer_id: str, prefix_tokens: int) -> dict[str, Any]:
@@ -103,18 +110,25 @@ class KvnotesConnector(KVConnectorBase_V1):
         self._loaded: set[str] = set()
         self._external: dict[str, int] = {}               # req_id -> tokens this connector loads
         self._served: set[str] = set()                    # loads already handed to the worker (a block is claimed once)
+        self._stage_times: dict[str, dict] = {}           # req_id -> worker-side stage seconds
         # worker side
         self.transport = None
         self.address: str | None = None
         self._failures: dict[str, str] = {}
+        self._stages: dict[str, dict] = {}
         self._invalid: set[int] = set()
         self._layer_names: list[str] = []
         self._lock = threading.Lock()
+        self._owns_transport = False
         if role == KVConnectorRole.WORKER:
-            from kvtransport.grpc_transport import GrpcTransport
-            self.transport = GrpcTransport(model=self._model)
-            host = extra.get("kvnotes_grpc_host", "127.0.0.1")
-            self.address = self.transport.serve(host, int(extra.get("kvnotes_grpc_port", 0)))
+            self.transport = RECEIVERS.get(extra.get("kvnotes_receiver", ""))
+            if self.transport is None:
+                from kvtransport.grpc_transport import GrpcTransport
+                self.transport, self._owns_transport = GrpcTransport(model=self._model), True
+                host = extra.get("kvnotes_grpc_host", "127.0.0.1")
+                self.address = self.transport.serve(host, int(extra.get("kvnotes_grpc_port", 0)))
+            else:
+                self.address = self.transport.endpoint.grpc_address
             log.info("kvnotes connector: receiving KV blocks at %s", self.address)
 
     # ---------------- scheduler side ----------------
@@ -159,6 +173,7 @@ class KvnotesConnector(KVConnectorBase_V1):
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, KvnotesWorkerMetadata):
             self._failed.update(wm.failures)
+            self._stage_times.update(wm.stages)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -175,7 +190,7 @@ class KvnotesConnector(KVConnectorBase_V1):
         else:
             result = "loaded"
         self._loaded.discard(rid)
-        return False, {PARAM_RESULT: result, PARAM_LOADED: loaded}
+        return False, {PARAM_RESULT: result, PARAM_LOADED: loaded, PARAM_STAGES: self._stage_times.pop(rid, {})}
 
     # ---------------- worker side ----------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -197,13 +212,17 @@ class KvnotesConnector(KVConnectorBase_V1):
                     self._invalid.update(spec.block_ids)
 
     def _load(self, spec: LoadSpec, ctx: "ForwardContext") -> None:
+        t0 = time.perf_counter()
         if spec.start >= spec.prefix_tokens:          # APC holds it all: claim and drop the block
             try:
                 self.transport.receive(spec.transfer_id, timeout=self._timeout)
             except TransferError as exc:               # nothing was needed from it: not a fallback
                 log.info("kvnotes: unneeded block %s not claimed: %s", spec.transfer_id, exc)
             return
-        kv = decode_block(self.transport.receive(spec.transfer_id, timeout=self._timeout), model=self._model)
+        block = self.transport.receive(spec.transfer_id, timeout=self._timeout)
+        t1 = time.perf_counter()
+        kv = decode_block(block, model=self._model)
+        del block
         n = spec.prefix_tokens
         want = torch.arange(n)
         if kv.num_tokens < n or not torch.equal(kv.positions[:n], want):
@@ -221,6 +240,8 @@ class KvnotesConnector(KVConnectorBase_V1):
             k = kv.data[i, 0, :, spec.start:n].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
             v = kv.data[i, 1, :, spec.start:n].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
             layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
+        with self._lock:
+            self._stages[spec.req_id] = {"receive": t1 - t0, "load": time.perf_counter() - t1}
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -238,13 +259,14 @@ class KvnotesConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KvnotesWorkerMetadata | None:
         with self._lock:
-            if not self._failures:
+            if not self._failures and not self._stages:
                 return None
-            out, self._failures = KvnotesWorkerMetadata(self._failures), {}
+            out = KvnotesWorkerMetadata(self._failures, self._stages)
+            self._failures, self._stages = {}, {}
         return out
 
     def shutdown(self):
-        if self.transport is not None:
+        if self.transport is not None and self._owns_transport:   # a decode actor's Receiver is its own to stop
             self.transport.stop()
 
 

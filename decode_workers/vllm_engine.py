@@ -58,7 +58,7 @@ def _guard_llvmlite_for_vllm() -> None:
 class VllmDecodeExecutor:
     def __init__(self, model: str, *, dtype: str = "float32", device: str = "cpu",
                  load_failure_policy: str = "recompute", receive_timeout: float = 30.0,
-                 grpc_host: str = "127.0.0.1", grpc_port: int | None = None,
+                 grpc_host: str = "127.0.0.1", grpc_port: int | None = None, receiver=None,
                  kv_cache_gib: float = 1.0, max_model_len: int = 8192, enable_prefix_caching: bool = True,
                  threads: int = 1):
         if load_failure_policy not in ("recompute", "fail"):
@@ -80,18 +80,24 @@ class VllmDecodeExecutor:
         self.policy = load_failure_policy
         port = grpc_port or free_port(grpc_host)
         ckpt = ensure_checkpoint(self.spec)
+        self._receiver_key = ""
+        if receiver is not None:       # the decode actor's Receiver: the connector (same process) claims from it
+            from decode_workers.vllm_connector import RECEIVERS
+            self._receiver_key = uuid.uuid4().hex
+            RECEIVERS[self._receiver_key] = receiver
         ktc = KVTransferConfig(
             kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_consumer",
             kv_load_failure_policy=load_failure_policy,
             kv_connector_extra_config={"kvnotes_model": self.spec.name, "kvnotes_grpc_host": grpc_host,
-                                       "kvnotes_grpc_port": port, "kvnotes_receive_timeout_s": receive_timeout})
+                                       "kvnotes_grpc_port": port, "kvnotes_receive_timeout_s": receive_timeout,
+                                       "kvnotes_receiver": self._receiver_key})
         args = EngineArgs(model=str(ckpt), tokenizer=str(ckpt), dtype=dtype, enforce_eager=True,
                           enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
                           kv_transfer_config=ktc, disable_log_stats=False, seed=0)
         t = time.perf_counter()
         _guard_llvmlite_for_vllm()
         self.engine = LLMEngine.from_engine_args(args)
-        self.address = f"{grpc_host}:{port}"
+        self.address = receiver.endpoint.grpc_address if receiver is not None else f"{grpc_host}:{port}"
         self.block_size = self.engine.vllm_config.cache_config.block_size   # APC granularity (tokens)
         self.eos_ids = {self.engine.get_tokenizer().eos_token_id}
         log.info("vLLM decode engine for %s up in %.1f s; KV inbox %s", self.spec.name, time.perf_counter() - t,
@@ -136,6 +142,9 @@ class VllmDecodeExecutor:
             self._stopped = True
             self._work.notify_all()
         self._thread.join(timeout=10)
+        if self._receiver_key:
+            from decode_workers.vllm_connector import RECEIVERS
+            RECEIVERS.pop(self._receiver_key, None)
 
     # ---- requests -----------------------------------------------------------------------------
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
@@ -145,7 +154,7 @@ class VllmDecodeExecutor:
         from vllm import SamplingParams as VSampling
         from vllm.sampling_params import RequestOutputKind
 
-        from decode_workers.vllm_connector import PARAM_LOADED, PARAM_RESULT, load_params
+        from decode_workers.vllm_connector import PARAM_LOADED, PARAM_RESULT, PARAM_STAGES, load_params
 
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
@@ -166,7 +175,7 @@ class VllmDecodeExecutor:
             self._queues[rid] = q
             self.engine.add_request(rid, prompt, vs)
             self._work.notify()
-        n, text, finish, fallbacks, first, cached, loaded = 0, "", "length", [], None, 0, 0
+        n, text, finish, fallbacks, first, cached, loaded, stages = 0, "", "length", [], None, 0, 0, {}
         try:
             while True:
                 out = q.get()
@@ -187,6 +196,7 @@ class VllmDecodeExecutor:
                 if out.finished:
                     params = out.kv_transfer_params or {}
                     result, loaded = params.get(PARAM_RESULT, ""), int(params.get(PARAM_LOADED, 0))
+                    stages = dict(params.get(PARAM_STAGES) or {})
                     if result.startswith("failed:"):
                         fallbacks.append(result.split(":", 1)[1])
                     if c.finish_reason == "error":
@@ -201,7 +211,9 @@ class VllmDecodeExecutor:
             with self._work:
                 if self._queues.pop(rid, None) is not None:
                     self.engine.abort_request([rid])
-        yield DecodeSummary(n, finish, tuple(fallbacks), first or 0.0, text, cached, loaded)
+        if first is not None:
+            stages["first_token"] = first
+        yield DecodeSummary(n, finish, tuple(fallbacks), first or 0.0, text, cached, loaded, tuple(stages.items()))
 
 
 def _logprobs(tok: int, lp, sampling: SamplingParams) -> tuple[float | None, tuple[tuple[int, float], ...]]:

@@ -15,8 +15,13 @@ The transfer (prefill worker -> decode worker, one block per request):
 - ``blocks``: ``KVBlock`` (header + one contiguous payload), the one codec (zero-copy encode and
   decode, CRC-32C via libcrc32c; ``encode_block(into=transport.lease)`` encodes into registered memory).
 - ``transport``: the ``KVTransport`` seam, transfer states and errors, the bounded ``Inbox``
-  (duplicate ids refused, expiry counted) and the ``BufferPool`` arena receivers lease from.
+  (only router-granted transfers with their credential when ``require_grant``; duplicate ids
+  refused, expiry counted) and the ``BufferPool`` arena receivers lease from.
 - ``grpc_transport`` + ``grpc_codec`` + ``proto/``: the portable push over gRPC (decode serves).
 - ``nixl_transport``: NIXL/UCX, registered pool, receiver READs, completion by notification;
   agent metadata passes through the caller (``metadata()`` / ``add_peer``). Imports NIXL lazily.
+- ``endpoints``: the chosen transport (``kv_transport: auto | nixl | grpc``) at both ends: the
+  decode side's ``Receiver`` (one granted inbox fed by NIXL and gRPC, bound to the node's address)
+  and the prefill side's ``Sender`` (engine dtype on the wire, credential in the header, fallback
+  to gRPC reported).
 """

@@ -53,6 +53,8 @@ class KVBlockHeader:
     token_ids: tuple[int, ...]      # [tokens]
     payload_bytes: int              # == layers * 2 * kv_heads * tokens * head_dim * itemsize
     checksum: int                   # CRC-32C of the payload
+    # the per-transfer credential the router issued (kvruntime.messages.transfer); never printed
+    credential: str = field(default="", repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -145,10 +147,15 @@ def payload_view(data: torch.Tensor) -> memoryview:
     return memoryview(data.reshape(-1).view(torch.uint8).numpy())
 
 
-def encode_block(transfer_id: str, model: str, kv: KVCache, *, into=None) -> KVBlock:
+def encode_block(transfer_id: str, model: str, kv: KVCache, *, into=None, dtype: str | None = None,
+                 credential: str = "") -> KVBlock:
     """Tensor -> block. Cost: one CRC-32C pass; no copy when ``kv.data`` is a contiguous CPU
     tensor (the payload then *aliases* ``kv.data``: do not modify it until the send returns),
     else one copy to contiguous CPU memory.
+
+    ``dtype``: the wire dtype (the decode engine's KV dtype, a key of :data:`DTYPES`); KV in
+    another dtype is cast once (bf16 engine -> bf16 bytes on the wire). ``credential``: the
+    transfer's credential, carried in the header (the receiver checks it against its grant).
 
     ``into``: optional ``nbytes -> writable uint8 array | None`` (e.g. ``NixlTransport.lease``):
     the payload is copied into that array piece by piece, each piece CRC'd while in cache, so a
@@ -156,7 +163,9 @@ def encode_block(transfer_id: str, model: str, kv: KVCache, *, into=None) -> KVB
     ``into`` (its pool is full) keeps the aliasing path."""
     if kv.data.dtype not in _NAMES:
         raise BlockError(f"unsupported KV dtype {kv.data.dtype}")
-    data = kv.data.detach().to("cpu").contiguous()
+    if dtype is not None and dtype not in DTYPES:
+        raise BlockError(f"unsupported wire dtype {dtype!r}")
+    data = kv.data.detach().to("cpu", DTYPES[dtype] if dtype else kv.data.dtype).contiguous()
     payload = payload_view(data)
     dest = into(payload.nbytes) if into is not None and payload.nbytes else None
     if dest is None:
@@ -169,7 +178,8 @@ def encode_block(transfer_id: str, model: str, kv: KVCache, *, into=None) -> KVB
         payload = memoryview(dest)
     layers, _, heads, _, head_dim = data.shape
     header = KVBlockHeader(transfer_id, model, layers, heads, head_dim, _NAMES[data.dtype],
-                           tuple(kv.positions.tolist()), tuple(kv.token_ids.tolist()), payload.nbytes, crc)
+                           tuple(kv.positions.tolist()), tuple(kv.token_ids.tolist()), payload.nbytes, crc,
+                           credential)
     return KVBlock(header, payload)
 
 

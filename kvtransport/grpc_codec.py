@@ -21,12 +21,12 @@ def header_to_pb(h: KVBlockHeader, chunk_bytes: int) -> pb.BlockHeader:
     return pb.BlockHeader(transfer_id=h.transfer_id, model=h.model, num_layers=h.num_layers, kv_heads=h.kv_heads,
                           head_dim=h.head_dim, dtype=h.dtype, positions=list(h.positions),
                           token_ids=list(h.token_ids), payload_bytes=h.payload_bytes, checksum=h.checksum,
-                          chunk_bytes=chunk_bytes)
+                          chunk_bytes=chunk_bytes, credential=h.credential)
 
 
 def header_from_pb(m: pb.BlockHeader) -> KVBlockHeader:
     return KVBlockHeader(m.transfer_id, m.model, m.num_layers, m.kv_heads, m.head_dim, m.dtype,
-                         tuple(m.positions), tuple(m.token_ids), m.payload_bytes, m.checksum)
+                         tuple(m.positions), tuple(m.token_ids), m.payload_bytes, m.checksum, m.credential)
 
 
 def header_to_bytes(h: KVBlockHeader) -> bytes:

@@ -20,6 +20,7 @@ prefill side), a transfer id accepted once (ALREADY_EXISTS), and expiry of uncla
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from concurrent import futures
@@ -38,7 +39,9 @@ log = logging.getLogger(__name__)
 
 PUSH_METHOD = "/kvnotes.kvtransfer.v1.KVTransfer/Push"
 _CODES = {"backpressure": grpc.StatusCode.RESOURCE_EXHAUSTED, "duplicate": grpc.StatusCode.ALREADY_EXISTS,
-          "too_large": grpc.StatusCode.FAILED_PRECONDITION}
+          "too_large": grpc.StatusCode.FAILED_PRECONDITION, "unknown_transfer": grpc.StatusCode.PERMISSION_DENIED,
+          "bad_credential": grpc.StatusCode.PERMISSION_DENIED}
+_REASON_PREFIX = re.compile(r"^\[([a-z_]+)\] ")   # the receiver's refusal reason leads its status details
 _REASONS = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout", grpc.StatusCode.UNAVAILABLE: "unavailable",
             grpc.StatusCode.RESOURCE_EXHAUSTED: "backpressure", grpc.StatusCode.ALREADY_EXISTS: "duplicate",
             grpc.StatusCode.FAILED_PRECONDITION: "too_large"}
@@ -53,6 +56,7 @@ class GrpcTransportConfig:
     unclaimed_ttl_s: float = 300.0        # an unclaimed block is dropped after this long
     workers: int = 8                      # server threads (concurrent pushes)
     pool_bytes: int = 1 << 30             # receive arena (virtual until used; pages stay warm)
+    require_grant: bool = False           # accept only transfers announced by expect() (the cluster: True)
 
     def __post_init__(self):
         if self.chunk_bytes <= 0 or self.max_message_bytes < self.chunk_bytes + (1 << 20):
@@ -94,9 +98,9 @@ class _Servicer(grpc.GenericRpcHandler):
             return ack("", False, "stream must start with a header")
         tid = header.transfer_id
         try:
-            self.inbox.begin(tid, header.payload_bytes)
+            self.inbox.begin(tid, header.payload_bytes, header)
         except TransferError as exc:
-            context.abort(_CODES.get(exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED), str(exc))
+            context.abort(_CODES.get(exc.reason, grpc.StatusCode.FAILED_PRECONDITION), f"[{exc.reason}] {exc}")
         try:
             header.check(model=self.model)
         except BlockError as exc:
@@ -135,10 +139,13 @@ class _Servicer(grpc.GenericRpcHandler):
 class GrpcTransport(KVTransport):
     """Both ends of the gRPC transport. A decode worker calls :meth:`serve` once and then
     :meth:`receive`; a prefill worker only calls :meth:`send`."""
+    kind = "grpc"
 
-    def __init__(self, cfg: GrpcTransportConfig = GrpcTransportConfig(), *, model: str | None = None):
+    def __init__(self, cfg: GrpcTransportConfig = GrpcTransportConfig(), *, model: str | None = None,
+                 inbox: Inbox | None = None):
         self.cfg, self.model = cfg, model
-        self._inbox = Inbox(cfg.inbox_bytes, cfg.max_block_bytes, cfg.unclaimed_ttl_s)
+        self._inbox = inbox or Inbox(cfg.inbox_bytes, cfg.max_block_bytes, cfg.unclaimed_ttl_s,
+                                     require_grant=cfg.require_grant)
         self._servicer: _Servicer | None = None
         self._server: grpc.Server | None = None
         self._channels: dict[str, grpc.Channel] = {}
@@ -149,9 +156,10 @@ class GrpcTransport(KVTransport):
         return [("grpc.max_send_message_length", self.cfg.max_message_bytes),
                 ("grpc.max_receive_message_length", self.cfg.max_message_bytes)]
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Start the receiving server (threads, a socket, the receive pool); returns its
-        ``host:port`` address. Raises RuntimeError if the address cannot be bound."""
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None) -> str:
+        """Start the receiving server (threads, a socket, the receive pool) bound to ``host``
+        (``0.0.0.0``: all interfaces); returns the ``advertise:port`` address senders use
+        (``advertise`` defaults to ``host``). Raises RuntimeError if it cannot be bound."""
         pool = BufferPool(self.cfg.pool_bytes) if self.cfg.pool_bytes else None
         self._servicer = _Servicer(self._inbox, pool, self.model)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.workers), options=self._options())
@@ -161,7 +169,7 @@ class GrpcTransport(KVTransport):
             raise RuntimeError(f"could not bind the KV transfer server to {host}:{port}")
         server.start()
         self._server = server
-        return f"{host}:{self.port}"
+        return f"{advertise or host}:{self.port}"
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop the server (waits up to ``grace`` s for pushes in flight) and close channels."""
@@ -189,8 +197,10 @@ class GrpcTransport(KVTransport):
             reply = self._push(address)(block_to_messages(block, self.cfg.chunk_bytes), timeout=timeout)
         except grpc.RpcError as exc:
             code = exc.code()
-            raise TransferError(_REASONS.get(code, "rpc_error"), f"push of {block.header.transfer_id} to {address} "
-                                                                 f"failed: {code.name}: {exc.details()}") from None
+            m = _REASON_PREFIX.match(exc.details() or "")
+            raise TransferError(m.group(1) if m else _REASONS.get(code, "rpc_error"),
+                                f"push of {block.header.transfer_id} to {address} failed: {code.name}: "
+                                f"{exc.details()}") from None
         if not reply.ok:
             raise TransferError("rejected", f"receiver rejected {block.header.transfer_id}: {reply.error}")
         return TransferReceipt(block.header.transfer_id, reply.bytes_received, time.perf_counter() - t)
@@ -199,6 +209,10 @@ class GrpcTransport(KVTransport):
         """Claim a verified block (see :class:`KVTransport`); its payload leases pool memory
         until the block and every tensor decoded from it are dropped."""
         return self._inbox.claim(transfer_id, timeout)
+
+    def expect(self, grant) -> None:
+        """Announce a transfer (see :meth:`Inbox.expect`)."""
+        self._inbox.expect(grant)
 
     def state(self, transfer_id: str) -> TransferState:
         return self._inbox.state(transfer_id)

@@ -62,6 +62,7 @@ class NixlTransportConfig:
     read_timeout_s: float = 60.0            # a READ still in progress after this fails
     read_piece_bytes: int = 8 << 20         # READ in pieces this big, each CRC'd while in cache
     verify_crc: bool = True                 # receiver checks CRC-32C before a block is visible
+    require_grant: bool = False             # accept only transfers announced by expect() (the cluster: True)
     backends: tuple[str, ...] = ("UCX",)
 
     def __post_init__(self):
@@ -127,7 +128,7 @@ class NixlTransport(KVTransport):
     :meth:`send`. Starts the agent, registers the pool and starts the progress thread."""
 
     def __init__(self, cfg: NixlTransportConfig = NixlTransportConfig(), *, model: str | None = None,
-                 name: str | None = None):
+                 name: str | None = None, inbox: Inbox | None = None):
         from nixl._api import nixl_agent, nixl_agent_config        # lazy: only this backend needs NIXL
         self.cfg, self.model = cfg, model
         self.name = name or f"kvnotes-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -135,7 +136,8 @@ class NixlTransport(KVTransport):
         self._lock = threading.RLock()                              # every agent call
         self._pool = BufferPool(cfg.pool_bytes)
         self._reg = self._agent.register_memory([(self._pool.address, cfg.pool_bytes, 0, "")], "DRAM")
-        self._inbox = Inbox(cfg.inbox_bytes, cfg.max_block_bytes, cfg.unclaimed_ttl_s)
+        self._inbox = inbox or Inbox(cfg.inbox_bytes, cfg.max_block_bytes, cfg.unclaimed_ttl_s,
+                                     require_grant=cfg.require_grant)
         self._peers: set[str] = set()                               # agents whose metadata is loaded
         self._introduced: set[str] = set()                          # peers sent our metadata
         self._out: dict[str, _Outgoing] = {}                        # transfer id -> open send
@@ -222,8 +224,7 @@ class NixlTransport(KVTransport):
         return TransferReceipt(tid, n, time.perf_counter() - t0)
 
     def lease(self, nbytes: int) -> np.ndarray | None:
-        """A writable lease of registered memory (None when the pool is full), for
-        ``encode_block(..., into=transport.lease)``: such a block is sent without a staging copy."""
+        """Registered memory (None when full) for ``encode_block(into=...)``: sent without staging."""
         return self._pool.lease(nbytes)
 
     def _in_pool(self, arr: np.ndarray) -> bool:
@@ -244,13 +245,14 @@ class NixlTransport(KVTransport):
     def state(self, transfer_id: str) -> TransferState:
         return self._inbox.state(transfer_id)
 
-    def stats(self) -> InboxStats:   # inbox accounting (held bytes, expiries, refusals by reason)
-        return self._inbox.stats()
+    def expect(self, grant) -> None:  # announce a transfer (see Inbox.expect)
+        self._inbox.expect(grant)
 
+    stats = lambda self: self._inbox.stats()  # noqa: E731 -- InboxStats: held bytes, expiries, refusals
     pool = property(lambda self: self._pool, doc="the registered arena (staging + received blocks)")
+    kind = "nixl"
 
-    def stop(self) -> None:
-        """Stop the progress thread and deregister the pool. Idempotent; blocks on the thread."""
+    def stop(self) -> None:  # stop the progress thread, deregister the pool; idempotent, joins the thread
         if self._stop.is_set():
             return
         self._stop.set()
@@ -341,7 +343,7 @@ class NixlTransport(KVTransport):
                 log.warning("NIXL offer %s from %s without usable metadata dropped: %s", tid, peer, exc)
                 return
         try:
-            self._inbox.begin(tid, h.payload_bytes)
+            self._inbox.begin(tid, h.payload_bytes, h)
         except TransferError as exc:
             return self._notify(peer, Reply(tid, False, exc.reason, str(exc)))
         try:

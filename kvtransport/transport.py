@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransport.blocks import KVBlock
+from kvruntime.messages.transfer import TransferGrant
+from kvtransport.blocks import KVBlock, KVBlockHeader
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ class InboxStats:
     expired: int               # unclaimed blocks dropped after the TTL (since start)
     refused: dict              # reason -> pushes refused before any payload (since start)
     rejected: int              # transfers that failed verification or were cancelled (since start)
+    grants: int = 0            # transfers announced by the router and not pushed yet
+    grants_expired: int = 0    # grants no push claimed within the TTL (since start)
 
 
 class Inbox:
@@ -130,11 +133,23 @@ class Inbox:
     transfer reserves its bytes at :meth:`begin` (refused when full), the claim or a failure
     releases them. A transfer id is accepted once: a second push of an id that is in flight,
     held, failed-unclaimed or claimed within the last ``remember`` claims is refused. Unclaimed
-    blocks expire after ``ttl_s`` (counted, logged). All methods lock one condition variable."""
+    blocks expire after ``ttl_s`` (counted, logged). All methods lock one condition variable.
 
-    def __init__(self, capacity_bytes: int, max_block_bytes: int, ttl_s: float, *, remember: int = 4096):
-        if capacity_bytes <= 0 or max_block_bytes <= 0 or ttl_s <= 0:
-            raise ValueError("inbox capacity, max block size and TTL must be positive")
+    ``require_grant``: a push is accepted only for a transfer the router announced with
+    :meth:`expect` (a :class:`~kvruntime.messages.transfer.TransferGrant`), whose credential and
+    shape (model, dtype, token count, positions, token ids) the header must match; anything else
+    is refused at :meth:`begin`, before a byte is reserved (``unknown_transfer``,
+    ``bad_credential``, ``wrong_model``, ``wrong_dtype``, ``wrong_length``, ``wrong_tokens``).
+    A refused push leaves the grant in place (a forger cannot burn a legitimate transfer).
+    Unused grants expire after ``ttl_s`` (counted)."""
+
+    def __init__(self, capacity_bytes: int, max_block_bytes: int, ttl_s: float, *, remember: int = 4096,
+                 require_grant: bool = False, max_grants: int = 4096):
+        if capacity_bytes <= 0 or max_block_bytes <= 0 or ttl_s <= 0 or max_grants <= 0:
+            raise ValueError("inbox capacity, max block size, TTL and max_grants must be positive")
+        self.require_grant, self._max_grants = require_grant, max_grants
+        self._grants: collections.OrderedDict[str, tuple[TransferGrant, float]] = collections.OrderedDict()
+        self._grants_expired = 0
         self.capacity, self.max_block, self.ttl = capacity_bytes, max_block_bytes, ttl_s
         self._cv = threading.Condition()
         self._state: dict[str, tuple[TransferState, str, int, float]] = {}  # tid -> (state, error, reserved bytes, since)
@@ -145,9 +160,31 @@ class Inbox:
         self._expired = self._rejected = 0
         self._refused: collections.Counter[str] = collections.Counter()
 
-    def begin(self, tid: str, nbytes: int) -> None:
+    def expect(self, grant: TransferGrant) -> None:
+        """Announce a transfer (the router, before the sender pushes). Raises ``ValueError`` for
+        an id already announced or pushed, or when ``max_grants`` are outstanding."""
+        with self._cv:
+            self._expire()
+            tid = grant.transfer_id
+            if tid in self._grants or tid in self._state or tid in self._claimed:
+                raise ValueError(f"transfer {tid} was already announced or pushed")
+            if len(self._grants) >= self._max_grants:
+                raise ValueError(f"{len(self._grants)} transfers announced and not pushed (max_grants)")
+            self._grants[tid] = (grant, time.monotonic())
+
+    def _check_grant(self, tid: str, header: KVBlockHeader | None) -> tuple[str, str] | None:
+        entry = self._grants.get(tid)
+        if entry is None:
+            return "unknown_transfer", f"transfer {tid} was not announced to this receiver"
+        if header is None:
+            return "unknown_transfer", f"transfer {tid}: no header to check against its grant"
+        return entry[0].mismatch(credential=header.credential, model=header.model, dtype=header.dtype,
+                                 positions=header.positions, token_ids=header.token_ids)
+
+    def begin(self, tid: str, nbytes: int, header: KVBlockHeader | None = None) -> None:
         """Reserve ``nbytes`` for ``tid`` (state TRANSFERRING) or raise :class:`TransferError`
-        (``too_large``, ``duplicate``, ``backpressure``) without reserving anything."""
+        (``too_large``, ``duplicate``, ``backpressure``, or a grant reason, see the class)
+        without reserving anything. ``header``: the block's header (checked against the grant)."""
         with self._cv:
             self._expire()
             reason, msg = None, ""
@@ -155,12 +192,15 @@ class Inbox:
                 reason, msg = "too_large", f"block of {nbytes} bytes exceeds max_block_bytes {self.max_block}"
             elif tid in self._state or tid in self._claimed:
                 reason, msg = "duplicate", f"transfer id {tid} was already pushed to this receiver"
+            elif self.require_grant and (bad := self._check_grant(tid, header)) is not None:
+                reason, msg = bad
             elif self._held + nbytes > self.capacity:
                 reason, msg = "backpressure", f"inbox full ({self._held} of {self.capacity} bytes held)"
             if reason is not None:
                 self._refused[reason] += 1
                 log.warning("refused KV transfer %s: %s", tid, msg)
                 raise TransferError(reason, msg)
+            self._grants.pop(tid, None)
             self._held += nbytes
             self._state[tid] = (TransferState.TRANSFERRING, "", nbytes, time.monotonic())
 
@@ -223,7 +263,7 @@ class Inbox:
             self._expire()
             pending = sum(1 for s in self._state.values() if s[0] is TransferState.TRANSFERRING)
             return InboxStats(self._held, len(self._blocks), pending, self._expired, dict(self._refused),
-                              self._rejected)
+                              self._rejected, len(self._grants), self._grants_expired)
 
     def _remember_claim(self, tid: str) -> None:
         self._claimed[tid] = None
@@ -232,6 +272,10 @@ class Inbox:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        while self._grants and now - next(iter(self._grants.values()))[1] > self.ttl:
+            tid, _ = self._grants.popitem(last=False)
+            self._grants_expired += 1
+            log.warning("grant for KV transfer %s expired unused after %.0f s", tid, self.ttl)
         for tid, (state, _, nbytes, since) in list(self._state.items()):
             if now - since <= self.ttl:
                 continue

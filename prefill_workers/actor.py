@@ -1,4 +1,5 @@
-"""The prefill worker as a Ray actor: a reference engine, the LMCache tier and a gRPC sender.
+"""The prefill worker as a Ray actor: a reference engine, the LMCache tier and the KV sender
+(``kvtransport.endpoints.Sender``: NIXL or gRPC by ``kv_transport``).
 
 Plain class; ``cluster.ray_backends`` wraps it with ``ray.remote`` and the resources from
 config (so importing this module needs no Ray). One actor executes one plan at a time. It keeps
@@ -13,6 +14,7 @@ import os
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.plan import KVRef, RequestPlan
 from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
+from kvruntime.messages.transfer import KVEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +23,7 @@ class PrefillWorker:
     def __init__(self, cfg: ClusterConfig, index: int):
         os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
         from kvruntime.engine import ReferenceEngine
-        from kvtransport.grpc_transport import GrpcTransport
+        from kvtransport.endpoints import Sender
         from kvtransport.lmcache_store import LMCacheStore, TierConfig
         from prefill_workers.executor import PrefillExecutor
         from prefill_workers.tier import PrefillTier
@@ -34,15 +36,28 @@ class PrefillWorker:
                           persist_dir=cfg.tier_persist_dir, remote_url=cfg.tier_remote_url)
         self.store = LMCacheStore.for_engine(self.engine, tier)
         self.tier = PrefillTier(self.store, self.engine, worker=f"prefill-{index}")
-        self.executor = PrefillExecutor(self.engine, self.tier, GrpcTransport(),
+        self.sender = Sender(cfg.kv_transport)
+        self.executor = PrefillExecutor(self.engine, self.tier, self.sender,
                                         load_failure_policy=cfg.kv_load_failure_policy,
                                         transfer_timeout=cfg.transfer_timeout_s)
+        from kvruntime.telemetry import node_ip, start_exporter
+        from prefill_workers.metrics import worker_registry
+        self.metrics_target = start_exporter(worker_registry(self.store, f"prefill-{index}", bool(cfg.tier_remote_url)),
+                                             host=node_ip())
 
     def ready(self) -> dict:
         r = self.engine.rope
         return {"worker": f"prefill-{self.index}", "model": self.engine.spec.name,
                 "rope_self_test_ok": r.enabled, "rope_self_test_error": r.self_test_error,
-                "tiers": self.store.tiers}
+                "tiers": self.store.tiers, "node_id": _node_id(),
+                "kv_transport": "nixl" if self.sender.nixl is not None else "grpc"}
+
+    def health(self) -> dict:
+        """Cheap liveness answer (runs in the actor's "health" concurrency group, beside a running
+        plan): process id and whether the remote tier (if configured) is reachable."""
+        st = self.store.stats
+        return {"worker": f"prefill-{self.index}", "pid": os.getpid(), "metrics": self.metrics_target,
+                "remote_up": st.remote_up if self.cfg.tier_remote_url else None}
 
     def contains(self, refs: list[KVRef]) -> list[bool]:
         return self.tier.contains(refs)
@@ -53,9 +68,18 @@ class PrefillWorker:
     def evict(self, ref: KVRef) -> bool:
         return self.tier.evict(ref)
 
-    def execute(self, plan: RequestPlan, decode_address: str, transfer_id: str,
-                store_as: KVRef | None) -> PrefillResult:
-        return self.executor.execute(plan, decode_address, transfer_id, store_as=store_as)
+    def execute(self, plan: RequestPlan, decode: KVEndpoint, transfer_id: str,
+                store_as: KVRef | None, credential: str = "") -> PrefillResult:
+        return self.executor.execute(plan, decode, transfer_id, store_as=store_as, credential=credential)
 
     def tier_stats(self):
         return self.store.stats
+
+
+def _node_id() -> str:
+    """The Ray node this actor runs on ("" outside Ray)."""
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # Ray missing or no runtime context: not placed by Ray
+        return ""

@@ -6,6 +6,7 @@ and logged. The plan's token ids are the whole truth about the context.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Protocol
@@ -15,12 +16,24 @@ import torch
 from kvruntime.kv import KVCache
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan, SegmentPlan
 from kvruntime.messages.prefill import PrefillResult, PrefillStats
+from kvruntime.messages.transfer import KVEndpoint
 from kvruntime.ops import edit_in_place, reposition, seam_repair
 from kvruntime.rope import RepositionDisabled
 from kvtransport.blocks import encode_block
+from kvtransport.endpoints import Sender
 from kvtransport.transport import KVTransport, TransferError
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _timed(st: PrefillStats, stage: str):
+    """Add the block's wall time to ``st.stages[stage]`` (stages repeat per plan step)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        st.stages[stage] = st.stages.get(stage, 0.0) + time.perf_counter() - t
 
 
 class KVSource(Protocol):
@@ -35,7 +48,8 @@ class KVSource(Protocol):
 
 
 class PrefillExecutor:
-    def __init__(self, engine, source: KVSource, transport: KVTransport, *, load_failure_policy: str = "recompute",
+    def __init__(self, engine, source: KVSource, transport: KVTransport | Sender, *,
+                 load_failure_policy: str = "recompute",
                  transfer_timeout: float = 30.0):
         if load_failure_policy not in ("recompute", "fail"):
             raise ValueError("load_failure_policy must be 'recompute' or 'fail'")
@@ -52,13 +66,14 @@ class PrefillExecutor:
         self._seam_k = 0
         for step in plan.steps:
             if step.kind is not PlanKind.REPOSITION:
-                kv = self._flush_seams(kv)            # computed steps must see repaired seams
+                kv = self._flush_seams(kv, st)        # computed steps must see repaired seams
             kv = self._step(kv, step, st)
-        return self._flush_seams(kv), st
+        return self._flush_seams(kv, st), st
 
-    def _flush_seams(self, kv: KVCache) -> KVCache:
+    def _flush_seams(self, kv: KVCache, st: PrefillStats) -> KVCache:
         if self._seams:
-            kv = seam_repair(self.engine, kv, self._seams, self._seam_k)
+            with _timed(st, "forward"):
+                kv = seam_repair(self.engine, kv, self._seams, self._seam_k)
             self._seams = []
         return kv
 
@@ -72,7 +87,8 @@ class PrefillExecutor:
         if ref is None:
             return None
         st.tier_lookups += 1
-        got = self.source.get(ref)
+        with _timed(st, "tier_get"):
+            got = self.source.get(ref)
         st.tier_hits += got is not None
         return got
 
@@ -81,7 +97,8 @@ class PrefillExecutor:
         node): compile it at its canonical position and store it back (counted), so the plan's
         reposition runs as planned and the next use hits."""
         try:
-            kv = self.source.compile(step.kv)
+            with _timed(st, "forward"):
+                kv = self.source.compile(step.kv)
         except Exception as exc:           # a tier that refuses the write: recompute in context
             log.warning("re-warming %s failed (%s)", step.source, exc)
             return None
@@ -92,7 +109,8 @@ class PrefillExecutor:
     def _compute(self, kv: KVCache, ids, position: int, st: PrefillStats) -> KVCache:
         if not ids:
             return kv
-        out = self.engine.prefill(list(ids), torch.arange(position, position + len(ids)), kv)
+        with _timed(st, "forward"):
+            out = self.engine.prefill(list(ids), torch.arange(position, position + len(ids)), kv)
         st.computed += len(ids)
         return KVCache.cat([kv, out.kv])
 
@@ -123,14 +141,15 @@ class PrefillExecutor:
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
                 return self._compute(kv, step.token_ids, step.position, st)
             try:
-                moved = reposition(self.engine.rope, loaded.to(self.engine.device, self.engine.dtype),
-                                   step.position - int(loaded.positions[0]))
+                with _timed(st, "rerotate"):
+                    moved = reposition(self.engine.rope, loaded.to(self.engine.device, self.engine.dtype),
+                                       step.position - int(loaded.positions[0]))
             except RepositionDisabled:
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
             if step.seam_tokens:
                 if self._seams and step.seam_tokens != self._seam_k:
-                    kv = self._flush_seams(kv)
+                    kv = self._flush_seams(kv, st)
                 self._seams.append(kv.num_tokens)
                 self._seam_k = step.seam_tokens
             kv = KVCache.cat([kv, moved])
@@ -144,8 +163,9 @@ class PrefillExecutor:
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
                 return self._compute(kv, step.token_ids, step.position, st)
             try:
-                res = edit_in_place(self.engine, loaded.to(self.engine.device, self.engine.dtype), (a, b),
-                                    list(step.token_ids[a:a + n_new]), step.top_k)
+                with _timed(st, "forward"):
+                    res = edit_in_place(self.engine, loaded.to(self.engine.device, self.engine.dtype), (a, b),
+                                        list(step.token_ids[a:a + n_new]), step.top_k)
             except RepositionDisabled:            # the field's length changed and rotation is off
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
@@ -155,12 +175,14 @@ class PrefillExecutor:
         raise ValueError(f"unknown plan step kind {k}")
 
     # ---- shipping ---------------------------------------------------------------------------
-    def execute(self, plan: RequestPlan, decode_address: str, transfer_id: str,
-                store_as: KVRef | None = None) -> PrefillResult:
+    def execute(self, plan: RequestPlan, decode: KVEndpoint | str, transfer_id: str,
+                store_as: KVRef | None = None, credential: str = "") -> PrefillResult:
         """Build the prefix, optionally store it in the tier under ``store_as`` (a session's
-        context or a plain prompt, for the next request), and push it to ``decode_address``. A
-        failed push is reported (``transferred`` False + a fallback reason), never raised: the
-        decode worker then recomputes. A failed store is counted (``tier_store_failed``) and logged."""
+        context or a plain prompt, for the next request), and push it to ``decode`` (an endpoint
+        for a :class:`~kvtransport.endpoints.Sender`, an address for a plain transport) with the
+        transfer's ``credential``. A failed push is reported (``transferred`` False + a fallback
+        reason), never raised: the decode worker then recomputes. A failed store is counted
+        (``tier_store_failed``) and logged."""
         t = time.perf_counter()
         kv, st = self.build(plan)
         built = time.perf_counter() - t
@@ -174,13 +196,25 @@ class PrefillExecutor:
             except Exception as exc:
                 st.fallbacks.append("tier_store_failed")
                 log.warning("storing the prefix of %s failed: %s", plan.request_id, exc)
-        sent, tsec, ok = 0, 0.0, True
+        sent, tsec, ok, used = 0, 0.0, True, ""
         try:
-            receipt = self.transport.send(decode_address, encode_block(transfer_id, plan.model, kv),
-                                          timeout=self.transfer_timeout)
+            if isinstance(self.transport, Sender):
+                if not isinstance(decode, KVEndpoint):
+                    raise TypeError("a Sender sends to a KVEndpoint")
+                receipt, used, stages, fallbacks = self.transport.send(
+                    decode, transfer_id, plan.model, kv, credential=credential, timeout=self.transfer_timeout)
+                st.stages.update(stages)
+                st.fallbacks.extend(fallbacks)
+            else:
+                with _timed(st, "serialise"):
+                    block = encode_block(transfer_id, plan.model, kv, credential=credential)
+                receipt = self.transport.send(decode, block, timeout=self.transfer_timeout)
+                del block
+                used = getattr(self.transport, "kind", "")
+                st.stages["transfer"] = receipt.seconds
             sent, tsec = receipt.bytes_sent, receipt.seconds
         except TransferError as exc:
-            ok = False
+            ok, used = False, ""
             st.fallbacks.append(f"kv_transfer_{exc.reason}")
             log.warning("KV transfer %s failed (%s): decode worker will recompute", transfer_id, exc)
-        return PrefillResult(plan.request_id, transfer_id, kv.num_tokens, built, sent, tsec, st, ok, stored)
+        return PrefillResult(plan.request_id, transfer_id, kv.num_tokens, built, sent, tsec, st, ok, stored, used)

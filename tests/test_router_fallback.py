@@ -13,7 +13,7 @@ from cluster.state import open_state
 from cluster.router import Finished, Router
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import SamplingParams, TokenEvent
-from kvtransport.grpc_transport import GrpcTransport
+from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
 from prefill_workers.executor import PrefillExecutor
 from tests.conftest import DictSource
 
@@ -35,7 +35,7 @@ class LocalBackends:
 
     def __init__(self, engine, sender):
         self.num_prefill = self.num_decode = 1
-        self.rx = GrpcTransport(model=engine.spec.name)
+        self.rx = GrpcTransport(GrpcTransportConfig(require_grant=True), model=engine.spec.name)
         self.addr = self.rx.serve()
         self.source = DictSource(engine)
         self.pre = PrefillExecutor(engine, self.source, sender)
@@ -54,8 +54,11 @@ class LocalBackends:
     async def evict(self, ref):
         return self.source.d.pop(self.source._k(ref), None) is not None
 
-    async def prefill(self, index, plan, decode_index, transfer_id, store_as):
-        return self.pre.execute(plan, self.addr, transfer_id, store_as=store_as)
+    async def expect(self, decode_index, grant):
+        self.rx.expect(grant)
+
+    async def prefill(self, index, plan, decode_index, transfer_id, store_as, *, credential):
+        return self.pre.execute(plan, self.addr, transfer_id, store_as=store_as, credential=credential)
 
     async def decode(self, index, transfer_id, prefix, suffix, sampling, salt):
         for ev in self.dec.generate(transfer_id, prefix, suffix, sampling):

@@ -108,6 +108,18 @@ def test_secret_is_created_once_and_shared(store_url):
     a.close(), b.close()
 
 
+def test_metrics_targets_are_shared_refreshed_and_expire(store_url):
+    a, b = open_state(store_url), open_state(store_url)
+    a.put_target("router-r1", "10.0.0.5:41000", 100.0)
+    b.put_target("router-r2", "10.0.0.6:41001", 105.0)
+    assert a.targets(106.0, 30.0) == b.targets(106.0, 30.0) == {"router-r1": "10.0.0.5:41000",
+                                                                "router-r2": "10.0.0.6:41001"}
+    a.put_target("router-r1", "10.0.0.5:42000", 120.0)        # restarted on another port: replaced
+    assert b.targets(140.0, 30.0) == {"router-r1": "10.0.0.5:42000"}   # r2 last seen 35 s ago: dropped
+    assert a.targets(200.0, 30.0) == {}
+    a.close(), b.close()
+
+
 def _writer(url: str, tenant: str, n: int) -> None:
     s = open_state(url)
     for i in range(n):

@@ -153,6 +153,15 @@ class StateStore(ABC):
     def revoke_api_key(self, key_id: str) -> bool:
         """Delete the key whose ``key_id`` this is; True if it existed."""
 
+    # ---- metrics targets (router replicas announce their own exporter) ----------------------
+    @abstractmethod
+    def put_target(self, name: str, address: str, now: float) -> None:
+        """Announce (or refresh) process ``name``'s metrics endpoint ``host:port``."""
+
+    @abstractmethod
+    def targets(self, now: float, ttl_s: float) -> dict[str, str]:
+        """name -> address of every target refreshed within ``ttl_s``; older ones are dropped."""
+
     # ---- cluster secret, sizes, lifecycle -----------------------------------------------------
     @abstractmethod
     def secret(self) -> bytes:

@@ -8,6 +8,7 @@ so no separator can be forged):
 - ``kvn:pfx:[tenant,hash]``   string (tokens) with a TTL;        ``kvn:pfx-lru``  zset member -> last use
 - ``kvn:keys``                hash  SHA-256 of an API key -> ApiKeyRecord JSON; ``kvn:keyid`` key_id -> hash
 - ``kvn:secret``              the cluster secret (SET NX)
+- ``kvn:targets``             hash  process name -> metrics endpoint; ``kvn:targets:seen`` zset name -> last refresh
 TTLs are Redis' own; the maximum counts are enforced by trimming the LRU zsets on write.
 """
 from __future__ import annotations
@@ -147,6 +148,22 @@ class RedisState(StateStore):
         pipe.hdel(P + "keyid", key_id)
         pipe.execute()
         return True
+
+    # ---- metrics targets ----------------------------------------------------------------------
+    def put_target(self, name, address, now):
+        pipe = self.r.pipeline()
+        pipe.hset(P + "targets", name, address)
+        pipe.zadd(P + "targets:seen", {name: now})
+        pipe.execute()
+
+    def targets(self, now, ttl_s):
+        old = self.r.zrangebyscore(P + "targets:seen", "-inf", now - ttl_s)
+        if old:
+            pipe = self.r.pipeline()
+            pipe.hdel(P + "targets", *old)
+            pipe.zrem(P + "targets:seen", *old)
+            pipe.execute()
+        return {k.decode(): v.decode() for k, v in sorted(self.r.hgetall(P + "targets").items())}
 
     # ---- secret, sizes, expiry ----------------------------------------------------------------
     def secret(self):

@@ -23,6 +23,7 @@ CREATE TABLE IF NOT EXISTS prompt_index (tenant TEXT, hash TEXT, tokens INTEGER,
 CREATE INDEX IF NOT EXISTS prompt_used ON prompt_index (used);
 CREATE TABLE IF NOT EXISTS api_keys (hash TEXT PRIMARY KEY, key_id TEXT UNIQUE, data TEXT, created REAL);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v BLOB);
+CREATE TABLE IF NOT EXISTS targets (name TEXT PRIMARY KEY, address TEXT, seen REAL);
 """
 
 
@@ -168,6 +169,16 @@ class SqliteState(StateStore):
     def revoke_api_key(self, key_id):
         with self._tx() as c:
             return c.execute("DELETE FROM api_keys WHERE key_id=?", (key_id,)).rowcount > 0
+
+    # ---- metrics targets ----------------------------------------------------------------------
+    def put_target(self, name, address, now):
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO targets VALUES (?, ?, ?)", (name, address, now))
+
+    def targets(self, now, ttl_s):
+        with self._tx() as c:
+            c.execute("DELETE FROM targets WHERE seen<?", (now - ttl_s,))
+            return dict(c.execute("SELECT name, address FROM targets ORDER BY name").fetchall())
 
     # ---- secret, sizes, expiry ----------------------------------------------------------------
     def secret(self) -> bytes:

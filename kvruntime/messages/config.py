@@ -40,6 +40,7 @@ class ClusterConfig:
     seam_tokens: int = 1
     kv_load_failure_policy: str = "recompute"  # recompute | fail
     transfer_timeout_s: float = 30.0
+    kv_transport: str = "auto"                 # auto (NIXL where it imports and starts, else gRPC) | nixl | grpc
     max_tokens_limit: int = 2048               # largest max_tokens a request may ask for
     tier_cpu_bytes: int = 512 << 20            # local CPU tier capacity (LMCache; allocated at start)
     tier_disk_path: str | None = None          # local disk tier (LMCache local_disk)
@@ -66,13 +67,24 @@ class ClusterConfig:
     max_stop: int = 4                          # stop strings per request
     max_stop_chars: int = 128                  # characters per stop string
     max_inflight_per_tenant: int = 64          # requests one tenant may have in flight per router replica -> 429
-    ray_address: str | None = None             # None: start/attach local Ray
+    ray_address: str | None = None             # None: start/attach local Ray; "auto" or host:port: join a cluster
+    ray_auth_mode: str | None = None           # None: "token" when ~/.ray/auth_token exists (Ray 2.60 heads); token | disabled
+    # fault handling and routing (cluster.health, cluster.routing)
+    worker_max_restarts: int = 5               # Ray restarts a dead worker actor this often (-1: forever)
+    health_period_s: float = 1.0               # each router replica calls health() on every worker this often
+    health_timeout_s: float = 5.0              # a worker that does not answer within this is marked down
+    request_retries: int = 1                   # retries (on another worker) of a request whose worker died before its first token
+    prefill_load_factor: float = 1.0           # prefill affinity load cap: <= factor x mean outstanding requests per actor
+    request_deadline_s: float = 600.0          # default per-request deadline (a request may ask for less: deadline_s)
+    start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
 
     def __post_init__(self):
         if self.default_policy not in ("exact", "balanced", "fast"):
             raise ValueError("default_policy must be exact, balanced or fast")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy must be recompute or fail")
+        if self.kv_transport not in ("auto", "nixl", "grpc"):
+            raise ValueError(f"kv_transport must be auto, nixl or grpc, got {self.kv_transport!r}")
         if self.decode_engine not in ("reference", "vllm"):
             raise ValueError("decode_engine must be reference or vllm")
         if self.vllm_kv_cache_gib <= 0 or self.vllm_max_model_len < 16 or self.vllm_max_concurrency < 1:
@@ -96,6 +108,14 @@ class ClusterConfig:
         if min(self.max_body_bytes, self.max_text_chars, self.max_segments, self.max_template_fields,
                self.max_name_chars, self.max_stop, self.max_stop_chars, self.max_inflight_per_tenant) < 1:
             raise ValueError("every max_* limit must be >= 1")
+        if self.ray_auth_mode not in (None, "token", "disabled"):
+            raise ValueError("ray_auth_mode must be token or disabled (or unset: token when ~/.ray/auth_token exists)")
+        if self.worker_max_restarts < -1 or self.request_retries < 0:
+            raise ValueError("worker_max_restarts must be >= -1 and request_retries >= 0")
+        if self.health_period_s <= 0 or self.health_timeout_s <= 0 or self.prefill_load_factor < 1.0:
+            raise ValueError("health_period_s, health_timeout_s > 0 and prefill_load_factor >= 1.0 required")
+        if self.request_deadline_s <= 0 or self.start_timeout_s <= 0:
+            raise ValueError("request_deadline_s and start_timeout_s must be > 0")
         self.prefill.validate("prefill")
         self.decode.validate("decode")
 

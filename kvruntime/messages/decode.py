@@ -54,3 +54,4 @@ class DecodeSummary:
     text: str
     cached_tokens: int = 0    # prompt tokens not computed by the decode engine (received + its own prefix cache)
     loaded_tokens: int = 0    # of those, prompt tokens whose KV arrived in the transferred block
+    stages: tuple[tuple[str, float], ...] = ()   # KV path stage -> seconds on the decode side (transfer.STAGES)

@@ -14,6 +14,7 @@ class PrefillStats:
     tier_hits: int = 0
     rewarmed: int = 0                 # chunks missing from this worker's tier, recomputed and stored back
     fallbacks: list[str] = field(default_factory=list)   # reasons, one per fallback taken
+    stages: dict[str, float] = field(default_factory=dict)  # KV path stage -> seconds (transfer.STAGES)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class PrefillResult:
     stats: PrefillStats
     transferred: bool                 # False: the decode worker must recompute (reason in stats.fallbacks)
     stored: bool = False              # the prefix KV was stored in the tier under the requested ref
+    transport: str = ""               # the transport that carried the block (nixl | grpc; "" if none)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,151 @@
+"""The chosen transport, both ends: what a decode worker receives on and what a prefill worker
+sends with, picked by config ``kv_transport: auto | nixl | grpc``.
+
+- :class:`Receiver` (decode side): one :class:`~kvtransport.transport.Inbox` that accepts only
+  granted transfers (``require_grant``), fed by a gRPC server (always: the portable path and the
+  fallback) and, for ``nixl``/``auto``, a NIXL agent. The gRPC server binds the node's address
+  (or all interfaces) and advertises the node's address, so senders on other nodes reach it.
+  Its :attr:`Receiver.endpoint` (a :class:`~kvruntime.messages.transfer.KVEndpoint`, NIXL agent
+  metadata included) travels to prefill workers through the Ray actors.
+- :class:`Sender` (prefill side): encodes the block in the decode engine's dtype, straight into
+  NIXL registered memory when NIXL carries it (``encode_block(into=nixl.lease)``), with the
+  transfer's credential in its header, and sends it.
+
+``auto`` = NIXL where it imports and starts, else gRPC; ``nixl`` = NIXL or refuse to start.
+A fall back from NIXL to gRPC (NIXL unavailable at start, or a peer NIXL cannot reach) is
+returned as a fallback reason (``kv_transport_nixl_unavailable``, ``kv_transport_nixl_to_grpc``)
+that the router counts in ``kvnotes_fallbacks_total`` and is logged once per process and reason.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from kvruntime.kv import KVCache
+from kvruntime.messages.transfer import KVEndpoint, TransferGrant
+from kvtransport.blocks import KVBlock, encode_block
+from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
+from kvtransport.transport import Inbox, InboxStats, KVTransport, TransferError, TransferReceipt
+
+log = logging.getLogger(__name__)
+
+#: NIXL send failures after which the block is pushed over gRPC instead (nothing reached the receiver's inbox)
+_NIXL_RETRY_OVER_GRPC = ("unknown_peer", "unavailable")
+_logged: set[str] = set()
+
+
+def _log_once(reason: str, msg: str, *args) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning(msg + " (counted in kvnotes_fallbacks_total{reason=%s}; logged once)", *args, reason)
+
+
+def _start_nixl(kind: str, cfg=None, require_grant: bool = False, **kw):
+    """(NixlTransport, None), or (None, fallback reason) under ``auto``; ``nixl`` raises RuntimeError."""
+    try:
+        from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
+        return NixlTransport(cfg or NixlTransportConfig(require_grant=require_grant), **kw), None
+    except Exception as exc:  # ImportError, or NIXL/UCX failing to start: auto falls back, counted + logged
+        if kind == "nixl":
+            raise RuntimeError(f"kv_transport is 'nixl' but NIXL cannot start: {exc}") from exc
+        _log_once("kv_transport_nixl_unavailable", "NIXL unavailable (%s): KV blocks travel over gRPC", exc)
+        return None, "kv_transport_nixl_unavailable"
+
+
+class Receiver(KVTransport):
+    """The decode worker's side. ``bind``: interface address for the gRPC server (``0.0.0.0`` =
+    all); ``advertise``: the address senders use (the node's address as Ray reports it)."""
+
+    def __init__(self, kind: str, model: str, dtype: str, *, bind: str = "0.0.0.0", advertise: str = "127.0.0.1",
+                 node_id: str = "", grpc_cfg: GrpcTransportConfig | None = None, nixl_cfg=None):
+        if kind not in ("auto", "nixl", "grpc"):
+            raise ValueError(f"kv_transport must be auto, nixl or grpc, got {kind!r}")
+        gcfg = grpc_cfg or GrpcTransportConfig(require_grant=True)
+        self.inbox = Inbox(gcfg.inbox_bytes, gcfg.max_block_bytes, gcfg.unclaimed_ttl_s,
+                           require_grant=gcfg.require_grant)
+        self.grpc = GrpcTransport(gcfg, model=model, inbox=self.inbox)
+        address = self.grpc.serve(bind, 0, advertise=advertise)
+        self.nixl, self.fallback = None, None
+        if kind != "grpc":
+            self.nixl, self.fallback = _start_nixl(kind, nixl_cfg, gcfg.require_grant, model=model, inbox=self.inbox)
+        n = self.nixl
+        self.endpoint = KVEndpoint("nixl" if n else "grpc", address, dtype, node_id,
+                                   n.name if n else "", n.metadata() if n else b"")
+
+    def expect(self, grant: TransferGrant) -> None:
+        self.inbox.expect(grant)
+
+    def send(self, address, block, *, timeout):     # a receiver does not send
+        raise TransferError("unsupported", "a Receiver only receives")
+
+    def receive(self, transfer_id: str, *, timeout: float = 30.0) -> KVBlock:
+        return self.inbox.claim(transfer_id, timeout)
+
+    def stats(self) -> InboxStats:
+        return self.inbox.stats()
+
+    def stop(self) -> None:
+        self.grpc.stop()
+        if self.nixl is not None:
+            self.nixl.stop()
+
+
+class Sender:
+    """The prefill worker's side: one gRPC client and (``auto``/``nixl``) one NIXL agent."""
+
+    def __init__(self, kind: str, nixl_cfg=None):
+        if kind not in ("auto", "nixl", "grpc"):
+            raise ValueError(f"kv_transport must be auto, nixl or grpc, got {kind!r}")
+        self.kind = kind
+        self.grpc = GrpcTransport()
+        self.nixl, self.fallback = None, None
+        if kind != "grpc":
+            self.nixl, self.fallback = _start_nixl(kind, nixl_cfg)
+
+    def _nixl_peer(self, ep: KVEndpoint) -> str | None:
+        if ep.transport != "nixl" or self.nixl is None or not ep.nixl_agent:
+            return None
+        try:
+            return self.nixl.add_peer(ep.nixl_agent, ep.nixl_metadata)
+        except ValueError as exc:
+            _log_once("kv_transport_nixl_to_grpc", "NIXL peer %s unusable (%s): sending over gRPC", ep.nixl_agent, exc)
+            return None
+
+    def send(self, ep: KVEndpoint, transfer_id: str, model: str, kv: KVCache, *, credential: str,
+             timeout: float) -> tuple[TransferReceipt, str, dict[str, float], list[str]]:
+        """Encode ``kv`` in ``ep.dtype`` and push it. Returns the receipt, the transport that
+        carried it, stage seconds (``serialise``, ``transfer``) and fallback reasons taken.
+        Raises :class:`TransferError` when the block did not arrive."""
+        fallbacks: list[str] = []
+        peer = None
+        if self.kind != "grpc":
+            if ep.transport != "nixl" or self.nixl is None:
+                fallbacks.append("kv_transport_nixl_unavailable")   # this sender or that receiver runs gRPC only
+            elif (peer := self._nixl_peer(ep)) is None:
+                fallbacks.append("kv_transport_nixl_to_grpc")
+        if peer is not None:
+            t = time.perf_counter()
+            block = encode_block(transfer_id, model, kv, into=self.nixl.lease, dtype=ep.dtype, credential=credential)
+            stages = {"serialise": time.perf_counter() - t}
+            try:
+                receipt = self.nixl.send(peer, block, timeout=timeout)
+                stages["transfer"] = receipt.seconds
+                return receipt, "nixl", stages, fallbacks
+            except TransferError as exc:
+                if exc.reason not in _NIXL_RETRY_OVER_GRPC:
+                    raise
+                _log_once("kv_transport_nixl_to_grpc", "NIXL send to %s failed (%s): sending over gRPC", peer, exc)
+                fallbacks.append("kv_transport_nixl_to_grpc")
+            finally:
+                del block
+        t = time.perf_counter()
+        block = encode_block(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
+        stages = {"serialise": time.perf_counter() - t}
+        receipt = self.grpc.send(ep.grpc_address, block, timeout=timeout)
+        stages["transfer"] = receipt.seconds
+        return receipt, "grpc", stages, fallbacks
+
+    def stop(self) -> None:
+        self.grpc.stop()
+        if self.nixl is not None:
+            self.nixl.stop()

@@ -1,0 +1,96 @@
+"""Cross-node by construction: a multi-node Ray cluster on this one machine
+(``ray.cluster_utils.Cluster``: a head, a node with the ``prefill`` resource, a node with the
+``decode`` resource), the real actors placed by those custom resources, the real router. A
+composed request's prefix KV goes from the prefill node to the decode node over the chosen
+transport (``auto``: NIXL here), with no fallback counted, and the per-stage timings come back."""
+import asyncio
+
+import pytest
+
+from tests.conftest import metric
+
+pytestmark = pytest.mark.slow
+
+SKILL = ("Refund policy: customers may return unused items within 30 days of delivery for a full refund. "
+         "Opened electronics can be returned within 14 days with a 15 percent restocking fee.")
+
+
+@pytest.fixture(scope="module")
+def multinode(tmp_path_factory):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from cluster.ray_backends import RayBackends, start_workers, stop_workers
+    from kvruntime.messages.config import ClusterConfig, WorkerConfig
+
+    assert not ray.is_initialized()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cfg = ClusterConfig(prefill=WorkerConfig(num_cpus=1, custom_resource=True),
+                        decode=WorkerConfig(num_cpus=1, custom_resource=True), kv_transport="auto",
+                        tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
+    try:
+        c.add_node(num_cpus=1, resources={"prefill": 1})
+        c.add_node(num_cpus=1, resources={"decode": 1})
+        c.wait_for_nodes(timeout=120)
+        ray.init(address=c.address, namespace="kvnotes", log_to_driver=False)
+        pre, dec = start_workers(cfg)
+        yield cfg, RayBackends(pre, dec)
+    finally:
+        try:
+            if ray.is_initialized():
+                stop_workers(cfg)
+        finally:
+            ray.shutdown()
+            c.shutdown()
+
+
+def test_composed_request_crosses_nodes_over_nixl_without_fallback(multinode, smol, tmp_path):
+    import ray
+
+    from cluster.metrics import Metrics
+    from cluster.registry import Registry
+    from cluster.render import Renderer
+    from cluster.router import Finished, Router
+    from cluster.state import open_state
+    from kvruntime.messages.decode import SamplingParams, TokenEvent
+
+    cfg, backends = multinode
+    pinfo = ray.get(backends.prefill_actors[0].ready.remote())
+    dinfo = ray.get(backends.decode_actors[0].ready.remote())
+    head = ray.get_runtime_context().get_node_id()
+    assert pinfo["node_id"] and dinfo["node_id"] and len({pinfo["node_id"], dinfo["node_id"], head}) == 3
+    ep = backends.endpoints[0]
+    assert ep.node_id == dinfo["node_id"] and ep.transport == "nixl" and dinfo["transport_fallback"] is None
+    assert not ep.grpc_address.startswith("0.0.0.0")        # advertises the node's address, not a wildcard
+    node_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == dinfo["node_id"])
+    assert ep.grpc_address.rsplit(":", 1)[0] == node_ip
+
+    state = open_state(f"sqlite:///{tmp_path}/state.db")
+    router = Router(backends, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state, "m",
+                    cfg.dtype, metrics=Metrics())
+
+    async def run():
+        await router.register_chunk("skill", "default", "refund", SKILL)
+        toks, fin = [], None
+        async for ev in router.stream_native("default", [{"skill": "refund"}, {"text": "Can I return headphones?"}],
+                                             policy="balanced", session=None,
+                                             sampling=SamplingParams(max_tokens=8, temperature=0)):
+            if isinstance(ev, TokenEvent):
+                toks.append(ev.token_id)
+            else:
+                fin = ev
+        return toks, fin
+
+    toks, fin = asyncio.run(run())
+    assert isinstance(fin, Finished) and len(toks) > 0
+    assert fin.plan.kind.value == "reposition"                                   # a composed prefix
+    assert fin.fallbacks == () and fin.transport == "nixl"
+    assert fin.summary.loaded_tokens == fin.plan.prefix_tokens > 0               # decode used the shipped block
+    stages = dict(fin.stages)
+    assert {"tier_get", "rerotate", "serialise", "transfer", "receive", "load", "first_token"} <= set(stages)
+    text = router.metrics.render().decode()
+    assert "kvnotes_fallbacks_total{" not in text
+    assert metric(text, "kvnotes_kv_transfer_bytes_total", transport="nixl") > 0
+    assert metric(text, "kvnotes_stage_seconds_count", stage="transfer", transport="nixl") == 1
+    inbox = ray.get(backends.decode_actors[0].inbox_stats.remote())
+    assert inbox["held_bytes"] == 0 and inbox["refused"] == {} and inbox["grants"] == 0
