@@ -78,7 +78,10 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
         if cfg.ray_address:
             connect(cfg)
         else:
-            ray.init(num_cpus=local_cpus, namespace="kvnotes", include_dashboard=False, log_to_driver=False,
+            # local_cpus given: a fresh local instance (never a `ray start` cluster found on the machine,
+            # which refuses num_cpus); else attach to a local cluster if there is one, or start one
+            ray.init(address="local" if local_cpus is not None else None, num_cpus=local_cpus, namespace="kvnotes",
+                     include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
     from cluster.ray_backends import start_workers
     from cluster.serve_app import RouterIngress

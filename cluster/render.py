@@ -49,12 +49,20 @@ class Renderer:
                                    param="messages")
             c = m["content"]
             c = c if c in real else c.strip()             # templates that trim content
-            ids += list(self.tok(head, add_special_tokens=False).input_ids) + self.encode(c)
-        return ids + list(self.tok(rest, add_special_tokens=False).input_ids)
+            ids += self.markup(head) + self.encode(c)
+        return ids + self.markup(rest)
 
     def frame(self) -> tuple[int, ...]:
         ids = [self.bos_id] if self.spec.prepend_bos and self.bos_id is not None else []
-        return tuple(ids + (self.markup(self.spec.chat_user_prefix) if self.spec.chat_user_prefix else []))
+        return tuple(ids + self.markup(self.spec.chat_user_prefix))
+
+    def user_then_markup(self, user: str, markup: str) -> list[int]:
+        """``user`` text followed by chat markup, tokenized as one string would be up to the
+        markup's first special token (so BPE merges across the seam as before: Gemma's
+        ``"\nAnswer:"``), with no special token ever read from ``user``."""
+        specials = {t for t in (*self.tok.all_special_tokens, *self.tok.get_added_vocab()) if t and t in markup}
+        cut = min((markup.index(t) for t in specials), default=len(markup))
+        return self.encode(user + markup[:cut]) + (self.markup(markup[cut:]) if markup[cut:] else [])
 
     def chunk_ids(self, text: str) -> tuple[int, ...]:
         return tuple(self.encode(text.strip() + "\n\n"))
@@ -113,7 +121,7 @@ class Renderer:
                 ctx.append(RenderedSegment(kind, c.name, c.token_ids, kv=self.chunk_ref(c.token_ids, salt)))
             elif "template" in seg:
                 ctx.append(self.render_template(self.registry.template(tenant, seg["template"]), seg.get("fields", {})))
-        suffix = tuple(self.encode("".join(trailing)) + self.markup(self.spec.chat_user_suffix))
+        suffix = tuple(self.user_then_markup("".join(trailing), self.spec.chat_user_suffix))
         return RenderedRequest(request_id, self.spec.name, policy, tuple(ctx), suffix, session)
 
     def render_prompt(self, request_id: str, prompt_ids: list[int], policy: Policy) -> RenderedRequest:

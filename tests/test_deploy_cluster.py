@@ -164,8 +164,10 @@ def test_node_types_under_the_fake_autoscaler_serve_a_request(tmp_path):
             time.sleep(2)
         else:
             raise AssertionError("kvnotes did not become ready on the fake cluster")
+        key = (tmp_path / "data" / "api_key").read_text().strip()      # created by the first start
         r = http.post("/v1/notes/completions", json={"segments": [{"text": "The capital of France is"}],
-                                                     "max_tokens": 3, "temperature": 0})
+                                                     "max_tokens": 3, "temperature": 0},
+                      headers={"authorization": f"Bearer {key}"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
         placed = _ray_query(address, """
 from ray._private.state import actors        # the GCS actor table (the state API needs the dashboard)

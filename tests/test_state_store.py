@@ -205,3 +205,25 @@ def test_auth_off_only_on_loopback():
         ClusterConfig(auth=False, host="0.0.0.0")
     with pytest.raises(ValueError, match="max_"):
         ClusterConfig(max_body_bytes=0)
+
+
+def test_keys_cli_create_list_revoke(tmp_path, capsys):
+    import json as _json
+
+    from cluster.cli import main
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(_json.dumps({"data_dir": str(tmp_path)}))
+    assert main(["keys", "create", "--tenant", "acme", "--config", str(cfg)]) == 0
+    key = capsys.readouterr().out.strip().splitlines()[-1]           # the key is the last line
+    assert key.startswith("kvn-")
+    assert main(["keys", "list", "--config", str(cfg)]) == 0
+    listed = capsys.readouterr().out
+    key_id, tenant = listed.split()[:2]
+    assert tenant == "acme" and key not in listed
+    assert main(["keys", "create", "--tenant", "no/slash", "--config", str(cfg)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("kvnotes: error: tenant must be")
+    assert main(["keys", "revoke", key_id, "--config", str(cfg)]) == 0
+    assert main(["keys", "revoke", key_id, "--config", str(cfg)]) == 2
+    assert "no key with id" in capsys.readouterr().err
+    assert main(["keys", "list", "--config", str(cfg)]) == 0 and capsys.readouterr().out == ""
