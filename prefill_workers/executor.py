@@ -15,7 +15,7 @@ import torch
 from kvruntime.kv import KVCache
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan, SegmentPlan
 from kvruntime.messages.prefill import PrefillResult, PrefillStats
-from kvruntime.ops import edit_in_place, reposition, seam_repair
+from kvruntime.ops import edit_in_place, reposition, seam_repair, selective_recompute
 from kvruntime.rope import RepositionDisabled
 from kvtransport.blocks import encode_block
 from kvtransport.transport import KVTransport, TransferError
@@ -49,7 +49,7 @@ class PrefillExecutor:
             raise ValueError(f"plan is for model {plan.model!r}, this worker runs {self.engine.spec.name!r}")
         kv, st = self.engine.empty_kv(), PrefillStats()
         self._seams: list[int] = []               # chunk starts awaiting one batched seam repair
-        self._seam_k = 0
+        self._seam_k, self._ratio, self._st = 0, 0.0, st   # ratio > 0: selective recompute (ops.blend)
         for step in plan.steps:
             if step.kind is not PlanKind.REPOSITION:
                 kv = self._flush_seams(kv)            # computed steps must see repaired seams
@@ -57,7 +57,14 @@ class PrefillExecutor:
         return self._flush_seams(kv), st
 
     def _flush_seams(self, kv: KVCache) -> KVCache:
-        if self._seams:
+        if self._seams and self._ratio > 0:       # the plan's r: seams + top-r chunk tokens, one forward
+            seams = {i for c in self._seams for i in range(c, min(c + self._seam_k, kv.num_tokens))}
+            res = selective_recompute(self.engine, kv, self._seams[0], self._ratio, seam_slots=seams)
+            extra = len(res.recomputed_slots) - len(seams)
+            self._st.computed += extra
+            self._st.repositioned -= extra
+            kv, self._seams = res.kv, []
+        elif self._seams:
             kv = seam_repair(self.engine, kv, self._seams, self._seam_k)
             self._seams = []
         return kv
@@ -128,11 +135,11 @@ class PrefillExecutor:
             except RepositionDisabled:
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
-            if step.seam_tokens:
-                if self._seams and step.seam_tokens != self._seam_k:
-                    kv = self._flush_seams(kv)
+            if self._seams and (step.seam_tokens, step.recompute_ratio) != (self._seam_k, self._ratio):
+                kv = self._flush_seams(kv)
+            if step.seam_tokens or step.recompute_ratio:
                 self._seams.append(kv.num_tokens)
-                self._seam_k = step.seam_tokens
+                self._seam_k, self._ratio = step.seam_tokens, step.recompute_ratio
             kv = KVCache.cat([kv, moved])
             st.computed += step.seam_tokens
             st.repositioned += step.tokens - step.seam_tokens
