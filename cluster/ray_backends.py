@@ -96,6 +96,9 @@ class RayBackends:
     async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as):
         return await self.prefill_actors[index].execute.remote(plan, self.addresses[decode_index], transfer_id, store_as)
 
+    async def shadow(self, index: int, plan):
+        return await self.prefill_actors[index].shadow.remote(plan)
+
     async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str):
         gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(
             transfer_id, prefix, suffix, sampling, salt)

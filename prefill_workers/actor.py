@@ -12,6 +12,7 @@ import os
 
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.plan import KVRef, RequestPlan
+from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ class PrefillWorker:
     def execute(self, plan: RequestPlan, decode_address: str, transfer_id: str,
                 store_as: KVRef | None) -> PrefillResult:
         return self.executor.execute(plan, decode_address, transfer_id, store_as=store_as)
+
+    def shadow(self, plan: RequestPlan) -> ShadowResult:
+        """Recompute ``plan`` in full and compare (online shadow check; the router calls it after the response)."""
+        return self.executor.shadow(plan)
 
     def tier_stats(self):
         return self.store.stats

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from kvruntime.kv import KVCache
+from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan, SegmentPlan
 from kvruntime.messages.prefill import PrefillResult, PrefillStats
 from kvruntime.ops import edit_in_place, reposition, seam_repair, selective_recompute
@@ -160,6 +161,24 @@ class PrefillExecutor:
             st.reused += step.tokens - res.recomputed_tokens
             return KVCache.cat([kv, res.kv])
         raise ValueError(f"unknown plan step kind {k}")
+
+    def shadow(self, plan: RequestPlan, greedy_n: int = 16) -> ShadowResult:
+        """Online shadow check, off the request's critical path: build the prefix as planned, then
+        recompute prefix + suffix in full and compare the first token and the greedy continuation."""
+        from kvruntime.fidelity.metrics import compare
+        from kvruntime.ops import recompute
+        if not plan.suffix_ids:
+            raise ValueError("a shadow check needs the plan's suffix (the question)")
+        t = time.perf_counter()
+        kv, _ = self.build(plan)
+        start = int(kv.positions[-1]) + 1 if kv.num_tokens else 0
+        out = self.engine.prefill(list(plan.suffix_ids), torch.arange(start, start + len(plan.suffix_ids)), kv,
+                                  logits=True)
+        got = self.engine.greedy(KVCache.cat([kv, out.kv]), out.logits, greedy_n, stop_at_eos=True)
+        full = recompute(self.engine, list(plan.prefix_ids + plan.suffix_ids))
+        row = compare(full.logits, self.engine.greedy(full.kv, full.logits, greedy_n, stop_at_eos=True), out.logits, got)
+        return ShadowResult(plan.request_id, row["kl"], row["top1"], row["greedy_exact"], row["greedy_prefix"],
+                            cosine=row["cosine"], seconds=time.perf_counter() - t)
 
     # ---- shipping ---------------------------------------------------------------------------
     def execute(self, plan: RequestPlan, decode_address: str, transfer_id: str,

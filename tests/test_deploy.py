@@ -37,8 +37,6 @@ DECLARED_NOT_YET_EXPORTED = {
     "kvnotes_retries_total",         # issue 15 (retries from issue 12's fault handling)
     "kvnotes_workers_alive",         # issue 15: gauge per role
     "kvnotes_tier_remote_up",        # issue 15: remote tier reachability
-    "kvnotes_fidelity_agree_total",  # issue 15: sampled shadow recomputes
-    "kvnotes_fidelity_kl",           # issue 15: sampled shadow recomputes (histogram, label op)
 }
 
 

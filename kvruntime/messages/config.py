@@ -55,6 +55,16 @@ class ClusterConfig:
     prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
     tenant: str = "default"                    # tenant salt used when a request names none
     ray_address: str | None = None             # None: start/attach local Ray
+    # fidelity targets (cluster.planner.choose_compose reads the model's measured profile)
+    balanced_min_top1: float = 0.97            # balanced: cheapest compose op whose profile top-1 >= this
+    fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target
+    # online shadow checks (cluster.shadow): recompute a sample of approximate requests after the response
+    shadow_fraction: float = 0.01              # share of approximate requests checked (0 = off)
+    shadow_opt_out_tenants: tuple = ()         # tenants never checked
+    shadow_max_in_flight: int = 2              # checks pending at once; more are dropped (counted)
+    shadow_window: int = 50                    # results per operation in the agreement window
+    shadow_min_samples: int = 20               # no demotion before this many results
+    shadow_demote_s: float = 600.0             # a demoted operation is retried (on probation) after this
 
     def __post_init__(self):
         if self.default_policy not in ("exact", "balanced", "fast"):
@@ -79,6 +89,20 @@ class ClusterConfig:
             raise ValueError(f"state_url must start with sqlite:/// or redis://, got {self.state_url!r}")
         self.prefill.validate("prefill")
         self.decode.validate("decode")
+        for name in ("balanced_min_top1", "fast_min_top1"):
+            v = getattr(self, name)
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1]")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError("shadow_fraction must be in [0, 1]")
+        if not isinstance(self.shadow_opt_out_tenants, (list, tuple)) or \
+                not all(isinstance(t, str) for t in self.shadow_opt_out_tenants):
+            raise ValueError("shadow_opt_out_tenants must be a list of tenant names")
+        object.__setattr__(self, "shadow_opt_out_tenants", tuple(self.shadow_opt_out_tenants))
+        if self.shadow_max_in_flight < 1 or not 1 <= self.shadow_min_samples <= self.shadow_window \
+                or self.shadow_demote_s <= 0:
+            raise ValueError("shadow_max_in_flight >= 1, 1 <= shadow_min_samples <= shadow_window and "
+                             "shadow_demote_s > 0 required")
 
     @property
     def resolved_state_url(self) -> str:
