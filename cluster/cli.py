@@ -48,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--threads", type=int, default=None)
     f.add_argument("--limit", type=int, default=None, help="only the first N cases of each set")
     f.add_argument("--no-cot", action="store_true", help="skip the chain-of-thought edit variant")
+    f.add_argument("--compose-only", action="store_true",
+                   help="only the compose r sweep, merged into the model's summary (compose_sweep)")
+    f.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.10, 0.15, 0.25, 0.50],
+                   help="selective-recompute ratios swept with --compose-only")
+    f.add_argument("--answered", action="store_true", help="only compose cases that carry an expected answer")
     f.add_argument("--tables-dir", default=None, help="where to write <model>.json (default: shipped tables)")
     r = esub.add_parser("report", help="regenerate the tables in docs/fidelity.md from the saved summaries")
     r.add_argument("--doc", default="docs/fidelity.md")

@@ -67,6 +67,16 @@ class Metrics:
                                  registry=r)
         self.fidelity_cosine = Histogram("kvnotes_fidelity_cosine", "Logit cosine vs recompute (shadow checks)",
                                          buckets=(0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0), registry=r)
+        self.fidelity_kl = Histogram("kvnotes_fidelity_kl", "First-token KL(recompute || plan), shadow checks",
+                                     ["plan", "op"], buckets=(0.001, 0.01, 0.03, 0.1, 0.3, 1, 3, 10), registry=r)
+        self.fidelity_checks = Counter("kvnotes_fidelity_checks_total", "Shadow checks completed per operation",
+                                       ["op"], registry=r)
+        self.fidelity_agree = Counter("kvnotes_fidelity_agree_total", "Shadow checks agreeing with recompute, "
+                                      "per operation and metric (top1, greedy16)", ["op", "metric"], registry=r)
+        self.shadow_checks = Counter("kvnotes_shadow_checks_total", "Shadow checks by outcome "
+                                     "(submitted, dropped: queue full, failed, done)", ["result"], registry=r)
+        self.fidelity_demotions = Counter("kvnotes_fidelity_demotions_total", "Operations demoted / readmitted "
+                                          "by online shadow checks", ["op", "event"], registry=r)
         self.rope_self_test = Gauge("kvnotes_rope_selftest_ok", "1 if the RoPE re-rotation self-test passed",
                                     ["worker"], registry=r)
         self.tier_rewarms = Counter("kvnotes_tier_rewarms_total",

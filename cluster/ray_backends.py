@@ -207,3 +207,9 @@ class RayBackends:
             await self.decode_actors[index].cancel.options(concurrency_group=HEALTH_GROUP).remote(cancel_key)
         except ACTOR_LOST as exc:
             self._lost("decode", index, exc)
+
+    async def shadow(self, index: int, plan):
+        try:
+            return await self.prefill_actors[index].shadow.remote(plan)
+        except ACTOR_LOST as exc:
+            raise self._lost("prefill", index, exc) from None

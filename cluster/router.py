@@ -20,8 +20,9 @@ from typing import AsyncIterator, Protocol
 
 from cluster.errors import RequestError
 from cluster.metrics import Metrics, note_plan
-from cluster.planner import (PlannerConfig, RenderedRequest, SessionContext, TierView, choose_edit_kind,
+from cluster.planner import (FidelityTarget, PlannerConfig, RenderedRequest, SessionContext, TierView, choose_edit_kind,
                              plan_request)
+from cluster.shadow import FidelityGuard, ShadowConfig
 from cluster.registry import Registry
 from cluster.render import Renderer
 from cluster.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
@@ -52,6 +53,7 @@ class Backends(Protocol):
     async def expect(self, decode_index: int, grant: TransferGrant, prefix: tuple[int, ...], salt: str) -> int: ...
     async def prefill(self, index: int, plan: RequestPlan, decode_index: int, transfer_id: str,
                       store_as: KVRef | None, *, credential: str, send_from: int = 0) -> PrefillResult: ...
+    async def shadow(self, index: int, plan: RequestPlan): ...   # -> messages.fidelity.ShadowResult
     def decode(self, index: int, transfer_id: str | None, prefix: tuple[int, ...], suffix: tuple[int, ...],
                sampling: SamplingParams, salt: str) -> AsyncIterator[TokenEvent | DecodeSummary]: ...
     # Optional (cluster.ray_backends): ``view`` (routing.WorkerView), ``fault_policy``
@@ -77,7 +79,8 @@ class Router:
     def __init__(self, backends: Backends, renderer: Renderer, state: StateStore, model_id: str, dtype: str, *,
                  metrics: Metrics | None = None, default_policy: str = "balanced", seam_tokens: int = 1,
                  fidelity_summary: dict | None = None, context_window: int = 8192, max_tokens_limit: int = 2048,
-                 default_tenant: str = "default"):
+                 default_tenant: str = "default", balanced_min_top1: float = 0.97,
+                 fast_min_top1: float | None = None, shadow: ShadowConfig | None = None):
         self.backends, self.renderer, self.state = backends, renderer, state
         self.model_id, self.dtype = model_id, dtype
         self.registry: Registry = renderer.registry
@@ -85,7 +88,12 @@ class Router:
         self.sessions = SessionStore(state)
         self.default_policy = Policy(default_policy)
         self.edit_choice = choose_edit_kind(fidelity_summary)
-        self.planner_config = PlannerConfig(seam_tokens=seam_tokens, edit=self.edit_choice)
+        targets = {Policy.BALANCED: FidelityTarget("top1", balanced_min_top1)}
+        if fast_min_top1 is not None:
+            targets[Policy.FAST] = FidelityTarget("top1", fast_min_top1)
+        self.guard = FidelityGuard(fidelity_summary, targets, shadow or ShadowConfig(), self.metrics,
+                                   lambda i, plan: self.backends.shadow(i, plan),
+                                   PlannerConfig(seam_tokens=seam_tokens, edit=self.edit_choice))
         self.context_window, self.max_tokens_limit = context_window, max_tokens_limit
         self.default_tenant = default_tenant
         self._secret = state.secret()          # the same for every replica: keys agree cluster-wide
@@ -94,6 +102,15 @@ class Router:
         self.fault: FaultPolicy = getattr(backends, "fault_policy", None) or FaultPolicy()
         if hasattr(backends, "start_health"):
             backends.start_health(self.metrics)
+
+    @property
+    def planner_config(self) -> PlannerConfig:
+        return self.guard.planner_config()           # re-chosen when shadow checks demote/readmit an op
+
+    @property
+    def fidelity(self) -> dict:
+        """Targets, each policy's compose op and why, shadow-check windows and demotions."""
+        return self.guard.snapshot()
 
     def salt(self, tenant: str) -> str:
         return tenant_salt(tenant, self._secret)
@@ -208,7 +225,7 @@ class Router:
         store_as = None
         if session and plan.steps and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
             store_as = KVRef(plan.prefix_ids, 0, salt, plan.approx)
-        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases):
+        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
             if isinstance(ev, Finished) and session:
                 self._remember(tenant, req, sess, plan, store_as if ev.stored else None)
             yield ev
@@ -229,7 +246,7 @@ class Router:
         store_as = None
         if len(prefix) >= PROMPT_BLOCK and hit < len(prefix):
             store_as = KVRef(prefix, 0, salt)
-        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases):
+        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
             if isinstance(ev, Finished) and ev.stored:
                 bounds = {*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)}
                 self.state.put_prompt_blocks(tenant, {_h(tenant, prefix[:b]): b for b in bounds}, time.time())
@@ -263,7 +280,8 @@ class Router:
 
     async def _run(self, plan: RequestPlan, sampling: SamplingParams, t0: float,
                    store_as: KVRef | None, pi: int, salt: str,
-                   deadline_s: float | None = None, leases: list = ()) -> AsyncIterator[TokenEvent | Finished]:
+                   deadline_s: float | None = None, leases: list = (),
+                   tenant: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
         """Prefill then decode, on the least loaded live decode worker. A worker lost before the
         first token: retried on another one (``request_retries``); lost mid-stream: a clear
         error. Past the deadline: the decode worker is told to stop; 504. All counted."""
@@ -383,6 +401,7 @@ class Router:
         stages = tuple((k, got[k]) for k in STAGES if k in got)
         for k, sec in stages:
             m.stage_seconds.labels(k, transport or "none").observe(sec)
+        self.guard.after_response(plan, tenant or self.default_tenant, pi)   # shadow check: fire and forget
         yield Finished(plan, summary, ttft, plan.prompt_tokens, cached, tuple(fallbacks),
                        bool(res is not None and res.stored), stages, transport)
 

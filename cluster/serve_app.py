@@ -69,6 +69,7 @@ class RouterIngress:
         from cluster.registry import Registry
         from cluster.render import Renderer
         from cluster.router import Router
+        from cluster.shadow import ShadowConfig
         from cluster.state import StoreLimits, open_state
         from kvruntime.checkpoint import ensure_checkpoint
         from kvruntime.fidelity.report import load_summary
@@ -86,7 +87,11 @@ class RouterIngress:
                              ckpt.name, cfg.dtype,
                              default_policy=cfg.default_policy, seam_tokens=cfg.seam_tokens,
                              fidelity_summary=load_summary(cfg.model), context_window=spec.context_window,
-                             max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant)
+                             max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant,
+                             balanced_min_top1=cfg.balanced_min_top1, fast_min_top1=cfg.fast_min_top1,
+                             shadow=ShadowConfig(cfg.shadow_fraction, frozenset(cfg.shadow_opt_out_tenants),
+                                                 cfg.shadow_max_in_flight, cfg.shadow_window,
+                                                 cfg.shadow_min_samples, cfg.shadow_demote_s))
         from cluster.auth import Authenticator
         from cluster.limits import InflightLimiter
         self.auth = Authenticator(self.state, enabled=cfg.auth, default_tenant=cfg.tenant,
@@ -101,7 +106,8 @@ class RouterIngress:
         self.process = f"router-{_replica_id()}"
         self.metrics_target = start_exporter(self.router.metrics.registry, host=node_ip())
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
-        log.info("router up: model %s, edit plans by %s", cfg.model, self.router.edit_choice)
+        log.info("router up: model %s, edit plans by %s; compose by fidelity target: %s", cfg.model,
+                 self.router.edit_choice, self.router.fidelity["compose"])
 
     def _announce(self) -> None:
         """Every TARGET_REFRESH_S: refresh this replica's target and the state-size gauges."""

@@ -13,6 +13,7 @@ import os
 
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.plan import KVRef, RequestPlan
+from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
 from kvruntime.messages.transfer import KVEndpoint
 
@@ -73,6 +74,10 @@ class PrefillWorker:
                 store_as: KVRef | None, credential: str = "", send_from: int = 0) -> PrefillResult:
         return self.executor.execute(plan, decode, transfer_id, store_as=store_as, credential=credential,
                                      send_from=send_from)
+
+    def shadow(self, plan: RequestPlan) -> ShadowResult:
+        """Recompute ``plan`` in full and compare (online shadow check; the router calls it after the response)."""
+        return self.executor.shadow(plan)
 
     def tier_stats(self):
         return self.store.stats

@@ -147,7 +147,7 @@ def test_metrics_move(cluster):
     base, http = cluster
     before = http.get("/metrics").text
     http.post("/v1/notes/completions", json={"segments": [{"skill": "refund"}, {"text": "Is a gift card refundable?"}],
-                                             "max_tokens": 4, "temperature": 0, "kv_policy": "balanced"})
+                                             "max_tokens": 4, "temperature": 0, "kv_policy": "fast"})
     after = http.get("/metrics").text
     assert _metric(after, "kvnotes_ttft_seconds_count", plan="reposition") == \
         _metric(before, "kvnotes_ttft_seconds_count", plan="reposition") + 1

@@ -77,6 +77,16 @@ class ClusterConfig:
     prefill_load_factor: float = 1.0           # prefill affinity load cap: factor x mean in-flight requests per actor
     request_deadline_s: float = 600.0          # default per-request deadline (a request may ask for less: deadline_s)
     start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
+    # fidelity targets (cluster.planner.choose_compose reads the model's measured profile)
+    balanced_min_top1: float = 0.97            # balanced: cheapest compose op whose profile top-1 >= this
+    fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target
+    # online shadow checks (cluster.shadow): recompute a sample of approximate requests after the response
+    shadow_fraction: float = 0.01              # share of approximate requests checked (0 = off)
+    shadow_opt_out_tenants: tuple = ()         # tenants never checked
+    shadow_max_in_flight: int = 2              # checks pending at once; more are dropped (counted)
+    shadow_window: int = 50                    # results per operation in the agreement window
+    shadow_min_samples: int = 20               # no demotion before this many results
+    shadow_demote_s: float = 600.0             # a demoted operation is retried (on probation) after this
 
     def __post_init__(self):
         if self.default_policy not in ("exact", "balanced", "fast"):
@@ -118,6 +128,20 @@ class ClusterConfig:
             raise ValueError("request_deadline_s and start_timeout_s must be > 0")
         self.prefill.validate("prefill")
         self.decode.validate("decode")
+        for name in ("balanced_min_top1", "fast_min_top1"):
+            v = getattr(self, name)
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1]")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError("shadow_fraction must be in [0, 1]")
+        if not isinstance(self.shadow_opt_out_tenants, (list, tuple)) or \
+                not all(isinstance(t, str) for t in self.shadow_opt_out_tenants):
+            raise ValueError("shadow_opt_out_tenants must be a list of tenant names")
+        object.__setattr__(self, "shadow_opt_out_tenants", tuple(self.shadow_opt_out_tenants))
+        if self.shadow_max_in_flight < 1 or not 1 <= self.shadow_min_samples <= self.shadow_window \
+                or self.shadow_demote_s <= 0:
+            raise ValueError("shadow_max_in_flight >= 1, 1 <= shadow_min_samples <= shadow_window and "
+                             "shadow_demote_s > 0 required")
 
     @property
     def api_key_file(self) -> Path:
