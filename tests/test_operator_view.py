@@ -33,9 +33,6 @@ TEMPLATE = "Booking 88231 for {passenger}. Flight LX318 status: {status}. Gate {
 # Panels whose series no process exports yet: each names the issue that adds it. The test fails
 # when one of them gets data (shrink the list) or when any other panel has none.
 NOT_YET = {
-    "Shadow-check agreement by operation": "issue 14 (shadow checks)",
-    "Shadow-check KL p50 / p90 by operation": "issue 14 (shadow checks)",
-    "Shadow checks per second by operation": "issue 14 (shadow checks)",
     "vLLM TTFT p50 / p90": "decode_engine: vllm (this cluster runs the reference engine)",
     "vLLM prefix cache tokens": "decode_engine: vllm",
     "vLLM prefix-cache hit share": "decode_engine: vllm",
@@ -65,7 +62,8 @@ def cluster(tmp_path_factory):
     TIER["server"] = start_tier_server(log_path=root / "tier.log")   # a shared lm:// tier, as deployed
     try:
         cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(root / "state"),
-                            tier_remote_url=TIER["server"].url)
+                            tier_remote_url=TIER["server"].url,
+                            shadow_fraction=1.0)          # every approximate request gets a shadow check
         start(cfg, local_cpus=4)
         try:
             yield cfg, f"http://127.0.0.1:{cfg.port}"
@@ -190,7 +188,12 @@ def workload(cluster, prometheus, tmp_path_factory):
             for line in s.iter_lines():
                 if line.startswith("data: {") and '"token"' in line:
                     break                                   # first token seen: hang up
-    # two scrapes after the last request, so rate() windows hold the whole workload
+    # shadow checks run after the responses, on the prefill actor: wait for their results
+    deadline = time.monotonic() + 300
+    while metric(httpx.get(f"{base}/metrics", timeout=30).text, "kvnotes_fidelity_kl_count") < 1:
+        assert time.monotonic() < deadline, "no shadow check finished"
+        time.sleep(1)
+    # two scrapes after the last result, so rate() windows hold the whole workload
     time.sleep(3)
     return kinds
 
