@@ -184,7 +184,8 @@ def workload(cluster, prometheus, tmp_path_factory):
             assert httpx.get(f"{base}/v1/skills", timeout=30).status_code == 401    # no key
         # a client that leaves mid-stream: counted as cancelled, with the plan it had
         with c.stream("POST", "/v1/notes/completions", json={
-                "segments": [{"skill": "returns"}, q], "max_tokens": 48, "temperature": 0, "stream": True}) as s:
+                "segments": [{"skill": "returns"}, q], "max_tokens": 48, "temperature": 0, "stream": True,
+                "kv_policy": "fast"}) as s:
             for line in s.iter_lines():
                 if line.startswith("data: {") and '"token"' in line:
                     break                                   # first token seen: hang up
