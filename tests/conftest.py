@@ -1,6 +1,7 @@
 """Shared fixtures: real engines, loaded once per test session (each load is ~5 s)."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -146,3 +147,75 @@ def direct_text(prompt_ids, n: int, model: str = "smollm2-135m") -> str:
             break
         toks.append(t)
     return e.decode(toks)
+
+
+def sd_prometheus_config(router_base: str, scrape_s: str = "1s") -> str:
+    """deploy/prometheus.yml as shipped (HTTP service discovery through the router), pointed at
+    ``router_base`` with short scrape and refresh intervals; its rule file name is kept."""
+    from pathlib import Path
+
+    import yaml
+    conf = yaml.safe_load((Path(__file__).resolve().parent.parent / "deploy" / "prometheus.yml").read_text())
+    conf["global"]["scrape_interval"] = scrape_s
+    for job in conf["scrape_configs"]:
+        for sd in job["http_sd_configs"]:
+            sd["url"] = f"{router_base}/metrics/targets"
+            sd["refresh_interval"] = "2s"
+    return yaml.safe_dump(conf)
+
+
+@contextlib.contextmanager
+def prometheus_server(config_text: str, workdir, files: dict | None = None):
+    """Debian's prometheus with ``config_text`` (and ``files`` copied beside it) on a free loopback
+    port; yields its base URL once ready; stopped by PID."""
+    import shutil
+    import subprocess
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    exe = shutil.which("prometheus")
+    if exe is None:
+        pytest.fail("prometheus is not installed (scripts/dev.sh test installs Debian's prometheus)")
+    d = Path(workdir)
+    d.mkdir(parents=True, exist_ok=True)
+    for name, src in (files or {}).items():
+        shutil.copy(src, d / name)
+    (d / "prometheus.yml").write_text(config_text)
+    port = free_port()
+    log = open(d / "log.txt", "wb")
+    proc = subprocess.Popen([exe, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"prometheus exited: {(d / 'log.txt').read_text()[-2000:]}"
+            try:
+                with urllib.request.urlopen(base + "/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"prometheus not ready: {(d / 'log.txt').read_text()[-2000:]}"
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def prom_query(base: str, expr: str) -> list:
+    """Result vector of an instant query (raises on an HTTP error or a failed query)."""
+    import json
+    import urllib.parse
+    import urllib.request
+    with urllib.request.urlopen(f"{base}/api/v1/query?{urllib.parse.urlencode({'query': expr})}", timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]

@@ -74,3 +74,33 @@ def test_a_repeated_composed_prefix_is_not_sent_twice(vcluster):
     assert b1 - b0 > 0 and 0 < b2 - b1 < (b1 - b0) / 2, (b0, b1, b2)      # only the tail travelled again
     assert second["explain"]["transport"] in ("nixl", "grpc") and "transfer" in second["explain"]["stages"]
     assert _metric(http.get("/metrics").text, "kvnotes_fallbacks_total") == 0
+
+
+def test_vllm_engine_metrics_reach_prometheus(vcluster, tmp_path):
+    """The decode actor serves vLLM's own engine metrics on its endpoint; Prometheus discovers it
+    through the router, and every query of the dashboard's vLLM row returns series."""
+    import time
+
+    from cluster.dashboard import ROWS
+    from tests.conftest import prom_query, prometheus_server, sd_prometheus_config
+
+    http = vcluster
+    base = str(http.base_url).rstrip("/")
+    groups = http.get("/metrics/targets").json()
+    decode = [g["targets"][0] for g in groups if g["labels"]["kvnotes_role"] == "decode"]
+    assert len(decode) == 1, groups
+    import httpx
+    own = httpx.get(f"http://{decode[0]}/metrics", timeout=30).text
+    assert _metric(own, "vllm:prefix_cache_queries_total") > 0 and _metric(own, "vllm:external_prefix_cache_hits_total") > 0
+    assert _metric(own, "vllm:time_to_first_token_seconds_count") > 0
+    row = next(r for r in ROWS if r.title.startswith("vLLM"))
+    with prometheus_server(sd_prometheus_config(base), tmp_path / "prom") as prom:
+        deadline = time.monotonic() + 90
+        while True:
+            http.post("/v1/notes/completions", json={"segments": [{"skill": "refund"}, {"text": "Refund?"}],
+                                                     "max_tokens": 2, "temperature": 0, "kv_policy": "fast"})
+            empty = [q.expr for p in row.panels for q in p.queries if not prom_query(prom, q.expr)]
+            if not empty:
+                break
+            assert time.monotonic() < deadline, f"vLLM panel queries without series: {empty}"
+            time.sleep(2)

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from cluster.dashboard import dashboard, panel_queries
-from tests.conftest import free_port, metric
+from tests.conftest import free_port, metric, prom_query, prometheus_server, sd_prometheus_config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,50 +74,21 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prometheus(cluster, tmp_path_factory):
-    """deploy/prometheus.yml as shipped (rule files included), pointed at this cluster, 1 s scrapes."""
+    """deploy/prometheus.yml as shipped (rule files included), discovering this cluster's processes
+    through the router, 1 s scrapes."""
     cfg, base = cluster
-    d = tmp_path_factory.mktemp("prometheus")
-    conf = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
-    conf["global"]["scrape_interval"] = "1s"
-    for job in conf["scrape_configs"]:
-        for sd in job["http_sd_configs"]:
-            sd["url"] = f"{base}/metrics/targets"
-            sd["refresh_interval"] = "2s"
-    shutil.copy(ROOT / "deploy" / "alerts.yml", d / "alerts.yml")
-    (d / "prometheus.yml").write_text(yaml.safe_dump(conf))
-    port = free_port()
-    log = open(d / "log.txt", "wb")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
+    with prometheus_server(sd_prometheus_config(base), tmp_path_factory.mktemp("prometheus"),
+                           {"alerts.yml": ROOT / "deploy" / "alerts.yml"}) as url:
         # every process discovered and scraped: the router replica, the prefill and the decode actor
-        while len(_query(url, 'up{job="kvnotes"} == 1', quiet=True) or []) < 3:
-            assert proc.poll() is None, (d / "log.txt").read_text()[-2000:]
+        deadline = time.monotonic() + 60
+        while len(_query(url, 'up{job="kvnotes"} == 1')) < 3:
             assert time.monotonic() < deadline, f"prometheus did not scrape every process: {_query(url, 'up')}"
             time.sleep(0.5)
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
-def _query(url: str, expr: str, quiet: bool = False):
-    try:
-        with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}", timeout=10) as r:
-            body = json.loads(r.read())
-    except OSError:
-        if quiet:
-            return None
-        raise
-    assert body["status"] == "success", (expr, body)
-    return body["data"]["result"]
+def _query(url: str, expr: str):
+    return prom_query(url, expr)
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,13 @@
 """``kvnotes report`` against a real Prometheus (Debian's) that scrapes real kvnotes series: every
 dashboard row becomes a PNG, index.md says which panels had data, and bad input is one line."""
-import shutil
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
-import json
 
 import pytest
 
 from cluster.dashboard import ROWS
-from tests.conftest import free_port
-
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-
+from tests.conftest import free_port, prom_query, prometheus_server
 
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory):
@@ -26,46 +19,27 @@ def scraped(tmp_path_factory):
     m = Metrics()
     port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1", registry=m.registry)
-    d = tmp_path_factory.mktemp("prom")
-    (d / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: kvnotes\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{port}']\n")
-    pport = free_port()
-    log = open(d / "log.txt", "wb")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{pport}"], stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{pport}"
-    try:
-        deadline = time.monotonic() + 90
-        for i in range(400):
-            # a workload's worth of series: two plan kinds, prompt sources, a fallback
-            m.requests.labels("reposition", "ok").inc(2)
-            m.requests.labels("recompute", "ok").inc()
-            m.ttft.labels("reposition").observe(0.2)
-            m.ttft.labels("recompute").observe(1.5)
-            m.prompt_tokens.labels("repositioned").inc(900)
-            m.prompt_tokens.labels("computed").inc(120)
-            m.record_fallback("kv_transfer_timeout")
-            q = urllib.parse.urlencode({"query": "sum(rate(kvnotes_requests_total[5m]))"})
-            try:
-                with urllib.request.urlopen(f"{base}/api/v1/query?{q}", timeout=5) as r:
-                    if json.loads(r.read())["data"]["result"]:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (d / "log.txt").read_text()[-2000:]
-            assert time.monotonic() < deadline, "prometheus never had two scrapes of the target"
-            time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
+    conf = ("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: kvnotes\n"
+            f"    static_configs:\n      - targets: ['127.0.0.1:{port}']\n")
+    with prometheus_server(conf, tmp_path_factory.mktemp("prom")) as base:
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        server.shutdown()
-        log.close()
+            deadline = time.monotonic() + 90
+            while True:
+                # a workload's worth of series: two plan kinds, prompt sources, a fallback
+                m.requests.labels("reposition", "ok", "").inc(2)
+                m.requests.labels("recompute", "ok", "").inc()
+                m.ttft.labels("reposition").observe(0.2)
+                m.ttft.labels("recompute").observe(1.5)
+                m.prompt_tokens.labels("repositioned").inc(900)
+                m.prompt_tokens.labels("computed").inc(120)
+                m.record_fallback("kv_transfer_timeout")
+                if prom_query(base, "sum(rate(kvnotes_requests_total[5m]))"):
+                    break
+                assert time.monotonic() < deadline, "prometheus never had two scrapes of the target"
+                time.sleep(0.5)
+            yield base
+        finally:
+            server.shutdown()
 
 
 def _kvnotes(*args, timeout=180):
