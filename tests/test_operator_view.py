@@ -29,9 +29,9 @@ SKILLS = {
 }
 TEMPLATE = "Booking 88231 for {passenger}. Flight LX318 status: {status}. Gate {gate}.\n"
 
-# Panels whose series no process exports yet: each names the issue that adds it. The test fails
-# when one of them gets data (shrink the list) or when any other panel has none.
-NOT_YET = {
+# Panels this cluster cannot feed, each with the reason. The test fails when one of them gets data
+# (shrink the list) or when any other panel has none.
+NOT_YET = {   # the vLLM row needs decode_engine: vllm: tests/test_e2e_vllm_cluster.py proves those queries
     "vLLM TTFT p50 / p90": "decode_engine: vllm (this cluster runs the reference engine)",
     "vLLM prefix cache tokens": "decode_engine: vllm",
     "vLLM prefix-cache hit share": "decode_engine: vllm",
