@@ -151,8 +151,10 @@ def test_metrics_move(cluster):
         _metric(before, "kvnotes_ttft_seconds_count", plan="reposition") + 1
     assert _metric(after, "kvnotes_tier_hits_total") > _metric(before, "kvnotes_tier_hits_total")
     assert _metric(after, "kvnotes_requests_total", plan="reposition", status="ok") >= 1
-    assert _metric(after, "kvnotes_kv_transfer_bytes_total", transport="grpc") > \
-        _metric(before, "kvnotes_kv_transfer_bytes_total", transport="grpc")
+    # labelled by the transport that carried it (kv_transport auto: NIXL where it runs, else gRPC)
+    assert _metric(after, "kvnotes_kv_transfer_bytes_total") > _metric(before, "kvnotes_kv_transfer_bytes_total")
+    assert _metric(after, "kvnotes_stage_seconds_count", stage="transfer") > \
+        _metric(before, "kvnotes_stage_seconds_count", stage="transfer")
     assert _metric(after, "kvnotes_prompt_tokens_total", source="repositioned") > 0
     assert _metric(after, "kvnotes_rope_selftest_ok", worker="prefill-0") == 1
 
