@@ -3,13 +3,14 @@ contexts next to recompute (``kv_policy: exact``) in the same run, and a field-e
 workload (one field changes per turn over 20 turns) reporting prefix hit rate.
 
     kvnotes run &                                   # or kvnotes serve --config ...
-    python -m bench.cluster_ttft --url http://127.0.0.1:8000
+    python -m bench.cluster_ttft --url http://127.0.0.1:8000   # key: --api-key, $KVNOTES_API_KEY or ~/.local/share/kvnotes/api_key
     python -m bench.cluster_ttft --start            # start an embedded cluster in this process
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import uuid
@@ -108,6 +109,8 @@ def edit_session(client: httpx.Client, turns: int, doc_tokens: int) -> list[str]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cluster_ttft")
     ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default=os.environ.get("KVNOTES_API_KEY"),
+                    help="Bearer key (default: $KVNOTES_API_KEY, else the embedded default's key file)")
     ap.add_argument("--start", action="store_true", help="start an embedded cluster on a free port first")
     ap.add_argument("--sizes", type=int, nargs="*", default=[1024, 4096], help="compose sizes (none: skip)")
     ap.add_argument("--reps", type=int, default=5)
@@ -125,7 +128,13 @@ def main(argv=None) -> int:
         cfg = ClusterConfig(port=port)
         start(cfg)
         args.url = f"http://127.0.0.1:{port}"
-    client = httpx.Client(base_url=args.url, timeout=600)
+    key = args.api_key
+    if key is None:
+        from kvruntime.messages.config import ClusterConfig
+        f = (cfg or ClusterConfig()).api_key_file
+        key = f.read_text().strip() if f.exists() else None
+    client = httpx.Client(base_url=args.url, timeout=600,
+                          headers={"authorization": f"Bearer {key}"} if key else {})
     try:
         if client.get("/health").status_code != 200:
             raise SystemExit(f"no kvnotes router at {args.url}")

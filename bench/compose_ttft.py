@@ -1,5 +1,6 @@
-"""TTFT of full recompute vs reposition + seam repair, contexts where >= 90% of tokens are
-precompiled chunks. Run: ``python -m bench.compose_ttft [--sizes 1024 2048 4096 8192]``.
+"""TTFT of full recompute vs reposition + seam repair (+ selective recompute of a share r of the
+chunk tokens, ``kvruntime.ops.blend``), contexts where >= 90% of tokens are precompiled chunks.
+Run: ``python -m bench.compose_ttft [--sizes 1024 2048 4096 8192] [--ratios 0 0.05 0.1 0.2]``.
 
 Both sides run in this process on the reference engine, one after the other per size, so the
 ratio is measured on the same machine state. TTFT here = time from having the request's
@@ -40,9 +41,12 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=512, help="tokens per precompiled chunk")
     ap.add_argument("--seam", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.0], help="selective-recompute shares r")
     args = ap.parse_args(argv)
     if args.reps < 1 or any(s < 128 for s in args.sizes):
         ap.error("--reps must be >= 1 and every size >= 128 tokens")
+    if any(not 0 <= r <= 1 for r in args.ratios):
+        ap.error("--ratios must be in [0, 1]")
 
     engine = ReferenceEngine(args.model, dtype=args.dtype, threads=args.threads)
     if max(args.sizes) + 64 > engine.spec.context_window:
@@ -52,8 +56,8 @@ def main(argv=None) -> int:
     q = engine.encode("Summarise the key facts above in one sentence." + suffix)
     print(f"# compose TTFT: {args.model} {args.dtype}, {args.threads} threads, {platform.machine()}, "
           f"chunks of {args.chunk_tokens} tokens, seam {args.seam}, median of {args.reps}")
-    print("| context tokens | precompiled | recompute TTFT (s) | reposition+seam TTFT (s) | speed-up | KL | top-1 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| context tokens | precompiled | r | recompute TTFT (s) | reposition+seam (+r) TTFT (s) | speed-up | KL | top-1 |")
+    print("|---|---|---|---|---|---|---|---|")
     from kvruntime.fidelity.metrics import kl_divergence
     for size in args.sizes:
         body = size - len(pre) - len(q)
@@ -61,15 +65,21 @@ def main(argv=None) -> int:
         kvs = [precompile_chunk(engine, c) for c in chunks]                       # not timed: the tier's job
         ids = pre + [t for c in chunks for t in c] + q
         segs = [TextSegment(pre)] + [ChunkSegment(k) for k in kvs] + [TextSegment(q)]
-        t_full, t_comp = [], []
-        for _ in range(args.reps):
+        t_full, t_comp = [], {r: [] for r in args.ratios}
+        comp = {}
+        for _ in range(args.reps):      # interleaved: every variant sees the same machine state
             t = time.perf_counter(); full = recompute(engine, ids); t_full.append(time.perf_counter() - t)
-            t = time.perf_counter(); comp = compose(engine, segs, seam_tokens=args.seam); t_comp.append(time.perf_counter() - t)
-        f, c = statistics.median(t_full), statistics.median(t_comp)
+            for r in args.ratios:
+                t = time.perf_counter()
+                comp[r] = compose(engine, segs, seam_tokens=args.seam, recompute_ratio=r)
+                t_comp[r].append(time.perf_counter() - t)
+        f = statistics.median(t_full)
         share = sum(len(x) for x in chunks) / len(ids)
-        print(f"| {len(ids)} | {share:.0%} | {f:.2f} | {c:.2f} | {f / c:.1f}x | "
-              f"{kl_divergence(full.logits, comp.logits):.3f} | "
-              f"{'yes' if int(full.logits.argmax()) == int(comp.logits.argmax()) else 'no'} |", flush=True)
+        for r in args.ratios:
+            c = statistics.median(t_comp[r])
+            print(f"| {len(ids)} | {share:.0%} | {r:.0%} | {f:.2f} | {c:.2f} | {f / c:.1f}x | "
+                  f"{kl_divergence(full.logits, comp[r].logits):.3f} | "
+                  f"{'yes' if int(full.logits.argmax()) == int(comp[r].logits.argmax()) else 'no'} |", flush=True)
         del full, comp, kvs
     return 0
 

@@ -1,7 +1,9 @@
 """HTTP handlers over a :class:`~cluster.router.Router`: OpenAI-compatible completions and chat
 completions (SSE streaming too), the native ``/v1/notes/completions``, and registration of
-skills, memories and templates. Framework glue (Ray Serve + FastAPI) lives in
-``cluster.serve_app``; these functions take parsed JSON and return Starlette responses.
+skills, memories and templates. Framework glue (Ray Serve + FastAPI, auth, body limits) lives
+in ``cluster.serve_app``; these functions take a parsed JSON object and the caller's tenant,
+raise :class:`~cluster.errors.RequestError` for the caller's mistakes, and return Starlette
+responses. Tokenization runs in a worker thread, never on the event loop.
 """
 from __future__ import annotations
 
@@ -10,23 +12,17 @@ import logging
 import time
 import uuid
 
+import anyio
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.errors import RequestError
+from cluster.errors import RequestError, internal_error_json
+from cluster.limits import RequestLimits
 from cluster.router import Finished, Router
-from cluster.validate import (chat_messages, common_options, completions_prompt, edit_strategy, native_body,
-                              sampling_from)
+from cluster.validate import (chat_messages, check_name, check_text, common_options, completions_prompt, edit_strategy,
+                              native_body, openai_extras, sampling_from)
 from kvruntime.messages.decode import TokenEvent
 
 log = logging.getLogger(__name__)
-
-
-def error_response(exc: Exception) -> JSONResponse:
-    if isinstance(exc, RequestError):
-        return JSONResponse(exc.to_json(), status_code=exc.status)
-    log.exception("internal error")
-    return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}: {exc}", "type": "server_error",
-                                   "param": None, "code": None}}, status_code=500)
 
 
 def _usage(fin: Finished) -> dict:
@@ -50,157 +46,176 @@ async def _primed(gen):
     return first, gen
 
 
-async def _collect(first, gen) -> tuple[str, Finished]:
-    text, ev = "", first
-    while True:
-        if isinstance(ev, TokenEvent):
-            text += ev.text
-        else:
-            return text, ev
+async def _collect(first, gen) -> tuple[list[TokenEvent], Finished]:
+    evs, ev = [], first
+    while not isinstance(ev, Finished):
+        evs.append(ev)
         ev = await gen.__anext__()
+    return evs, ev
+
+
+def _tail(sent: str, fin: Finished) -> str:
+    """Text the decoder held back until the end (a partial stop string or character before EOS)."""
+    return fin.summary.text[len(sent):] if fin.summary.text.startswith(sent) else ""
 
 
 def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-async def openai_complete(router: Router, body, tenant: str, *, chat: bool) -> Response:
-    try:
-        model = router.renderer.spec.name
-        policy, stream, explain = common_options(body, model)
-        sampling = sampling_from(body, default_max_tokens=16, limit=router.max_tokens_limit)
-        if chat:
-            msgs = chat_messages(body)
-            ids = list(router.renderer.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                               return_dict=False))
-        else:
-            ids = completions_prompt(body, router.renderer.encode)
-            bos = router.renderer.bos_id
-            if router.renderer.spec.prepend_bos and bos is not None and ids[:1] != [bos]:
-                ids = [bos] + ids
-        vocab = len(router.renderer.tok)
-        if any(t >= vocab for t in ids):
-            raise RequestError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
-        first, gen = await _primed(router.stream_prompt(tenant, ids, policy=policy, sampling=sampling))
-    except Exception as exc:  # every failure becomes an error response (logged if ours)
-        return error_response(exc)
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+class _Logprobs:
+    """OpenAI's log-prob shapes from :class:`TokenEvent` values (chat: ``content`` entries;
+    completions: the legacy parallel lists)."""
+
+    def __init__(self, tok, chat: bool):
+        self.tok, self.chat = tok, chat
+
+    def _t(self, i: int) -> str:
+        return self.tok.decode([i])
+
+    def of(self, evs: list[TokenEvent]) -> dict | None:
+        evs = [e for e in evs if e.logprob is not None]
+        if not evs:
+            return None
+        if self.chat:
+            return {"content": [{"token": self._t(e.token_id), "logprob": e.logprob,
+                                 "bytes": list(self._t(e.token_id).encode()),
+                                 "top_logprobs": [{"token": self._t(i), "logprob": lp, "bytes": list(self._t(i).encode())}
+                                                  for i, lp in e.top_logprobs]} for e in evs]}
+        return {"tokens": [self._t(e.token_id) for e in evs], "token_logprobs": [e.logprob for e in evs],
+                "top_logprobs": [{self._t(i): lp for i, lp in e.top_logprobs} for e in evs],
+                "text_offset": None}
+
+
+async def openai_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str, *,
+                          chat: bool) -> Response:
+    model = router.renderer.spec.name
+    policy, stream, explain = common_options(body, model)
+    logprobs, include_usage = openai_extras(body, chat=chat)
+    vocab = len(router.renderer.tok)
+    sampling = sampling_from(body, default_max_tokens=16, limits=limits, vocab=vocab, logprobs=logprobs)
+    if chat:
+        msgs = chat_messages(body, limits)
+        ids = await anyio.to_thread.run_sync(router.renderer.chat_ids, msgs)
+    else:
+        prompt = completions_prompt(body, limits)
+        ids = await anyio.to_thread.run_sync(router.renderer.encode, prompt) if isinstance(prompt, str) else prompt
+        bos = router.renderer.bos_id
+        if router.renderer.spec.prepend_bos and bos is not None and ids[:1] != [bos]:
+            ids = [bos] + ids
+    if not ids:
+        raise RequestError(400, "prompt is empty after tokenization", param="prompt")
+    if any(t >= vocab for t in ids):
+        raise RequestError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
+    first, gen = await _primed(router.stream_prompt(tenant, ids, policy=policy, sampling=sampling))
+    cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
+    lp = _Logprobs(router.renderer.tok, chat)
     if not stream:
-        try:
-            text, fin = await _collect(first, gen)
-        except Exception as exc:
-            return error_response(exc)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+        evs, fin = await _collect(first, gen)
+        sent = "".join(e.text for e in evs)
+        text = sent + _tail(sent, fin)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp.of(evs),
                    "finish_reason": fin.summary.finish_reason} if chat else
-                  {"index": 0, "text": text, "finish_reason": fin.summary.finish_reason, "logprobs": None})
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+                  {"index": 0, "text": text, "finish_reason": fin.summary.finish_reason, "logprobs": lp.of(evs)})
+        return JSONResponse({"id": cid, "object": obj, "created": created, "model": model, "choices": [choice],
                              "usage": _usage(fin), "kvnotes": _kvnotes(fin, explain)})
 
+    def chunk(text: str | None, finish, evs=()) -> dict:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            c = {"index": 0, "delta": delta, "logprobs": lp.of(list(evs)), "finish_reason": finish}
+        else:
+            c = {"index": 0, "text": text or "", "logprobs": lp.of(list(evs)), "finish_reason": finish}
+        return {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": model, "choices": [c]}
+
     async def events():
-        ev = first
+        ev, sent = first, ""
         try:
-            while True:
-                if isinstance(ev, TokenEvent):
-                    if chat:
-                        delta = {"role": "assistant", "content": ev.text} if ev.index == 0 else {"content": ev.text}
-                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                    "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-                    else:
-                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [{"index": 0, "text": ev.text, "finish_reason": None, "logprobs": None}]})
-                else:
-                    end = ({"index": 0, "delta": {}, "finish_reason": ev.summary.finish_reason} if chat else
-                           {"index": 0, "text": "", "finish_reason": ev.summary.finish_reason, "logprobs": None})
-                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": created, "model": model, "choices": [end], "usage": _usage(ev),
-                                "kvnotes": _kvnotes(ev, explain)})
-                    break
+            if chat:
+                head = chunk("", None)
+                head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield _sse(head)
+            while isinstance(ev, TokenEvent):
+                if ev.text or ev.logprob is not None:
+                    sent += ev.text
+                    yield _sse(chunk(ev.text, None, [ev]))
                 ev = await gen.__anext__()
-        except Exception as exc:  # mid-stream failure: report it in-band, then end the stream
-            log.exception("stream %s failed", rid)
-            yield _sse({"error": {"message": f"internal error: {exc}", "type": "server_error"}})
+            end = chunk(_tail(sent, ev) or None, ev.summary.finish_reason)
+            if include_usage:
+                end["usage"] = _usage(ev)
+            end["kvnotes"] = _kvnotes(ev, explain)
+            yield _sse(end)
+        except Exception:  # mid-stream failure: report it in-band (no details), log it, end the stream
+            log.exception("request %s: stream failed", rid)
+            yield _sse(internal_error_json(rid))
         yield b"data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def notes_complete(router: Router, body, tenant: str) -> Response:
-    try:
-        policy, stream, explain = common_options(body, router.renderer.spec.name)
-        segments, session = native_body(body)
-        sampling = sampling_from(body, default_max_tokens=64, limit=router.max_tokens_limit)
-        first, gen = await _primed(router.stream_native(tenant, segments, policy=policy, session=session,
-                                                        sampling=sampling, edit=edit_strategy(body)))
-    except Exception as exc:
-        return error_response(exc)
-    rid = "notes-" + uuid.uuid4().hex[:24]
+async def notes_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str) -> Response:
+    policy, stream, explain = common_options(body, router.renderer.spec.name)
+    segments, session = native_body(body, limits)
+    sampling = sampling_from(body, default_max_tokens=64, limits=limits, vocab=len(router.renderer.tok))
+    first, gen = await _primed(router.stream_native(tenant, segments, policy=policy, session=session,
+                                                    sampling=sampling, edit=edit_strategy(body)))
+    nid = "notes-" + uuid.uuid4().hex[:24]
     if not stream:
-        try:
-            text, fin = await _collect(first, gen)
-        except Exception as exc:
-            return error_response(exc)
-        return JSONResponse({"id": rid, "object": "notes.completion", "model": router.renderer.spec.name,
-                             "text": text, "finish_reason": fin.summary.finish_reason, "usage": _usage(fin),
-                             **_kvnotes(fin, explain)})
+        evs, fin = await _collect(first, gen)
+        sent = "".join(e.text for e in evs)
+        return JSONResponse({"id": nid, "object": "notes.completion", "model": router.renderer.spec.name,
+                             "text": sent + _tail(sent, fin), "finish_reason": fin.summary.finish_reason,
+                             "usage": _usage(fin), **_kvnotes(fin, explain)})
 
     async def events():
-        ev = first
+        ev, sent = first, ""
         try:
-            while True:
-                if isinstance(ev, TokenEvent):
-                    yield _sse({"id": rid, "token": ev.text, "index": ev.index})
-                else:
-                    yield _sse({"id": rid, "finish_reason": ev.summary.finish_reason, "usage": _usage(ev),
-                                **_kvnotes(ev, explain)})
-                    break
+            while isinstance(ev, TokenEvent):
+                if ev.text:
+                    sent += ev.text
+                    yield _sse({"id": nid, "token": ev.text, "index": ev.index})
                 ev = await gen.__anext__()
-        except Exception as exc:
-            log.exception("stream %s failed", rid)
-            yield _sse({"error": {"message": f"internal error: {exc}", "type": "server_error"}})
+            tail = _tail(sent, ev)
+            if tail:
+                yield _sse({"id": nid, "token": tail, "index": ev.summary.completion_tokens})
+            yield _sse({"id": nid, "finish_reason": ev.summary.finish_reason, "usage": _usage(ev),
+                        **_kvnotes(ev, explain)})
+        except Exception:
+            log.exception("request %s: stream failed", rid)
+            yield _sse(internal_error_json(rid))
         yield b"data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def register(router: Router, kind: str, body, tenant: str) -> Response:
-    try:
-        if not isinstance(body, dict):
-            raise RequestError(400, "request body must be a JSON object")
-        name, text = body.get("name"), body.get("text")
-        if not isinstance(name, str) or not name.strip() or len(name) > 128:
-            raise RequestError(400, "name must be a non-empty string of at most 128 characters", param="name")
-        if kind == "template":
-            extra = set(body) - {"name", "text", "labels"}
-            if extra:
-                raise RequestError(400, f"unknown field(s): {', '.join(sorted(extra))}")
-            t = router.registry.add_template(tenant, name, text, body.get("labels"))
-            return JSONResponse({"name": t.name, "kind": "template", "fields": list(t.fields), "version": t.version},
-                                status_code=201)
-        extra = set(body) - {"name", "text"}
-        if extra:
-            raise RequestError(400, f"unknown field(s): {', '.join(sorted(extra))}")
-        return JSONResponse(await router.register_chunk(kind, tenant, name, text), status_code=201)
-    except Exception as exc:
-        return error_response(exc)
+async def register(router: Router, limits: RequestLimits, kind: str, body: dict, tenant: str) -> Response:
+    allowed = {"name", "text", "labels"} if kind == "template" else {"name", "text"}
+    extra = set(body) - allowed
+    if extra:
+        raise RequestError(400, f"unknown field(s): {', '.join(sorted(extra))[:300]}", param=sorted(extra)[0][:64])
+    name = check_name(body.get("name"), limits)
+    if kind == "template":
+        t = router.registry.add_template(tenant, name, body.get("text"), body.get("labels"), limits)
+        return JSONResponse({"name": t.name, "kind": "template", "fields": list(t.fields), "version": t.version},
+                            status_code=201)
+    text = check_text(body.get("text"), limits, "text")
+    return JSONResponse(await router.register_chunk(kind, tenant, name, text), status_code=201)
 
 
 async def listing(router: Router, kind: str, tenant: str) -> Response:
-    try:
-        if kind == "template":
-            items = [{"name": t.name, "fields": list(t.fields), "version": t.version}
-                     for t in router.registry.templates(tenant)]
-        else:
-            items = await router.listing(kind, tenant)
-    except Exception as exc:
-        return error_response(exc)
+    if kind == "template":
+        items = [{"name": t.name, "fields": list(t.fields), "version": t.version}
+                 for t in router.registry.templates(tenant)]
+    else:
+        items = await router.listing(kind, tenant)
     return JSONResponse({"object": "list", "data": items})
 
 
 async def delete(router: Router, kind: str, name: str, tenant: str) -> Response:
-    try:
-        if kind == "template":
-            router.registry.remove_template(tenant, name)
-            return JSONResponse({"name": name, "kind": kind, "deleted": True})
-        return JSONResponse(await router.delete_chunk(kind, tenant, name))
-    except Exception as exc:
-        return error_response(exc)
+    if len(name) > 1024:
+        raise RequestError(400, "name is too long", param="name")
+    if kind == "template":
+        router.registry.remove_template(tenant, name)
+        return JSONResponse({"name": name, "kind": kind, "deleted": True})
+    return JSONResponse(await router.delete_chunk(kind, tenant, name))

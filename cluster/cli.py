@@ -26,6 +26,18 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start a cluster from a config file (YAML or JSON)")
     s.add_argument("--config", required=True)
+    s.add_argument("--address", default=None,
+                   help="join this Ray cluster (host:port or auto; overrides ray_address in the config)")
+
+    k = sub.add_parser("keys", help="API keys: each maps to a tenant (only its hash is stored)")
+    ksub = k.add_subparsers(dest="action", required=True)
+    kc = ksub.add_parser("create", help="create a key for a tenant; the key is the last line printed")
+    kc.add_argument("--tenant", required=True)
+    kl = ksub.add_parser("list", help="list keys (id, tenant, created), never the keys themselves")
+    kr = ksub.add_parser("revoke", help="revoke a key by its id (from `keys list`)")
+    kr.add_argument("key_id")
+    for x in (kc, kl, kr):
+        x.add_argument("--config", default=None, help="the cluster's config file (default: the embedded default's)")
 
     e = sub.add_parser("eval", help="measurements")
     esub = e.add_subparsers(dest="what", required=True)
@@ -36,9 +48,39 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--threads", type=int, default=None)
     f.add_argument("--limit", type=int, default=None, help="only the first N cases of each set")
     f.add_argument("--no-cot", action="store_true", help="skip the chain-of-thought edit variant")
+    f.add_argument("--compose-only", action="store_true",
+                   help="only the compose r sweep, merged into the model's summary (compose_sweep)")
+    f.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.10, 0.15, 0.25, 0.50],
+                   help="selective-recompute ratios swept with --compose-only")
+    f.add_argument("--answered", action="store_true", help="only compose cases that carry an expected answer")
     f.add_argument("--tables-dir", default=None, help="where to write <model>.json (default: shipped tables)")
     r = esub.add_parser("report", help="regenerate the tables in docs/fidelity.md from the saved summaries")
     r.add_argument("--doc", default="docs/fidelity.md")
+
+    rep = sub.add_parser("report", help="render the Grafana dashboard's panels to PNG from Prometheus (no Grafana)")
+    rep.add_argument("--prometheus", required=True, help="Prometheus base URL, e.g. http://127.0.0.1:9090")
+    rep.add_argument("--out", required=True, help="directory for the PNGs and index.md")
+    rep.add_argument("--since", default="1h", help="time range ending now (30m, 1h, 2d)")
+    rep.add_argument("--step", default=None, help="query resolution (default: range / 240)")
+
+    def target_args(a):
+        a.add_argument("--url", default=None, help="router URL (default: KVNOTES_URL, the config's, or :8000)")
+        a.add_argument("--key", default=None, help="API key (default: KVNOTES_API_KEY or <data_dir>/api_key)")
+        a.add_argument("--config", default=None, help="the cluster's config file (router address, key file)")
+
+    target_args(sub.add_parser("status", help="workers per role, state store, tier and remote tier state"))
+    for kind in ("skills", "memories", "templates"):
+        k = sub.add_parser(kind, help=f"list, add or remove {kind} through the router's API")
+        ksub = k.add_subparsers(dest="action", required=True)
+        target_args(ksub.add_parser("list", help=f"registered {kind}" + ("" if kind == "templates"
+                                                                          else " and whether the tier holds them")))
+        a = ksub.add_parser("add", help="register a file, or every .txt/.md/.json file of a directory")
+        a.add_argument("path")
+        a.add_argument("--name", default=None, help="name for a single file (default: the file's stem)")
+        target_args(a)
+        rm = ksub.add_parser("rm", help=f"delete one of the {kind}")
+        rm.add_argument("name")
+        target_args(rm)
     return p
 
 
@@ -57,13 +99,31 @@ def main(argv: list[str] | None = None) -> int:
             cfg = (ClusterConfig(model=args.model, port=args.port, decode_engine=args.decode_engine)
                    if args.cmd == "run"
                    else ClusterConfig.from_file(args.config))
+            if args.cmd == "serve" and args.address:
+                import dataclasses
+                cfg = dataclasses.replace(cfg, ray_address=args.address)
             return run_forever(cfg, register_demo=args.cmd == "run")
+        if args.cmd == "keys":
+            return _keys(args)
         if args.cmd == "demo":
             from cluster.demo import run_demo
             return run_demo(args.model, threads=args.threads)
         if args.cmd == "eval" and args.what == "fidelity":
             from kvruntime.fidelity.cli import eval_fidelity
             return eval_fidelity(args, argv if argv is not None else sys.argv[1:])
+        if args.cmd == "report":
+            from cluster.report import run as report
+            return report(args.prometheus, args.out, since=args.since, step=args.step)
+        if args.cmd in ("status", "skills", "memories", "templates"):
+            from cluster import admin
+            t = admin.resolve_target(args.url, args.key, args.config)
+            if args.cmd == "status":
+                return admin.status(t)
+            if args.action == "list":
+                return admin.list_kind(t, args.cmd)
+            if args.action == "add":
+                return admin.add(t, args.cmd, args.path, args.name)
+            return admin.remove(t, args.cmd, args.name)
         if args.cmd == "eval" and args.what == "report":
             from kvruntime.fidelity.cli import write_report
             return write_report(args.doc)
@@ -74,6 +134,35 @@ def main(argv: list[str] | None = None) -> int:
         print("kvnotes: interrupted", file=sys.stderr)
         return 130
     return 2
+
+
+def _keys(args) -> int:
+    import datetime
+
+    from cluster.auth import check_tenant, create_key
+    from cluster.state import open_state
+    from kvruntime.messages.config import ClusterConfig
+
+    cfg = ClusterConfig.from_file(args.config) if args.config else ClusterConfig()
+    if args.action == "create":
+        check_tenant(args.tenant)
+    state = open_state(cfg.resolved_state_url)
+    try:
+        if args.action == "create":
+            key, rec = create_key(state, args.tenant)
+            print(f"created key {rec.key_id} for tenant {rec.tenant}; it is shown only now:")
+            print(key)
+        elif args.action == "list":
+            for r in state.list_api_keys():
+                when = datetime.datetime.fromtimestamp(r.created, datetime.timezone.utc).isoformat(timespec="seconds")
+                print(f"{r.key_id}  {r.tenant}  {when}")
+        elif not state.revoke_api_key(args.key_id):
+            raise ValueError(f"no key with id {args.key_id!r} (see `kvnotes keys list`)")
+        else:
+            print(f"revoked key {args.key_id}")
+    finally:
+        state.close()
+    return 0
 
 
 if __name__ == "__main__":

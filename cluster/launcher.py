@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 from kvruntime.messages.config import ClusterConfig
 
@@ -18,6 +19,55 @@ DEMO_SKILL = ("Refund policy: customers may return unused items within 30 days o
               "perishable food are never refundable.")
 
 
+class ConnectError(RuntimeError):
+    """The configured Ray cluster could not be reached (the message says which and why)."""
+
+
+def ray_auth_mode(cfg: ClusterConfig, token_path: Path | None = None) -> str | None:
+    """The ``RAY_AUTH_MODE`` to join ``cfg.ray_address`` with: the config's, else ``token`` when
+    Ray's token file exists (Ray 2.60 heads started by ``ray start`` require it), else unset."""
+    if cfg.ray_auth_mode:
+        return cfg.ray_auth_mode
+    token_path = token_path or Path.home() / ".ray" / "auth_token"
+    return "token" if token_path.exists() or os.environ.get("RAY_AUTH_TOKEN") else None
+
+
+def _probe(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a host:port that does not accept connections (Ray would retry for minutes)."""
+    import socket
+
+    if address == "auto" or "://" in address:
+        return                   # "auto": Ray finds the local head itself, or fails at once
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConnectError(f"ray_address must be host:port or auto, got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectError(f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc} "
+                           f"(is `ray start --head` running there?)") from None
+
+
+def connect(cfg: ClusterConfig) -> None:
+    """Join the Ray cluster at ``cfg.ray_address``; ConnectError (one line) when it cannot."""
+    import ray
+
+    _probe(cfg.ray_address)
+    mode = ray_auth_mode(cfg)
+    if mode and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = mode
+        from ray._raylet import Config
+        Config.initialize("")     # Ray read its config at import: make it see the auth mode (as Ray itself does)
+        log.info("joining %s with RAY_AUTH_MODE=%s", cfg.ray_address, mode)
+    try:
+        ray.init(address=cfg.ray_address, namespace="kvnotes", log_to_driver=False)
+    except Exception as exc:   # Ray raises ConnectionError, RuntimeError, AuthenticationError, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = "" if mode == "token" else " (a token-auth head needs ~/.ray/auth_token or ray_auth_mode: token)"
+        raise ConnectError(f"cannot connect to the Ray cluster at {cfg.ray_address}: {type(exc).__name__}: "
+                           f"{first[:300]}{hint}") from None
+
+
 def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     """Start everything and return once the router answers; idempotent within one Ray session."""
     import ray
@@ -26,13 +76,17 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     if not ray.is_initialized():
         if cfg.ray_address:
-            ray.init(address=cfg.ray_address, namespace="kvnotes", log_to_driver=False)
+            connect(cfg)
         else:
-            ray.init(num_cpus=local_cpus, namespace="kvnotes", include_dashboard=False, log_to_driver=False,
+            # local_cpus given: a fresh local instance (never a `ray start` cluster found on the machine,
+            # which refuses num_cpus); else attach to a local cluster if there is one, or start one
+            ray.init(address="local" if local_cpus is not None else None, num_cpus=local_cpus, namespace="kvnotes",
+                     include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
     from cluster.ray_backends import start_workers
     from cluster.serve_app import RouterIngress
 
+    ensure_api_key(cfg)
     t = time.monotonic()
     start_workers(cfg)
     log.info("workers ready in %.1f s", time.monotonic() - t)
@@ -41,11 +95,27 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
               blocking=False)
 
 
+def ensure_api_key(cfg: ClusterConfig) -> str | None:
+    """With auth on: the key in ``<data_dir>/api_key`` (created, printed and saved mode 0600 on
+    first start when the state store holds no key); None when auth is off or other keys exist."""
+    if not cfg.auth:
+        return None
+    from cluster.auth import ensure_default_key
+    from cluster.state import open_state
+    state = open_state(cfg.resolved_state_url)
+    try:
+        return ensure_default_key(state, cfg.tenant, cfg.api_key_file)
+    finally:
+        state.close()
+
+
 def stop(cfg: ClusterConfig) -> None:
     import ray
     from ray import serve
 
     from cluster.ray_backends import stop_workers
+    if not ray.is_initialized():
+        return            # never connected: nothing to stop (serve.shutdown() would start a local Ray)
     try:
         serve.shutdown()
     finally:
@@ -55,24 +125,33 @@ def stop(cfg: ClusterConfig) -> None:
 
 def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     """Start, print how to call it, serve until Ctrl-C / SIGTERM, then stop everything."""
-    print(f"kvnotes: starting local cluster (model {cfg.model}, {cfg.prefill.count} prefill + "
+    where = f"joining the Ray cluster at {cfg.ray_address}" if cfg.ray_address else "starting local cluster"
+    print(f"kvnotes: {where} (model {cfg.model}, {cfg.prefill.count} prefill + "
           f"{cfg.decode.count} decode actors); the first start converts the model (~30 s)...", flush=True)
     base = f"http://{cfg.host}:{cfg.port}"
     try:
         start(cfg)
-        if register_demo:
+        key = ensure_api_key(cfg)
+        if register_demo and cfg.auth and key is None:
+            print(f"kvnotes: not registering the demo skill: API keys exist but {cfg.api_key_file} holds none of them")
+        elif register_demo:
             import httpx
-            r = httpx.post(f"{base}/v1/skills", json={"name": "refund-policy", "text": DEMO_SKILL}, timeout=300)
+            auth = {"authorization": f"Bearer {key}"} if key else {}
+            r = httpx.post(f"{base}/v1/skills", json={"name": "refund-policy", "text": DEMO_SKILL}, headers=auth,
+                           timeout=300)
             if r.status_code != 201:
                 raise RuntimeError(f"registering the demo skill failed: HTTP {r.status_code}: {r.text[:300]}")
             print(f"kvnotes: registered demo skill 'refund-policy' ({r.json()['tokens']} tokens precompiled)")
+    except ConnectError:
+        raise                          # nothing was started
     except BaseException:
         print("kvnotes: start failed; stopping what was started", flush=True)
         stop(cfg)
         raise
+    hdr = f"-H \"authorization: Bearer $(cat {cfg.api_key_file})\" " if cfg.auth else ""
     print(f"""kvnotes: serving {cfg.model} on {base}  (Ctrl-C to stop)
-  curl -s {base}/v1/notes/completions -H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
-  curl -s {base}/v1/chat/completions -H 'content-type: application/json' -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
+  curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
+  curl -s {base}/v1/chat/completions {hdr}-H 'content-type: application/json' -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
   metrics: {base}/metrics""", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

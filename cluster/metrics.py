@@ -7,7 +7,38 @@ Workers do not export metrics themselves: every worker result carries its measur
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# One holder per HTTP request (set by the API layer): the router marks the request counted when it
+# records its final status, so the API layer counts only what never reached the router (auth,
+# limits, bad bodies, planning errors) or ended without a status (a client that went away).
+REQUEST_ACCOUNT: ContextVar[dict | None] = ContextVar("kvnotes_request_account", default=None)
+
+_STATUS_BY_CODE = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large", 429: "rate_limited",
+                   503: "unavailable", 504: "deadline"}
+
+
+def begin_request() -> dict:
+    """Start the accounting of one HTTP request (API layer); returns its holder."""
+    acct = {"counted": False}
+    REQUEST_ACCOUNT.set(acct)
+    return acct
+
+
+def note_plan(kind: str) -> None:
+    """The router planned the current request as ``kind`` (its label if it is abandoned)."""
+    acct = REQUEST_ACCOUNT.get()
+    if acct is not None:
+        acct["plan"] = kind
+
+
+def status_label(code: int) -> str:
+    """HTTP status -> the ``status`` label of ``kvnotes_requests_total``."""
+    if 200 <= code < 300:
+        return "ok"
+    return _STATUS_BY_CODE.get(code, "client_error" if 400 <= code < 500 else "error")
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16)
@@ -18,7 +49,8 @@ class Metrics:
         r = self.registry = registry or CollectorRegistry()
         self.ttft = Histogram("kvnotes_ttft_seconds", "Time to first token, by plan kind", ["plan"],
                               buckets=_TTFT_BUCKETS, registry=r)
-        self.requests = Counter("kvnotes_requests_total", "Requests by plan kind and status", ["plan", "status"],
+        self.requests = Counter("kvnotes_requests_total", "Requests by the plan that executed, final status and "
+                                "the first fallback taken (every request once)", ["plan", "status", "fallback"],
                                 registry=r)
         self.prompt_tokens = Counter("kvnotes_prompt_tokens_total",
                                      "Prompt tokens by where their KV came from", ["source"], registry=r)
@@ -35,6 +67,16 @@ class Metrics:
                                  registry=r)
         self.fidelity_cosine = Histogram("kvnotes_fidelity_cosine", "Logit cosine vs recompute (shadow checks)",
                                          buckets=(0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0), registry=r)
+        self.fidelity_kl = Histogram("kvnotes_fidelity_kl", "First-token KL(recompute || plan), shadow checks",
+                                     ["plan", "op"], buckets=(0.001, 0.01, 0.03, 0.1, 0.3, 1, 3, 10), registry=r)
+        self.fidelity_checks = Counter("kvnotes_fidelity_checks_total", "Shadow checks completed per operation",
+                                       ["op"], registry=r)
+        self.fidelity_agree = Counter("kvnotes_fidelity_agree_total", "Shadow checks agreeing with recompute, "
+                                      "per operation and metric (top1, greedy16)", ["op", "metric"], registry=r)
+        self.shadow_checks = Counter("kvnotes_shadow_checks_total", "Shadow checks by outcome "
+                                     "(submitted, dropped: queue full, failed, done)", ["result"], registry=r)
+        self.fidelity_demotions = Counter("kvnotes_fidelity_demotions_total", "Operations demoted / readmitted "
+                                          "by online shadow checks", ["op", "event"], registry=r)
         self.rope_self_test = Gauge("kvnotes_rope_selftest_ok", "1 if the RoPE re-rotation self-test passed",
                                     ["worker"], registry=r)
         self.tier_rewarms = Counter("kvnotes_tier_rewarms_total",
@@ -44,8 +86,27 @@ class Metrics:
                                      ["kind", "result"], registry=r)
         self.state_entries = Gauge("kvnotes_state_entries", "Entries in the state store (sessions and the prompt "
                                    "index are bounded by TTL and count)", ["kind"], registry=r)
+        self.workers_alive = Gauge("kvnotes_workers_alive", "Worker actors this router replica sees alive, by role",
+                                   ["role"], registry=r)
+        self.retries = Counter("kvnotes_retries_total", "Requests retried on another worker, and mid-stream worker "
+                               "failures (reason says which; each one also logged)", ["role", "reason"], registry=r)
+        self.tier_remote_up = Gauge("kvnotes_tier_remote_up", "1 when every prefill worker reaches the remote (lm://) "
+                                    "KV tier, 0 when one cannot (it recomputes meanwhile); absent without one",
+                                    ["tier"], registry=r)
+        self.deadlines = Counter("kvnotes_deadline_exceeded_total", "Requests cancelled because their deadline "
+                                 "passed, by the stage they were in", ["stage"], registry=r)
         for src in ("reused", "repositioned", "erratum", "computed"):
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
+        for role in ("prefill", "decode"):
+            for reason in ("lost_before_first_token", "lost_mid_stream", "retries_exhausted"):
+                self.retries.labels(role, reason)   # zeros: "no retries" is a value, not a missing series
+
+    def count_request(self, plan: str, status: str, fallback: str = "") -> None:
+        """The one place a request's final status is counted; marks the current HTTP request."""
+        self.requests.labels(plan, status, fallback).inc()
+        acct = REQUEST_ACCOUNT.get()
+        if acct is not None:
+            acct["counted"] = True
 
     def record_fallback(self, reason: str) -> None:
         self.fallbacks.labels(reason).inc()

@@ -6,13 +6,17 @@ Rules (per segment, left to right; DESIGN.md section 3):
   context KV is exact; a context whose template was re-registered is planned from scratch)
 - session context with edited template fields  -> erratum or edit-in-place (policy ``fast``;
   which one comes from the model's fidelity table, see :func:`choose_edit_kind`)
-- skill / memory                               -> reposition + seam (``balanced``, ``fast``); one the
-  tier no longer holds is re-warmed first (compiled at its canonical position and stored back)
+- skill / memory                               -> reposition + seam + selective recompute of r of its
+  tokens (``balanced``, ``fast``), with the cheapest (seam, r) whose row in the model's measured
+  fidelity profile meets the policy's target (:func:`choose_compose`); none meets it, or no
+  profile: recompute. One the tier no longer holds is re-warmed first (compiled at its canonical
+  position and stored back)
 - plain prompt with a cached prefix            -> reuse the prefix (any policy)
 - everything else                              -> recompute
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -72,9 +76,78 @@ class EditChoice:
 
 
 @dataclass(frozen=True)
+class FidelityTarget:
+    """What a policy promises about composed chunks, checked against the measured profile."""
+    metric: str = "top1"           # a profile row's key: top1 | greedy_exact | greedy_prefix
+    minimum: float = 0.97          # the row's value must be >= this
+    min_cases: int = 10            # rows measured on fewer cases are not trusted
+
+    def __post_init__(self):
+        if self.metric not in ("top1", "greedy_exact", "greedy_prefix"):
+            raise ValueError(f"fidelity target metric must be top1, greedy_exact or greedy_prefix, got {self.metric!r}")
+        if not 0.0 <= self.minimum <= 1.0 or self.min_cases < 1:
+            raise ValueError("fidelity target minimum must be in [0, 1] and min_cases >= 1")
+
+
+@dataclass(frozen=True)
+class ComposeChoice:
+    """How a policy composes precompiled chunks for this model (from :func:`choose_compose`)."""
+    allowed: bool                  # False: chunks are recomputed (no profile, or no row meets the target)
+    seam_tokens: int = 1
+    recompute_ratio: float = 0.0
+    op: str = ""                   # operation key (shadow checks and demotion count per key)
+    reason: str = ""               # the profile row(s) that justified it, for ``explain``
+
+
+def compose_op_key(seam_tokens: int, recompute_ratio: float) -> str:
+    return f"reposition(seam={seam_tokens},r={recompute_ratio:g})"
+
+
+def choose_compose(summary: dict | None, target: FidelityTarget, *, demoted: frozenset[str] = frozenset(),
+                   model: str = "") -> ComposeChoice:
+    """The cheapest compose operation (lowest r, then fewest seam tokens) whose every measured row
+    in the model's profile (``kvnotes eval fidelity``: sections ``compose`` and ``compose_sweep``)
+    meets ``target`` on at least ``min_cases`` cases; operations in ``demoted`` (online shadow
+    checks fell below the target) are skipped. No profile, or no row meets it: not allowed."""
+    if not summary:
+        return ComposeChoice(False, reason="no fidelity profile for this model: only exact reuse until one is measured")
+    groups: dict[tuple[int, float], list[tuple[str, str, dict]]] = {}
+    sections = [("compose", summary.get("compose") or {}),
+                ("compose_sweep", (summary.get("compose_sweep") or {}).get("ops") or {})]
+    for sec, rows in sections:
+        for name, row in rows.items():
+            p = row.get("params") or {}
+            if p.get("recompute") or not p.get("rotate", False):
+                continue                                   # the reference row; naive splice never plans
+            groups.setdefault((int(p.get("seam_tokens", 0)), float(p.get("recompute_ratio", 0.0))), []).append((sec, name, row))
+    want = f"{target.metric} >= {target.minimum:.0%}"
+    skipped = []
+    for (seam, ratio) in sorted(groups, key=lambda k: (k[1], k[0])):
+        rows, key = groups[(seam, ratio)], compose_op_key(seam, ratio)
+        ok = all((r.get(target.metric) or 0.0) >= target.minimum and (r.get("n") or 0) >= target.min_cases
+                 for _, _, r in rows)
+        if ok and key in demoted:
+            skipped.append(key)
+            continue
+        if ok:
+            cited = "; ".join(f"{model or 'profile'} {sec} row '{name}': {target.metric} {r[target.metric]:.0%} "
+                              f"on {r['n']} cases" for sec, name, r in rows)
+            return ComposeChoice(True, seam, ratio, key, f"{want} met by {cited}"
+                                 + (f" (demoted online: {', '.join(skipped)})" if skipped else ""))
+    return ComposeChoice(False, reason=f"no compose operation in the {model or 'model'}'s fidelity profile meets "
+                                       f"{want}" + (f" (demoted online: {', '.join(skipped)})" if skipped else "")
+                                       + ": chunks recomputed")
+
+
+@dataclass(frozen=True)
 class PlannerConfig:
-    seam_tokens: int = 1                        # reposition: tokens recomputed at each chunk start
+    seam_tokens: int = 1                        # reposition: tokens recomputed at each chunk start (no choice given)
     edit: EditChoice = field(default_factory=lambda: EditChoice(PlanKind.ERRATUM, reason="default"))
+    balanced: ComposeChoice | None = None       # per policy, from the profile; None: reposition + seam_tokens
+    fast: ComposeChoice | None = None
+
+    def compose_for(self, policy: Policy) -> ComposeChoice | None:
+        return {Policy.BALANCED: self.balanced, Policy.FAST: self.fast}.get(policy)
 
 
 def choose_edit_kind(summary: dict | None, *, top_k: int = 16) -> EditChoice:
@@ -135,13 +208,22 @@ def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView
         if policy is Policy.EXACT:
             return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0,
                                 reason="policy exact: a repositioned chunk is not bit-identical to recompute")]
-        k = min(config.seam_tokens, n)
+        choice = config.compose_for(policy)
+        if choice is not None and not choice.allowed:
+            return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0,
+                                reason=f"policy {policy.value}: {choice.reason}")]
+        k = min(choice.seam_tokens if choice else config.seam_tokens, n)
+        r = choice.recompute_ratio if choice else 0.0
+        why = f"; chosen because {choice.reason}" if choice else ""
         if seg.kv.digest not in tier.chunk_keys:
             notes.append(f"{source} is not in the tier: re-warmed (compiled and stored back) before use")
             return [SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, n, 0, seg.kv, seam_tokens=k,
-                                reason=f"evicted chunk re-warmed, then moved to position {pos}")]
-        return [SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, k, n - k, seg.kv, seam_tokens=k,
-                            reason=f"precompiled chunk moved to position {pos}, {k} seam token(s) recomputed")]
+                                recompute_ratio=r, reason=f"evicted chunk re-warmed, then moved to position {pos}{why}")]
+        c = k + math.ceil(r * (n - k) - 1e-9)
+        return [SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, c, n - c, seg.kv, seam_tokens=k,
+                            recompute_ratio=r,
+                            reason=f"precompiled chunk moved to position {pos}, {k} seam token(s)"
+                                   + (f" + {r:.0%} selectively" if r else "") + f" recomputed{why}")]
     return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="computed in context")]
 
 

@@ -14,38 +14,86 @@ import logging
 
 import ray
 
+from cluster.routing import FaultPolicy, WorkerLost, WorkerView
 from kvruntime.messages.config import ClusterConfig, WorkerConfig
 from decode_workers.actor import DecodeWorker
 from prefill_workers.actor import PrefillWorker
 
 log = logging.getLogger(__name__)
 NAMESPACE = "kvnotes"
+HEALTH_GROUP = "health"          # a second thread in each actor: health() and cancel() run beside work
+# Ray errors that mean "this actor is gone or restarting" (the call may not have run)
+ACTOR_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError)
 
 
-def _options(w: WorkerConfig, kind: str, name: str) -> dict:
+def _options(cfg: ClusterConfig, w: WorkerConfig, kind: str, name: str) -> dict:
     opts = {"num_cpus": w.num_cpus, "num_gpus": w.num_gpus, "name": name, "namespace": NAMESPACE,
-            "lifetime": "detached", "get_if_exists": True, "max_restarts": 0}
+            "lifetime": "detached", "get_if_exists": True, "max_restarts": cfg.worker_max_restarts}
     if w.custom_resource:
         opts["resources"] = {kind: 1}
     return opts
 
 
+def worker_resources(cfg: ClusterConfig, kind: str) -> dict[str, float]:
+    """What one actor of ``kind`` asks Ray for (deploy/cluster.yaml's node types provide it)."""
+    w = cfg.prefill if kind == "prefill" else cfg.decode
+    want = {"CPU": w.num_cpus, "GPU": w.num_gpus, **({kind: 1.0} if w.custom_resource else {})}
+    return {k: float(v) for k, v in want.items() if v}
+
+
 def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
-    """Create (or find) the named actors and wait until each loaded its model."""
+    """Create (or find) the named actors and wait until each loaded its model, at most
+    ``start_timeout_s``: then the actors are removed and ``RuntimeError`` names the missing ones
+    and the resources they wait for."""
     # PYTHONHASHSEED: LMCache falls back to Python's hash() without vLLM; fix it so keys agree across processes
     env = {"env_vars": {"LMCACHE_TRACK_USAGE": "false", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}}
-    pre = [ray.remote(PrefillWorker).options(runtime_env=env, **_options(cfg.prefill, "prefill", f"prefill-{i}"))
-           .remote(cfg, i) for i in range(cfg.prefill.count)]
+    groups = {HEALTH_GROUP: 1}
+    pre = [ray.remote(concurrency_groups=groups)(PrefillWorker)
+           .options(runtime_env=env, **_options(cfg, cfg.prefill, "prefill", f"prefill-{i}")).remote(cfg, i)
+           for i in range(cfg.prefill.count)]
     dec = []
     for i in range(cfg.decode.count):
-        dopts = _options(cfg.decode, "decode", f"decode-{i}")
+        dopts = _options(cfg, cfg.decode, "decode", f"decode-{i}")
         if cfg.decode_engine == "vllm":
             # a threaded actor: concurrent generate() calls reach one vLLM engine, which batches them
             dopts["max_concurrency"] = cfg.vllm_max_concurrency
-        dec.append(ray.remote(DecodeWorker).options(runtime_env=env, **dopts).remote(cfg, i))
-    for info in ray.get([a.ready.remote() for a in pre + dec]):
+        dec.append(ray.remote(concurrency_groups=groups)(DecodeWorker).options(runtime_env=env, **dopts)
+                   .remote(cfg, i))
+    names = [f"prefill-{i}" for i in range(len(pre))] + [f"decode-{i}" for i in range(len(dec))]
+    refs = [a.ready.remote() for a in pre + dec]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=cfg.start_timeout_s)
+    if pending:
+        missing = [n for n, r in zip(names, refs) if r in set(pending)]
+        stop_workers(cfg)
+        raise RuntimeError(_start_timeout_message(cfg, missing))
+    try:
+        infos = ray.get(refs)
+    except ray.exceptions.RayError as exc:     # an actor died while loading: one line, not a traceback
+        stop_workers(cfg)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RuntimeError(f"a worker actor failed while starting: {type(exc).__name__}: {first}") from None
+    for info in infos:
         log.info("worker ready: %s", info)
     return pre, dec
+
+
+def _start_timeout_message(cfg: ClusterConfig, missing: list[str]) -> str:
+    """Which of the missing actors no node can hold (and what they need), and which are still
+    loading (placed, but the model load did not finish in time)."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    unplaceable, loading = [], []
+    for name in missing:
+        want = worker_resources(cfg, name.split("-")[0])
+        if any(all(res.get(k, 0.0) >= v for k, v in want.items()) for res in nodes):
+            loading.append(name)
+            continue
+        short = [k for k, v in want.items() if not any(res.get(k, 0.0) >= v for res in nodes)]
+        most = {k: max((res.get(k, 0.0) for res in nodes), default=0.0) for k in short}
+        unplaceable.append(f"{name} needs {want} but no node has {', '.join(f'{k} {want[k]:g}' for k in short)} "
+                           f"(largest: {', '.join(f'{k} {v:g}' for k, v in most.items())})")
+    parts = unplaceable + ([f"{', '.join(loading)} placed but still loading (or waiting for resources in use)"]
+                           if loading else [])
+    return (f"{len(missing)} worker actor(s) did not start within {cfg.start_timeout_s:g} s: " + "; ".join(parts))
 
 
 def stop_workers(cfg: ClusterConfig) -> None:
@@ -58,9 +106,12 @@ def stop_workers(cfg: ClusterConfig) -> None:
 
 
 class RayBackends:
-    """:class:`~cluster.router.Backends` over actor handles."""
+    """:class:`~cluster.router.Backends` over actor handles. Ray's actor errors become
+    :class:`~cluster.routing.WorkerLost` (and mark the worker down in :attr:`view`), so the
+    router retries without knowing Ray."""
 
-    def __init__(self, prefill: list, decode: list):
+    def __init__(self, prefill: list, decode: list, cfg: ClusterConfig | None = None):
+        cfg = cfg or ClusterConfig()
         self.prefill_actors, self.decode_actors = prefill, decode
         self.num_prefill, self.num_decode = len(prefill), len(decode)
         # each decode actor's KV endpoint (gRPC address on its node, NIXL agent metadata): handed to
@@ -68,44 +119,97 @@ class RayBackends:
         self.endpoints = ray.get([d.endpoint.remote() for d in decode])
         self.addresses = [e.grpc_address for e in self.endpoints]
         self.ready = ray.get([a.ready.remote() for a in prefill])
+        self.view = WorkerView(self.num_prefill, self.num_decode, prefill_load_factor=cfg.prefill_load_factor)
+        self.fault_policy = FaultPolicy(cfg.request_retries, cfg.request_deadline_s)
+        self.cfg = cfg
+        self.remote_up: dict[int, bool] = {}      # prefill index -> remote tier reachable (if configured)
+        self.health_sweeps = 0                    # completed health sweeps (/ready waits for the first)
+        self._monitor = None
 
     @staticmethod
     def from_names(cfg: ClusterConfig) -> "RayBackends":
         pre = [ray.get_actor(f"prefill-{i}", namespace=NAMESPACE) for i in range(cfg.prefill.count)]
         dec = [ray.get_actor(f"decode-{i}", namespace=NAMESPACE) for i in range(cfg.decode.count)]
-        return RayBackends(pre, dec)
+        return RayBackends(pre, dec, cfg)
+
+    def actors(self, role: str) -> list:
+        return self.prefill_actors if role == "prefill" else self.decode_actors
+
+    def start_health(self, metrics) -> None:
+        """Start the health thread (once): it keeps :attr:`view` and the metrics current."""
+        from cluster.health import HealthMonitor
+        if self._monitor is None:
+            self._monitor = HealthMonitor(self, metrics, self.cfg.health_period_s, self.cfg.health_timeout_s)
+            self._monitor.start()
+
+    def _lost(self, role: str, index: int, exc: BaseException) -> WorkerLost:
+        reason = f"{type(exc).__name__}"
+        self.view.mark(role, index, False, reason)
+        return WorkerLost(role, index, reason)
 
     async def contains(self, refs, index: int = 0) -> list[bool]:
-        return await self.prefill_actors[index].contains.remote(refs)
+        try:
+            return await self.prefill_actors[index].contains.remote(refs)
+        except ACTOR_LOST as exc:
+            raise self._lost("prefill", index, exc) from None
 
     async def precompile(self, ref, index: int = 0):
         """Compile once, on one prefill actor (``index`` first, then the next ones if it fails):
         it lands in that actor's tiers (shared ones: ``lm://``, ``fs://``); other actors find it
         there or re-warm it on first use. Fails only when every prefill actor failed."""
         errors = []
-        for k in range(self.num_prefill):
-            actor = self.prefill_actors[(index + k) % self.num_prefill]
+        order = [(index + k) % self.num_prefill for k in range(self.num_prefill)]
+        for i in sorted(order, key=lambda i: not self.view.is_alive("prefill", i)):   # live ones first
+            actor = self.prefill_actors[i]
             try:
                 return await actor.precompile.remote(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-                errors.append(f"prefill-{(index + k) % self.num_prefill}: {type(exc).__name__}")
-                log.warning("precompile on prefill-%d failed (%s); trying the next actor",
-                            (index + k) % self.num_prefill, exc)
+            except ACTOR_LOST as exc:
+                self._lost("prefill", i, exc)
+                errors.append(f"prefill-{i}: {type(exc).__name__}")
+                log.warning("precompile on prefill-%d failed (%s); trying the next actor", i, exc)
         raise RuntimeError(f"no prefill actor could precompile the chunk: {'; '.join(errors)}")
 
     async def evict(self, ref) -> bool:
-        return any([await a.evict.remote(ref) for a in self.prefill_actors])
+        out = False
+        for i, a in enumerate(self.prefill_actors):
+            try:
+                out = await a.evict.remote(ref) or out
+            except ACTOR_LOST as exc:      # a dead worker's local tier is gone with it
+                self._lost("prefill", i, exc)
+        return out
 
     async def expect(self, decode_index: int, grant, prefix, salt: str) -> int:
-        return await self.decode_actors[decode_index].expect.remote(grant, prefix, salt)
+        try:
+            return await self.decode_actors[decode_index].expect.remote(grant, prefix, salt)
+        except ACTOR_LOST as exc:
+            raise self._lost("decode", decode_index, exc) from None
 
     async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as, *, credential: str,
                       send_from: int = 0):
-        return await self.prefill_actors[index].execute.remote(plan, self.endpoints[decode_index], transfer_id,
-                                                               store_as, credential, send_from)
+        try:
+            return await self.prefill_actors[index].execute.remote(plan, self.endpoints[decode_index], transfer_id,
+                                                                   store_as, credential, send_from)
+        except ACTOR_LOST as exc:
+            raise self._lost("prefill", index, exc) from None
 
-    async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str):
-        gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(
-            transfer_id, prefix, suffix, sampling, salt)
-        async for ref in gen:
-            yield await ref
+    async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str, cancel_key: str | None = None):
+        try:
+            gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(
+                transfer_id, prefix, suffix, sampling, salt, cancel_key)
+            async for ref in gen:
+                yield await ref
+        except ACTOR_LOST as exc:
+            raise self._lost("decode", index, exc) from None
+
+    async def cancel(self, index: int, cancel_key: str) -> None:
+        """Ask decode worker ``index`` to stop the generate() started with ``cancel_key``."""
+        try:
+            await self.decode_actors[index].cancel.options(concurrency_group=HEALTH_GROUP).remote(cancel_key)
+        except ACTOR_LOST as exc:
+            self._lost("decode", index, exc)
+
+    async def shadow(self, index: int, plan):
+        try:
+            return await self.prefill_actors[index].shadow.remote(plan)
+        except ACTOR_LOST as exc:
+            raise self._lost("prefill", index, exc) from None

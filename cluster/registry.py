@@ -4,25 +4,25 @@ template text lives here; the KV itself is addressed by content (``KVRef``), nev
 from __future__ import annotations
 
 import hashlib
+import re
 import string
 import time
 
 from cluster.errors import RequestError
+from cluster.limits import RequestLimits
 from cluster.state import Registration, StateStore, TemplateRecord
+from cluster.validate import check_name, check_text
 
-MAX_NAME = 128
-
-
-def check_name(name) -> str:
-    if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME:
-        raise RequestError(400, f"name must be a non-empty string of at most {MAX_NAME} characters", param="name")
-    return name
+_FIELD_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+_LABEL_RE = re.compile(r"[^\x00-\x1f{}\x7f]+")
 
 
-def parse_template(text, labels) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
-    """(fields in order, labels) of a ``{field}`` template; ``RequestError`` 400 when invalid."""
-    if not isinstance(text, str) or not text.strip():
-        raise RequestError(400, "template text must be a non-empty string", param="text")
+def parse_template(text, labels, limits: RequestLimits | None = None
+                   ) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(fields in order, labels) of a ``{field}`` template; ``RequestError`` 400 when invalid.
+    Fields are identifiers starting with a letter; labels are one line of text (no braces)."""
+    limits = limits or RequestLimits()
+    check_text(text, limits, "text")
     try:
         parsed = list(string.Formatter().parse(text))
     except ValueError as exc:
@@ -31,18 +31,23 @@ def parse_template(text, labels) -> tuple[tuple[str, ...], tuple[tuple[str, str]
     for _, f, spec, conv in parsed:
         if f is None:
             continue
-        if not f.isidentifier() or spec or conv:
-            raise RequestError(400, f"template placeholder {{{f}}} must be a plain identifier", param="text")
+        if not _FIELD_RE.fullmatch(f) or spec or conv:
+            raise RequestError(400, f"template placeholder {{{f[:64]}}} must be a plain identifier starting with a "
+                                    "letter (at most 64 characters)", param="text")
         if f in fields:
             raise RequestError(400, f"template placeholder {{{f}}} appears twice; each field must appear once",
                                param="text")
         fields.append(f)
+        if len(fields) > limits.max_template_fields:
+            raise RequestError(400, f"a template may have at most {limits.max_template_fields} fields", param="text")
     if not fields:
         raise RequestError(400, "template has no {field} placeholders; register plain text as a skill", param="text")
     labels = {} if labels is None else labels
     if (not isinstance(labels, dict) or set(labels) - set(fields)
-            or not all(isinstance(v, str) and v.strip() and len(v) <= MAX_NAME for v in labels.values())):
-        raise RequestError(400, "labels must map template fields to non-empty human-readable names", param="labels")
+            or not all(isinstance(v, str) and v.strip() and len(v) <= limits.max_name_chars and _LABEL_RE.fullmatch(v)
+                       for v in labels.values())):
+        raise RequestError(400, "labels must map template fields to non-empty one-line names without braces, of at "
+                                f"most {limits.max_name_chars} characters", param="labels")
     return tuple(fields), tuple(sorted(labels.items()))
 
 
@@ -70,9 +75,10 @@ class Registry:
         self.state.delete_registration(tenant, kind, name)
         return r
 
-    def add_template(self, tenant: str, name: str, text, labels=None) -> TemplateRecord:
-        check_name(name)
-        fields, labels = parse_template(text, labels)
+    def add_template(self, tenant: str, name: str, text, labels=None,
+                     limits: RequestLimits | None = None) -> TemplateRecord:
+        check_name(name, limits)
+        fields, labels = parse_template(text, labels, limits)
         version = hashlib.sha256(f"{text}\0{labels}".encode()).hexdigest()[:16]
         t = TemplateRecord(tenant, name, text, fields, labels, version, time.time())
         self.state.put_template(t)

@@ -21,11 +21,48 @@ class Renderer:
         self.tok, self.spec, self.registry, self.bos_id = tokenizer, spec, registry, bos_id
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of user text: special-token strings in it (``<|im_start|>``...) stay plain text."""
+        return list(self.tok(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+
+    def markup(self, text: str) -> list[int]:
+        """Token ids of the model's own chat markup (``<|im_start|>user``...): special tokens stay
+        special. Never for user text (:meth:`encode`)."""
         return list(self.tok(text, add_special_tokens=False).input_ids)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The chat template applied to ``messages`` (``{"role", "content": str}``), with the
+        template's own markup tokenized as special tokens and every message's content as plain
+        text: content is replaced by a sentinel while rendering, then spliced back by ids."""
+        if not getattr(self.tok, "chat_template", None):
+            raise RequestError(400, f"model {self.spec.name} has no chat template; use /v1/completions or "
+                                    "/v1/notes/completions", param="messages")
+        real = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        marks = [f"\x00kvnotes-message-{i}\x00" for i in range(len(messages))]
+        shaped = self.tok.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)],
+                                              add_generation_prompt=True, tokenize=False)
+        ids: list[int] = []
+        rest = shaped
+        for m, k in zip(messages, marks):
+            head, found, rest = rest.partition(k)
+            if not found:
+                raise RequestError(400, "the chat template dropped a message; send it in another role",
+                                   param="messages")
+            c = m["content"]
+            c = c if c in real else c.strip()             # templates that trim content
+            ids += self.markup(head) + self.encode(c)
+        return ids + self.markup(rest)
 
     def frame(self) -> tuple[int, ...]:
         ids = [self.bos_id] if self.spec.prepend_bos and self.bos_id is not None else []
-        return tuple(ids + (self.encode(self.spec.chat_user_prefix) if self.spec.chat_user_prefix else []))
+        return tuple(ids + self.markup(self.spec.chat_user_prefix))
+
+    def user_then_markup(self, user: str, markup: str) -> list[int]:
+        """``user`` text followed by chat markup, tokenized as one string would be up to the
+        markup's first special token (so BPE merges across the seam as before: Gemma's
+        ``"\nAnswer:"``), with no special token ever read from ``user``."""
+        specials = {t for t in (*self.tok.all_special_tokens, *self.tok.get_added_vocab()) if t and t in markup}
+        cut = min((markup.index(t) for t in specials), default=len(markup))
+        return self.encode(user + markup[:cut]) + (self.markup(markup[cut:]) if markup[cut:] else [])
 
     def chunk_ids(self, text: str) -> tuple[int, ...]:
         return tuple(self.encode(text.strip() + "\n\n"))
@@ -84,7 +121,7 @@ class Renderer:
                 ctx.append(RenderedSegment(kind, c.name, c.token_ids, kv=self.chunk_ref(c.token_ids, salt)))
             elif "template" in seg:
                 ctx.append(self.render_template(self.registry.template(tenant, seg["template"]), seg.get("fields", {})))
-        suffix = tuple(self.encode("".join(trailing) + self.spec.chat_user_suffix))
+        suffix = tuple(self.user_then_markup("".join(trailing), self.spec.chat_user_suffix))
         return RenderedRequest(request_id, self.spec.name, policy, tuple(ctx), suffix, session)
 
     def render_prompt(self, request_id: str, prompt_ids: list[int], policy: Policy) -> RenderedRequest:

@@ -10,8 +10,8 @@ tiers hold without a name map.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
-import itertools
 import logging
 import time
 import uuid
@@ -19,11 +19,13 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
 from cluster.errors import RequestError
-from cluster.metrics import Metrics
-from cluster.planner import (PlannerConfig, RenderedRequest, SessionContext, TierView, choose_edit_kind,
+from cluster.metrics import Metrics, note_plan
+from cluster.planner import (FidelityTarget, PlannerConfig, RenderedRequest, SessionContext, TierView, choose_edit_kind,
                              plan_request)
+from cluster.shadow import FidelityGuard, ShadowConfig
 from cluster.registry import Registry
 from cluster.render import Renderer
+from cluster.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from cluster.sessions import SessionStore
 from cluster.state import Registration, StateStore
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
@@ -37,6 +39,8 @@ log = logging.getLogger(__name__)
 # (kvtransport.lmcache_store.TierConfig.chunk_size): a stored prompt serves every prefix of it that
 # ends on a piece boundary, so the index records exactly those boundaries (and the whole prefix).
 PROMPT_BLOCK = 256
+# Fallbacks after which the request still executed as planned (only storing its KV failed).
+STORE_ONLY_FALLBACKS = frozenset({"tier_store_failed"})
 
 
 class Backends(Protocol):
@@ -49,8 +53,12 @@ class Backends(Protocol):
     async def expect(self, decode_index: int, grant: TransferGrant, prefix: tuple[int, ...], salt: str) -> int: ...
     async def prefill(self, index: int, plan: RequestPlan, decode_index: int, transfer_id: str,
                       store_as: KVRef | None, *, credential: str, send_from: int = 0) -> PrefillResult: ...
+    async def shadow(self, index: int, plan: RequestPlan): ...   # -> messages.fidelity.ShadowResult
     def decode(self, index: int, transfer_id: str | None, prefix: tuple[int, ...], suffix: tuple[int, ...],
                sampling: SamplingParams, salt: str) -> AsyncIterator[TokenEvent | DecodeSummary]: ...
+    # Optional (cluster.ray_backends): ``view`` (routing.WorkerView), ``fault_policy``
+    # (routing.FaultPolicy), ``start_health(metrics)``, and ``cancel(index, key)`` with
+    # ``decode(..., cancel_key=key)``. Worker deaths are raised as routing.WorkerLost.
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,8 @@ class Router:
     def __init__(self, backends: Backends, renderer: Renderer, state: StateStore, model_id: str, dtype: str, *,
                  metrics: Metrics | None = None, default_policy: str = "balanced", seam_tokens: int = 1,
                  fidelity_summary: dict | None = None, context_window: int = 8192, max_tokens_limit: int = 2048,
-                 default_tenant: str = "default"):
+                 default_tenant: str = "default", balanced_min_top1: float = 0.97,
+                 fast_min_top1: float | None = None, shadow: ShadowConfig | None = None):
         self.backends, self.renderer, self.state = backends, renderer, state
         self.model_id, self.dtype = model_id, dtype
         self.registry: Registry = renderer.registry
@@ -79,12 +88,29 @@ class Router:
         self.sessions = SessionStore(state)
         self.default_policy = Policy(default_policy)
         self.edit_choice = choose_edit_kind(fidelity_summary)
-        self.planner_config = PlannerConfig(seam_tokens=seam_tokens, edit=self.edit_choice)
+        targets = {Policy.BALANCED: FidelityTarget("top1", balanced_min_top1)}
+        if fast_min_top1 is not None:
+            targets[Policy.FAST] = FidelityTarget("top1", fast_min_top1)
+        self.guard = FidelityGuard(fidelity_summary, targets, shadow or ShadowConfig(), self.metrics,
+                                   lambda i, plan: self.backends.shadow(i, plan),
+                                   PlannerConfig(seam_tokens=seam_tokens, edit=self.edit_choice))
         self.context_window, self.max_tokens_limit = context_window, max_tokens_limit
         self.default_tenant = default_tenant
         self._secret = state.secret()          # the same for every replica: keys agree cluster-wide
-        self._rr_prefill = itertools.count()
-        self._rr_decode = itertools.count()
+        self.view: WorkerView = getattr(backends, "view", None) or WorkerView(backends.num_prefill,
+                                                                               backends.num_decode)
+        self.fault: FaultPolicy = getattr(backends, "fault_policy", None) or FaultPolicy()
+        if hasattr(backends, "start_health"):
+            backends.start_health(self.metrics)
+
+    @property
+    def planner_config(self) -> PlannerConfig:
+        return self.guard.planner_config()           # re-chosen when shadow checks demote/readmit an op
+
+    @property
+    def fidelity(self) -> dict:
+        """Targets, each policy's compose op and why, shadow-check windows and demotions."""
+        return self.guard.snapshot()
 
     def salt(self, tenant: str) -> str:
         return tenant_salt(tenant, self._secret)
@@ -93,11 +119,15 @@ class Router:
     async def register_chunk(self, kind: str, tenant: str, name: str, text: str) -> dict:
         if not isinstance(text, str) or not text.strip():
             raise RequestError(400, f"{kind} text must be a non-empty string", param="text")
-        ids = self.renderer.chunk_ids(text)
+        ids = await asyncio.to_thread(self.renderer.chunk_ids, text)     # tokenize off the event loop
         if len(ids) + 16 > self.context_window:
             raise RequestError(400, f"{kind} is {len(ids)} tokens; the model's window is {self.context_window}")
         ref = self.renderer.chunk_ref(ids, self.salt(tenant))
-        info = await self.backends.precompile(ref, next(self._rr_prefill) % self.backends.num_prefill)
+        try:
+            first = self.view.pick_prefill(None)
+        except NoLiveWorker:
+            first = 0              # the view may be stale: precompile still tries every actor
+        info = await self.backends.precompile(ref, first)
         now = time.time()
         old = self.state.get_registration(tenant, kind, name)
         self.registry.add_chunk(Registration(tenant, kind, name, text, ids, token_hash(ids), ref.digest,
@@ -141,20 +171,45 @@ class Router:
         counted (misses included) in ``kvnotes_tier_lookups_total{tier="lmcache"}``."""
         if not refs:
             return set()
-        got = await self.backends.contains(refs, index)
+        try:
+            got = await self.backends.contains(refs, index)
+        except WorkerLost as exc:    # plan as if nothing is cached; _run retries the prefill elsewhere
+            self.metrics.record_fallback("tier_lookup_worker_lost")
+            log.warning("tier lookup failed (%s): planning without cached KV", exc)
+            return set()
         self.metrics.tier_lookups.labels("lmcache").inc(len(refs))
         self.metrics.tier_hits.labels("lmcache").inc(sum(got))
         return {r.digest for r, ok in zip(refs, got) if ok}
 
-    async def stream_native(self, tenant: str, segments: list[dict], *, policy: str | None, session: str | None,
-                            sampling: SamplingParams, edit: str = "auto") -> AsyncIterator[TokenEvent | Finished]:
+    async def stream_native(self, *a, **kw) -> AsyncIterator[TokenEvent | Finished]:
+        async for ev in self._leased(self._stream_native, *a, **kw):
+            yield ev
+
+    async def stream_prompt(self, *a, **kw) -> AsyncIterator[TokenEvent | Finished]:
+        async for ev in self._leased(self._stream_prompt, *a, **kw):
+            yield ev
+
+    async def _leased(self, fn, *a, **kw):
+        """Run a request holding the prefill lease its pick took, released at the latest here."""
+        leases: list = []
+        try:
+            async for ev in fn(leases, *a, **kw):
+                yield ev
+        finally:
+            for lease in leases:
+                lease.release()
+
+    async def _stream_native(self, leases: list, tenant: str, segments: list[dict], *, policy: str | None,
+                             session: str | None, sampling: SamplingParams, edit: str = "auto",
+                             deadline_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex
         salt = self.salt(tenant)
-        req = replace(self.renderer.render(rid, tenant, segments, Policy(policy or self.default_policy.value),
-                                           session, salt), edit_strategy=edit)
+        req = replace(await asyncio.to_thread(self.renderer.render, rid, tenant, segments,      # off the event loop
+                                              Policy(policy or self.default_policy.value), session, salt),
+                      edit_strategy=edit)
         sess = self.sessions.get(tenant, session) if session else None
-        pi = self._pick_prefill(f"{tenant}|{session}" if session else None)
+        pi = self._pick_prefill(f"{tenant}|{session}" if session else None, leases)
         refs = [s.kv for s in req.context if s.kv is not None] + ([sess.context] if sess else [])
         present = await self._present(refs, pi)
         now = time.time()
@@ -170,27 +225,28 @@ class Router:
         store_as = None
         if session and plan.steps and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
             store_as = KVRef(plan.prefix_ids, 0, salt, plan.approx)
-        async for ev in self._run(plan, sampling, t0, store_as, pi, salt):
+        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
             if isinstance(ev, Finished) and session:
                 self._remember(tenant, req, sess, plan, store_as if ev.stored else None)
             yield ev
 
-    async def stream_prompt(self, tenant: str, prompt_ids: list[int], *, policy: str | None,
-                            sampling: SamplingParams) -> AsyncIterator[TokenEvent | Finished]:
+    async def _stream_prompt(self, leases: list, tenant: str, prompt_ids: list[int], *, policy: str | None,
+                             sampling: SamplingParams,
+                             deadline_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex
         salt = self.salt(tenant)
         self._check_budget(len(prompt_ids), sampling)
         req = self.renderer.render_prompt(rid, prompt_ids, Policy(policy or self.default_policy.value))
         prefix = tuple(req.context[0].token_ids) if req.context else ()
-        pi = self._pick_prefill(_h(tenant, prefix[:PROMPT_BLOCK]) if len(prefix) >= PROMPT_BLOCK else None)
+        pi = self._pick_prefill(_h(tenant, prefix[:PROMPT_BLOCK]) if len(prefix) >= PROMPT_BLOCK else None, leases)
         hit_kv, hit = await self._prompt_lookup(tenant, salt, prefix, pi)
         plan = plan_request(req, TierView(prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv), None,
                             self.renderer.encode, self.planner_config)
         store_as = None
         if len(prefix) >= PROMPT_BLOCK and hit < len(prefix):
             store_as = KVRef(prefix, 0, salt)
-        async for ev in self._run(plan, sampling, t0, store_as, pi, salt):
+        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
             if isinstance(ev, Finished) and ev.stored:
                 bounds = {*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)}
                 self.state.put_prompt_blocks(tenant, {_h(tenant, prefix[:b]): b for b in bounds}, time.time())
@@ -212,48 +268,116 @@ class Router:
         return None, 0
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def _pick_prefill(self, sticky: str | None) -> int:
-        """Sessions and prompt prefixes stick to one prefill actor (its local tier holds their KV;
-        with a shared tier any actor would find them)."""
-        if sticky:
-            return int(hashlib.sha256(sticky.encode()).hexdigest(), 16) % self.backends.num_prefill
-        return next(self._rr_prefill) % self.backends.num_prefill
+    def _pick_prefill(self, sticky: str | None, leases: list) -> int:
+        """Sessions and prompt prefixes prefer one prefill actor (its local tier holds their KV;
+        with a shared tier any actor would find them), within a load cap (``cluster.routing``)."""
+        try:
+            i = self.view.pick_prefill(sticky or None)
+        except NoLiveWorker as exc:
+            raise RequestError(503, str(exc), code="no_live_worker") from None
+        leases.append(self.view.lease("prefill", i))
+        return i
 
     async def _run(self, plan: RequestPlan, sampling: SamplingParams, t0: float,
-                   store_as: KVRef | None, pi: int, salt: str) -> AsyncIterator[TokenEvent | Finished]:
+                   store_as: KVRef | None, pi: int, salt: str,
+                   deadline_s: float | None = None, leases: list = (),
+                   tenant: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
+        """Prefill then decode, on the least loaded live decode worker. A worker lost before the
+        first token: retried on another one (``request_retries``); lost mid-stream: a clear
+        error. Past the deadline: the decode worker is told to stop; 504. All counted."""
         m = self.metrics
         kind = plan.kind.value
-        di = next(self._rr_decode) % self.backends.num_decode
-        tid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
-        try:
-            res = None
-            if plan.steps:
-                # the decode actor accepts this block only: credential (the prefill actor's alone), shape, dtype
-                grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, plan.prefix_ids)
-                held = await self.backends.expect(di, grant, plan.prefix_ids, plan.kv_salt(salt))   # ship nothing twice
-                res = await self.backends.prefill(pi, plan, di, tid, store_as, credential=cred, send_from=held)
-            ttft = None
-            fallbacks = list(res.stats.fallbacks) if res else []
-            async for ev in self.backends.decode(di, tid if res is not None and res.transferred else None,
-                                                 plan.prefix_ids, plan.suffix_ids, sampling, plan.kv_salt(salt)):
-                if isinstance(ev, TokenEvent):
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                        m.ttft.labels(kind).observe(ttft)
-                    yield ev
-                else:
-                    summary = ev
-            fallbacks += list(summary.fallbacks)
-        except RequestError:
-            m.requests.labels(kind, "client_error").inc()
-            raise
-        except Exception:
-            m.requests.labels(kind, "error").inc()
-            raise
+        note_plan(kind)                            # the API layer's label for it if it is abandoned
+        deadline = t0 + min(deadline_s or self.fault.deadline_s, self.fault.deadline_s)
+        tried = {"prefill": set(), "decode": set()}
+        attempt, ttft, sent = 0, None, 0
+        while True:
+            try:
+                di = self.view.pick_decode(exclude=tried["decode"])
+                if pi in tried["prefill"] or not self.view.is_alive("prefill", pi):
+                    pi = self.view.pick_prefill(None, exclude=tried["prefill"])
+            except NoLiveWorker as exc:
+                m.count_request(kind, "no_live_worker")
+                raise RequestError(503, str(exc), code="no_live_worker") from None
+            tid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
+            self.view.begin("decode", di, sampling.max_tokens)
+            try:
+                res = None
+                if plan.steps:
+                    self.view.begin("prefill", pi, plan.prompt_tokens)
+                    for lease in leases:
+                        lease.release()            # the pick's reservation becomes this call's load
+                    try:
+                        # the decode actor accepts this block only: credential (the prefill actor's
+                        # alone), shape, dtype
+                        grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, plan.prefix_ids)
+                        # ship nothing twice: the decode actor says how much of the prefix it holds
+                        held = await self._before(deadline, "prefill", self.backends.expect(
+                            di, grant, plan.prefix_ids, plan.kv_salt(salt)))
+                        res = await self._before(deadline, "prefill", self.backends.prefill(
+                            pi, plan, di, tid, store_as, credential=cred, send_from=held))
+                    finally:
+                        self.view.end("prefill", pi, plan.prompt_tokens)
+                fallbacks = list(res.stats.fallbacks) if res else []
+                extra = {"cancel_key": tid} if hasattr(self.backends, "cancel") else {}
+                gen = self.backends.decode(di, tid if res is not None and res.transferred else None,
+                                           plan.prefix_ids, plan.suffix_ids, sampling, plan.kv_salt(salt), **extra)
+                while True:
+                    try:
+                        ev = await self._before(deadline, "decode", gen.__anext__())
+                    except StopAsyncIteration:
+                        break
+                    except DeadlineExceeded:
+                        if extra:
+                            await self.backends.cancel(di, tid)
+                        raise
+                    if isinstance(ev, TokenEvent):
+                        if ttft is None:               # observed below, labelled with what executed
+                            ttft = time.perf_counter() - t0
+                        sent += 1
+                        yield ev
+                    else:
+                        summary = ev
+                fallbacks += list(summary.fallbacks)
+                break
+            except WorkerLost as exc:
+                tried[exc.role].add(exc.index)
+                if sent == 0 and attempt < self.fault.retries:
+                    attempt += 1
+                    m.retries.labels(exc.role, "lost_before_first_token").inc()
+                    log.warning("request %s: %s before its first token; retrying on another worker (%d/%d)",
+                                plan.request_id, exc, attempt, self.fault.retries)
+                    continue
+                reason = "lost_mid_stream" if sent else "retries_exhausted"
+                m.retries.labels(exc.role, reason).inc()
+                m.count_request(kind, "worker_lost")
+                log.error("request %s failed: %s (%s after %d tokens)", plan.request_id, exc, reason, sent)
+                if sent:
+                    raise WorkerLost(exc.role, exc.index, f"{exc.reason} mid-stream after {sent} tokens; the answer "
+                                     "is incomplete, send the request again") from None
+                raise RequestError(503, f"{exc}; retried {attempt} time(s) without success, send the request "
+                                        "again", code="worker_lost") from None
+            except DeadlineExceeded as exc:
+                m.deadlines.labels(exc.stage).inc()
+                m.count_request(kind, "deadline")
+                log.warning("request %s: deadline passed during %s; worker told to stop", plan.request_id, exc.stage)
+                raise RequestError(504, str(exc), code="deadline_exceeded") from None
+            except RequestError:
+                m.count_request(kind, "client_error")
+                raise
+            except Exception:
+                m.count_request(kind, "error")
+                raise
+            finally:
+                self.view.end("decode", di, sampling.max_tokens)
+
         if ttft is None:                           # no token at all (immediate EOS): TTFT is the whole call
             ttft = time.perf_counter() - t0
-            m.ttft.labels(kind).observe(ttft)
-        m.requests.labels(kind, "ok").inc()
+        # what executed: a fallback that recomputed the prefix (a missing chunk, a refused or lost
+        # block) makes the request a recompute, whatever was planned
+        executed = "recompute" if any(f not in STORE_ONLY_FALLBACKS for f in fallbacks) else kind
+        m.ttft.labels(executed).observe(ttft)
+        m.count_request(executed, "ok", fallbacks[0] if fallbacks else "")
         for f in fallbacks:
             m.record_fallback(f)
         cached = 0
@@ -277,8 +401,18 @@ class Router:
         stages = tuple((k, got[k]) for k in STAGES if k in got)
         for k, sec in stages:
             m.stage_seconds.labels(k, transport or "none").observe(sec)
+        self.guard.after_response(plan, tenant or self.default_tenant, pi)   # shadow check: fire and forget
         yield Finished(plan, summary, ttft, plan.prompt_tokens, cached, tuple(fallbacks),
                        bool(res is not None and res.stored), stages, transport)
+
+    @staticmethod
+    async def _before(deadline: float, stage: str, aw):
+        """Await ``aw`` until the deadline (perf_counter time); past it, DeadlineExceeded."""
+        left = deadline - time.perf_counter()
+        try:
+            return await asyncio.wait_for(aw, timeout=max(left, 0.0))
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(stage) from None
 
     def _remember(self, tenant: str, req: RenderedRequest, sess: SessionContext | None, plan: RequestPlan,
                   stored_as: KVRef | None) -> None:

@@ -1,23 +1,32 @@
 """The router as a Ray Serve application with a FastAPI ingress. Replicas are stateless
 (``router_replicas`` in config): registrations, templates, sessions and the prompt index live in
-the state store every replica opens. Routes are thin: each hands parsed JSON to ``cluster.api``.
+the state store every replica opens. Routes are thin: :meth:`RouterIngress._call` gives each
+request an id, authenticates it (``cluster.auth``: the tenant comes from the API key), reads the
+body within the limits (``cluster.limits``), holds a per-tenant in-flight slot, and hands parsed
+JSON to ``cluster.api``. ``/health``, ``/ready`` and ``/metrics`` need no key.
 """
 
-import json
 import logging
+import threading
+import time
+import uuid
 
 from fastapi import FastAPI, Request
 from ray import serve
-from starlette.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster import api
+from cluster.errors import RequestError, error_response
+from cluster.limits import RequestLimits, read_json
+from cluster import metrics as request_metrics      # a module reference: Serve pickles this app
 from kvruntime.messages.config import ClusterConfig
-from cluster.errors import RequestError
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.")
-TENANT_HEADER = "x-kvnotes-tenant"
 REPLICA_HEADER = "x-kvnotes-replica"     # which stateless router replica answered (debugging, tests)
+TARGET_REFRESH_S = 5.0                   # each replica re-announces its metrics endpoint this often
+TARGET_TTL_S = 30.0                      # and a replica silent this long drops out of /metrics/targets
 
 
 def _replica_id() -> str:
@@ -34,14 +43,21 @@ async def _tag_replica(request: Request, call_next):
     return response
 
 
-async def _json(request: Request):
-    body = await request.body()
-    if not body:
-        raise RequestError(400, "empty request body: send a JSON object")
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Unknown routes and wrong methods: OpenAI-shaped too."""
+    msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    return error_response(RequestError(exc.status_code, msg.get(exc.status_code, str(exc.detail))), _new_rid())
+
+
+def _new_rid() -> str:
+    """Serve's id of this request (its proxy returns it in ``x-request-id`` and logs under it),
+    or a fresh one outside Serve."""
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+        rid = serve.context._get_serve_request_context().request_id
+    except Exception:                # outside a Serve replica
+        rid = ""
+    return rid or "req-" + uuid.uuid4().hex[:24]
 
 
 @serve.deployment(name="kvnotes-router", num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -53,6 +69,7 @@ class RouterIngress:
         from cluster.registry import Registry
         from cluster.render import Renderer
         from cluster.router import Router
+        from cluster.shadow import ShadowConfig
         from cluster.state import StoreLimits, open_state
         from kvruntime.checkpoint import ensure_checkpoint
         from kvruntime.fidelity.report import load_summary
@@ -70,85 +87,182 @@ class RouterIngress:
                              ckpt.name, cfg.dtype,
                              default_policy=cfg.default_policy, seam_tokens=cfg.seam_tokens,
                              fidelity_summary=load_summary(cfg.model), context_window=spec.context_window,
-                             max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant)
+                             max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant,
+                             balanced_min_top1=cfg.balanced_min_top1, fast_min_top1=cfg.fast_min_top1,
+                             shadow=ShadowConfig(cfg.shadow_fraction, frozenset(cfg.shadow_opt_out_tenants),
+                                                 cfg.shadow_max_in_flight, cfg.shadow_window,
+                                                 cfg.shadow_min_samples, cfg.shadow_demote_s))
+        from cluster.auth import Authenticator
+        from cluster.limits import InflightLimiter
+        self.auth = Authenticator(self.state, enabled=cfg.auth, default_tenant=cfg.tenant,
+                                  trusted_proxies=cfg.trusted_proxies)
+        self.limits = RequestLimits.from_config(cfg)
+        self.inflight = InflightLimiter(cfg.max_inflight_per_tenant)
         for info in backends.ready:
             self.router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
-        log.info("router up: model %s, edit plans by %s", cfg.model, self.router.edit_choice)
+        # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
+        # (Prometheus' service discovery) lists every replica, not the one the proxy picked
+        from kvruntime.telemetry import node_ip, start_exporter
+        self.process = f"router-{_replica_id()}"
+        self.metrics_target = start_exporter(self.router.metrics.registry, host=node_ip())
+        threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
+        log.info("router up: model %s, edit plans by %s; compose by fidelity target: %s", cfg.model,
+                 self.router.edit_choice, self.router.fidelity["compose"])
 
-    def _tenant(self, request: Request) -> str:
-        return request.headers.get(TENANT_HEADER) or self.cfg.tenant
+    def _announce(self) -> None:
+        """Every TARGET_REFRESH_S: refresh this replica's target and the state-size gauges."""
+        while True:
+            try:
+                now = time.time()
+                self.state.put_target(self.process, self.metrics_target, now)
+                for kind, n in self.state.sizes(now).items():
+                    self.router.metrics.state_entries.labels(kind).set(n)
+            except Exception as exc:      # the state store is down: logged, retried next period
+                log.warning("announcing the metrics target failed: %s", exc)
+            time.sleep(TARGET_REFRESH_S)
 
-    async def _body_or_error(self, request: Request):
+    async def _call(self, request: Request, handler, *, body: bool = True) -> Response:
+        """Run ``handler(body, tenant, request_id)`` for an authenticated request within the limits;
+        every failure becomes an OpenAI-shaped error carrying the request id."""
+        rid = _new_rid()
+        tenant = None
+        acct = request_metrics.begin_request()   # the router marks it when it counts the final status
         try:
-            return await _json(request), None
-        except RequestError as exc:
-            return None, api.error_response(exc)
+            tenant = self.auth.tenant(request.headers, request.client.host if request.client else None)
+            self.inflight.acquire(tenant)
+        except Exception as exc:
+            return self._counted(error_response(exc, rid), acct)
+        streaming = False
+        try:
+            parsed = await read_json(request, self.limits) if body else None
+            resp = await handler(parsed, tenant, rid)
+            if isinstance(resp, StreamingResponse):       # the slot is held until the stream ends
+                resp.body_iterator = self._release_after(resp.body_iterator, tenant, acct)
+                streaming = True
+        except Exception as exc:
+            resp = error_response(exc, rid)
+        finally:
+            if not streaming:
+                self.inflight.release(tenant)
+        return resp if streaming else self._counted(resp, acct)
+
+    def _counted(self, resp: Response, acct: dict) -> Response:
+        """Count a request the router did not (it never reached a plan: auth, limits, bad input,
+        listing and registration routes), once, by its HTTP status."""
+        if not acct["counted"]:
+            self.router.metrics.count_request("none", request_metrics.status_label(resp.status_code))
+        return resp
+
+    async def _release_after(self, it, tenant: str, acct: dict):
+        try:
+            async for chunk in it:
+                yield chunk
+        finally:
+            self.inflight.release(tenant)
+            if not acct["counted"]:       # the stream ended before the router counted it: the client left
+                self.router.metrics.count_request(acct.get("plan", "none"), "cancelled")
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": self.cfg.model})
+        """Liveness now: live workers per role (the router's health view); 503 when a role has none."""
+        snap = self.router.view.snapshot()
+        ok = all(v["live"] > 0 for v in snap.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "model": self.cfg.model, "workers": snap},
+                            status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """Start-up finished: this replica is constructed and its first health sweep is done
+        (liveness after that is /health)."""
+        sweeps = getattr(self.router.backends, "health_sweeps", 1)
+        return JSONResponse({"ready": sweeps > 0, "model": self.cfg.model, "health_sweeps": sweeps},
+                            status_code=200 if sweeps > 0 else 503)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        import time
+        """This replica's series only (the one the proxy picked); Prometheus should discover every
+        process through /metrics/targets instead."""
         for kind, n in self.state.sizes(time.time()).items():
             self.router.metrics.state_entries.labels(kind).set(n)
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/metrics/targets")
+    async def metrics_targets(self) -> JSONResponse:
+        """Prometheus HTTP service discovery (``http_sd_configs``): every router replica's and
+        every worker's own metrics endpoint, labelled ``kvnotes_role`` and ``kvnotes_process``."""
+        groups = [{"targets": [addr], "labels": {"kvnotes_role": "router", "kvnotes_process": name}}
+                  for name, addr in self.state.targets(time.time(), TARGET_TTL_S).items()]
+        for role, workers in self.router.view.workers.items():
+            for i, w in enumerate(workers):
+                if w.metrics:
+                    groups.append({"targets": [w.metrics], "labels": {"kvnotes_role": role,
+                                                                      "kvnotes_process": f"{role}-{i}"}})
+        return JSONResponse(groups)
+
     @app.get("/v1/models")
-    async def models(self) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": self.cfg.model, "object": "model", "owned_by": "kvnotes"}]})
+    async def models(self, request: Request) -> Response:
+        async def h(_, tenant, rid):
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return await self._call(request, h, body=False)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> Response:
+        async def h(_, tenant, rid):
+            if model_id != self.cfg.model:
+                raise RequestError(404, f"model {model_id!r} is not served here; this server serves "
+                                        f"{self.cfg.model!r}", code="model_not_found", param="model")
+            return JSONResponse(self._model_card())
+        return await self._call(request, h, body=False)
+
+    def _model_card(self) -> dict:
+        return {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvnotes"}
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        body, err = await self._body_or_error(request)
-        return err or await api.openai_complete(self.router, body, self._tenant(request), chat=False)
+        return await self._call(request, lambda b, t, rid: api.openai_complete(self.router, self.limits, b, t, rid,
+                                                                               chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
-        body, err = await self._body_or_error(request)
-        return err or await api.openai_complete(self.router, body, self._tenant(request), chat=True)
+        return await self._call(request, lambda b, t, rid: api.openai_complete(self.router, self.limits, b, t, rid,
+                                                                               chat=True))
 
     @app.post("/v1/notes/completions")
     async def notes(self, request: Request) -> Response:
-        body, err = await self._body_or_error(request)
-        return err or await api.notes_complete(self.router, body, self._tenant(request))
+        return await self._call(request, lambda b, t, rid: api.notes_complete(self.router, self.limits, b, t, rid))
 
     @app.post("/v1/skills")
     async def add_skill(self, request: Request) -> Response:
-        body, err = await self._body_or_error(request)
-        return err or await api.register(self.router, "skill", body, self._tenant(request))
+        return await self._call(request, lambda b, t, rid: api.register(self.router, self.limits, "skill", b, t))
 
     @app.post("/v1/memories")
     async def add_memory(self, request: Request) -> Response:
-        body, err = await self._body_or_error(request)
-        return err or await api.register(self.router, "memory", body, self._tenant(request))
+        return await self._call(request, lambda b, t, rid: api.register(self.router, self.limits, "memory", b, t))
 
     @app.post("/v1/templates")
     async def add_template(self, request: Request) -> Response:
-        body, err = await self._body_or_error(request)
-        return err or await api.register(self.router, "template", body, self._tenant(request))
+        return await self._call(request, lambda b, t, rid: api.register(self.router, self.limits, "template", b, t))
 
     @app.get("/v1/skills")
     async def list_skills(self, request: Request) -> Response:
-        return await api.listing(self.router, "skill", self._tenant(request))
+        return await self._call(request, lambda b, t, rid: api.listing(self.router, "skill", t), body=False)
 
     @app.get("/v1/memories")
     async def list_memories(self, request: Request) -> Response:
-        return await api.listing(self.router, "memory", self._tenant(request))
+        return await self._call(request, lambda b, t, rid: api.listing(self.router, "memory", t), body=False)
 
     @app.get("/v1/templates")
     async def list_templates(self, request: Request) -> Response:
-        return await api.listing(self.router, "template", self._tenant(request))
+        return await self._call(request, lambda b, t, rid: api.listing(self.router, "template", t), body=False)
 
-    @app.delete("/v1/skills/{name}")
+    @app.delete("/v1/skills/{name:path}")
     async def del_skill(self, name: str, request: Request) -> Response:
-        return await api.delete(self.router, "skill", name, self._tenant(request))
+        return await self._call(request, lambda b, t, rid: api.delete(self.router, "skill", name, t), body=False)
 
-    @app.delete("/v1/memories/{name}")
+    @app.delete("/v1/memories/{name:path}")
     async def del_memory(self, name: str, request: Request) -> Response:
-        return await api.delete(self.router, "memory", name, self._tenant(request))
+        return await self._call(request, lambda b, t, rid: api.delete(self.router, "memory", name, t), body=False)
 
-    @app.delete("/v1/templates/{name}")
+    @app.delete("/v1/templates/{name:path}")
     async def del_template(self, name: str, request: Request) -> Response:
-        return await api.delete(self.router, "template", name, self._tenant(request))
+        return await self._call(request, lambda b, t, rid: api.delete(self.router, "template", name, t), body=False)

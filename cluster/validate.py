@@ -1,16 +1,50 @@
 """Validation of request bodies: every caller mistake becomes a RequestError (HTTP 4xx) whose
-message names the parameter. Nothing here touches the model or the tier."""
+message names the parameter; sizes come from :class:`~cluster.limits.RequestLimits`. Nothing
+here touches the model or the tier. Bodies are already JSON objects (``cluster.limits.parse_json``).
+
+OpenAI fields accepted: the sampling ones (``temperature``, ``top_p``, ``max_tokens`` /
+``max_completion_tokens``, ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias``, ``logprobs`` / ``top_logprobs``), ``stream`` / ``stream_options``, ``n`` = 1,
+``user``, ``metadata``, ``store: false``, ``response_format: {"type": "text"}``, and
+``tools: []`` / ``tool_choice: "none"``; anything else is a 400 naming the field."""
 from __future__ import annotations
 
+import math
+import re
+import secrets
+
 from cluster.errors import RequestError
-from kvruntime.messages.decode import SamplingParams
+from cluster.limits import RequestLimits
+from kvruntime.messages.decode import MAX_TOP_LOGPROBS, SEED_MAX, SamplingParams
 
 POLICIES = ("exact", "balanced", "fast")
-_NATIVE_KEYS = {"model", "session", "segments", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-                "kv_policy", "explain", "edit_strategy"}
 EDIT_STRATEGIES = ("auto", "erratum", "edit_in_place")
-_OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "user", "n",
-                  "kv_policy", "explain", "stream_options", "max_completion_tokens"}
+_SAMPLING = {"max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+             "logit_bias"}
+_NATIVE_KEYS = _SAMPLING | {"model", "session", "segments", "stream", "kv_policy", "explain", "edit_strategy"}
+_OPENAI_COMMON = _SAMPLING | {"model", "stream", "user", "n", "kv_policy", "explain", "stream_options",
+                              "max_completion_tokens", "metadata", "store", "response_format", "tools",
+                              "tool_choice", "logprobs"}
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def check_name(name, limits: RequestLimits | None = None, *, what: str = "name") -> str:
+    """Names of skills, memories, templates and sessions: letters, digits and ``. _ : -``,
+    starting with a letter or digit, at most ``max_name_chars``."""
+    n = (limits or RequestLimits()).max_name_chars
+    if not isinstance(name, str) or len(name) > n or not _NAME_RE.fullmatch(name):
+        raise RequestError(400, f"{what} must be 1-{n} characters of A-Z a-z 0-9 . _ : - starting with a letter "
+                                f"or digit", param=what)
+    return name
+
+
+def check_text(v, limits: RequestLimits, what: str) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise RequestError(400, f"{what} must be a non-empty string", param=what)
+    if len(v) > limits.max_text_chars:
+        raise RequestError(400, f"{what} is {len(v)} characters; the limit is {limits.max_text_chars}", param=what)
+    return v
 
 
 def _num(body, key, default, lo, hi, *, integer=False):
@@ -19,50 +53,113 @@ def _num(body, key, default, lo, hi, *, integer=False):
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise RequestError(400, f"{key} must be {'an integer' if integer else 'a number'}", param=key)
-    if not lo <= v <= hi:
-        raise RequestError(400, f"{key} must be between {lo} and {hi}, got {v}", param=key)
+    if not (lo <= v <= hi) or (isinstance(v, float) and not math.isfinite(v)):
+        shown = v if not isinstance(v, int) or abs(v) < 10 ** 30 else f"an integer of {len(str(abs(v)))} digits"
+        raise RequestError(400, f"{key} must be between {lo} and {hi}, got {shown}", param=key)
     return v
 
 
 def _bool(body, key, default=False) -> bool:
     v = body.get(key, default)
+    if v is None:
+        return default
     if not isinstance(v, bool):
         raise RequestError(400, f"{key} must be true or false", param=key)
     return v
 
 
-def sampling_from(body: dict, *, default_max_tokens: int, limit: int) -> SamplingParams:
+def _logit_bias(body, vocab: int) -> tuple[tuple[int, float], ...]:
+    lb = body.get("logit_bias")
+    if lb is None:
+        return ()
+    if not isinstance(lb, dict) or len(lb) > 300:
+        raise RequestError(400, "logit_bias must be an object of at most 300 token id -> bias entries",
+                           param="logit_bias")
+    out = []
+    for k, b in lb.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 9) or int(k) >= vocab:
+            raise RequestError(400, f"logit_bias key {k[:20]!r} is not a token id below {vocab}", param="logit_bias")
+        _num({"logit_bias": b}, "logit_bias", 0, -100, 100)
+        out.append((int(k), float(b)))
+    return tuple(sorted(out))
+
+
+def sampling_from(body: dict, *, default_max_tokens: int, limits: RequestLimits, vocab: int,
+                  logprobs: int | None = None) -> SamplingParams:
+    """Sampling parameters. An unseeded request that samples (temperature > 0) gets a random seed,
+    so two such requests differ; a seeded one is reproducible."""
+    if "max_completion_tokens" in body and body.get("max_tokens") is not None:
+        raise RequestError(400, "send max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
     mt = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
-    max_tokens = _num({"max_tokens": mt}, "max_tokens", default_max_tokens, 1, limit, integer=True)
+    max_tokens = _num({"max_tokens": mt}, "max_tokens", default_max_tokens, 1, limits.max_tokens, integer=True)
     stop = body.get("stop")
     if stop is None:
         stop = ()
     elif isinstance(stop, str):
         stop = (stop,)
-    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
-        stop = tuple(stop)
-    else:
-        raise RequestError(400, "stop must be a string or a list of at most 4 non-empty strings", param="stop")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError(400, "seed must be an integer", param="seed")
-    return SamplingParams(max_tokens=max_tokens, temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
-                          top_p=float(_num(body, "top_p", 1.0, 1e-6, 1.0)), seed=seed, stop=stop)
+    if not (isinstance(stop, (list, tuple)) and len(stop) <= limits.max_stop
+            and all(isinstance(s, str) and 0 < len(s) <= limits.max_stop_chars for s in stop)):
+        raise RequestError(400, f"stop must be a string or a list of at most {limits.max_stop} non-empty strings of "
+                                f"at most {limits.max_stop_chars} characters", param="stop")
+    temperature = float(_num(body, "temperature", 1.0, 0.0, 2.0))
+    seed = _num(body, "seed", None, 0, SEED_MAX, integer=True)
+    if seed is None and temperature > 0:
+        seed = secrets.randbits(63)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                          top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)), seed=seed, stop=tuple(stop),
+                          presence_penalty=float(_num(body, "presence_penalty", 0.0, -2.0, 2.0)),
+                          frequency_penalty=float(_num(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+                          logit_bias=_logit_bias(body, vocab), logprobs=logprobs)
 
 
 def common_options(body: dict, model: str) -> tuple[str | None, bool, bool]:
     """(kv_policy, stream, explain) after checking the model name."""
     m = body.get("model", model)
-    if not isinstance(m, str) or m != model:
-        raise RequestError(404, f"model {m!r} is not served here; this server serves {model!r}",
+    if not isinstance(m, str):
+        raise RequestError(400, "model must be a string", param="model")
+    if m != model:
+        raise RequestError(404, f"model {m[:200]!r} is not served here; this server serves {model!r}",
                            code="model_not_found", param="model")
     pol = body.get("kv_policy")
     if pol is not None and pol not in POLICIES:
         raise RequestError(400, f"kv_policy must be one of {', '.join(POLICIES)}", param="kv_policy")
-    n = body.get("n", 1)
-    if n != 1:
-        raise RequestError(400, "only n=1 is supported", param="n")
     return pol, _bool(body, "stream"), _bool(body, "explain")
+
+
+def openai_extras(body: dict, *, chat: bool) -> tuple[int | None, bool]:
+    """Check the OpenAI fields that change nothing here or must keep their default; returns
+    (logprobs: None or the number of top log-probs, include_usage in the stream)."""
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise RequestError(400, "only n=1 is supported", param="n")
+    if body.get("user") is not None and (not isinstance(body["user"], str) or len(body["user"]) > 256):
+        raise RequestError(400, "user must be a string of at most 256 characters", param="user")
+    md = body.get("metadata")
+    if md is not None and (not isinstance(md, dict) or len(md) > 16 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in md.items())):
+        raise RequestError(400, "metadata must be an object of at most 16 string -> string pairs", param="metadata")
+    if body.get("store") not in (None, False):
+        raise RequestError(400, "store: true is not supported (completions are not stored)", param="store")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise RequestError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
+    if body.get("tools") not in (None, []):
+        raise RequestError(400, "tools (function calling) are not supported", param="tools")
+    if body.get("tool_choice") not in (None, "none"):
+        raise RequestError(400, "tool_choice must be \"none\" (function calling is not supported)",
+                           param="tool_choice")
+    so = body.get("stream_options")
+    if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}
+                           or not isinstance(so.get("include_usage", True), bool)):
+        raise RequestError(400, "stream_options may only hold include_usage: true|false", param="stream_options")
+    usage = bool((so or {}).get("include_usage", True))
+    if chat:
+        lp = _bool(body, "logprobs")
+        top = _num(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+        if top is not None and not lp:
+            raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (top or 0) if lp else None, usage
+    return _num(body, "logprobs", None, 0, 5, integer=True), usage
 
 
 def edit_strategy(body: dict) -> str:
@@ -72,17 +169,15 @@ def edit_strategy(body: dict) -> str:
     return v
 
 
-def native_body(body) -> tuple[list[dict], str | None]:
-    if not isinstance(body, dict):
-        raise RequestError(400, "request body must be a JSON object")
+def native_body(body: dict, limits: RequestLimits) -> tuple[list[dict], str | None]:
     unknown = set(body) - _NATIVE_KEYS
     if unknown:
-        raise RequestError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
+        raise RequestError(400, f"unknown field(s): {', '.join(sorted(unknown))[:300]}", param=sorted(unknown)[0][:64])
     segs = body.get("segments")
     if not isinstance(segs, list) or not segs:
         raise RequestError(400, "segments must be a non-empty list", param="segments")
-    if len(segs) > 256:
-        raise RequestError(400, "at most 256 segments per request", param="segments")
+    if len(segs) > limits.max_segments:
+        raise RequestError(400, f"at most {limits.max_segments} segments per request", param="segments")
     out = []
     for i, s in enumerate(segs):
         kinds = [k for k in ("skill", "memory", "template", "text") if isinstance(s, dict) and k in s]
@@ -90,45 +185,72 @@ def native_body(body) -> tuple[list[dict], str | None]:
                 "fields" in s and kinds[0] != "template"):
             raise RequestError(400, f"segments[{i}] must be an object with exactly one of skill, memory, "
                                     f"template (+ fields) or text", param=f"segments[{i}]")
-        v = s[kinds[0]]
-        if not isinstance(v, str) or not v.strip():
-            raise RequestError(400, f"segments[{i}].{kinds[0]} must be a non-empty string", param=f"segments[{i}]")
+        kind = kinds[0]
+        if kind == "text":
+            check_text(s[kind], limits, f"segments[{i}].text")
+        else:
+            check_name(s[kind], limits, what=f"segments[{i}].{kind}")
+        fields = s.get("fields", {})
+        if not isinstance(fields, dict) or len(fields) > limits.max_template_fields:
+            raise RequestError(400, f"segments[{i}].fields must be an object of at most {limits.max_template_fields} "
+                                    "fields", param=f"segments[{i}].fields")
+        for k, v in fields.items():
+            if isinstance(v, str):
+                check_text(v, limits, f"segments[{i}].fields.{k[:64]}")
         out.append(s)
     session = body.get("session")
-    if session is not None and (not isinstance(session, str) or not session.strip() or len(session) > 128):
-        raise RequestError(400, "session must be a non-empty string of at most 128 characters", param="session")
+    if session is not None:
+        check_name(session, limits, what="session")
     return out, session
 
 
-def completions_prompt(body, encode) -> list[int]:
-    if not isinstance(body, dict):
-        raise RequestError(400, "request body must be a JSON object")
-    unknown = set(body) - _OPENAI_COMMON - {"prompt", "echo", "logprobs", "suffix"}
+def completions_prompt(body: dict, limits: RequestLimits) -> str | list[int]:
+    """The prompt: a string (tokenized by the caller, off the event loop) or token ids."""
+    unknown = set(body) - _OPENAI_COMMON - {"prompt", "echo", "suffix"}
     if unknown:
-        raise RequestError(400, f"unsupported field(s): {', '.join(sorted(unknown))}")
-    if body.get("echo") or body.get("logprobs") is not None or body.get("suffix") is not None:
-        raise RequestError(400, "echo, logprobs and suffix are not supported")
+        raise RequestError(400, f"unsupported field(s): {', '.join(sorted(unknown))[:300]}",
+                           param=sorted(unknown)[0][:64])
+    if body.get("echo"):
+        raise RequestError(400, "echo is not supported", param="echo")
+    if body.get("suffix") is not None:
+        raise RequestError(400, "suffix is not supported", param="suffix")
     p = body.get("prompt")
     if isinstance(p, str) and p:
-        return encode(p)
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+        if len(p) > limits.max_text_chars:
+            raise RequestError(400, f"prompt is {len(p)} characters; the limit is {limits.max_text_chars}",
+                               param="prompt")
+        return p
+    if isinstance(p, list) and p and len(p) <= limits.max_text_chars and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in p):
         return list(p)
     raise RequestError(400, "prompt must be a non-empty string or a list of token ids (batches are not supported)",
                        param="prompt")
 
 
-def chat_messages(body) -> list[dict]:
-    if not isinstance(body, dict):
-        raise RequestError(400, "request body must be a JSON object")
-    unknown = set(body) - _OPENAI_COMMON - {"messages"}
+def chat_messages(body: dict, limits: RequestLimits) -> list[dict]:
+    """Messages as ``{"role", "content": str}``: ``developer`` is the system role; content given as
+    a list of ``{"type": "text", "text": ...}`` parts is joined."""
+    unknown = set(body) - _OPENAI_COMMON - {"messages", "top_logprobs"}
     if unknown:
-        raise RequestError(400, f"unsupported field(s): {', '.join(sorted(unknown))}")
+        raise RequestError(400, f"unsupported field(s): {', '.join(sorted(unknown))[:300]}",
+                           param=sorted(unknown)[0][:64])
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RequestError(400, "messages must be a non-empty list", param="messages")
+    if len(msgs) > limits.max_segments:
+        raise RequestError(400, f"at most {limits.max_segments} messages per request", param="messages")
+    out = []
     for i, m in enumerate(msgs):
-        if (not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant")
-                or not isinstance(m.get("content"), str)):
-            raise RequestError(400, f"messages[{i}] must have role system|user|assistant and string content",
-                               param=f"messages[{i}]")
-    return msgs
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or set(m) - {"role", "content"}:
+            raise RequestError(400, f"messages[{i}] must have role system|developer|user|assistant and content "
+                                    "(nothing else)", param=f"messages[{i}]")
+        c = m.get("content")
+        if isinstance(c, list):
+            if not c or not all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"}
+                                and isinstance(p["text"], str) for p in c):
+                raise RequestError(400, f"messages[{i}].content parts must all be {{\"type\": \"text\", \"text\": "
+                                        "...}", param=f"messages[{i}].content")
+            c = "".join(p["text"] for p in c)
+        check_text(c, limits, f"messages[{i}].content")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": c})
+    return out

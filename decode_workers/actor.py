@@ -13,6 +13,8 @@ Plain class; ``cluster.ray_backends`` applies ``ray.remote`` with resources from
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.keys import token_hash
@@ -35,10 +37,17 @@ class DecodeWorker:
         from kvtransport.endpoints import Receiver
 
         self.index, self.engine_kind, self.model = index, cfg.decode_engine, cfg.model
+        self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
+        self._cancel_lock = threading.Lock()
         device = "cuda" if cfg.decode.num_gpus > 0 else "cpu"
         ip, node_id = node_address()
         host = host or ip
         self.receiver = Receiver(cfg.kv_transport, cfg.model, cfg.dtype, bind=host, advertise=host, node_id=node_id)
+        # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine
+        # is vLLM (they live in the process-wide registry served here)
+        from decode_workers.metrics import worker_registry
+        from kvruntime.telemetry import start_exporter
+        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}"), host=ip)
         if cfg.decode_engine == "vllm":
             from decode_workers.vllm_engine import VllmDecodeExecutor
 
@@ -88,8 +97,30 @@ class DecodeWorker:
                 "grpc": ep.grpc_address, "kv_transport": ep.transport, "node_id": ep.node_id,
                 "transport_fallback": self.receiver.fallback}
 
-    def generate(self, transfer_id, prefix, suffix, sampling, salt=None):
-        yield from self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt)
+    def health(self) -> dict:
+        """Cheap liveness answer (the actor's "health" concurrency group, beside a running
+        generate): process id and the gRPC address (new after a restart)."""
+        return {"worker": f"decode-{self.index}", "pid": os.getpid(), "grpc": self.receiver.endpoint.grpc_address,
+                "metrics": self.metrics_target}
+
+    def cancel(self, key: str) -> None:
+        """Stop the generate() call started with ``cancel_key=key`` after its current token
+        (deadline passed, client gone). Runs in the "health" group, beside generate."""
+        with self._cancel_lock:
+            self._cancelled.add(key)
+
+    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None):
+        gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt)
+        try:
+            for ev in gen:
+                if cancel_key is not None and cancel_key in self._cancelled:
+                    return                     # cancelled: the router stops reading and counts it
+                yield ev
+        finally:
+            gen.close()
+            if cancel_key is not None:
+                with self._cancel_lock:
+                    self._cancelled.discard(cancel_key)
 
     def shutdown(self) -> None:
         if self.engine_kind == "vllm":

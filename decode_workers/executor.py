@@ -10,11 +10,11 @@ import logging
 import time
 from typing import Iterator
 
-import torch
-
+from kvruntime.decode_cache import DecodeSession
 from kvruntime.kv import KVCache
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import recompute
+from decode_workers.sampling import Sampler, TextStream
 from kvtransport.blocks import BlockError, decode_block
 from kvtransport.transport import KVTransport, TransferError
 
@@ -61,7 +61,8 @@ class DecodeExecutor:
 
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
                  sampling: SamplingParams, *, salt: str | None = None) -> Iterator[TokenEvent | DecodeSummary]:
-        """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`.
+        """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`. Text is
+        detokenized incrementally (never half a character) and ends before a stop string.
         ``salt`` is ignored: this engine keeps no KV across requests."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
@@ -72,26 +73,31 @@ class DecodeExecutor:
         received = time.perf_counter() - t
         start = len(prefix_ids)
         t_suffix = time.perf_counter()
-        out = self.engine.prefill(list(suffix_ids), torch.arange(start, start + len(suffix_ids)), kv, logits=True)
+        # the context is copied once into a buffer with room for the suffix and every token to come
+        session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens)
+        logits = session.step(suffix_ids, range(start, start + len(suffix_ids)))
         stages["suffix_forward"] = time.perf_counter() - t_suffix
-        kv = KVCache.cat([kv, out.kv])
-        ids: list[int] = []
-        text = ""
-        finish = "length"
-        for i, tok in enumerate(self.engine.generate(kv, out.logits, sampling.max_tokens, temperature=sampling.temperature,
-                                                     top_p=sampling.top_p, seed=sampling.seed)):
+        sampler = Sampler(sampling, logits.numel())
+        stream = TextStream(self.engine.decode, sampling.stop)
+        pos, n, finish = start + len(suffix_ids), 0, "length"
+        while n < sampling.max_tokens:
+            tok, lp, top = sampler.pick(logits)
             if tok in self.engine.eos_ids:
                 finish = "stop"
                 break
-            ids.append(tok)
-            if i == 0:
+            n += 1
+            if n == 1:
                 stages["first_token"] = time.perf_counter() - t_suffix
-            full = self.engine.decode(ids)
-            delta, text = full[len(text):], full
-            yield TokenEvent(tok, delta, i)
-            if sampling.stop and any(s in text for s in sampling.stop):
+            delta = stream.push(tok)
+            if stream.stopped or n == sampling.max_tokens:
+                delta += stream.finish()
+            yield TokenEvent(tok, delta, n - 1, lp, top)
+            if stream.stopped:
                 finish = "stop"
                 break
+            if n < sampling.max_tokens:
+                logits, pos = session.step([tok], [pos]), pos + 1
+        stream.finish()       # after EOS: text still held back is in the summary's text, not in an event
+        text = stream.text
         n_prefix = 0 if fallbacks or transfer_id is None else len(prefix_ids)
-        yield DecodeSummary(len(ids), finish, tuple(fallbacks), received, text, n_prefix, n_prefix,
-                            tuple(stages.items()))
+        yield DecodeSummary(n, finish, tuple(fallbacks), received, text, n_prefix, n_prefix, tuple(stages.items()))

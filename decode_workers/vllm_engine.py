@@ -181,6 +181,8 @@ class VllmDecodeExecutor:
             if transfer_id is not None and prefix_ids else None
         vs = VSampling(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                        seed=sampling.seed, stop=list(sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
+                       presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+                       logit_bias=dict(sampling.logit_bias) or None, logprobs=sampling.logprobs,
                        extra_args=extra)
         prompt = {"prompt_token_ids": list(prefix_ids) + list(suffix_ids)}
         if salt:
@@ -199,11 +201,13 @@ class VllmDecodeExecutor:
                 if isinstance(out, Exception):
                     raise RuntimeError(f"vLLM engine failed: {out}") from out
                 c = out.outputs[0]
-                toks = [t for t in c.token_ids if t not in self.eos_ids]   # like the reference: EOS ends, is not emitted
-                for j, tok in enumerate(toks):
+                lps = list(c.logprobs or []) if sampling.logprobs is not None else []
+                toks = [(t, lps[j] if j < len(lps) else None) for j, t in enumerate(c.token_ids)
+                        if t not in self.eos_ids]   # like the reference: EOS ends, is not emitted
+                for j, (tok, lp) in enumerate(toks):
                     first = first if first is not None else time.perf_counter() - t
                     # the delta text arrives once per output; attach it to its last token
-                    yield TokenEvent(tok, c.text if j == len(toks) - 1 else "", n)
+                    yield TokenEvent(tok, c.text if j == len(toks) - 1 else "", n, *_logprobs(tok, lp, sampling))
                     n += 1
                 text += c.text
                 if out.num_cached_tokens is not None:
@@ -229,3 +233,12 @@ class VllmDecodeExecutor:
         if first is not None:
             stages["first_token"] = first
         yield DecodeSummary(n, finish, tuple(fallbacks), first or 0.0, text, cached, loaded, tuple(stages.items()))
+
+
+def _logprobs(tok: int, lp, sampling: SamplingParams) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+    """vLLM's per-token ``{token id: Logprob(logprob, rank, ...)}`` as (sampled log-prob, top k)."""
+    if lp is None:
+        return None, ()
+    top = sorted(((i, float(x.logprob)) for i, x in lp.items() if x.rank is not None and x.rank <= sampling.logprobs),
+                 key=lambda p: -p[1])
+    return (float(lp[tok].logprob) if tok in lp else None), tuple(top[:sampling.logprobs])

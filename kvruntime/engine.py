@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvruntime.checkpoint import ensure_checkpoint
+from kvruntime.decode_cache import DecodeSession
 from kvruntime.kv import KVCache
 from kvruntime.models import ModelSpec, get_model_spec
 from kvruntime.rope import RopeTable, self_test
@@ -166,7 +167,9 @@ class ReferenceEngine:
                  stop_at_eos: bool = True):
         """Decode up to ``max_tokens`` after a context ``kv`` whose next-token logits are
         ``first_logits``. Greedy when ``temperature == 0``. Yields token ids one by one.
-        Cost per token: one single-token forward over the whole context.
+        Cost per token: one single-token forward over the whole context, whose KV sits in a
+        buffer allocated once (:class:`~kvruntime.decode_cache.DecodeSession`): nothing is copied
+        per token beyond the new token's own KV.
         """
         if max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
@@ -176,16 +179,13 @@ class ReferenceEngine:
         if seed is not None:
             gen.manual_seed(seed)
         logits = first_logits
-        next_pos = int(kv.positions.max()) + 1 if kv.num_tokens else 0
-        for _ in range(max_tokens):
+        session = DecodeSession(self, kv, max(max_tokens - 1, 0))   # the context is copied once, here
+        for i in range(max_tokens):
             tok = _pick(logits, temperature, top_p, gen)
             yield tok
-            if stop_at_eos and tok in self.eos_ids:
+            if (stop_at_eos and tok in self.eos_ids) or i == max_tokens - 1:
                 return
-            step = self.prefill([tok], [next_pos], kv, logits=True)
-            kv = KVCache.cat([kv, step.kv])
-            logits = step.logits
-            next_pos += 1
+            logits = session.step([tok], [session.next_position])
 
     def greedy(self, kv: KVCache, first_logits: torch.Tensor, n: int, stop_at_eos: bool = False) -> list[int]:
         return list(self.generate(kv, first_logits, n, stop_at_eos=stop_at_eos))

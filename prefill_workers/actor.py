@@ -13,6 +13,7 @@ import os
 
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.plan import KVRef, RequestPlan
+from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
 from kvruntime.messages.transfer import KVEndpoint
 
@@ -40,6 +41,10 @@ class PrefillWorker:
         self.executor = PrefillExecutor(self.engine, self.tier, self.sender,
                                         load_failure_policy=cfg.kv_load_failure_policy,
                                         transfer_timeout=cfg.transfer_timeout_s)
+        from kvruntime.telemetry import node_ip, start_exporter
+        from prefill_workers.metrics import worker_registry
+        self.metrics_target = start_exporter(worker_registry(self.store, f"prefill-{index}", bool(cfg.tier_remote_url)),
+                                             host=node_ip())
 
     def ready(self) -> dict:
         r = self.engine.rope
@@ -47,6 +52,14 @@ class PrefillWorker:
                 "rope_self_test_ok": r.enabled, "rope_self_test_error": r.self_test_error,
                 "tiers": self.store.tiers, "node_id": _node_id(),
                 "kv_transport": "nixl" if self.sender.nixl is not None else "grpc"}
+
+    def health(self) -> dict:
+        """Cheap liveness answer (runs in the actor's "health" concurrency group, beside a running
+        plan): process id and whether the remote tier (if configured) is reachable."""
+        st = self.store.stats
+        return {"worker": f"prefill-{self.index}", "pid": os.getpid(), "metrics": self.metrics_target,
+                "remote_up": st.remote_up if self.cfg.tier_remote_url else None,
+                "remote_down_misses": st.remote_down_misses}
 
     def contains(self, refs: list[KVRef]) -> list[bool]:
         return self.tier.contains(refs)
@@ -61,6 +74,10 @@ class PrefillWorker:
                 store_as: KVRef | None, credential: str = "", send_from: int = 0) -> PrefillResult:
         return self.executor.execute(plan, decode, transfer_id, store_as=store_as, credential=credential,
                                      send_from=send_from)
+
+    def shadow(self, plan: RequestPlan) -> ShadowResult:
+        """Recompute ``plan`` in full and compare (online shadow check; the router calls it after the response)."""
+        return self.executor.shadow(plan)
 
     def tier_stats(self):
         return self.store.stats

@@ -14,10 +14,11 @@ from typing import Protocol
 import torch
 
 from kvruntime.kv import KVCache
+from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan, SegmentPlan
 from kvruntime.messages.prefill import PrefillResult, PrefillStats
 from kvruntime.messages.transfer import KVEndpoint
-from kvruntime.ops import edit_in_place, reposition, seam_repair
+from kvruntime.ops import edit_in_place, reposition, seam_repair, selective_recompute
 from kvruntime.rope import RepositionDisabled
 from kvtransport.blocks import encode_block
 from kvtransport.endpoints import Sender
@@ -63,7 +64,7 @@ class PrefillExecutor:
             raise ValueError(f"plan is for model {plan.model!r}, this worker runs {self.engine.spec.name!r}")
         kv, st = self.engine.empty_kv(), PrefillStats()
         self._seams: list[int] = []               # chunk starts awaiting one batched seam repair
-        self._seam_k = 0
+        self._seam_k, self._ratio = 0, 0.0       # ratio > 0: selective recompute (ops.blend)
         for step in plan.steps:
             if step.kind is not PlanKind.REPOSITION:
                 kv = self._flush_seams(kv, st)        # computed steps must see repaired seams
@@ -71,7 +72,15 @@ class PrefillExecutor:
         return self._flush_seams(kv, st), st
 
     def _flush_seams(self, kv: KVCache, st: PrefillStats) -> KVCache:
-        if self._seams:
+        if self._seams and self._ratio > 0:       # the plan's r: seams + top-r chunk tokens, one forward
+            seams = {i for c in self._seams for i in range(c, min(c + self._seam_k, kv.num_tokens))}
+            with _timed(st, "forward"):
+                res = selective_recompute(self.engine, kv, self._seams[0], self._ratio, seam_slots=seams)
+            extra = len(res.recomputed_slots) - len(seams)
+            st.computed += extra
+            st.repositioned -= extra
+            kv, self._seams = res.kv, []
+        elif self._seams:
             with _timed(st, "forward"):
                 kv = seam_repair(self.engine, kv, self._seams, self._seam_k)
             self._seams = []
@@ -147,11 +156,11 @@ class PrefillExecutor:
             except RepositionDisabled:
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
-            if step.seam_tokens:
-                if self._seams and step.seam_tokens != self._seam_k:
-                    kv = self._flush_seams(kv, st)
+            if self._seams and (step.seam_tokens, step.recompute_ratio) != (self._seam_k, self._ratio):
+                kv = self._flush_seams(kv, st)
+            if step.seam_tokens or step.recompute_ratio:
                 self._seams.append(kv.num_tokens)
-                self._seam_k = step.seam_tokens
+                self._seam_k, self._ratio = step.seam_tokens, step.recompute_ratio
             kv = KVCache.cat([kv, moved])
             st.computed += step.seam_tokens
             st.repositioned += step.tokens - step.seam_tokens
@@ -173,6 +182,24 @@ class PrefillExecutor:
             st.reused += step.tokens - res.recomputed_tokens
             return KVCache.cat([kv, res.kv])
         raise ValueError(f"unknown plan step kind {k}")
+
+    def shadow(self, plan: RequestPlan, greedy_n: int = 16) -> ShadowResult:
+        """Online shadow check, off the request's critical path: build the prefix as planned, then
+        recompute prefix + suffix in full and compare the first token and the greedy continuation."""
+        from kvruntime.fidelity.metrics import compare
+        from kvruntime.ops import recompute
+        if not plan.suffix_ids:
+            raise ValueError("a shadow check needs the plan's suffix (the question)")
+        t = time.perf_counter()
+        kv, _ = self.build(plan)
+        start = int(kv.positions[-1]) + 1 if kv.num_tokens else 0
+        out = self.engine.prefill(list(plan.suffix_ids), torch.arange(start, start + len(plan.suffix_ids)), kv,
+                                  logits=True)
+        got = self.engine.greedy(KVCache.cat([kv, out.kv]), out.logits, greedy_n, stop_at_eos=True)
+        full = recompute(self.engine, list(plan.prefix_ids + plan.suffix_ids))
+        row = compare(full.logits, self.engine.greedy(full.kv, full.logits, greedy_n, stop_at_eos=True), out.logits, got)
+        return ShadowResult(plan.request_id, row["kl"], row["top1"], row["greedy_exact"], row["greedy_prefix"],
+                            cosine=row["cosine"], seconds=time.perf_counter() - t)
 
     # ---- shipping ---------------------------------------------------------------------------
     def execute(self, plan: RequestPlan, decode: KVEndpoint | str, transfer_id: str,

@@ -36,6 +36,18 @@ class DictSource:
         return kv
 
 
+def api_key(cfg) -> str:
+    """The key the embedded default created on its first start (``cluster.launcher.start``)."""
+    return cfg.api_key_file.read_text().strip()
+
+
+def http_client(cfg, **kw):
+    """An httpx client for a started cluster, sending its API key (``Authorization: Bearer``)."""
+    import httpx
+    return httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=kw.pop("timeout", 300),
+                        headers={"authorization": f"Bearer {api_key(cfg)}", **kw.pop("headers", {})}, **kw)
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import direct_text, free_port, metric
+from tests.conftest import direct_text, free_port, http_client, metric
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def state_cluster(tmp_path_factory):
     cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=128 << 20, router_replicas=2, data_dir=str(root / "data"),
                         tier_persist_dir=str(root / "tier"))
     start(cfg, local_cpus=4)
-    http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300)
+    http = http_client(cfg)
     try:
         yield cfg, http
     finally:
@@ -71,7 +71,7 @@ def test_registration_through_one_replica_is_used_through_the_other_and_counters
     served_by, sent = set(), 0
     for _ in range(16):
         body = {"segments": [{"skill": "luggage"}, {"text": "How much is refunded for a lost bag?"}],
-                "max_tokens": 4, "temperature": 0, "explain": True}
+                "max_tokens": 4, "temperature": 0, "explain": True, "kv_policy": "fast"}
         resp = http.post("/v1/notes/completions", json=body)
         sent += 1
         assert resp.status_code == 200, resp.text
@@ -87,7 +87,7 @@ def test_registration_through_one_replica_is_used_through_the_other_and_counters
 
 def test_exact_session_never_reuses_approximate_kv_and_equals_recompute(state_cluster):
     cfg, http = state_cluster
-    t1 = _turn(http, "mix-1", "DELAYED", policy="balanced", segments_extra=[{"skill": "luggage"}])
+    t1 = _turn(http, "mix-1", "DELAYED", policy="fast", segments_extra=[{"skill": "luggage"}])
     assert t1["plan"] == "reposition" and not t1["explain"]["exact"]
     t2 = _turn(http, "mix-1", "DELAYED", policy="exact", segments_extra=[{"skill": "luggage"}])
     assert t2["plan"] == "recompute", t2["explain"]
@@ -161,7 +161,7 @@ def test_whole_cluster_restart_finds_skills_in_the_fs_tier(state_cluster):
     assert r.status_code == 201 and r.json()["cached"] and r.json()["seconds"] == 0.0, r.text   # no prefill
     resp = http.post("/v1/notes/completions", json={
         "segments": [{"skill": "luggage"}, {"text": "How much is refunded for a lost bag?"}],
-        "max_tokens": 4, "temperature": 0, "explain": True}).json()
+        "max_tokens": 4, "temperature": 0, "explain": True, "kv_policy": "fast"}).json()
     step = [s for s in resp["explain"]["steps"] if s["kind"] == "reposition"][0]
     assert "re-warmed" not in step["reason"] and step["reused"] > 0
     assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] > 40

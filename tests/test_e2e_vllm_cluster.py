@@ -4,8 +4,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (scripts/dev.sh installs it)")
 
-import httpx  # noqa: E402
-
+from tests.conftest import http_client  # noqa: E402
 from tests.test_e2e_cluster import MEMORY, SKILL, _direct, _free_port, _metric  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -19,7 +18,7 @@ def vcluster(tmp_path_factory):
     cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",
                         vllm_kv_cache_gib=1, vllm_max_model_len=4096, data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300)
+    client = http_client(cfg)
     for kind, body in (("skills", {"name": "refund", "text": SKILL}), ("memories", {"name": "dana", "text": MEMORY})):
         assert client.post(f"/v1/{kind}", json=body).status_code == 201
     yield client

@@ -3,6 +3,7 @@ import dataclasses
 import uuid
 
 import pytest
+import torch
 
 from kvruntime.messages.plan import KVRef, PlanKind, Policy
 from cluster.planner import RenderedRequest, RenderedSegment, SessionContext, TierView, plan_request
@@ -139,3 +140,29 @@ def test_corrupted_block_is_recomputed_by_decode(wired):
     full = recompute(e, list(prefix + plan.suffix_ids))
     want = [t for t in e.greedy(full.kv, full.logits, 8, stop_at_eos=True) if t not in e.eos_ids]
     assert [ev.token_id for ev in events if isinstance(ev, TokenEvent)] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", [0.3, 1.0])
+def test_reposition_plan_executes_the_planned_recompute_ratio(wired, ratio):
+    """The executor carries out the plan's r: its KV is what ops.compose(recompute_ratio=r) builds
+    (r = 1: a full recompute), and the stats count the selectively recomputed tokens."""
+    from cluster.planner import ComposeChoice, PlannerConfig, compose_op_key
+    from kvruntime.ops import ChunkSegment, TextSegment, blend_count, compose
+    e, src, pre, dec, addr = wired
+    frame, skill, q = _segments(e)
+    src.put(skill.kv, precompile_chunk(e, list(skill.token_ids)))
+    cfg = PlannerConfig(balanced=ComposeChoice(True, 1, ratio, compose_op_key(1, ratio), "test"))
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.BALANCED, (frame, skill), q),
+                        TierView(frozenset({skill.kv.digest})), None, e.encode, cfg)
+    assert plan.steps[1].recompute_ratio == ratio
+    kv, st = pre.build(plan)
+    want = compose(e, [TextSegment(list(frame.token_ids)), ChunkSegment(src.get(skill.kv))], seam_tokens=1,
+                   recompute_ratio=ratio)
+    assert torch.equal(kv.data, want.kv.data)
+    n = len(skill.token_ids)
+    extra = blend_count(ratio, n - 1)
+    assert st.computed == len(frame.token_ids) + 1 + extra and st.repositioned == n - 1 - extra
+    if ratio == 1.0:
+        full = recompute(e, list(frame.token_ids + skill.token_ids), logits=False).kv
+        assert torch.allclose(kv.data, full.data, atol=5e-4)

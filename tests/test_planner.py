@@ -169,3 +169,96 @@ def test_choose_edit_kind_reads_the_fidelity_table():
     assert c.kind is PlanKind.EDIT_IN_PLACE and c.top_k == 16 and "10 informative" in c.reason
     table["edit_informative"]["erratum: correction"]["greedy_exact"] = 0.9
     assert choose_edit_kind(table).kind is PlanKind.ERRATUM
+
+
+# ---- fidelity-targeted composition --------------------------------------------------------------
+from cluster.planner import ComposeChoice, FidelityTarget, choose_compose, compose_op_key  # noqa: E402
+
+
+def _row(top1, n=12, seam=1, r=0.0, rotate=True, **extra):
+    return {"n": n, "top1": top1, "greedy_exact": extra.get("greedy_exact", 0.2), "kl_mean": 0.1,
+            "params": {"rotate": rotate, "seam_tokens": seam, "recompute_ratio": r}}
+
+
+def _profile(sweep: dict, compose: dict | None = None):
+    return {"compose": compose or {}, "compose_sweep": {"meta": {}, "ops": sweep}}
+
+
+BALANCED = FidelityTarget("top1", 0.97)
+
+
+def test_balanced_picks_the_cheapest_operation_whose_profile_meets_the_target():
+    prof = _profile({"seam": _row(0.86), "r5": _row(0.92, r=0.05), "r15": _row(0.97, r=0.15),
+                     "r50": _row(1.0, r=0.5)},
+                    compose={"naive": _row(0.99, n=66, seam=0, rotate=False), "seam4": _row(0.96, n=66, seam=4)})
+    c = choose_compose(prof, BALANCED, model="m")
+    assert c.allowed and (c.seam_tokens, c.recompute_ratio) == (1, 0.15) and c.op == compose_op_key(1, 0.15)
+    assert "compose_sweep row 'r15': top1 97% on 12 cases" in c.reason
+    tier = TierView(frozenset({SKILL.kv.digest}))
+    plan = plan_request(req(FRAME, SKILL, policy=Policy.BALANCED), tier, None, encode, PlannerConfig(balanced=c))
+    step = plan.steps[1]
+    assert step.kind is PlanKind.REPOSITION and step.recompute_ratio == 0.15 and step.seam_tokens == 1
+    assert step.computed == 1 + 6 and step.reused == 40 - 7                # ceil(0.15 * 39) = 6
+    assert "r15" in plan.explain()["steps"][1]["reason"] and plan.explain()["steps"][1]["recompute_ratio"] == 0.15
+    same = plan_request(req(FRAME, SKILL, policy=Policy.BALANCED), tier, None, encode,
+                        PlannerConfig(balanced=ComposeChoice(True, 1, 0.5, compose_op_key(1, 0.5))))
+    assert same.approx != plan.approx                                       # a different recipe, a different tag
+
+
+def test_balanced_never_picks_an_operation_whose_profile_misses_the_target():
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        sweep = {f"op{i}": _row(rng.choice([0.8, 0.9, 0.96, 0.97, 0.99, 1.0]), n=rng.choice([5, 12, 66]),
+                                seam=rng.choice([0, 1, 4]), r=rng.choice([0.0, 0.05, 0.1, 0.25, 0.5]))
+                 for i in range(rng.randint(0, 6))}
+        c = choose_compose(_profile(sweep), BALANCED)
+        rows_of = lambda s, r: [x for x in sweep.values() if (x["params"]["seam_tokens"], x["params"]["recompute_ratio"]) == (s, r)]  # noqa: E731
+        meets = lambda rows: bool(rows) and all(x["top1"] >= 0.97 and x["n"] >= 10 for x in rows)  # noqa: E731
+        if c.allowed:
+            assert meets(rows_of(c.seam_tokens, c.recompute_ratio))
+            cheaper = {(x["params"]["seam_tokens"], x["params"]["recompute_ratio"]) for x in sweep.values()
+                       if (x["params"]["recompute_ratio"], x["params"]["seam_tokens"]) < (c.recompute_ratio, c.seam_tokens)}
+            assert not any(meets(rows_of(*k)) for k in cheaper)
+        else:
+            assert not any(meets(rows_of(x["params"]["seam_tokens"], x["params"]["recompute_ratio"])) for x in sweep.values())
+
+
+def test_a_model_without_a_profile_gets_only_exact_reuse():
+    c = choose_compose(None, BALANCED)
+    assert not c.allowed and "no fidelity profile" in c.reason
+    tier = TierView(frozenset({SKILL.kv.digest}))
+    for pol in (Policy.BALANCED, Policy.FAST):
+        plan = plan_request(req(FRAME, SKILL, policy=pol), tier, None, encode, PlannerConfig(balanced=c, fast=c))
+        assert [s.kind for s in plan.steps] == [PlanKind.RECOMPUTE, PlanKind.RECOMPUTE] and plan.approx == ""
+        assert "no fidelity profile" in plan.steps[1].reason
+
+
+def test_a_demoted_operation_is_skipped_until_it_recovers():
+    prof = _profile({"seam": _row(0.98), "r10": _row(0.99, r=0.1)})
+    assert choose_compose(prof, BALANCED).op == compose_op_key(1, 0.0)
+    c = choose_compose(prof, BALANCED, demoted=frozenset({compose_op_key(1, 0.0)}))
+    assert c.op == compose_op_key(1, 0.1) and "demoted online: reposition(seam=1,r=0)" in c.reason
+    none = choose_compose(prof, BALANCED, demoted=frozenset({compose_op_key(1, 0.0), compose_op_key(1, 0.1)}))
+    assert not none.allowed and "demoted" in none.reason
+
+
+def test_shipped_profiles_are_read_and_their_choice_meets_the_target():
+    from kvruntime.fidelity.report import load_summary
+    for model in ("smollm2-135m", "gemma3-270m"):
+        prof = load_summary(model)
+        c = choose_compose(prof, BALANCED, model=model)
+        rows = [r for sec in (prof.get("compose", {}), prof.get("compose_sweep", {}).get("ops", {}))
+                for r in sec.values() if r.get("params", {}).get("rotate")
+                and (r["params"]["seam_tokens"], r["params"]["recompute_ratio"]) == (c.seam_tokens, c.recompute_ratio)]
+        if c.allowed:
+            assert rows and all(r["top1"] >= 0.97 for r in rows), (model, c)
+        else:
+            assert "meets top1 >= 97%" in c.reason
+
+
+def test_fidelity_target_validates():
+    with pytest.raises(ValueError):
+        FidelityTarget("cosine", 0.9)
+    with pytest.raises(ValueError):
+        FidelityTarget("top1", 1.5)

@@ -108,6 +108,18 @@ def test_secret_is_created_once_and_shared(store_url):
     a.close(), b.close()
 
 
+def test_metrics_targets_are_shared_refreshed_and_expire(store_url):
+    a, b = open_state(store_url), open_state(store_url)
+    a.put_target("router-r1", "10.0.0.5:41000", 100.0)
+    b.put_target("router-r2", "10.0.0.6:41001", 105.0)
+    assert a.targets(106.0, 30.0) == b.targets(106.0, 30.0) == {"router-r1": "10.0.0.5:41000",
+                                                                "router-r2": "10.0.0.6:41001"}
+    a.put_target("router-r1", "10.0.0.5:42000", 120.0)        # restarted on another port: replaced
+    assert b.targets(140.0, 30.0) == {"router-r1": "10.0.0.5:42000"}   # r2 last seen 35 s ago: dropped
+    assert a.targets(200.0, 30.0) == {}
+    a.close(), b.close()
+
+
 def _writer(url: str, tenant: str, n: int) -> None:
     s = open_state(url)
     for i in range(n):
@@ -135,3 +147,83 @@ def test_bad_urls_are_clear_errors(tmp_path):
         open_state("postgres://x")
     with pytest.raises(ConnectionError, match="does not answer"):
         open_state("redis://127.0.0.1:1/0")
+
+
+def test_api_keys_are_stored_by_hash_listed_and_revoked(store_url):
+    from cluster.auth import Authenticator, create_key, hash_key
+    from cluster.errors import RequestError
+
+    s = open_state(store_url)
+    key_a, rec_a = create_key(s, "acme")
+    key_b, rec_b = create_key(s, "globex")
+    assert key_a != key_b and key_a.startswith("kvn-")
+    assert s.api_key(hash_key(key_a)).tenant == "acme" and s.api_key(hash_key(key_b)).tenant == "globex"
+    assert [(r.key_id, r.tenant) for r in s.list_api_keys()] == [(rec_a.key_id, "acme"), (rec_b.key_id, "globex")]
+    dump = repr([vars(r) for r in s.list_api_keys()])
+    assert key_a not in dump and key_a[4:] not in dump                     # only the hash is kept
+    auth = Authenticator(s, enabled=True, default_tenant="default", trusted_proxies=("10.0.0.7",))
+    assert auth.tenant({"authorization": f"Bearer {key_a}"}, "127.0.0.1") == "acme"
+    # the tenant header is ignored from an untrusted address, honoured from the trusted proxy
+    assert auth.tenant({"authorization": f"Bearer {key_a}", "x-kvnotes-tenant": "globex"}, "127.0.0.1") == "acme"
+    assert auth.tenant({"authorization": f"Bearer {key_a}", "x-kvnotes-tenant": "team-3"}, "10.0.0.7") == "team-3"
+    for headers, host in (({}, "127.0.0.1"), ({"authorization": "Bearer nope"}, "127.0.0.1"),
+                          ({"authorization": key_a}, "127.0.0.1"), ({"x-kvnotes-tenant": "acme"}, "10.0.0.7")):
+        with pytest.raises(RequestError) as e:
+            auth.tenant(headers, host)
+        assert e.value.status == 401
+    with pytest.raises(RequestError) as e:
+        auth.tenant({"authorization": f"Bearer {key_a}", "x-kvnotes-tenant": "a" * 65}, "10.0.0.7")
+    assert e.value.status == 400
+    assert s.revoke_api_key(rec_a.key_id) and not s.revoke_api_key(rec_a.key_id)
+    with pytest.raises(RequestError):
+        auth.tenant({"authorization": f"Bearer {key_a}"}, "127.0.0.1")
+    assert [r.tenant for r in s.list_api_keys()] == ["globex"]
+    s.close()
+
+
+def test_embedded_default_key_is_created_once_and_private(tmp_path):
+    import stat
+
+    from cluster.auth import ensure_default_key
+
+    s = open_state(f"sqlite:///{tmp_path}/state.db")
+    path = tmp_path / "api_key"
+    key = ensure_default_key(s, "default", path)
+    assert path.read_text().strip() == key and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ensure_default_key(s, "default", path) == key and len(s.list_api_keys()) == 1   # not re-created
+    path.unlink()
+    assert ensure_default_key(s, "default", path) is None                 # keys exist: none is invented
+    s.close()
+
+
+def test_auth_off_only_on_loopback():
+    from kvruntime.messages.config import ClusterConfig
+
+    assert not ClusterConfig(auth=False, host="127.0.0.1").auth
+    assert ClusterConfig.from_dict({"trusted_proxies": ["10.0.0.7"]}).trusted_proxies == ("10.0.0.7",)
+    with pytest.raises(ValueError, match="loopback"):
+        ClusterConfig(auth=False, host="0.0.0.0")
+    with pytest.raises(ValueError, match="max_"):
+        ClusterConfig(max_body_bytes=0)
+
+
+def test_keys_cli_create_list_revoke(tmp_path, capsys):
+    import json as _json
+
+    from cluster.cli import main
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(_json.dumps({"data_dir": str(tmp_path)}))
+    assert main(["keys", "create", "--tenant", "acme", "--config", str(cfg)]) == 0
+    key = capsys.readouterr().out.strip().splitlines()[-1]           # the key is the last line
+    assert key.startswith("kvn-")
+    assert main(["keys", "list", "--config", str(cfg)]) == 0
+    listed = capsys.readouterr().out
+    key_id, tenant = listed.split()[:2]
+    assert tenant == "acme" and key not in listed
+    assert main(["keys", "create", "--tenant", "no/slash", "--config", str(cfg)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("kvnotes: error: tenant must be")
+    assert main(["keys", "revoke", key_id, "--config", str(cfg)]) == 0
+    assert main(["keys", "revoke", key_id, "--config", str(cfg)]) == 2
+    assert "no key with id" in capsys.readouterr().err
+    assert main(["keys", "list", "--config", str(cfg)]) == 0 and capsys.readouterr().out == ""

@@ -239,3 +239,24 @@ def test_prefix_held_by_vllm_is_not_sent_again(smol, vx, sender, one_torch_threa
     sender.send(vx.address, encode_block("held-3", MODEL, kv), timeout=30)
     want, s3 = _run(vx, "held-3", prefix, other, salt="fresh-salt")     # the whole block, nothing cached
     assert s3.loaded_tokens == len(prefix) and got == want
+
+
+def test_vllm_sampling_params_match_the_reference_decode(vx, smol, one_torch_thread):
+    """Penalties, logit bias, stop strings and log-probs mean the same in both decode engines."""
+    from decode_workers.executor import DecodeExecutor
+
+    ref = DecodeExecutor(smol, transport=None)
+    ids = smol.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,")
+    banana = smol.encode(" banana")[0]
+    for sp in (SamplingParams(max_tokens=12, frequency_penalty=2.0, presence_penalty=2.0, logprobs=3),
+               SamplingParams(max_tokens=3, logit_bias=((banana, 100.0),)),
+               SamplingParams(max_tokens=12, stop=(" 3",))):
+        a = list(ref.generate(None, tuple(ids[:-1]), (ids[-1],), sp))
+        b = list(vx.generate(None, tuple(ids[:-1]), (ids[-1],), sp))
+        assert [e.token_id for e in a[:-1]] == [e.token_id for e in b[:-1]], sp
+        assert a[-1].text == b[-1].text and a[-1].finish_reason == b[-1].finish_reason, (a[-1], b[-1])
+        if sp.logprobs:
+            for x, y in zip(a[:-1], b[:-1]):
+                assert abs(x.logprob - y.logprob) < 1e-2
+                assert [i for i, _ in x.top_logprobs] == [i for i, _ in y.top_logprobs]
+    assert b[-1].finish_reason == "stop" and " 3" not in b[-1].text

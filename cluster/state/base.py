@@ -60,6 +60,21 @@ class TemplateRecord:
         return TemplateRecord(**{**d, "fields": tuple(d["fields"]), "labels": tuple(tuple(x) for x in d["labels"])})
 
 
+@dataclass(frozen=True)
+class ApiKeyRecord:
+    """An API key as stored: only the SHA-256 of the key, never the key itself."""
+    key_id: str                      # public handle: the first 12 hex digits of the hash (list / revoke)
+    tenant: str                      # every request made with the key acts as this tenant
+    created: float                   # unix seconds
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(s) -> "ApiKeyRecord":
+        return ApiKeyRecord(**json.loads(s))
+
+
 class StateStore(ABC):
     """Durable control-plane state. Every method is one short round trip (SQLite transaction or a
     few Redis commands), safe to call from several threads, processes and replicas at once.
@@ -120,6 +135,32 @@ class StateStore(ABC):
     @abstractmethod
     def get_prompt_blocks(self, tenant: str, hashes: list[str], now: float) -> dict[str, int]:
         """The subset of ``hashes`` present (not expired), with their lengths."""
+
+    # ---- API keys (hashed) ----------------------------------------------------------------------
+    @abstractmethod
+    def put_api_key(self, key_hash: str, rec: ApiKeyRecord) -> None:
+        """Store a key by its SHA-256 hex digest (``cluster.auth.hash_key``)."""
+
+    @abstractmethod
+    def api_key(self, key_hash: str) -> ApiKeyRecord | None:
+        """The record of a key by its hash; None when unknown or revoked."""
+
+    @abstractmethod
+    def list_api_keys(self) -> list[ApiKeyRecord]:
+        """Every live key, oldest first."""
+
+    @abstractmethod
+    def revoke_api_key(self, key_id: str) -> bool:
+        """Delete the key whose ``key_id`` this is; True if it existed."""
+
+    # ---- metrics targets (router replicas announce their own exporter) ----------------------
+    @abstractmethod
+    def put_target(self, name: str, address: str, now: float) -> None:
+        """Announce (or refresh) process ``name``'s metrics endpoint ``host:port``."""
+
+    @abstractmethod
+    def targets(self, now: float, ttl_s: float) -> dict[str, str]:
+        """name -> address of every target refreshed within ``ttl_s``; older ones are dropped."""
 
     # ---- cluster secret, sizes, lifecycle -----------------------------------------------------
     @abstractmethod

@@ -6,7 +6,9 @@ so no separator can be forged):
 - ``kvn:tpl:[tenant]``        hash  name -> TemplateRecord JSON
 - ``kvn:sess:[tenant,id]``    string (session JSON) with a TTL; ``kvn:sess-lru`` zset member -> last use
 - ``kvn:pfx:[tenant,hash]``   string (tokens) with a TTL;        ``kvn:pfx-lru``  zset member -> last use
+- ``kvn:keys``                hash  SHA-256 of an API key -> ApiKeyRecord JSON; ``kvn:keyid`` key_id -> hash
 - ``kvn:secret``              the cluster secret (SET NX)
+- ``kvn:targets``             hash  process name -> metrics endpoint; ``kvn:targets:seen`` zset name -> last refresh
 TTLs are Redis' own; the maximum counts are enforced by trimming the LRU zsets on write.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 
-from cluster.state.base import Registration, StateStore, StoreLimits, TemplateRecord
+from cluster.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord
 
 P = "kvn:"
 
@@ -122,6 +124,46 @@ class RedisState(StateStore):
             return {}
         vals = self._get_bounded("pfx", [_k("pfx", tenant, h) for h in hashes], self.limits.prompt_ttl_s, now)
         return {h: int(v) for h, v in zip(hashes, vals) if v is not None}
+
+    # ---- API keys -----------------------------------------------------------------------------
+    def put_api_key(self, key_hash, rec):
+        if not self.r.hsetnx(P + "keyid", rec.key_id, key_hash):
+            raise ValueError(f"key id {rec.key_id} already exists")
+        self.r.hset(P + "keys", key_hash, rec.to_json())
+
+    def api_key(self, key_hash):
+        v = self.r.hget(P + "keys", key_hash)
+        return ApiKeyRecord.from_json(v) if v else None
+
+    def list_api_keys(self):
+        recs = [ApiKeyRecord.from_json(v) for v in self.r.hgetall(P + "keys").values()]
+        return sorted(recs, key=lambda r: (r.created, r.key_id))
+
+    def revoke_api_key(self, key_id):
+        h = self.r.hget(P + "keyid", key_id)
+        if h is None:
+            return False
+        pipe = self.r.pipeline()
+        pipe.hdel(P + "keys", h)
+        pipe.hdel(P + "keyid", key_id)
+        pipe.execute()
+        return True
+
+    # ---- metrics targets ----------------------------------------------------------------------
+    def put_target(self, name, address, now):
+        pipe = self.r.pipeline()
+        pipe.hset(P + "targets", name, address)
+        pipe.zadd(P + "targets:seen", {name: now})
+        pipe.execute()
+
+    def targets(self, now, ttl_s):
+        old = self.r.zrangebyscore(P + "targets:seen", "-inf", now - ttl_s)
+        if old:
+            pipe = self.r.pipeline()
+            pipe.hdel(P + "targets", *old)
+            pipe.zrem(P + "targets:seen", *old)
+            pipe.execute()
+        return {k.decode(): v.decode() for k, v in sorted(self.r.hgetall(P + "targets").items())}
 
     # ---- secret, sizes, expiry ----------------------------------------------------------------
     def secret(self):

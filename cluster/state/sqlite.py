@@ -8,7 +8,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from cluster.state.base import Registration, StateStore, StoreLimits, TemplateRecord
+from cluster.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord
 
 _TRIM_EVERY = 64
 _SCHEMA = """
@@ -21,7 +21,9 @@ CREATE INDEX IF NOT EXISTS sessions_used ON sessions (used);
 CREATE TABLE IF NOT EXISTS prompt_index (tenant TEXT, hash TEXT, tokens INTEGER, used REAL,
     PRIMARY KEY (tenant, hash));
 CREATE INDEX IF NOT EXISTS prompt_used ON prompt_index (used);
+CREATE TABLE IF NOT EXISTS api_keys (hash TEXT PRIMARY KEY, key_id TEXT UNIQUE, data TEXT, created REAL);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v BLOB);
+CREATE TABLE IF NOT EXISTS targets (name TEXT PRIMARY KEY, address TEXT, seen REAL);
 """
 
 
@@ -151,6 +153,32 @@ class SqliteState(StateStore):
                 c.executemany("UPDATE prompt_index SET used=? WHERE tenant=? AND hash=?",
                               [(now, tenant, h) for h, _ in rows])
         return {h: n for h, n in rows}
+
+    # ---- API keys -----------------------------------------------------------------------------
+    def put_api_key(self, key_hash, rec):
+        with self._tx() as c:
+            c.execute("INSERT INTO api_keys VALUES (?,?,?,?)", (key_hash, rec.key_id, rec.to_json(), rec.created))
+
+    def api_key(self, key_hash):
+        rows = self._q("SELECT data FROM api_keys WHERE hash=?", (key_hash,))
+        return ApiKeyRecord.from_json(rows[0][0]) if rows else None
+
+    def list_api_keys(self):
+        return [ApiKeyRecord.from_json(r[0]) for r in self._q("SELECT data FROM api_keys ORDER BY created, key_id")]
+
+    def revoke_api_key(self, key_id):
+        with self._tx() as c:
+            return c.execute("DELETE FROM api_keys WHERE key_id=?", (key_id,)).rowcount > 0
+
+    # ---- metrics targets ----------------------------------------------------------------------
+    def put_target(self, name, address, now):
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO targets VALUES (?, ?, ?)", (name, address, now))
+
+    def targets(self, now, ttl_s):
+        with self._tx() as c:
+            c.execute("DELETE FROM targets WHERE seen<?", (now - ttl_s,))
+            return dict(c.execute("SELECT name, address FROM targets ORDER BY name").fetchall())
 
     # ---- secret, sizes, expiry ----------------------------------------------------------------
     def secret(self) -> bytes:

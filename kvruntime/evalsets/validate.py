@@ -170,6 +170,14 @@ def main() -> int:
         q = case.get("question")
         if not isinstance(q, str) or "?" not in q:
             problem(f"compose.jsonl: {cid}: question missing or has no question mark")
+        if "answer" in case:
+            ans = case["answer"]
+            if not isinstance(ans, list) or not ans or not all(isinstance(a, str) and a.strip() for a in ans):
+                problem(f"compose.jsonl: {cid}: answer must be a non-empty list of accepted answer strings")
+            elif isinstance(chunks, list) and all(c in passages for c in chunks):
+                where = [c for c in chunks if any(a.lower() in passages[c].lower() for a in ans)]
+                if not where:
+                    problem(f"compose.jsonl: {cid}: no accepted answer appears in any of its chunks")
 
     # ---------------- edit ----------------
     edits = load_jsonl(EDIT)
@@ -284,7 +292,8 @@ def main() -> int:
     print(f"passages: {len(passages)}  (words: short<=150 {sum(words(t) <= 150 for t in passages.values())}, "
           f"medium 151-350 {sum(150 < words(t) <= 350 for t in passages.values())}, "
           f"long >350 {sum(words(t) > 350 for t in passages.values())})")
-    print(f"compose: {len(compose)} cases, chunks per case {dict(sorted(chunk_hist.items()))}")
+    print(f"compose: {len(compose)} cases ({sum('answer' in c for c in compose)} with an expected answer), "
+          f"chunks per case {dict(sorted(chunk_hist.items()))}")
     print(f"edit: {len(edits)} cases, kinds {dict(sorted(kind_hist.items()))}, categories {dict(sorted(cat_hist.items()))}")
     print("token counts (SmolLM2-135M tokenizer, no special tokens):")
     print("  " + stats_line("per passage", list(ptoks.values())))

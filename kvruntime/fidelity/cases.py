@@ -12,6 +12,7 @@ class ComposeCase:
     id: str
     chunks: tuple[str, ...]   # passage ids, in context order
     question: str
+    answers: tuple[str, ...] = ()   # accepted answers (any one, case-insensitive); () = not judged
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ def _jsonl(name: str) -> list[dict]:
 
 
 def load_compose_cases() -> list[ComposeCase]:
-    return [ComposeCase(d["id"], tuple(d["chunks"]), d["question"]) for d in _jsonl("compose.jsonl")]
+    return [ComposeCase(d["id"], tuple(d["chunks"]), d["question"], tuple(d.get("answer", ())))
+            for d in _jsonl("compose.jsonl")]
 
 
 def load_edit_cases() -> list[EditCase]:

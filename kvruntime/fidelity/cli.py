@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvruntime.fidelity import report
 from kvruntime.fidelity.cases import load_compose_cases, load_edit_cases, load_passages
-from kvruntime.fidelity.runner import run_compose, run_edit
+from kvruntime.fidelity.runner import compose_ops, run_compose, run_edit
 
 BEGIN, END = "<!-- BEGIN GENERATED: kvnotes eval report -->", "<!-- END GENERATED -->"
 
@@ -20,12 +20,22 @@ def eval_fidelity(args, argv: list[str]) -> int:
 
     if args.limit is not None and args.limit <= 0:
         raise ValueError("--limit must be a positive number of cases")
+    ratios = tuple(getattr(args, "ratios", None) or ())
+    for r in ratios:
+        if not 0 < r <= 1:
+            raise ValueError(f"--ratios must be in (0, 1], got {r}")
     started = time.monotonic()
     engine = ReferenceEngine(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     if not engine.rope.enabled:
         raise RuntimeError(f"RoPE self-test failed (error {engine.rope.self_test_error}); cannot evaluate reposition")
-    compose_cases = load_compose_cases()[: args.limit]
-    edit_cases = load_edit_cases()[: args.limit]
+    compose_only = getattr(args, "compose_only", False)
+    compose_cases = load_compose_cases()
+    if getattr(args, "answered", False):
+        compose_cases = [c for c in compose_cases if c.answers]
+    compose_cases = compose_cases[: args.limit]
+    edit_cases = [] if compose_only else load_edit_cases()[: args.limit]
+    if compose_only:
+        return _compose_sweep(args, argv, engine, compose_cases, ratios, started)
     print(f"kvnotes: fidelity of {args.model}: {len(compose_cases)} compose cases, "
           f"{len(edit_cases)} edit cases{'' if args.no_cot else ' (+ CoT variant)'}", file=sys.stderr)
     compose_rows = run_compose(engine, compose_cases, load_passages())
@@ -42,6 +52,29 @@ def eval_fidelity(args, argv: list[str]) -> int:
     }
     summary = report.build_summary(meta, compose_rows, edit_rows, informative, cot_rows, cot_inf)
     tables_dir = Path(args.tables_dir) if args.tables_dir else report.TABLES_DIR
+    path = report.save_summary(args.model, summary, tables_dir)
+    print(report.render_markdown(summary))
+    print(f"kvnotes: summary written to {path}", file=sys.stderr)
+    return 0
+
+
+def _compose_sweep(args, argv, engine, cases, ratios, started) -> int:
+    """``--compose-only``: the compose operations plus one selective recompute per ratio, merged
+    into the model's existing summary under ``compose_sweep`` (the other sections are kept). The
+    r = 0 row is "reposition + seam 1"; naive splice and seam 4 are in the full run's table."""
+    print(f"kvnotes: compose sweep of {args.model}: {len(cases)} cases, ratios {list(ratios)}", file=sys.stderr)
+    ops = {k: v for k, v in compose_ops(ratios).items() if k == "reposition + seam 1" or v.get("recompute_ratio")}
+    rows = run_compose(engine, cases, load_passages(), ops=ops)
+    meta = {"model": args.model, "dtype": args.dtype, "device": args.device,
+            "command": "kvnotes " + " ".join(_without_option(argv, "--tables-dir")),
+            "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {__import__('torch').get_num_threads()}",
+            "seconds": time.monotonic() - started, "cases": {"compose": len(cases)}}
+    tables_dir = Path(args.tables_dir) if args.tables_dir else report.TABLES_DIR
+    summary = report.load_summary(args.model, tables_dir) or {"meta": meta}
+    if summary.get("compose"):
+        summary["compose"] = report.with_params(summary["compose"])
+    summary["compose_sweep"] = report.build_sweep(meta, rows, ops)
     path = report.save_summary(args.model, summary, tables_dir)
     print(report.render_markdown(summary))
     print(f"kvnotes: summary written to {path}", file=sys.stderr)

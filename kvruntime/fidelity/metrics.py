@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,12 @@ def compare(oracle_logits, oracle_greedy, op_logits, op_greedy) -> dict:
     }
 
 
+def answer_correct(text: str, answers) -> float:
+    """1.0 if any accepted answer occurs in ``text`` as a whole word/number (case-insensitive)."""
+    low = " ".join(text.lower().split())
+    return float(any(re.search(r"(?<![\w.])" + re.escape(a.lower()) + r"(?![\w])", low) for a in answers))
+
+
 def percentile(xs: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100])."""
     if not xs:
@@ -54,11 +61,15 @@ def summarize(rows: list[dict]) -> dict:
     def mean(key):
         return sum(r[key] for r in rows) / len(rows) if rows else math.nan
     kls = [r["kl"] for r in rows]
+    judged = [r["answer_ok"] for r in rows if r.get("answer_ok") is not None]
     return {
+        "answered": len(judged), "accuracy": sum(judged) / len(judged) if judged else math.nan,
         "n": len(rows),
         "kl_mean": mean("kl"), "kl_p10": percentile(kls, 10), "kl_p50": percentile(kls, 50),
         "kl_p90": percentile(kls, 90),
         "cosine_mean": mean("cosine"), "top1": mean("top1"),
         "greedy_exact": mean("greedy_exact"), "greedy_prefix": mean("greedy_prefix"),
         "recomputed_tokens_mean": mean("recomputed_tokens"), "context_tokens_mean": mean("context_tokens"),
+        "probed_tokens_mean": (sum(r["probed_tokens"] for r in rows) / len(rows)
+                               if rows and all("probed_tokens" in r for r in rows) else math.nan),
     }

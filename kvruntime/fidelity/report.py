@@ -25,6 +25,29 @@ def build_summary(meta: dict, compose_rows: dict, edit_rows: dict, informative: 
     }
 
 
+def build_sweep(meta: dict, compose_rows: dict, ops: dict[str, dict]) -> dict:
+    """The compose r sweep (``--compose-only``): per op its summary and the compose() parameters
+    that produced it (the planner reads ``params`` to know what a row's operation is)."""
+    from kvruntime.fidelity.runner import REFERENCE_OP
+    out = {}
+    for op, rows in compose_rows.items():
+        params = {"recompute": True} if op == REFERENCE_OP else _params(ops[op])
+        out[op] = {**summarize(rows), "params": params}
+    return {"meta": meta, "ops": out}
+
+
+def _params(kw: dict) -> dict:
+    return {"rotate": kw.get("rotate", True), "seam_tokens": kw.get("seam_tokens", 1),
+            "recompute_ratio": kw.get("recompute_ratio", 0.0)}
+
+
+def with_params(section: dict) -> dict:
+    """Attach compose() parameters to a compose section's rows by operation name."""
+    from kvruntime.fidelity.runner import compose_ops
+    known = compose_ops()
+    return {op: ({**s, "params": _params(known[op])} if op in known else s) for op, s in section.items()}
+
+
 def save_summary(model: str, summary: dict, tables_dir: Path = TABLES_DIR) -> Path:
     tables_dir.mkdir(parents=True, exist_ok=True)
     path = tables_dir / f"{model}.json"
@@ -47,20 +70,25 @@ def _f(x, fmt):
 
 def _ordered(section: dict) -> list[tuple[str, dict]]:
     """Operations in the harness's own order (the saved JSON has its keys sorted)."""
-    from kvruntime.fidelity.runner import COMPOSE_OPS, EDIT_OPS
-    order = list(COMPOSE_OPS) + list(EDIT_OPS)
+    from kvruntime.fidelity.runner import BLEND_RATIOS, EDIT_OPS, REFERENCE_OP, compose_ops
+    order = [REFERENCE_OP] + list(compose_ops(BLEND_RATIOS)) + list(EDIT_OPS)
     return sorted(section.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
 
 
 def table(section: dict) -> str:
+    acc = any(s.get("answered") for s in section.values())
     lines = ["| operation | n | KL mean | KL p10 | KL p50 | KL p90 | logit cosine | top-1 agree | "
-             "greedy exact | greedy common prefix | tokens recomputed / context |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "greedy exact | greedy common prefix | tokens recomputed / context |" + (" answer accuracy |" if acc else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if acc else "")]
     for op, s in _ordered(section):
-        lines.append(f"| {op} | {s['n']} | {_f(s['kl_mean'], '.4f')} | {_f(s['kl_p10'], '.4f')} | "
-                     f"{_f(s['kl_p50'], '.4f')} | {_f(s['kl_p90'], '.4f')} | {_f(s['cosine_mean'], '.4f')} | "
-                     f"{_f(s['top1'], '.0%')} | {_f(s['greedy_exact'], '.0%')} | {_f(s['greedy_prefix'], '.0%')} | "
-                     f"{_f(s['recomputed_tokens_mean'], '.0f')} / {_f(s['context_tokens_mean'], '.0f')} |")
+        line = (f"| {op} | {s['n']} | {_f(s['kl_mean'], '.4f')} | {_f(s['kl_p10'], '.4f')} | "
+                f"{_f(s['kl_p50'], '.4f')} | {_f(s['kl_p90'], '.4f')} | {_f(s['cosine_mean'], '.4f')} | "
+                f"{_f(s['top1'], '.0%')} | {_f(s['greedy_exact'], '.0%')} | {_f(s['greedy_prefix'], '.0%')} | "
+                f"{_f(s['recomputed_tokens_mean'], '.0f')} / {_f(s['context_tokens_mean'], '.0f')} |")
+        if acc:
+            line += (f" {round(s['accuracy'] * s['answered'])}/{s['answered']} ({_f(s['accuracy'], '.0%')}) |"
+                     if s.get("answered") else " n/a |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -78,6 +106,12 @@ def render_markdown(summary: dict) -> str:
     m = summary["meta"]
     out = [f"### {m['model']} ({m['dtype']}, {m['device']})",
            f"Command: `{m['command']}` — {m['date']}, {m['machine']}, {m['seconds']:.0f} s.", ""]
+    sweep = summary.get("compose_sweep")
+    if sweep:
+        sm = sweep["meta"]
+        out += ["#### Compose with selective recompute: r sweep on cases with expected answers",
+                f"Command: `{sm['command']}` — {sm['date']}, {sm['machine']}, {sm['seconds']:.0f} s, "
+                f"{sm['cases']['compose']} compose cases.", "", table(sweep["ops"]), ""]
     for key, title in SECTIONS:
         if summary.get(key):
             out += [f"#### {title}", "", table(summary[key]), ""]

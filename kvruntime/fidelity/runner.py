@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from kvruntime.fidelity.cases import ComposeCase, EditCase, split_template
-from kvruntime.fidelity.metrics import compare
+from kvruntime.fidelity.metrics import answer_correct, compare
 from kvruntime.kv import KVCache
 from kvruntime.ops import (ChunkSegment, TextSegment, compose, edit_in_place, erratum, precompile_chunk,
                            recompute)
@@ -21,6 +21,22 @@ COMPOSE_OPS = {  # name -> compose() keyword arguments
     "reposition + seam 1": dict(rotate=True, seam_tokens=1),
     "reposition + seam 4": dict(rotate=True, seam_tokens=4),
 }
+REFERENCE_OP = "full recompute (reference)"
+BLEND_RATIOS = (0.05, 0.10, 0.15, 0.25, 0.50)   # the r sweep (r=0 is "reposition + seam 1")
+
+
+def blend_op(ratio: float, seam: int = 1) -> str:
+    return f"reposition + seam {seam} + recompute {ratio:.0%}"
+
+
+def compose_ops(ratios=()) -> dict[str, dict]:
+    """The compose operations measured: the fixed ones plus one selective recompute per ratio."""
+    ops = dict(COMPOSE_OPS)
+    for r in ratios:
+        ops[blend_op(r)] = dict(rotate=True, seam_tokens=1, recompute_ratio=r)
+    return ops
+
+
 EDIT_OPS = ("stale (no fix)", "field only", "field + top-16", "field + top-25%",
             "erratum: correction", "erratum: update", "erratum: restate old")
 COT_OPS = ("stale (no fix)", "field only", "field + top-16", "erratum: correction")
@@ -48,9 +64,11 @@ def _finish(engine, kv: KVCache, question_ids: list[int]):
 
 
 def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, greedy_n: int = 16,
-                progress: Progress = _stderr) -> dict[str, list[dict]]:
+                progress: Progress = _stderr, ops: dict[str, dict] | None = None) -> dict[str, list[dict]]:
     """Per op, one row per case. Chunks are precompiled once per passage and reused across
-    cases, as the tier would."""
+    cases, as the tier would. Cases with expected answers also get ``answer_ok`` per op and a
+    ``REFERENCE_OP`` row (full recompute judged against the answer)."""
+    ops = COMPOSE_OPS if ops is None else ops
     pre, suffix = _frame(engine)
     chunk_ids = {pid: engine.encode(passages[pid].strip() + "\n\n") for c in cases for pid in c.chunks}
     chunk_kv: dict[str, KVCache] = {}
@@ -65,11 +83,20 @@ def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, g
             if pid not in chunk_kv:
                 chunk_kv[pid] = precompile_chunk(engine, chunk_ids[pid])
         segs = [TextSegment(pre)] + [ChunkSegment(chunk_kv[p]) for p in case.chunks] + [TextSegment(q)]
-        for name, kw in COMPOSE_OPS.items():
+
+        def judged(g):
+            return answer_correct(engine.decode(g), case.answers) if case.answers else None
+        if case.answers:
+            row = compare(oracle.logits, oracle_greedy, oracle.logits, oracle_greedy)
+            row.update(case=case.id, recomputed_tokens=len(ids), context_tokens=len(ids),
+                       answer_ok=judged(oracle_greedy))
+            rows[REFERENCE_OP].append(row)
+        for name, kw in ops.items():
             res = compose(engine, segs, **kw)
             g = engine.greedy(res.kv, res.logits, greedy_n, stop_at_eos=True)
             row = compare(oracle.logits, oracle_greedy, res.logits, g)
-            row.update(case=case.id, recomputed_tokens=res.computed_tokens, context_tokens=len(ids))
+            row.update(case=case.id, recomputed_tokens=res.computed_tokens, context_tokens=len(ids),
+                       probed_tokens=res.probed_tokens, answer_ok=judged(g))
             rows[name].append(row)
         progress(f"  compose [{i}/{len(cases)}] {case.id}: {len(ids)} tokens, "
                  f"{time.monotonic() - t0:.0f} s elapsed")

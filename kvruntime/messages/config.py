@@ -54,8 +54,39 @@ class ClusterConfig:
     session_max: int = 100_000                 # and at most this many are kept (least recently used go first)
     prompt_index_ttl_s: float = 3600.0         # plain-prompt prefix index entries expire after this
     prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
-    tenant: str = "default"                    # tenant salt used when a request names none
-    ray_address: str | None = None             # None: start/attach local Ray
+    tenant: str = "default"                    # tenant of the key the embedded default creates (and of every request when auth is off)
+    # who may do what (cluster.auth): API keys map to tenants in the state store (`kvnotes keys ...`)
+    auth: bool = True                          # False only allowed with a loopback host
+    trusted_proxies: tuple[str, ...] = ()      # client IPs whose x-kvnotes-tenant header is honoured (after their own key)
+    # request limits (cluster.limits): 413 / 400 / 429
+    max_body_bytes: int = 8 << 20              # largest request body (bytes) -> 413
+    max_text_chars: int = 400_000              # per text field: segment text, prompt, message content, registration
+    max_segments: int = 256                    # segments (native) or messages (chat) per request
+    max_template_fields: int = 64              # {placeholders} per template
+    max_name_chars: int = 128                  # skill / memory / template / session names
+    max_stop: int = 4                          # stop strings per request
+    max_stop_chars: int = 128                  # characters per stop string
+    max_inflight_per_tenant: int = 64          # requests one tenant may have in flight per router replica -> 429
+    ray_address: str | None = None             # None: start/attach local Ray; "auto" or host:port: join a cluster
+    ray_auth_mode: str | None = None           # token | disabled; None: token if ~/.ray/auth_token exists (Ray 2.60)
+    # fault handling and routing (cluster.health, cluster.routing)
+    worker_max_restarts: int = 5               # Ray restarts a dead worker actor this often (-1: forever)
+    health_period_s: float = 1.0               # each router replica calls health() on every worker this often
+    health_timeout_s: float = 5.0              # a worker that does not answer within this is marked down
+    request_retries: int = 1                   # retries elsewhere of a request whose worker died before its 1st token
+    prefill_load_factor: float = 1.0           # prefill affinity load cap: factor x mean in-flight requests per actor
+    request_deadline_s: float = 600.0          # default per-request deadline (a request may ask for less: deadline_s)
+    start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
+    # fidelity targets (cluster.planner.choose_compose reads the model's measured profile)
+    balanced_min_top1: float = 0.97            # balanced: cheapest compose op whose profile top-1 >= this
+    fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target
+    # online shadow checks (cluster.shadow): recompute a sample of approximate requests after the response
+    shadow_fraction: float = 0.01              # share of approximate requests checked (0 = off)
+    shadow_opt_out_tenants: tuple = ()         # tenants never checked
+    shadow_max_in_flight: int = 2              # checks pending at once; more are dropped (counted)
+    shadow_window: int = 50                    # results per operation in the agreement window
+    shadow_min_samples: int = 20               # no demotion before this many results
+    shadow_demote_s: float = 600.0             # a demoted operation is retried (on probation) after this
 
     def __post_init__(self):
         if self.default_policy not in ("exact", "balanced", "fast"):
@@ -80,8 +111,42 @@ class ClusterConfig:
             raise ValueError("session_ttl_s, prompt_index_ttl_s > 0 and session_max, prompt_index_max >= 1 required")
         if self.state_url is not None and not self.state_url.startswith(("sqlite:///", "redis://")):
             raise ValueError(f"state_url must start with sqlite:/// or redis://, got {self.state_url!r}")
+        if not self.auth and not _is_loopback(self.host):
+            raise ValueError(f"auth: false is only allowed when host is a loopback address, not {self.host!r}")
+        if not isinstance(self.trusted_proxies, tuple) or not all(isinstance(p, str) and p for p in self.trusted_proxies):
+            raise ValueError("trusted_proxies must be a list of IP addresses")
+        if min(self.max_body_bytes, self.max_text_chars, self.max_segments, self.max_template_fields,
+               self.max_name_chars, self.max_stop, self.max_stop_chars, self.max_inflight_per_tenant) < 1:
+            raise ValueError("every max_* limit must be >= 1")
+        if self.ray_auth_mode not in (None, "token", "disabled"):
+            raise ValueError("ray_auth_mode must be token or disabled (or unset: token when ~/.ray/auth_token exists)")
+        if self.worker_max_restarts < -1 or self.request_retries < 0:
+            raise ValueError("worker_max_restarts must be >= -1 and request_retries >= 0")
+        if self.health_period_s <= 0 or self.health_timeout_s <= 0 or self.prefill_load_factor < 1.0:
+            raise ValueError("health_period_s, health_timeout_s > 0 and prefill_load_factor >= 1.0 required")
+        if self.request_deadline_s <= 0 or self.start_timeout_s <= 0:
+            raise ValueError("request_deadline_s and start_timeout_s must be > 0")
         self.prefill.validate("prefill")
         self.decode.validate("decode")
+        for name in ("balanced_min_top1", "fast_min_top1"):
+            v = getattr(self, name)
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1]")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError("shadow_fraction must be in [0, 1]")
+        if not isinstance(self.shadow_opt_out_tenants, (list, tuple)) or \
+                not all(isinstance(t, str) for t in self.shadow_opt_out_tenants):
+            raise ValueError("shadow_opt_out_tenants must be a list of tenant names")
+        object.__setattr__(self, "shadow_opt_out_tenants", tuple(self.shadow_opt_out_tenants))
+        if self.shadow_max_in_flight < 1 or not 1 <= self.shadow_min_samples <= self.shadow_window \
+                or self.shadow_demote_s <= 0:
+            raise ValueError("shadow_max_in_flight >= 1, 1 <= shadow_min_samples <= shadow_window and "
+                             "shadow_demote_s > 0 required")
+
+    @property
+    def api_key_file(self) -> Path:
+        """Where the embedded default keeps the key it created on first start (mode 0600)."""
+        return Path(self.data_dir).expanduser() / "api_key"
 
     @property
     def resolved_state_url(self) -> str:
@@ -97,6 +162,8 @@ class ClusterConfig:
         if unknown:
             raise ValueError(f"unknown config key(s): {', '.join(sorted(unknown))}")
         kw = dict(d)
+        if isinstance(kw.get("trusted_proxies"), list):
+            kw["trusted_proxies"] = tuple(kw["trusted_proxies"])
         for k in ("prefill", "decode"):
             if k in kw:
                 sub = kw[k]
@@ -123,3 +190,13 @@ class ClusterConfig:
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping")
         return ClusterConfig.from_dict(data)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,7 +1,11 @@
 """The router <-> decode worker boundary: what to sample, and what comes back per token."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+SEED_MAX = (1 << 63) - 1           # seeds are 0..2^63-1 (what torch.Generator.manual_seed and vLLM accept)
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -9,21 +13,36 @@ class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    seed: int | None = None                      # the router sets a random one for unseeded sampled requests
+    stop: tuple[str, ...] = ()                   # generation ends before the first of these; it is not returned
+    presence_penalty: float = 0.0                # -2..2, subtracted once from each token already generated
+    frequency_penalty: float = 0.0               # -2..2, subtracted per occurrence in the generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit before sampling
+    logprobs: int | None = None                  # None: off; k >= 0: the sampled token's log-prob + top k
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in 0..{SEED_MAX}")
+        for p in (self.presence_penalty, self.frequency_penalty):
+            if not (math.isfinite(p) and -2 <= p <= 2):
+                raise ValueError("presence_penalty and frequency_penalty must be in -2..2")
+        if any(t < 0 or not (math.isfinite(b) and -100 <= b <= 100) for t, b in self.logit_bias):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in -100..100")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}")
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     token_id: int
-    text: str                 # incremental text for this token (may be "" mid-character)
+    text: str                 # incremental text for this token ("" mid-character or while a stop string may start)
     index: int                # 0 = first token (TTFT)
+    logprob: float | None = None                     # sampled token's log-prob (when SamplingParams.logprobs is set)
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, log-prob) of the most likely tokens, best first
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ class SegmentPlan:
     edits: tuple[FieldEdit, ...] = ()   # erratum / edit-in-place: the changed fields
     field_span: tuple[int, int] | None = None  # edit-in-place: old field's slots in the cached context
     top_k: int = 0                 # edit-in-place: downstream tokens recomputed
+    recompute_ratio: float = 0.0   # reposition: share of the chunk's tokens selectively recomputed (ops.blend)
     reason: str = ""               # one line for `explain`
 
     @property
@@ -132,7 +133,7 @@ class RequestPlan:
         never read it and two recipes never share it."""
         if not any(s.approximate for s in self.steps):
             return ""
-        recipe = [(s.kind.value, s.position, s.tokens, s.seam_tokens, s.top_k, s.field_span,
+        recipe = [(s.kind.value, s.position, s.tokens, s.seam_tokens, s.top_k, s.recompute_ratio, s.field_span,
                    s.kv.digest if s.kv else None, tuple((e.field, e.old, e.new) for e in s.edits))
                   for s in self.steps]
         raw = f"{self.model}\0{recipe}\0{token_hash(self.prefix_ids)}"
@@ -157,6 +158,7 @@ class RequestPlan:
                        "kv": s.kv.digest if s.kv else None,
                        "edits": [{"template": e.template, "field": e.field, "old": e.old, "new": e.new}
                                  for e in s.edits],
-                       "top_k": s.top_k, "reason": s.reason} for s in self.steps],
+                       "top_k": s.top_k, "recompute_ratio": s.recompute_ratio, "reason": s.reason}
+                      for s in self.steps],
             "suffix_tokens": len(self.suffix_ids), "notes": list(self.notes),
         }

@@ -3,14 +3,17 @@ whose docstring states its cost (n = tokens touched, P = tokens attended to, L =
 
 - ``compose``: precompile a chunk at its canonical position, reposition (re-rotate keys by a
   delta), splice, seam repair, and the left-to-right composition of a context from segments.
+- ``blend``: selective recompute of composed chunks (CacheBlend): probe, pick the tokens that
+  deviate most, recompute them against the whole context.
 - ``edit``: erratum (append-only correction) and edit-in-place (field + top-K downstream).
 - ``recompute``: full prefill, the oracle.
 """
 from kvruntime.ops.compose import (ChunkSegment, ComposeResult, TextSegment, compose, naive_splice,
                                    precompile_chunk, reposition, seam_repair, splice)
+from kvruntime.ops.blend import BlendResult, blend_count, selective_recompute
 from kvruntime.ops.edit import EditResult, ErratumResult, edit_in_place, erratum
 from kvruntime.ops.recompute import recompute
 
 __all__ = ["ChunkSegment", "ComposeResult", "TextSegment", "compose", "naive_splice", "precompile_chunk",
-           "reposition", "seam_repair", "splice", "EditResult", "ErratumResult", "edit_in_place",
+           "reposition", "seam_repair", "splice", "BlendResult", "blend_count", "selective_recompute", "EditResult", "ErratumResult", "edit_in_place",
            "erratum", "recompute"]

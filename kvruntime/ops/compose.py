@@ -92,25 +92,42 @@ class ComposeResult:
     computed_tokens: int             # tokens that went through a forward pass
     reused_tokens: int               # chunk tokens taken from precompiled KV (minus seam tokens)
     chunk_starts: list[int] = field(default_factory=list)  # slot index where each chunk begins
+    probed_tokens: int = 0           # selective recompute: chunk tokens run through the probe layers
 
 
 def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: int = 1,
-            rotate: bool = True) -> ComposeResult:
+            rotate: bool = True, recompute_ratio: float = 0.0, probe_layer: int = 1) -> ComposeResult:
     """Build a context left to right: text is prefilled in context; a chunk is repositioned to
     the cursor (or naively spliced when ``rotate`` is False) and its first ``seam_tokens``
-    recomputed. Cost: O(text * P) + O(chunks * seam_tokens * P) forward work plus O(chunk
-    tokens) rotation, versus O(P^2) for recompute."""
+    recomputed. With ``recompute_ratio`` r > 0, before any text (and at the end) the run of
+    chunks since the last text also gets :func:`~kvruntime.ops.blend.selective_recompute`: the
+    r share of its tokens that deviate most is recomputed with the seams in one forward.
+    Cost: O(text * P) + O(chunks * seam_tokens * P) forward work plus O(chunk tokens) rotation,
+    plus (r > 0) a 2-layer probe and O(r * chunk tokens * P) forward, versus O(P^2) for recompute."""
+    from kvruntime.ops.blend import blend_count, selective_recompute
+    blend_count(recompute_ratio, 0)  # validates the ratio
     kv = engine.empty_kv()
     logits = None
-    computed = reused = 0
+    computed = reused = probed = 0
     starts: list[int] = []
     pending: list[int] = []          # chunk starts whose seams are not repaired yet
+
+    def flush(kv: KVCache, pending: list[int]) -> KVCache:
+        nonlocal computed, reused, probed
+        if not pending or recompute_ratio <= 0:
+            return seam_repair(engine, kv, pending, seam_tokens)
+        seams = {i for s in pending for i in range(s, min(s + seam_tokens, kv.num_tokens))}
+        res = selective_recompute(engine, kv, pending[0], recompute_ratio, seam_slots=seams,
+                                  probe_layer=probe_layer)
+        extra = len(res.recomputed_slots) - len(seams)
+        computed, reused, probed = computed + extra, reused - extra, probed + res.probed_tokens
+        return res.kv
     for seg in segments:
         cursor = int(kv.positions[-1]) + 1 if kv.num_tokens else 0
         if isinstance(seg, TextSegment):
             if not seg.token_ids:
                 continue
-            kv, pending = seam_repair(engine, kv, pending, seam_tokens), []   # text must see repaired seams
+            kv, pending = flush(kv, pending), []   # text must see repaired seams
             out = engine.prefill(seg.token_ids, torch.arange(cursor, cursor + len(seg.token_ids)), kv, logits=True)
             kv, logits = KVCache.cat([kv, out.kv]), out.logits
             computed += len(seg.token_ids)
@@ -127,5 +144,5 @@ def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: 
             logits = None
         else:
             raise TypeError(f"unknown segment type {type(seg).__name__}")
-    kv = seam_repair(engine, kv, pending, seam_tokens)
-    return ComposeResult(kv, logits, computed, reused, starts)
+    kv = flush(kv, pending)
+    return ComposeResult(kv, logits, computed, reused, starts, probed)

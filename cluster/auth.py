@@ -1,0 +1,114 @@
+"""Who may do what: API keys map to tenants; the tenant of a request comes from its key.
+
+- A key is ``kvn-`` + 43 random URL-safe characters (256 bits). The state store keeps only its
+  SHA-256 (``hash_key``) and a public ``key_id`` (the hash's first 12 hex digits) used to list
+  and revoke it; the key itself is shown once, at creation, and never logged.
+- ``Authorization: Bearer <key>`` on every route but ``/health``, ``/ready`` and ``/metrics``;
+  a missing, malformed, unknown or revoked key is a 401.
+- The ``x-kvnotes-tenant`` header is honoured only from a client address listed in the config's
+  ``trusted_proxies`` (which must still send its own valid key); from anyone else it is ignored.
+- ``auth: false`` (loopback binds only, checked by the config) makes every request the config's
+  ``tenant``.
+Everything a tenant owns (registrations, templates, sessions, the prompt index) is keyed by the
+tenant in the state store, and its KV by a per-tenant salt derived from the cluster secret, so
+one tenant can never name, list, use or delete another's.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+from cluster.errors import RequestError
+from cluster.state import ApiKeyRecord, StateStore
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "kvn-"
+TENANT_HEADER = "x-kvnotes-tenant"
+_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_KEY_RE = re.compile(r"kvn-[A-Za-z0-9_-]{20,128}")
+
+
+def check_tenant(name) -> str:
+    """A tenant name: 1-64 characters of ``A-Z a-z 0-9 . _ -``, starting with a letter or digit."""
+    if not isinstance(name, str) or not _TENANT_RE.fullmatch(name):
+        raise ValueError("tenant must be 1-64 characters of A-Z a-z 0-9 . _ - starting with a letter or digit")
+    return name
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_key(state: StateStore, tenant: str) -> tuple[str, ApiKeyRecord]:
+    """A new key for ``tenant``: (the key, shown once; its stored record)."""
+    check_tenant(tenant)
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    h = hash_key(key)
+    rec = ApiKeyRecord(h[:12], tenant, time.time())
+    state.put_api_key(h, rec)
+    log.info("created API key %s for tenant %s", rec.key_id, tenant)
+    return key, rec
+
+
+def ensure_default_key(state: StateStore, tenant: str, path: Path) -> str | None:
+    """The embedded default's key: the one saved in ``path`` if the store still knows it, else a
+    new one for ``tenant`` when the store holds no key at all (saved to ``path``, mode 0600,
+    printed once). None when other keys exist (made with ``kvnotes keys create``)."""
+    path = Path(path).expanduser()
+    if path.exists():
+        key = path.read_text().strip()
+        if state.api_key(hash_key(key)) is not None:
+            return key
+    if state.list_api_keys():
+        return None
+    key, rec = create_key(state, tenant)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    print(f"kvnotes: created API key {rec.key_id} for tenant {tenant!r}, saved in {path} (mode 0600):\n{key}",
+          flush=True)
+    return key
+
+
+class Authenticator:
+    """Maps a request's headers (and client address) to its tenant; 401 ``RequestError`` when it
+    may not call the route. One state store read per request (no cache: a revoked key stops at once)."""
+
+    def __init__(self, state: StateStore, *, enabled: bool, default_tenant: str,
+                 trusted_proxies: tuple[str, ...] = ()):
+        self.state, self.enabled, self.default_tenant = state, enabled, default_tenant
+        self.trusted = frozenset(trusted_proxies)
+
+    def tenant(self, headers, client_host: str | None) -> str:
+        tenant = self._from_key(headers.get("authorization")) if self.enabled else self.default_tenant
+        claimed = headers.get(TENANT_HEADER)
+        if claimed is not None and client_host in self.trusted:
+            try:
+                return check_tenant(claimed)
+            except ValueError as exc:
+                raise RequestError(400, f"{TENANT_HEADER}: {exc}", param=TENANT_HEADER) from None
+        return tenant
+
+    def _from_key(self, header: str | None) -> str:
+        if not header:
+            raise RequestError(401, "missing API key: send 'Authorization: Bearer <key>' (create one with "
+                                    "`kvnotes keys create --tenant NAME`)", code="invalid_api_key")
+        scheme, _, key = header.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not _KEY_RE.fullmatch(key):
+            raise RequestError(401, "malformed Authorization header: expected 'Bearer kvn-...'",
+                               code="invalid_api_key")
+        rec = self.state.api_key(hash_key(key))
+        if rec is None:
+            raise RequestError(401, "unknown or revoked API key", code="invalid_api_key")
+        return rec.tenant

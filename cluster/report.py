@@ -1,0 +1,213 @@
+"""``kvnotes report``: the Grafana dashboard's panels rendered to PNG without Grafana.
+
+Grafana cannot be installed on every machine (none of our build hosts can reach a package of it),
+so the report asks Prometheus the dashboard's own queries (:data:`cluster.dashboard.ROWS`, the
+single source of every panel) over a time range through its HTTP API (``/api/v1/query_range``)
+and draws each row as one PNG with matplotlib, plus ``index.md`` listing every panel, its query
+and whether it returned data. A panel with no series is drawn as "no data" and listed, never
+dropped: an empty panel is a finding (a metric not exported, a plan kind never exercised).
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.dashboard import ROWS, Panel
+
+_DURATION = re.compile(r"^(\d+)([smhd])$")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``"90s"``, ``"15m"``, ``"1h"``, ``"2d"`` -> seconds; ValueError for anything else."""
+    m = _DURATION.match(text.strip()) if isinstance(text, str) else None
+    if not m or int(m.group(1)) <= 0:
+        raise ValueError(f"bad duration {text!r}: use a positive number with s, m, h or d (e.g. 30m)")
+    return int(m.group(1)) * _SECONDS[m.group(2)]
+
+
+@dataclass
+class Series:
+    legend: str
+    times: list[float]       # unix seconds
+    values: list[float]      # NaN where Prometheus returned NaN (e.g. 0/0)
+
+
+@dataclass
+class PanelResult:
+    row: str
+    panel: Panel
+    series: list[Series] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def has_data(self) -> bool:
+        return any(any(v == v for v in s.values) for s in self.series)   # some non-NaN point
+
+
+class PrometheusClient:
+    """The two calls the report needs, on Prometheus' HTTP API (no client library)."""
+
+    def __init__(self, base_url: str, timeout: float = 30.0):
+        if not re.match(r"^https?://[^/\s]+", base_url or ""):
+            raise ValueError(f"--prometheus must be an http(s) URL like http://127.0.0.1:9090, got {base_url!r}")
+        self.base, self.timeout = base_url.rstrip("/"), timeout
+
+    def _get(self, path: str, params: dict) -> dict:
+        url = f"{self.base}{path}?{urllib.parse.urlencode(params)}"
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:   # 400/422: a bad query; the body says why
+            try:
+                body = json.loads(e.read() or b"{}")
+            except ValueError:
+                body = {}
+            return {"status": "error", "error": body.get("error", f"HTTP {e.code}")}
+        except (urllib.error.URLError, OSError) as e:
+            raise RuntimeError(f"cannot reach Prometheus at {self.base}: {getattr(e, 'reason', e)}") from None
+
+    def check(self) -> None:
+        """Fail with one clear line when the URL is not a Prometheus that answers."""
+        body = self._get("/api/v1/status/buildinfo", {})
+        if body.get("status") != "success":
+            raise RuntimeError(f"{self.base} does not answer as Prometheus: {body.get('error', body)}")
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> dict:
+        return self._get("/api/v1/query_range", {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
+                                                 "step": f"{step:g}"})
+
+
+def legend(template: str, labels: dict) -> str:
+    """Grafana's legend format: ``"p90 {{plan}}"`` with ``plan="reuse"`` -> ``"p90 reuse"``."""
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), template).strip() or \
+        (",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "value")
+
+
+def collect(client: PrometheusClient, start: float, end: float, step: float, progress=None) -> list[PanelResult]:
+    out = []
+    for row in ROWS:
+        for p in row.panels:
+            res = PanelResult(row.title, p)
+            for q in p.queries:
+                body = client.query_range(q.expr, start, end, step)
+                if body.get("status") != "success":
+                    res.errors.append(f"{q.expr}: {body.get('error', 'failed')}")
+                    continue
+                for s in body["data"]["result"]:
+                    pts = s.get("values", [])
+                    res.series.append(Series(legend(q.legend, s.get("metric", {})), [float(t) for t, _ in pts],
+                                             [float(v) for _, v in pts]))
+            out.append(res)
+            if progress:
+                progress(res)
+    return out
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+
+
+def render(results: list[PanelResult], out_dir: Path, start: float, end: float) -> list[Path]:
+    """One PNG per dashboard row (its panels as subplots) and ``index.md``; returns the PNGs."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.dates as mdates
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("kvnotes report needs matplotlib (pip install matplotlib)") from None
+    from datetime import datetime, timezone
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pngs = []
+    for i, row in enumerate(ROWS, 1):
+        panels = [r for r in results if r.row == row.title]
+        cols = 2
+        rows_n = (len(panels) + cols - 1) // cols
+        fig, axes = plt.subplots(rows_n, cols, figsize=(13, 3.6 * rows_n), squeeze=False)
+        for ax, res in zip(axes.flat, panels):
+            ax.set_title(res.panel.title, fontsize=10)
+            if not res.has_data:
+                ax.text(0.5, 0.5, "no data" + (f"\n{res.errors[0][:80]}" if res.errors else ""),
+                        ha="center", va="center", transform=ax.transAxes, color="grey")
+                ax.set_xticks([])
+                ax.set_yticks([])
+                continue
+            if res.panel.kind == "stat":
+                last = [(s.legend, s.values[-1]) for s in res.series if s.values]
+                ax.text(0.5, 0.5, "\n".join(f"{name}: {v:g}" for name, v in last), ha="center", va="center",
+                        transform=ax.transAxes, fontsize=16,
+                        color="green" if all(v >= 1 for _, v in last) else "red")
+                ax.set_xticks([])
+                ax.set_yticks([])
+                continue
+            for s in res.series:
+                ts = [datetime.fromtimestamp(t, tz=timezone.utc) for t in s.times]
+                style = "--" if res.panel.dash_recompute and "recompute" in s.legend else "-"
+                # sparse series (a short workload in a long range) get markers, or a lone point is invisible
+                ax.plot(ts, s.values, style, label=s.legend, linewidth=1.4, marker="o" if len(ts) < 30 else None,
+                        markersize=3)
+            ax.set_xlim(datetime.fromtimestamp(start, tz=timezone.utc), datetime.fromtimestamp(end, tz=timezone.utc))
+            ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
+            ax.set_ylabel(res.panel.unit.split(":", 1)[1] if res.panel.unit.startswith("suffix:") else res.panel.unit,
+                          fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="best")
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        span = (f"{datetime.fromtimestamp(start, tz=timezone.utc):%Y-%m-%d %H:%M:%S} - "
+                f"{datetime.fromtimestamp(end, tz=timezone.utc):%H:%M:%S} UTC")
+        fig.suptitle(f"kvnotes: {row.title}  ({span})", fontsize=12)
+        fig.tight_layout()
+        path = out_dir / f"{i:02d}-{_slug(row.title)}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        pngs.append(path)
+    lines = ["# kvnotes report", "",
+             f"Prometheus range {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(start))} to "
+             f"{time.strftime('%H:%M:%S', time.gmtime(end))} UTC; panels and queries from `cluster/dashboard.py`.", ""]
+    for i, row in enumerate(ROWS, 1):
+        lines += [f"## {row.title}", "", f"![{row.title}]({i:02d}-{_slug(row.title)}.png)", "",
+                  "| panel | data | series | query |", "|---|---|---|---|"]
+        for res in (r for r in results if r.row == row.title):
+            q = "<br>".join(f"`{x.expr}`" for x in res.panel.queries).replace("|", "\\|")
+            state = "yes" if res.has_data else ("error" if res.errors else "no data")
+            lines.append(f"| {res.panel.title} | {state} | {len(res.series)} | {q} |")
+        lines.append("")
+    (out_dir / "index.md").write_text("\n".join(lines))
+    return pngs
+
+
+def run(prometheus: str, out: str, since: str = "1h", step: str | None = None, end: float | None = None) -> int:
+    client = PrometheusClient(prometheus)
+    span = parse_duration(since)
+    step_s = parse_duration(step) if step else max(1.0, span / 240)
+    end = end if end is not None else time.time()
+    start = end - span
+    client.check()
+    total = sum(len(r.panels) for r in ROWS)
+    done = [0]
+
+    def progress(res: PanelResult) -> None:
+        done[0] += 1
+        state = "ok" if res.has_data else ("error" if res.errors else "no data")
+        print(f"\r[{done[0]:>2}/{total}] {res.row}: {res.panel.title[:50]:<50} {state:<8}", end="",
+              file=sys.stderr, flush=True)
+
+    results = collect(client, start, end, step_s, progress)
+    print(file=sys.stderr)
+    pngs = render(results, Path(out), start, end)
+    empty = [r.panel.title for r in results if not r.has_data]
+    print(f"kvnotes report: {len(pngs)} PNGs and index.md in {out}; {total - len(empty)}/{total} panels have data")
+    for t in empty:
+        print(f"  no data: {t}")
+    return 0

@@ -1,0 +1,55 @@
+"""What a prefill actor exports on its own endpoint (``kvruntime.telemetry``): its tier's counters,
+read from the store at scrape time, so a scrape always sees the live values and nothing is
+double counted with the router's series (the router counts plan-time lookups, ``kvnotes_tier_*``;
+these are the worker's own gets, puts, evictions and remote-tier errors).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class TierCollector:
+    """``kvnotes_worker_tier_*`` series of one prefill actor's store (labels: ``worker``)."""
+
+    def __init__(self, store, worker: str, remote_configured: bool):
+        self.store, self.worker, self.remote = store, worker, remote_configured
+
+    def collect(self):
+        s, w = self.store.stats, self.worker
+        gets = CounterMetricFamily("kvnotes_worker_tier_gets", "Chunk gets on this worker's tier by result "
+                                   "(hit per tier, miss per reason)", labels=["worker", "result", "tier"])
+        for tier, n in sorted(s.hits_by_tier.items()):
+            gets.add_metric([w, "hit", tier], n)
+        for reason, n in sorted(s.misses.items()):
+            gets.add_metric([w, f"miss_{reason}", ""], n)
+        yield gets
+        b = CounterMetricFamily("kvnotes_worker_tier_bytes", "KV bytes stored into / read from this worker's tier",
+                                labels=["worker", "direction"])
+        b.add_metric([w, "put"], s.put_bytes)
+        b.add_metric([w, "get"], s.get_bytes)
+        yield b
+        ev = CounterMetricFamily("kvnotes_worker_tier_evictions", "Chunks evicted from this worker's tier "
+                                 "(by request)", labels=["worker"])
+        ev.add_metric([w], s.evictions)
+        yield ev
+        pf = CounterMetricFamily("kvnotes_worker_tier_put_failures", "Puts a tier did not confirm",
+                                 labels=["worker", "tier"])
+        for tier, n in sorted(s.put_tier_failures.items()):
+            pf.add_metric([w, tier], n)
+        yield pf
+        if self.remote:
+            up = GaugeMetricFamily("kvnotes_tier_remote_up", "1 when this process reaches the remote KV tier",
+                                   labels=["worker"])
+            up.add_metric([w], 1 if s.remote_up else 0)
+            yield up
+            err = CounterMetricFamily("kvnotes_worker_tier_remote_errors", "Failed or timed-out remote tier "
+                                      "operations", labels=["worker"])
+            err.add_metric([w], s.remote_errors)
+            yield err
+
+
+def worker_registry(store, worker: str, remote_configured: bool) -> CollectorRegistry:
+    r = CollectorRegistry()
+    r.register(TierCollector(store, worker, remote_configured))
+    return r

@@ -1,0 +1,158 @@
+"""The routing policies (pure) and the router's fault handling over real in-process executors:
+decode by least outstanding tokens, prefill affinity within a load cap, dead workers skipped;
+a worker lost before the first token is retried elsewhere (counted), lost mid-stream is a clear
+error (counted), and a passed deadline stops the decode worker and answers 504 (counted)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.errors import RequestError
+from cluster.metrics import Metrics
+from cluster.routing import NoLiveWorker, WorkerLost, WorkerView
+from kvruntime.messages.decode import SamplingParams, TokenEvent
+from kvtransport.grpc_transport import GrpcTransport
+from tests.conftest import metric
+from tests.test_router_fallback import LocalBackends, make_router
+
+
+def test_decode_goes_to_least_outstanding_tokens_and_skips_dead_workers():
+    v = WorkerView(1, 3)
+    v.begin("decode", 0, 500)
+    v.begin("decode", 1, 20)
+    assert v.pick_decode() == 2
+    v.begin("decode", 2, 40)
+    assert v.pick_decode() == 1
+    v.mark("decode", 1, False, "killed")
+    assert v.pick_decode() == 2
+    assert v.pick_decode(exclude={2}) == 0
+    v.mark("decode", 0, False, "killed")
+    with pytest.raises(NoLiveWorker, match="decode-0 \\(killed\\)"):
+        v.pick_decode(exclude={2})
+    v.mark("decode", 1, True)
+    assert v.pick_decode() == 1 and v.snapshot()["decode"]["live"] == 2
+
+
+def test_prefill_affinity_holds_when_idle_and_a_shared_key_spreads_under_load():
+    v = WorkerView(2, 1)
+    home = v.pick_prefill("shared-system-prompt")
+    assert all(v.pick_prefill("shared-system-prompt") == home for _ in range(5))     # idle: sticky
+    leases = [v.lease("prefill", v.pick_prefill("shared-system-prompt")) for _ in range(8)]
+    per = [sum(1 for lease in leases if lease.index == i) for i in range(2)]
+    assert per == [4, 4], per                                                     # concurrent: capped
+    for lease in leases:
+        lease.release()
+        lease.release()                                                           # idempotent
+    assert [w["in_flight"] for w in v.snapshot()["prefill"]["workers"]] == [0, 0]
+    v.mark("prefill", home, False, "gone")
+    assert v.pick_prefill("shared-system-prompt") == 1 - home
+    with pytest.raises(ValueError):
+        WorkerView(1, 1, prefill_load_factor=0.5)
+
+
+class FlakyBackends(LocalBackends):
+    """Two decode 'workers' over one real executor; ``lose`` says which one dies and when."""
+
+    def __init__(self, engine, lose: dict[int, int], slow_s: float = 0.0):
+        super().__init__(engine, GrpcTransport())
+        self.num_decode = 2
+        self.lose, self.slow_s, self.cancelled, self.calls = lose, slow_s, [], []
+        self.view = WorkerView(1, 2)
+
+    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, cancel_key=None):
+        self.calls.append(index)
+        n = 0
+        async for ev in super().decode(index, transfer_id, prefix, suffix, sampling, salt):
+            if index in self.lose and n == self.lose[index]:
+                self.view.mark("decode", index, False, "killed")
+                raise WorkerLost("decode", index, "ActorDiedError")
+            if self.slow_s:
+                await asyncio.sleep(self.slow_s)
+            n += isinstance(ev, TokenEvent)
+            yield ev
+
+    async def cancel(self, index, key):
+        self.cancelled.append((index, key))
+
+
+async def _run(router, max_tokens=6, **kw):
+    toks, fin = [], None
+    async for ev in router.stream_native("default", [{"text": "The lighthouse on Hallo Point was built in 1871."}],
+                                         policy=None, session=None,
+                                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0), **kw):
+        if isinstance(ev, TokenEvent):
+            toks.append(ev.token_id)
+        else:
+            fin = ev
+    return toks, fin
+
+
+def _router(smol, tmp_path, backends):
+    from cluster.state import open_state
+    return make_router(smol, backends, open_state(f"sqlite:///{tmp_path}/s-{id(backends)}.db"))
+
+
+def test_worker_lost_before_first_token_is_retried_on_the_other_and_counted(smol, tmp_path):
+    b = FlakyBackends(smol, lose={0: 0, 1: 0})
+    b.view.mark("decode", 1, False, "restarting")          # only decode-0 looks alive, and it dies
+    r = _router(smol, tmp_path, b)
+    with pytest.raises(RequestError) as ei:
+        asyncio.run(_run(r))
+    assert ei.value.status == 503 and "no live decode worker" in ei.value.message
+    b2 = FlakyBackends(smol, lose={0: 0})
+    r2 = _router(smol, tmp_path, b2)
+    b2.view.begin("decode", 1, 100)                        # decode-0 is the least loaded: picked first
+    toks, fin = asyncio.run(_run(r2))
+    assert fin is not None and len(toks) >= 1 and b2.calls == [0, 1]
+    text = r2.metrics.render().decode()
+    assert metric(text, "kvnotes_retries_total", role="decode", reason="lost_before_first_token") == 1
+    assert metric(text, "kvnotes_requests_total", status="ok") == 1
+
+
+def test_worker_lost_mid_stream_is_a_clear_counted_error(smol, tmp_path):
+    b = FlakyBackends(smol, lose={0: 2, 1: 2})
+    r = _router(smol, tmp_path, b)
+    got = []
+
+    async def go():
+        async for ev in r.stream_native("default", [{"text": "Count: one, two, three,"}], policy=None, session=None,
+                                        sampling=SamplingParams(max_tokens=8, temperature=0)):
+            got.append(ev)
+    with pytest.raises(WorkerLost, match="mid-stream after 2 tokens.*send the request again"):
+        asyncio.run(go())
+    assert len(got) == 2 and len(b.calls) == 1                     # no silent retry after tokens went out
+    text = r.metrics.render().decode()
+    assert metric(text, "kvnotes_retries_total", role="decode", reason="lost_mid_stream") == 1
+    assert metric(text, "kvnotes_requests_total", status="worker_lost") == 1
+
+
+def test_deadline_stops_the_decode_worker_and_answers_504(smol, tmp_path):
+    """The request asks for a 4 s deadline (below the config default, 600 s)."""
+    b = FlakyBackends(smol, lose={}, slow_s=1.5)
+    r = _router(smol, tmp_path, b)
+    assert r.fault.deadline_s == 600
+    with pytest.raises(RequestError) as ei:
+        asyncio.run(_run(r, max_tokens=20, deadline_s=4.0))
+    assert ei.value.status == 504 and ei.value.code == "deadline_exceeded"
+    assert len(b.cancelled) == 1 and b.cancelled[0][0] == b.calls[0]
+    text = r.metrics.render().decode()
+    assert metric(text, "kvnotes_deadline_exceeded_total", stage="decode") == 1
+    assert metric(text, "kvnotes_requests_total", status="deadline") == 1
+    assert all(w["in_flight"] == 0 for w in r.view.snapshot()["decode"]["workers"])
+
+
+def test_fault_settings_are_validated_and_auth_mode_follows_the_token_file(tmp_path, monkeypatch):
+    from cluster.launcher import ray_auth_mode
+    from kvruntime.messages.config import ClusterConfig
+
+    for bad in ({"worker_max_restarts": -2}, {"request_retries": -1}, {"health_period_s": 0},
+                {"prefill_load_factor": 0.9}, {"request_deadline_s": 0}, {"ray_auth_mode": "tls"}):
+        with pytest.raises(ValueError):
+            ClusterConfig.from_dict(bad)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    token = tmp_path / "auth_token"
+    assert ray_auth_mode(ClusterConfig(), token) is None
+    token.write_text("x" * 32)
+    assert ray_auth_mode(ClusterConfig(), token) == "token"
+    assert ray_auth_mode(ClusterConfig(ray_auth_mode="disabled"), token) == "disabled"

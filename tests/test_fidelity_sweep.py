@@ -1,0 +1,62 @@
+"""The compose r sweep and answer judging of the fidelity harness."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvruntime.fidelity import report
+from kvruntime.fidelity.cases import load_compose_cases, load_passages
+from kvruntime.fidelity.metrics import answer_correct, summarize
+from kvruntime.fidelity.runner import REFERENCE_OP, blend_op
+
+
+def test_confusing_cases_carry_answers_found_in_exactly_one_chunk():
+    passages = load_passages()
+    judged = [c for c in load_compose_cases() if c.answers]
+    assert len(judged) >= 20
+    for c in judged:
+        holders = [p for p in c.chunks if any(answer_correct(passages[p], [a]) for a in c.answers)]
+        assert len(holders) == 1, (c.id, holders)        # the answer is in one chunk only
+
+
+def test_answer_judging_is_whole_word_and_case_insensitive():
+    assert answer_correct("It was founded in 2014.", ["2014"]) == 1.0
+    assert answer_correct("Revenue was 610 million", ["61"]) == 0.0
+    assert answer_correct("Revenue was 6.1 million", ["61"]) == 0.0
+    assert answer_correct("the CEO is pekka   virtanen", ["Pekka Virtanen"]) == 1.0
+    assert answer_correct("", ["x"]) == 0.0
+
+
+def test_summary_reports_accuracy_only_over_judged_rows():
+    rows = [dict(kl=0.1, cosine=1.0, top1=1.0, greedy_exact=0.0, greedy_prefix=0.5, recomputed_tokens=1,
+                 context_tokens=2, answer_ok=v) for v in (1.0, 0.0, None, 1.0)]
+    s = summarize(rows)
+    assert s["answered"] == 3 and abs(s["accuracy"] - 2 / 3) < 1e-12
+    text = report.table({"reposition + seam 1": s})
+    assert "answer accuracy" in text and "2/3 (67%)" in text
+
+
+@pytest.mark.slow
+def test_compose_only_sweep_writes_a_profile_row_per_ratio(tmp_path):
+    """End to end through the CLI: r = 100% reproduces full recompute (KL ~ 0, same greedy, same
+    answers), and every row names the compose() parameters the planner will read."""
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", "fidelity", "--model", "smollm2-135m",
+                        "--threads", "1", "--compose-only", "--answered", "--limit", "1", "--ratios", "0.1", "1.0",
+                        "--tables-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ops = json.loads((tmp_path / "smollm2-135m.json").read_text())["compose_sweep"]["ops"]
+    assert set(ops) == {REFERENCE_OP, "reposition + seam 1", blend_op(0.1), blend_op(1.0)}
+    full = ops[blend_op(1.0)]
+    assert full["kl_mean"] < 1e-4 and full["top1"] == 1.0 and full["greedy_exact"] == 1.0
+    assert full["accuracy"] == ops[REFERENCE_OP]["accuracy"] and full["answered"] == 1
+    assert ops[blend_op(0.1)]["params"] == {"rotate": True, "seam_tokens": 1, "recompute_ratio": 0.1}
+    assert ops[blend_op(0.1)]["probed_tokens_mean"] > 0
+    assert ops[blend_op(1.0)]["recomputed_tokens_mean"] == ops[REFERENCE_OP]["recomputed_tokens_mean"]
+    assert "| " + blend_op(0.1) + " |" in r.stdout
+
+
+def test_bad_ratio_is_a_one_line_error():
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", "fidelity", "--compose-only", "--ratios", "1.5"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--ratios" in r.stderr

@@ -1,0 +1,179 @@
+"""Online shadow checks: windows, demotion and recovery (pure), the bounded runner, and a router
+with real executors where an injected drifting operation gets demoted."""
+import asyncio
+import math
+
+import pytest
+
+from cluster.metrics import Metrics
+from cluster.planner import FidelityTarget, PlannerConfig, compose_op_key
+from cluster.shadow import FidelityGuard, FidelityMonitor, ShadowConfig, ShadowRunner, sampled
+from kvruntime.messages.decode import SamplingParams
+from kvruntime.messages.fidelity import ShadowResult
+from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
+from tests.conftest import metric
+
+OP = compose_op_key(1, 0.0)
+
+
+def _res(top1, greedy=None, kl=0.1):
+    return ShadowResult("r", kl, float(top1), float(top1 if greedy is None else greedy), 1.0)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_a_drifting_operation_is_demoted_then_readmitted_on_probation():
+    clock = Clock()
+    mon = FidelityMonitor(ShadowConfig(window=10, min_samples=5, demote_s=60), clock)
+    for _ in range(10):
+        assert mon.record(OP, _res(1), 0.97) == []                  # faithful: nothing happens
+    events = []
+    for _ in range(10):                                            # the operation starts to drift
+        events += mon.record(OP, _res(0), 0.97)
+    assert [e.event for e in events] == ["demoted"] and events[0].agreement < 0.97
+    assert events[0].samples == 10 and OP in mon.demoted and mon.snapshot()["operations"][OP]["demoted"]
+    clock.t += 59
+    assert mon.tick() == [] and OP in mon.demoted
+    clock.t += 2
+    assert [e.event for e in mon.tick()] == ["readmitted"] and OP not in mon.demoted
+    assert mon.snapshot()["operations"][OP]["samples"] == 0          # probation: a fresh window
+    for _ in range(4):
+        assert mon.record(OP, _res(0), 0.97) == []                  # below min_samples: no verdict yet
+    assert [e.event for e in mon.record(OP, _res(0), 0.97)] == ["demoted"]   # still bad: demoted again
+    assert mon.snapshot()["operations"][OP]["demotions"] == 2
+
+
+def test_an_operation_without_a_target_is_measured_but_never_demoted():
+    mon = FidelityMonitor(ShadowConfig(window=5, min_samples=5))
+    for _ in range(20):
+        assert mon.record("erratum", _res(0, kl=2.0), 0.0) == []
+    snap = mon.snapshot()["operations"]["erratum"]
+    assert snap["top1"] == 0.0 and snap["kl_mean"] == 2.0 and not snap["demoted"]
+
+
+def test_sampling_is_deterministic_by_request_and_honours_opt_out():
+    cfg = ShadowConfig(fraction=0.25, opt_out_tenants=frozenset({"private"}))
+    hits = [sampled(f"req-{i}", "acme", cfg) for i in range(4000)]
+    assert 0.22 < sum(hits) / len(hits) < 0.28
+    assert hits == [sampled(f"req-{i}", "acme", cfg) for i in range(4000)]       # same on every replica
+    assert not any(sampled(f"req-{i}", "private", cfg) for i in range(4000))
+    assert not any(sampled(f"req-{i}", "acme", ShadowConfig(fraction=0.0)) for i in range(100))
+    assert all(sampled(f"req-{i}", "acme", ShadowConfig(fraction=1.0)) for i in range(100))
+    for bad in (dict(fraction=1.5), dict(window=5, min_samples=6), dict(demote_s=0), dict(metric="cosine")):
+        with pytest.raises(ValueError):
+            ShadowConfig(**bad)
+
+
+def _plan(rid="r1", policy=Policy.BALANCED):
+    ids = tuple(range(10, 30))
+    step = SegmentPlan(PlanKind.REPOSITION, "skill:x", ids, 3, 1, 19, KVRef(ids, 1, "s"), seam_tokens=1)
+    return RequestPlan(rid, "m", policy, (SegmentPlan(PlanKind.RECOMPUTE, "frame", (1, 2, 3), 0, 3, 0), step), (7, 8))
+
+
+def _profile():
+    row = lambda r: {"n": 12, "top1": 1.0, "params": {"rotate": True, "seam_tokens": 1, "recompute_ratio": r}}  # noqa: E731
+    return {"meta": {"model": "m"}, "compose_sweep": {"ops": {"seam": row(0.0), "half": row(0.5)}}}
+
+
+def test_guard_bounds_checks_in_flight_counts_drops_and_skips_opted_out_tenants():
+    async def main():
+        gate = asyncio.Event()
+        calls = []
+
+        async def slow_shadow(worker, plan):
+            calls.append(plan.request_id)
+            await gate.wait()
+            return _res(1)
+        m = Metrics()
+        g = FidelityGuard(_profile(), {Policy.BALANCED: FidelityTarget()},
+                          ShadowConfig(fraction=1.0, max_in_flight=2, opt_out_tenants=frozenset({"private"})),
+                          m, slow_shadow, PlannerConfig())
+        sent = [g.after_response(_plan(f"r{i}"), "acme", 0) for i in range(5)]
+        assert sent == [True, True, False, False, False] and g.runner.in_flight == 2
+        assert not g.after_response(_plan("p"), "private", 0)
+        exact = RequestPlan("e", "m", Policy.EXACT, (SegmentPlan(PlanKind.RECOMPUTE, "t", (1,), 0, 1, 0),), (2,))
+        assert not g.after_response(exact, "acme", 0)                   # exact plans are never checked
+        gate.set()
+        await g.runner.drain(10)
+        text = m.render().decode()
+        assert metric(text, "kvnotes_shadow_checks_total", result="dropped") == 3
+        assert metric(text, "kvnotes_shadow_checks_total", result="done") == 2 and calls == ["r0", "r1"]
+        assert metric(text, "kvnotes_fidelity_agree_total", op=OP, metric="top1") == 2
+        assert metric(text, "kvnotes_fidelity_kl_count", plan="reposition", op=OP) == 2
+    asyncio.run(main())
+
+
+# ---- the router with real executors: a drifting operation is demoted ----------------------------
+
+@pytest.mark.slow
+def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
+    import torch
+
+    from cluster.registry import Registry
+    from cluster.render import Renderer
+    from cluster.router import Router
+    from cluster.state import open_state
+    from kvtransport.grpc_transport import GrpcTransport
+    from prefill_workers.executor import PrefillExecutor
+    from tests.test_router_fallback import LocalBackends
+
+    class DriftingExecutor(PrefillExecutor):
+        """Executes plans as planned, but the r = 0 operation corrupts the chunk's values: the
+        drift a shadow check must catch (other operations are executed faithfully)."""
+
+        def _step(self, kv, step, st):
+            out = super()._step(kv, step, st)
+            if step.kind is PlanKind.REPOSITION and step.recompute_ratio == 0:
+                g = torch.Generator().manual_seed(0)
+                noise = torch.randn(out.data[:, 1, :, -step.tokens:].shape, generator=g) * 4
+                out.data[:, 1, :, -step.tokens:] += noise.to(out.data.dtype)
+            return out
+
+    class Backends(LocalBackends):
+        async def shadow(self, index, plan):
+            return self.pre.shadow(plan)
+
+    b = Backends(smol, GrpcTransport())
+    b.pre = DriftingExecutor(smol, b.source, GrpcTransport())
+    state = open_state(f"sqlite:///{tmp_path}/state.db")
+    router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state, "m", "float32",
+                    metrics=Metrics(), fidelity_summary=_profile(),
+                    shadow=ShadowConfig(fraction=1.0, window=3, min_samples=3, max_in_flight=4))
+
+    async def ask(q):
+        fin = None
+        async for ev in router.stream_native("default", [{"skill": "museum"}, {"text": q}], policy="balanced",
+                                             session=None, sampling=SamplingParams(max_tokens=4, temperature=0)):
+            fin = ev
+        await router.guard.runner.drain(120)
+        return fin
+
+    async def main():
+        await router.register_chunk("skill", "default", "museum",
+                                    "The Varga Museum opens at 10:00 and closes at 17:30. Entry costs 12 euros.")
+        assert router.fidelity["compose"]["balanced"]["op"] == OP            # the cheapest op meeting the target
+        for q in ("When does it close?", "When does it open?", "How much is entry?"):
+            fin = await ask(q)
+            assert fin.plan.steps[-1].recompute_ratio == 0.0
+        f = router.fidelity
+        assert f["demoted"] == [OP] and f["operations"][OP]["samples"] == 3 and f["operations"][OP]["top1"] < 0.97
+        assert f["compose"]["balanced"]["op"] == compose_op_key(1, 0.5)
+        fin = await ask("Where is the museum?")                              # re-planned without the drifting op
+        step = fin.plan.steps[-1]
+        assert step.kind is PlanKind.REPOSITION and step.recompute_ratio == 0.5
+        assert "demoted online: " + OP in step.reason
+        text = router.metrics.render().decode()
+        assert metric(text, "kvnotes_fidelity_demotions_total", op=OP, event="demoted") == 1
+        assert metric(text, "kvnotes_fidelity_checks_total", op=OP) == 3
+        assert metric(text, "kvnotes_fidelity_kl_count", plan="reposition", op=OP) == 3
+        assert metric(text, "kvnotes_shadow_checks_total", result="done") == 4
+    try:
+        asyncio.run(main())
+    finally:
+        b.rx.stop()
