@@ -157,6 +157,8 @@ def test_metrics_move(cluster):
     moved = {t: _metric(after, "kvnotes_kv_transfer_bytes_total", transport=t)
              - _metric(before, "kvnotes_kv_transfer_bytes_total", transport=t) for t in ("nixl", "grpc")}
     assert sum(moved.values()) > 0 and min(moved.values()) == 0, moved
+    assert _metric(after, "kvnotes_stage_seconds_count", stage="transfer") > \
+        _metric(before, "kvnotes_stage_seconds_count", stage="transfer")
     assert _metric(after, "kvnotes_prompt_tokens_total", source="repositioned") > 0
     assert _metric(after, "kvnotes_rope_selftest_ok", worker="prefill-0") == 1
 

@@ -46,11 +46,17 @@ def multinode(tmp_path_factory):
                         decode=WorkerConfig(num_cpus=1, custom_resource=True), kv_transport="auto",
                         tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
     c = _start_cluster()
+    backends = None
     try:
         ray.init(address=c.address, namespace="kvnotes", log_to_driver=False)
         pre, dec = start_workers(cfg)
-        yield cfg, RayBackends(pre, dec)
+        backends = RayBackends(pre, dec, cfg)
+        yield cfg, backends
     finally:
+        monitor = getattr(backends, "_monitor", None)       # the router's health thread: stop it before Ray goes
+        if monitor is not None:
+            monitor.stopped.set()
+            monitor.join(30)
         try:
             if ray.is_initialized():
                 stop_workers(cfg)
@@ -88,7 +94,7 @@ def test_composed_request_crosses_nodes_over_nixl_without_fallback(multinode, sm
         await router.register_chunk("skill", "default", "refund", SKILL)
         toks, fin = [], None
         async for ev in router.stream_native("default", [{"skill": "refund"}, {"text": "Can I return headphones?"}],
-                                             policy="balanced", session=None,
+                                             policy="fast", session=None,
                                              sampling=SamplingParams(max_tokens=8, temperature=0)):
             if isinstance(ev, TokenEvent):
                 toks.append(ev.token_id)
