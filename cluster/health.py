@@ -97,6 +97,10 @@ class HealthMonitor(threading.Thread):
 
     def run(self) -> None:
         while not self.stopped.is_set():
+            if not ray.is_initialized():
+                # the driver disconnected (shutdown): a Ray call now would start a new local Ray
+                log.info("Ray is shut down; the health monitor stops")
+                return
             try:
                 self.sweep()
             except Exception:             # never let the monitor die: log and try again next period

@@ -142,6 +142,12 @@ class RayBackends:
             self._monitor = HealthMonitor(self, metrics, self.cfg.health_period_s, self.cfg.health_timeout_s)
             self._monitor.start()
 
+    def close(self) -> None:
+        """Stop the health thread (before ``ray.shutdown()`` in a driver that built these backends)."""
+        if self._monitor is not None:
+            self._monitor.stopped.set()
+            self._monitor.join(timeout=self.cfg.health_timeout_s + self.cfg.health_period_s)
+
     def _lost(self, role: str, index: int, exc: BaseException) -> WorkerLost:
         reason = f"{type(exc).__name__}"
         self.view.mark(role, index, False, reason)
