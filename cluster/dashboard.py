@@ -30,7 +30,7 @@ DASHBOARD_JSON = Path(__file__).resolve().parent.parent / "deploy" / "grafana" /
 METRICS = (
     "kvnotes_ttft_seconds",                   # histogram {plan}: the plan that executed
     "kvnotes_requests_total",                 # counter {plan, status}: every request once
-    "kvnotes_prompt_tokens_total",            # counter {source=reused|repositioned|erratum|computed}
+    "kvnotes_prompt_tokens_total",            # counter {source=reused|repositioned|erratum|decode_cache|computed}
     "kvnotes_tier_hits_total",                # counter {tier}
     "kvnotes_tier_lookups_total",             # counter {tier}, plan-time misses included
     "kvnotes_kv_transfer_bytes_total",        # counter {transport}

@@ -95,7 +95,7 @@ class Metrics:
                                     ["tier"], registry=r)
         self.deadlines = Counter("kvnotes_deadline_exceeded_total", "Requests cancelled because their deadline "
                                  "passed, by the stage they were in", ["stage"], registry=r)
-        for src in ("reused", "repositioned", "erratum", "computed"):
+        for src in ("reused", "repositioned", "erratum", "decode_cache", "computed"):
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
         for role in ("prefill", "decode"):
             for reason in ("lost_before_first_token", "lost_mid_stream", "retries_exhausted"):

@@ -381,21 +381,29 @@ class Router:
         for f in fallbacks:
             m.record_fallback(f)
         cached = 0
+        # prompt tokens the decode engine found in its own prefix cache (vLLM's APC) rather than
+        # received: usage.cached_tokens counts them too (at least the larger of the two sources)
+        engine_hit = max(summary.cached_tokens - summary.loaded_tokens, 0)
         if res is not None:
             st = res.stats
             recomputed_prefix = not res.transferred or bool(summary.fallbacks)
             if not recomputed_prefix:
                 cached = st.reused + st.repositioned
+            extra = max(engine_hit - cached, 0)
             m.prompt_tokens.labels("reused").inc(st.reused if not recomputed_prefix else 0)
             m.prompt_tokens.labels("repositioned").inc(st.repositioned if not recomputed_prefix else 0)
             m.prompt_tokens.labels("erratum").inc(st.erratum)
-            m.prompt_tokens.labels("computed").inc(plan.prompt_tokens - cached - st.erratum)
+            m.prompt_tokens.labels("decode_cache").inc(extra)
+            m.prompt_tokens.labels("computed").inc(max(plan.prompt_tokens - cached - extra - st.erratum, 0))
             m.tier_rewarms.inc(st.rewarmed)
             if res.transferred:
                 m.transfer_bytes.labels(res.transport or "grpc").inc(res.transfer_bytes)
                 m.transfer_seconds.labels(res.transport or "grpc").observe(res.transfer_seconds)
+            cached += extra
         else:
-            m.prompt_tokens.labels("computed").inc(plan.prompt_tokens)
+            cached = min(engine_hit, plan.prompt_tokens)
+            m.prompt_tokens.labels("decode_cache").inc(cached)
+            m.prompt_tokens.labels("computed").inc(plan.prompt_tokens - cached)
         transport = res.transport if res is not None and res.transferred else ""
         got = {**(res.stats.stages if res is not None else {}), **dict(summary.stages)}
         stages = tuple((k, got[k]) for k in STAGES if k in got)

@@ -106,6 +106,24 @@ def test_wrong_checksum_is_rejected_and_request_completes_by_recompute(smol, tmp
         bb.rx.stop()
 
 
+def test_a_fallback_is_labelled_with_what_executed(smol, tmp_path):
+    """A planned reposition whose block is refused executes as a recompute: TTFT and the request
+    are labelled recompute, with the fallback reason (an operator must not see a fast reposition)."""
+    from tests.conftest import metric
+    router, b = _router(smol, CorruptingTransport(), tmp_path)
+    try:
+        asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
+        toks, fin = asyncio.run(_complete(router, [{"skill": "museum"}, {"text": "When does it close?"}], "fast"))
+        assert len(toks) > 0 and fin.plan.kind.value == "reposition" and fin.fallbacks == ("kv_transfer_rejected",)
+        text = router.metrics.render().decode()
+        assert metric(text, "kvnotes_ttft_seconds_count", plan="recompute") == 1
+        assert metric(text, "kvnotes_ttft_seconds_count", plan="reposition") == 0
+        assert metric(text, "kvnotes_requests_total", plan="recompute", status="ok",
+                      fallback="kv_transfer_rejected") == 1
+    finally:
+        b.rx.stop()
+
+
 def test_an_evicted_chunk_is_listed_out_of_tier_counted_as_a_miss_and_rewarmed(smol, tmp_path):
     router, b = _router(smol, GrpcTransport(), tmp_path)
     try:
