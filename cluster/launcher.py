@@ -150,9 +150,11 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
         raise
     hdr = f"-H \"authorization: Bearer $(cat {cfg.api_key_file})\" " if cfg.auth else ""
     print(f"""kvnotes: serving {cfg.model} on {base}  (Ctrl-C to stop)
-  curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
+  curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "kv_policy": "fast", "explain": true}}'
   curl -s {base}/v1/chat/completions {hdr}-H 'content-type: application/json' -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
-  metrics: {base}/metrics""", flush=True)
+  kvnotes status --url {base}{' --key "$(cat ' + str(cfg.api_key_file) + ')"' if cfg.auth else ''}     # workers, state, tier
+  metrics: every process is listed at {base}/metrics/targets (Prometheus: deploy/prometheus.yml);
+  dashboard: deploy/grafana/kvnotes.json; without Grafana: kvnotes report --prometheus URL --out DIR""", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -105,8 +105,10 @@ def test_vllm_engine_metrics_reach_prometheus(vcluster, tmp_path):
                 break
             if time.monotonic() > deadline:
                 targets = httpx.get(f"{prom}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+                names = prom_query(prom, 'count by (__name__) ({kvnotes_role="decode"})')
                 raise AssertionError(f"vLLM panel queries without series: {empty}; targets: "
-                                     f"{[(t['labels'], t['health'], t['lastError']) for t in targets]}")
+                                     f"{[(t['labels'], t['health'], t['lastError']) for t in targets]}; "
+                                     f"decode series: {[n['metric'].get('__name__') for n in names]}")
             time.sleep(2)
 
 
