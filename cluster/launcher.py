@@ -78,9 +78,8 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
         if cfg.ray_address:
             connect(cfg)
         else:
-            # "local": a new Ray of our own, never a `ray start` cluster someone left on the machine
-            ray.init(address="local", num_cpus=local_cpus, namespace="kvnotes", include_dashboard=False,
-                     log_to_driver=False, runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
+            ray.init(num_cpus=local_cpus, namespace="kvnotes", include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
     from cluster.ray_backends import start_workers
     from cluster.serve_app import RouterIngress
 

@@ -54,7 +54,7 @@ class ClusterConfig:
     prompt_index_ttl_s: float = 3600.0         # plain-prompt prefix index entries expire after this
     prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
     tenant: str = "default"                    # tenant salt used when a request names none
-    ray_address: str | None = None             # None: start a local Ray; "auto" or host:port: join a cluster
+    ray_address: str | None = None             # None: start/attach local Ray; "auto" or host:port: join a cluster
     ray_auth_mode: str | None = None           # token | disabled; None: token if ~/.ray/auth_token exists (Ray 2.60)
     # fault handling and routing (cluster.health, cluster.routing)
     worker_max_restarts: int = 5               # Ray restarts a dead worker actor this often (-1: forever)
