@@ -36,6 +36,10 @@ def run_layout(n_prefill: int, n_decode: int, requests: int, concurrency: int, m
                         prefill=WorkerConfig(count=n_prefill), decode=WorkerConfig(count=n_decode),
                         tier_remote_url=remote_url)
     system = " ".join(f"Rule {i}: answer politely and briefly, cite the policy section number." for i in range(80))
+    import ray
+    # a fresh local Ray of its own (never a `ray start` cluster found on the machine)
+    ray.init(address="local", num_cpus=local_cpus, namespace="kvnotes", include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
     start(cfg, local_cpus=local_cpus)
     try:
         http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=600)
