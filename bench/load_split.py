@@ -3,7 +3,10 @@ each prefill and decode actor, read from the PIDs /health reports) for several a
 each on a fresh embedded cluster, the same workload side by side: OpenAI chat requests sharing one
 long system prompt (the case that made one prefill actor hot under hash affinity).
 
-    python -m bench.load_split --layouts 1+1 2+2 2+1 --requests 24 --concurrency 4
+    python -m bench.load_split --layouts 1+1 2+2 2+1 --requests 16 --concurrency 4
+
+By default each layout gets its own lm:// tier server (kvtransport.tier_server), shared by its
+prefill actors, as in deploy/kvnotes.yaml; ``--no-remote-tier`` measures local tiers only.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ def _cpu(pid: int) -> float:
 
 
 def run_layout(n_prefill: int, n_decode: int, requests: int, concurrency: int, max_tokens: int,
-               local_cpus: int) -> dict:
+               local_cpus: int, remote_url: str | None) -> dict:
     import httpx
 
     import tempfile
@@ -30,8 +33,13 @@ def run_layout(n_prefill: int, n_decode: int, requests: int, concurrency: int, m
     from kvtransport.tier_server import free_port
 
     cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=tempfile.mkdtemp(prefix="kvnotes-bench-"),
-                        prefill=WorkerConfig(count=n_prefill), decode=WorkerConfig(count=n_decode))
+                        prefill=WorkerConfig(count=n_prefill), decode=WorkerConfig(count=n_decode),
+                        tier_remote_url=remote_url)
     system = " ".join(f"Rule {i}: answer politely and briefly, cite the policy section number." for i in range(80))
+    import ray
+    # a fresh local Ray of its own (never a `ray start` cluster found on the machine)
+    ray.init(address="local", num_cpus=local_cpus, namespace="kvnotes", include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
     start(cfg, local_cpus=local_cpus)
     try:
         http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=600)
@@ -72,11 +80,23 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--local-cpus", type=int, default=5, help="logical CPUs of the embedded Ray")
+    ap.add_argument("--no-remote-tier", action="store_true",
+                    help="no shared lm:// tier: each prefill actor recomputes the shared prefix once")
     a = ap.parse_args(argv)
     rows = []
     for lay in a.layouts:
         p, d = (int(x) for x in lay.split("+"))
-        rows.append(run_layout(p, d, a.requests, a.concurrency, a.max_tokens, a.local_cpus))
+        tier = None
+        if not a.no_remote_tier:
+            from kvtransport.tier_server import start_tier_server
+            tier = start_tier_server()
+        try:
+            rows.append(run_layout(p, d, a.requests, a.concurrency, a.max_tokens, a.local_cpus,
+                                   tier.url if tier else None))
+        finally:
+            if tier is not None:
+                from kvtransport.tier_server import stop_tier_server
+                stop_tier_server(tier)
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["req_per_s"]
     print("\n| layout | req/s | vs first | CPU s per actor |\n|---|---|---|---|")
