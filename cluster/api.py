@@ -18,7 +18,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cluster.errors import RequestError, internal_error_json
 from cluster.limits import RequestLimits
 from cluster.router import Finished, Router
-from cluster.validate import (chat_messages, check_name, check_text, common_options, completions_prompt, edit_strategy,
+from cluster.validate import (chat_messages, check_name, check_text, common_options, completions_prompt, deadline_s,
+                              edit_strategy,
                               native_body, openai_extras, sampling_from)
 from kvruntime.messages.decode import TokenEvent
 
@@ -107,7 +108,8 @@ async def openai_complete(router: Router, limits: RequestLimits, body: dict, ten
         raise RequestError(400, "prompt is empty after tokenization", param="prompt")
     if any(t >= vocab for t in ids):
         raise RequestError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
-    first, gen = await _primed(router.stream_prompt(tenant, ids, policy=policy, sampling=sampling))
+    first, gen = await _primed(router.stream_prompt(tenant, ids, policy=policy, sampling=sampling,
+                                                        deadline_s=deadline_s(body)))
     cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
@@ -160,7 +162,8 @@ async def notes_complete(router: Router, limits: RequestLimits, body: dict, tena
     segments, session = native_body(body, limits)
     sampling = sampling_from(body, default_max_tokens=64, limits=limits, vocab=len(router.renderer.tok))
     first, gen = await _primed(router.stream_native(tenant, segments, policy=policy, session=session,
-                                                    sampling=sampling, edit=edit_strategy(body)))
+                                                    sampling=sampling, edit=edit_strategy(body),
+                                                    deadline_s=deadline_s(body)))
     nid = "notes-" + uuid.uuid4().hex[:24]
     if not stream:
         evs, fin = await _collect(first, gen)

@@ -21,8 +21,9 @@ POLICIES = ("exact", "balanced", "fast")
 EDIT_STRATEGIES = ("auto", "erratum", "edit_in_place")
 _SAMPLING = {"max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
              "logit_bias"}
-_NATIVE_KEYS = _SAMPLING | {"model", "session", "segments", "stream", "kv_policy", "explain", "edit_strategy"}
-_OPENAI_COMMON = _SAMPLING | {"model", "stream", "user", "n", "kv_policy", "explain", "stream_options",
+_NATIVE_KEYS = _SAMPLING | {"model", "session", "segments", "stream", "kv_policy", "explain", "edit_strategy",
+                            "deadline_s"}
+_OPENAI_COMMON = _SAMPLING | {"model", "stream", "user", "n", "kv_policy", "explain", "stream_options", "deadline_s",
                               "max_completion_tokens", "metadata", "store", "response_format", "tools",
                               "tool_choice", "logprobs"}
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
@@ -160,6 +161,12 @@ def openai_extras(body: dict, *, chat: bool) -> tuple[int | None, bool]:
             raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (top or 0) if lp else None, usage
     return _num(body, "logprobs", None, 0, 5, integer=True), usage
+
+
+def deadline_s(body: dict) -> float | None:
+    """The request's own deadline in seconds (at most the server's ``request_deadline_s``, which
+    the router applies); None: the server's."""
+    return _num(body, "deadline_s", None, 0.001, 86400.0)
 
 
 def edit_strategy(body: dict) -> str:

@@ -29,11 +29,42 @@ def node_ip() -> str:
 
 def start_exporter(registry=None, host: str = "127.0.0.1") -> str:
     """Serve ``registry`` (default: the process-wide one) on ``host`` at a free port; returns
-    ``"host:port"`` as a Prometheus target. Raises OSError when the port cannot be bound."""
-    from prometheus_client import REGISTRY, start_http_server
+    ``"host:port"`` as a Prometheus target. Raises OSError when the port cannot be bound.
 
-    server, _thread = start_http_server(0, addr=host, registry=registry if registry is not None else REGISTRY)
-    port = server.server_address[1]
-    target = f"{host}:{port}"
+    Always the classic text format (0.0.4), whatever the scraper accepts: ``prometheus_client``'s
+    own server answers an OpenMetrics-accepting Prometheus with names escaped to underscores, so
+    vLLM's ``vllm:prefix_cache_queries_total`` would arrive as ``vllm_prefix_cache_queries_total``
+    and match no dashboard query."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import REGISTRY, generate_latest
+
+    reg = registry if registry is not None else REGISTRY
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+                self.send_error(404)
+                return
+            try:
+                body = generate_latest(reg)
+            except Exception as exc:   # a collector failed: the scrape fails visibly (up = 0)
+                log.warning("metrics collection failed: %s", exc)
+                self.send_error(500, str(exc)[:200])
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):    # scrapes every few seconds: not worth a log line each
+            pass
+
+    server = ThreadingHTTPServer((host, 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="kvnotes-metrics", daemon=True).start()
+    target = f"{host}:{server.server_address[1]}"
     log.info("metrics exported on http://%s/metrics", target)
     return target

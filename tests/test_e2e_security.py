@@ -129,6 +129,7 @@ BAD = [
     # wrong content type
     ("CT", b'{"prompt": "hi"}', 415, "content-type"),
     # sampling parameters: wrong types, out of range, huge numbers
+    (C, {**P, "deadline_s": -1}, 400, "deadline_s"), (C, {**P, "deadline_s": "soon"}, 400, "deadline_s"),
     (C, {**P, "seed": 1 << 64}, 400, "seed"), (C, {**P, "seed": -1}, 400, "seed"), (C, {**P, "seed": 1.5}, 400, "seed"),
     (C, {**P, "seed": 10 ** 40}, 400, "seed"), (C, {**P, "max_tokens": 10 ** 30}, 400, "max_tokens"),
     (C, {**P, "max_tokens": 65}, 400, "max_tokens"), (C, {**P, "max_tokens": -3}, 400, "max_tokens"),
@@ -333,3 +334,17 @@ def test_openai_client_defaults_and_parameters_work(sec):
     # user text that spells special tokens stays text
     evil = client.completions.create(model="smollm2-135m", prompt="<|im_start|>", max_tokens=1, temperature=0)
     assert evil.usage.prompt_tokens > 1
+
+
+def test_a_request_deadline_ends_it_with_a_504_and_is_counted(sec):
+    cfg, base, keys, clients, anon = sec
+    from tests.conftest import metric
+    a = clients["acme"]
+    before = metric(a.get("/metrics").text, "kvnotes_deadline_exceeded_total")
+    r = a.post("/v1/notes/completions", json={"segments": [{"text": "Count slowly from one to fifty."}],
+                                              "max_tokens": 64, "temperature": 0, "deadline_s": 0.05})
+    e = _err(r, 504)
+    assert e["code"] == "deadline_exceeded", e
+    after = a.get("/metrics").text
+    assert metric(after, "kvnotes_deadline_exceeded_total") == before + 1
+    assert metric(after, "kvnotes_requests_total", status="deadline") >= 1

@@ -86,6 +86,9 @@ def test_vllm_engine_metrics_reach_prometheus(vcluster, tmp_path):
 
     http = vcluster
     base = str(http.base_url).rstrip("/")
+    r = http.post("/v1/notes/completions", json={"segments": [{"skill": "refund"}, {"text": "Refund?"}],
+                                                 "max_tokens": 2, "temperature": 0, "kv_policy": "fast"})
+    assert r.status_code == 200, r.text                  # a composed prefix through the connector
     groups = http.get("/metrics/targets").json()
     decode = [g["targets"][0] for g in groups if g["labels"]["kvnotes_role"] == "decode"]
     assert len(decode) == 1, groups
@@ -117,7 +120,7 @@ def test_cached_tokens_count_the_decode_engines_own_prefix_cache(vcluster):
     block, sent twice: the second is served from vLLM's own prefix cache, and usage says so."""
     from tests.conftest import metric
     http = vcluster
-    prompt = " ".join(f"Locker {i} holds {i * 3} boxes." for i in range(30)) + " Which locker holds 9 boxes?"
+    prompt = " ".join(f"Locker {i} holds {i * 3} boxes." for i in range(18)) + " Which locker holds 9 boxes?"
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 3, "temperature": 0}
     first = http.post("/v1/completions", json=body).json()
     assert 128 < first["usage"]["prompt_tokens"] < 256, first["usage"]
