@@ -166,3 +166,25 @@ def test_reposition_plan_executes_the_planned_recompute_ratio(wired, ratio):
     if ratio == 1.0:
         full = recompute(e, list(frame.token_ids + skill.token_ids), logits=False).kv
         assert torch.allclose(kv.data, full.data, atol=5e-4)
+
+
+@pytest.mark.slow
+def test_shadow_check_of_an_exact_plan_agrees_and_of_a_naive_one_measures_the_drift(wired):
+    """PrefillExecutor.shadow: the plan as executed vs a full recompute. An exact plan agrees
+    fully (KL ~ 0); a reposition plan reports its real KL (> 0), the same the harness measures."""
+    from kvruntime.fidelity.metrics import kl_divergence
+    from kvruntime.ops import ChunkSegment, TextSegment, compose
+    e, src, pre, dec, addr = wired
+    frame, skill, q = _segments(e)
+    exact = plan_request(RenderedRequest("rx", e.spec.name, Policy.EXACT, (frame, skill), q), TierView(), None, e.encode)
+    r = pre.shadow(exact)
+    assert r.request_id == "rx" and r.kl < 1e-6 and r.top1 == 1.0 and r.greedy_exact == 1.0
+    src.put(skill.kv, precompile_chunk(e, list(skill.token_ids)))
+    fast = plan_request(RenderedRequest("rf", e.spec.name, Policy.FAST, (frame, skill), q),
+                        TierView(frozenset({skill.kv.digest})), None, e.encode)
+    got = pre.shadow(fast)
+    comp = compose(e, [TextSegment(list(frame.token_ids)), ChunkSegment(src.get(skill.kv)), TextSegment(list(q))])
+    full = recompute(e, list(frame.token_ids + skill.token_ids + q))
+    assert got.kl > 1e-6 and abs(got.kl - kl_divergence(full.logits, comp.logits)) < 1e-6
+    with pytest.raises(ValueError):
+        pre.shadow(dataclasses.replace(fast, suffix_ids=()))

@@ -52,6 +52,9 @@ def eval_fidelity(args, argv: list[str]) -> int:
     }
     summary = report.build_summary(meta, compose_rows, edit_rows, informative, cot_rows, cot_inf)
     tables_dir = Path(args.tables_dir) if args.tables_dir else report.TABLES_DIR
+    previous = report.load_summary(args.model, tables_dir) or {}
+    if previous.get("compose_sweep"):              # kept: a full run does not re-measure the r sweep
+        summary["compose_sweep"] = previous["compose_sweep"]
     path = report.save_summary(args.model, summary, tables_dir)
     print(report.render_markdown(summary))
     print(f"kvnotes: summary written to {path}", file=sys.stderr)

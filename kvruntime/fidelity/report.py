@@ -16,7 +16,7 @@ def build_summary(meta: dict, compose_rows: dict, edit_rows: dict, informative: 
         return [r for r in rows if flags.get(r["case"])]
     return {
         "meta": meta,
-        "compose": {op: summarize(rows) for op, rows in compose_rows.items()},
+        "compose": with_params({op: summarize(rows) for op, rows in compose_rows.items()}),  # planner reads params
         "edit": {op: summarize(rows) for op, rows in edit_rows.items()},
         "edit_informative": {op: summarize(informative_only(rows, informative)) for op, rows in edit_rows.items()},
         "edit_derived": {op: summarize([r for r in rows if r["kind"] == "derived"]) for op, rows in edit_rows.items()},

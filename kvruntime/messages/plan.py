@@ -27,7 +27,7 @@ _SEVERITY = [PlanKind.RECOMPUTE, PlanKind.REUSE, PlanKind.REPOSITION, PlanKind.E
 
 class Policy(str, enum.Enum):
     EXACT = "exact"        # reuse only: output identical to recompute
-    BALANCED = "balanced"  # reuse + reposition with seam repair
+    BALANCED = "balanced"  # reuse + the cheapest compose op whose measured profile meets top-1 >= 97%
     FAST = "fast"          # all kinds
 
 
