@@ -167,7 +167,8 @@ class RouterIngress:
         """Liveness now: live workers per role (the router's health view); 503 when a role has none."""
         snap = self.router.view.snapshot()
         ok = all(v["live"] > 0 for v in snap.values())
-        return JSONResponse({"status": "ok" if ok else "unavailable", "model": self.cfg.model, "workers": snap},
+        return JSONResponse({"status": "ok" if ok else "unavailable", "model": self.cfg.model, "workers": snap,
+                             "fidelity": self.router.fidelity},     # targets, chosen ops, shadow windows, demotions
                             status_code=200 if ok else 503)
 
     @app.get("/ready")

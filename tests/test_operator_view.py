@@ -256,3 +256,14 @@ def test_admin_cli_lists_status_and_removes(cluster, workload):
     assert missing.returncode == 2 and "HTTP 404" in missing.stderr and "Traceback" not in missing.stderr
     bad = _cli("skills", "add", "/no/such/dir", *auth)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "no such file" in bad.stderr
+
+
+def test_health_shows_the_fidelity_view(cluster, workload):
+    """Shadow checks ran on the approximate requests: /health details carry each operation's
+    window (samples, agreement, demotion) and what each policy composes with, and why."""
+    cfg, base = cluster
+    h = httpx.get(f"{base}/health", timeout=30).json()
+    fid = h["fidelity"]
+    assert fid["shadow_fraction"] == 1.0 and set(fid["compose"]) >= {"balanced"}
+    assert fid["operations"] and all(o["samples"] >= 1 and o["demoted"] in (True, False)
+                                     for o in fid["operations"].values()), fid
