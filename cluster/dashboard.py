@@ -46,6 +46,9 @@ METRICS = (
     "vllm:prefix_cache_queries_total",        # counter, prompt tokens looked up in vLLM's cache
     "vllm:prefix_cache_hits_total",           # counter, of those found in vLLM's own cache
     "vllm:external_prefix_cache_hits_total",  # counter, found by the kvnotes KV connector
+    "ray_serve_num_http_requests_total",      # counter {application, route, method, status_code} (Ray nodes)
+    "ray_serve_http_request_latency_ms",      # histogram {application, route}: Serve's proxy, ms
+    "ray_serve_replica_processing_queries",   # gauge {deployment, replica}: requests in a router replica
 )
 
 
@@ -174,6 +177,21 @@ ROWS = (
                   "/ sum(rate(vllm:prefix_cache_queries_total[5m]))", "kvnotes connector"),
         ), "Share of queried prompt tokens served by vLLM's own prefix cache and by the kvnotes "
            "connector."),
+    )),
+    Row("Ray Serve (router ingress)", (
+        Panel("HTTP requests per second by route and status", "reqps", (
+            Query('sum by (route, status_code) (rate(ray_serve_num_http_requests_total{application="kvnotes"}[5m]))',
+                  "{{route}} {{status_code}}"),
+        ), "Requests Serve's HTTP proxy handed to the kvnotes router, by route and HTTP status (Ray's "
+           "own series, from each node's metrics agent)."),
+        Panel("HTTP request latency p50 / p90 (proxy)", "ms", (
+            Query(_q(0.5, "ray_serve_http_request_latency_ms", "", match='{application="kvnotes"}'), "p50"),
+            Query(_q(0.9, "ray_serve_http_request_latency_ms", "", match='{application="kvnotes"}'), "p90"),
+        ), "Whole-request latency measured by Serve's proxy (streams: until the last byte)."),
+        Panel("Requests in flight per router replica", "short", (
+            Query('sum by (replica) (ray_serve_replica_processing_queries{deployment="kvnotes-router"})',
+                  "{{replica}}"),
+        ), "Requests each stateless router replica is handling now (Serve's gauge)."),
     )),
 )
 

@@ -6,6 +6,7 @@ body within the limits (``cluster.limits``), holds a per-tenant in-flight slot, 
 JSON to ``cluster.api``. ``/health``, ``/ready`` and ``/metrics`` need no key.
 """
 
+import asyncio
 import logging
 import threading
 import time
@@ -27,6 +28,13 @@ app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.
 REPLICA_HEADER = "x-kvnotes-replica"     # which stateless router replica answered (debugging, tests)
 TARGET_REFRESH_S = 5.0                   # each replica re-announces its metrics endpoint this often
 TARGET_TTL_S = 30.0                      # and a replica silent this long drops out of /metrics/targets
+
+
+def _ray_metrics_nodes() -> list[tuple[str, str]]:
+    """(``ray-node-<id>``, ``host:port``) of every live Ray node's metrics agent."""
+    import ray
+    return [(f"ray-node-{n['NodeID'][:12]}", f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}")
+            for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
 
 
 def _replica_id() -> str:
@@ -198,6 +206,9 @@ class RouterIngress:
                 if w.metrics:
                     groups.append({"targets": [w.metrics], "labels": {"kvnotes_role": role,
                                                                       "kvnotes_process": f"{role}-{i}"}})
+        # each Ray node's metrics agent: Ray Serve's own series (HTTP requests, latency, queues)
+        for node in await asyncio.to_thread(_ray_metrics_nodes):
+            groups.append({"targets": [node[1]], "labels": {"kvnotes_role": "ray", "kvnotes_process": node[0]}})
         return JSONResponse(groups)
 
     @app.get("/v1/models")

@@ -22,7 +22,7 @@ PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
 # Metric names in PromQL: kvnotes_* and vLLM's vllm:* (colons are legal in metric names).
-_NAME = re.compile(r"(?<![\w:])(kvnotes_\w+|vllm:[\w:]+)")
+_NAME = re.compile(r"(?<![\w:])(kvnotes_\w+|vllm:[\w:]+|ray_serve_\w+)")
 
 
 def _base_name(name: str) -> str:
@@ -54,7 +54,7 @@ def test_rows_and_panels(board):
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert rows == [r.title for r in ROWS]
     assert rows[:4] == ["Latency", "Reuse", "Data plane", "Health"]
-    assert rows[4].startswith("Fidelity") and rows[5].startswith("vLLM")
+    assert rows[4].startswith("Fidelity") and rows[5].startswith("vLLM") and rows[6].startswith("Ray Serve")
     panels = [p for p in board["panels"] if p["type"] != "row"]
     assert len(panels) == sum(len(r.panels) for r in ROWS)
     ids = [p["id"] for p in board["panels"]]

@@ -74,6 +74,17 @@ def test_dashboard_vllm_metrics_are_defined_by_the_installed_vllm():
         assert f'name="{family}"' in source, f"vLLM does not define {family}"
 
 
+def test_dashboard_ray_serve_metrics_are_ones_ray_exports():
+    """The Ray Serve row reads Ray's own series (each node's metrics agent); the names must be ones
+    the installed Ray's own Serve dashboards query."""
+    ours = [n for n in METRICS if n.startswith("ray_serve_")]
+    assert ours
+    panels = Path(importlib.util.find_spec("ray").origin).parent / "dashboard" / "modules" / "metrics" / "dashboards"
+    source = "".join(p.read_text() for p in panels.glob("serve*_panels.py"))
+    for name in ours:
+        assert re.search(rf"{name}(_bucket)?\b", source), f"Ray's Serve dashboards do not query {name}"
+
+
 def test_bad_config_is_a_clear_error(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("model: smollm2-135m\nprefil: {count: 1}\n")
