@@ -109,6 +109,17 @@ def status(t: Target, out=sys.stdout) -> int:
         print("state    " + "  ".join(f"{k}={v}" for k, v in sorted(state.items())), file=out)
     remote = one("kvnotes_tier_remote_up")
     print(f"tier     remote={'n/a' if remote is None else ('up' if remote >= 1 else 'DOWN')}", file=out)
+    # each prefill actor's own endpoint (found like Prometheus finds it): what its tiers hold now
+    for g in _request(t, "GET", "/metrics/targets").json():
+        if g["labels"].get("kvnotes_role") != "prefill":
+            continue
+        try:
+            wm = _metrics(httpx.get(f"http://{g['targets'][0]}/metrics", timeout=10).text)
+        except httpx.HTTPError as exc:
+            print(f"  {g['labels'].get('kvnotes_process')}: metrics unreachable ({type(exc).__name__})", file=out)
+            continue
+        held = "  ".join(f"{lab.get('tier')}={v / 2**20:.1f} MiB" for lab, v in wm.get("kvnotes_tier_bytes", []))
+        print(f"  {g['labels'].get('kvnotes_process'):<12} {held or 'no local tier'}", file=out)
     for kind in ("skills", "memories"):
         items = _request(t, "GET", f"/v1/{kind}").json().get("data", [])
         out_of = [i["name"] for i in items if not i.get("in_tier")]

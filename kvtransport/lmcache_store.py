@@ -257,6 +257,19 @@ class LMCacheStore(KVStore):
             remote_up=bool(self._remote and self._remote.up), evictions=c["evictions"],
             remote_evict_unsupported=c["remote_evict_unsupported"])
 
+    def occupancy(self) -> dict[str, int]:
+        """Bytes held now per local tier: ``cpu`` (LMCache's hot cache) and ``disk`` (its own size
+        accounting); shared tiers (``fs``, ``remote``) are not sized from one worker."""
+        out: dict[str, int] = {}
+        for name, be in list(self._engine.storage_manager.storage_backends.items()):
+            tier = _TIER_NAMES.get(name, name)
+            if hasattr(be, "hot_cache") and hasattr(be, "cpu_lock"):
+                with be.cpu_lock:
+                    out[tier] = sum(int(m.get_size()) for m in be.hot_cache.values())
+            elif hasattr(be, "current_cache_size"):
+                out[tier] = int(be.current_cache_size)
+        return out
+
     @property
     def tiers(self) -> list[str]:
         """Configured tiers in lookup order (a down remote included)."""

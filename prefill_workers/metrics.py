@@ -29,6 +29,11 @@ class TierCollector:
         b.add_metric([w, "put"], s.put_bytes)
         b.add_metric([w, "get"], s.get_bytes)
         yield b
+        occ = GaugeMetricFamily("kvnotes_tier_bytes", "KV bytes this worker's local tiers hold now",
+                                labels=["worker", "tier"])
+        for tier, n in sorted(self.store.occupancy().items()):
+            occ.add_metric([w, tier], n)
+        yield occ
         ev = CounterMetricFamily("kvnotes_worker_tier_evictions", "Chunks evicted from this worker's tier "
                                  "(by request)", labels=["worker"])
         ev.add_metric([w], s.evictions)

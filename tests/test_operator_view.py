@@ -4,6 +4,7 @@ failure; then every dashboard panel's query is asked through Prometheus' HTTP AP
 renders the panels, and the admin CLI (status, skills add/list/rm) works through the HTTP API."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -217,6 +218,8 @@ def test_every_process_is_discovered_and_exports_its_own_series(cluster, prometh
     put = _query(prometheus, 'sum(kvnotes_worker_tier_bytes_total{direction="put", kvnotes_role="prefill"})')
     assert put and float(put[0]["value"][1]) > 0, put
     assert _query(prometheus, 'kvnotes_inbox_held_bytes{kvnotes_role="decode"}')
+    held = _query(prometheus, 'sum(kvnotes_tier_bytes{kvnotes_role="prefill", tier="cpu"})')
+    assert held and float(held[0]["value"][1]) > 0, held          # the skills' KV, in bytes
     # the router's request counter is summed from the replica's own endpoint (no double count)
     reqs = _query(prometheus, 'sum(kvnotes_requests_total{kvnotes_role="router"})')
     assert float(reqs[0]["value"][1]) == float(_query(prometheus, "sum(kvnotes_requests_total)")[0]["value"][1])
@@ -248,6 +251,7 @@ def test_admin_cli_lists_status_and_removes(cluster, workload):
     assert st.returncode == 0, st.stdout + st.stderr
     assert "skills   2 registered, 2 in the tier" in st.stdout and "state    " in st.stdout, st.stdout
     assert "workers  prefill: 1/1 alive" in st.stdout and "workers  decode: 1/1 alive" in st.stdout, st.stdout
+    assert re.search(r"remote=(up|DOWN)", st.stdout) and re.search(r"prefill-0\s+cpu=\d+\.\d MiB", st.stdout), st.stdout
     rm = _cli("skills", "rm", "shipping", *auth)
     assert rm.returncode == 0 and "shipping: deleted" in rm.stdout, rm.stdout + rm.stderr
     after = _cli("skills", "list", *auth)

@@ -147,6 +147,20 @@ def test_pin_unpin_and_evict(store):
     assert store.evict_many([k]) == 0 and store.contains_many([k]) == [False]
 
 
+def test_occupancy_follows_puts_and_evictions(store):
+    """kvnotes_tier_bytes{tier="cpu"} reads this: LMCache's hot cache in bytes, not a counter."""
+    k1, k2 = mkkey(300), mkkey(600, start=5000)             # no shared prefix pieces
+    base = store.occupancy().get("cpu", 0)
+    store.put(k1, mkkv(k1))
+    one = store.occupancy()["cpu"]
+    assert one - base >= mkkv(k1).nbytes                   # whole 256-token pieces, tail included
+    store.put(k2, mkkv(k2))
+    two = store.occupancy()["cpu"]
+    assert two - one >= mkkv(k2).nbytes
+    assert store.evict(k2) and store.occupancy()["cpu"] == one
+    assert store.evict(k1) and store.occupancy()["cpu"] == base
+
+
 def test_put_and_get_reject_bad_input(store):
     k = mkkey(300)
     kv = mkkv(k)
