@@ -84,6 +84,9 @@ class Metrics:
                                     registry=r)
         self.registrations = Counter("kvnotes_registrations_total", "Skill/memory registrations by result",
                                      ["kind", "result"], registry=r)
+        self.registrations_tier = Gauge("kvnotes_registrations", "Registered skills and memories of every tenant "
+                                        "by whether the tier held their KV when last looked up",
+                                        ["kind", "in_tier"], registry=r)
         self.state_entries = Gauge("kvnotes_state_entries", "Entries in the state store (sessions and the prompt "
                                    "index are bounded by TTL and count)", ["kind"], registry=r)
         self.workers_alive = Gauge("kvnotes_workers_alive", "Worker actors this router replica sees alive, by role",

@@ -125,6 +125,10 @@ class RouterIngress:
                 self.state.put_target(self.process, self.metrics_target, now)
                 for kind, n in self.state.sizes(now).items():
                     self.router.metrics.state_entries.labels(kind).set(n)
+                seen = self.state.registrations_by_tier()
+                for kind in ("skill", "memory"):
+                    for in_tier in ("true", "false", "unknown"):
+                        self.router.metrics.registrations_tier.labels(kind, in_tier).set(seen.get((kind, in_tier), 0))
             except Exception as exc:      # the state store is down: logged, retried next period
                 log.warning("announcing the metrics target failed: %s", exc)
             time.sleep(TARGET_REFRESH_S)

@@ -218,6 +218,8 @@ def test_every_process_is_discovered_and_exports_its_own_series(cluster, prometh
     put = _query(prometheus, 'sum(kvnotes_worker_tier_bytes_total{direction="put", kvnotes_role="prefill"})')
     assert put and float(put[0]["value"][1]) > 0, put
     assert _query(prometheus, 'kvnotes_inbox_held_bytes{kvnotes_role="decode"}')
+    regs = _query(prometheus, 'kvnotes_registrations{kind="skill", in_tier="true"}')
+    assert regs and float(regs[0]["value"][1]) == len(SKILLS), regs     # both skills, as last looked up
     held = _query(prometheus, 'sum(kvnotes_tier_bytes{kvnotes_role="prefill", tier="cpu"})')
     assert held and float(held[0]["value"][1]) > 0, held          # the skills' KV, in bytes
     # the router's request counter is summed from the replica's own endpoint (no double count)

@@ -108,6 +108,18 @@ def test_secret_is_created_once_and_shared(store_url):
     a.close(), b.close()
 
 
+def test_registrations_are_counted_by_tier_state_across_tenants(store_url):
+    s = open_state(store_url)
+    s.put_registration(reg("a"))
+    s.put_registration(reg("b", tenant="globex"))
+    s.put_registration(reg("m", kind="memory"))
+    assert s.registrations_by_tier() == {("skill", "unknown"): 2, ("memory", "unknown"): 1}
+    s.mark_used("acme", "skill", "a", 200.0, True)
+    s.mark_used("globex", "skill", "b", 200.0, False)
+    assert s.registrations_by_tier() == {("skill", "true"): 1, ("skill", "false"): 1, ("memory", "unknown"): 1}
+    s.close()
+
+
 def test_metrics_targets_are_shared_refreshed_and_expire(store_url):
     a, b = open_state(store_url), open_state(store_url)
     a.put_target("router-r1", "10.0.0.5:41000", 100.0)

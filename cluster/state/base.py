@@ -96,6 +96,11 @@ class StateStore(ABC):
         """Sorted by name."""
 
     @abstractmethod
+    def registrations_by_tier(self) -> dict[tuple[str, str], int]:
+        """Registrations of every tenant by (kind, in_tier: "true" | "false" | "unknown"), as last
+        looked up (``kvnotes_registrations`` gauge)."""
+
+    @abstractmethod
     def delete_registration(self, tenant: str, kind: str, name: str) -> bool:
         """True if it existed."""
 

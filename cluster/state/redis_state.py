@@ -48,6 +48,15 @@ class RedisState(StateStore):
         d = self.r.hgetall(_k("reg", tenant, kind))
         return [Registration.from_json(d[n]) for n in sorted(d)]
 
+    def registrations_by_tier(self):
+        out: dict[tuple[str, str], int] = {}
+        for key in self.r.scan_iter(P + "reg:*"):
+            for data in self.r.hvals(key):
+                r = Registration.from_json(data)
+                k = (r.kind, "unknown" if r.in_tier is None else str(bool(r.in_tier)).lower())
+                out[k] = out.get(k, 0) + 1
+        return out
+
     def delete_registration(self, tenant, kind, name):
         return bool(self.r.hdel(_k("reg", tenant, kind), name))
 

@@ -82,6 +82,14 @@ class SqliteState(StateStore):
         rows = self._q("SELECT data FROM registrations WHERE tenant=? AND kind=? ORDER BY name", (tenant, kind))
         return [Registration.from_json(r[0]) for r in rows]
 
+    def registrations_by_tier(self):
+        out: dict[tuple[str, str], int] = {}
+        for (data,) in self._q("SELECT data FROM registrations"):
+            r = Registration.from_json(data)
+            k = (r.kind, "unknown" if r.in_tier is None else str(bool(r.in_tier)).lower())
+            out[k] = out.get(k, 0) + 1
+        return out
+
     def delete_registration(self, tenant, kind, name):
         with self._tx() as c:
             return c.execute("DELETE FROM registrations WHERE tenant=? AND kind=? AND name=?",
