@@ -47,10 +47,12 @@ _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
+        self.tenant_labels: frozenset[str] = frozenset()     # config metrics_tenants
         self.ttft = Histogram("kvnotes_ttft_seconds", "Time to first token, by plan kind", ["plan"],
                               buckets=_TTFT_BUCKETS, registry=r)
         self.requests = Counter("kvnotes_requests_total", "Requests by the plan that executed, final status and "
-                                "the first fallback taken (every request once)", ["plan", "status", "fallback"],
+                                "the first fallback taken, per tenant where configured (every request once)",
+                                ["plan", "status", "fallback", "tenant"],
                                 registry=r)
         self.prompt_tokens = Counter("kvnotes_prompt_tokens_total",
                                      "Prompt tokens by where their KV came from", ["source"], registry=r)
@@ -84,7 +86,7 @@ class Metrics:
                                     registry=r)
         self.registrations = Counter("kvnotes_registrations_total", "Skill/memory registrations by result",
                                      ["kind", "result"], registry=r)
-        self.registrations_tier = Gauge("kvnotes_registrations", "Registered skills and memories of every tenant "
+        self.registrations_tier = Gauge("kvnotes_registered_chunks", "Registered skills and memories of every tenant "
                                         "by whether the tier held their KV when last looked up",
                                         ["kind", "in_tier"], registry=r)
         self.state_entries = Gauge("kvnotes_state_entries", "Entries in the state store (sessions and the prompt "
@@ -105,9 +107,14 @@ class Metrics:
                 self.retries.labels(role, reason)   # zeros: "no retries" is a value, not a missing series
 
     def count_request(self, plan: str, status: str, fallback: str = "") -> None:
-        """The one place a request's final status is counted; marks the current HTTP request."""
-        self.requests.labels(plan, status, fallback).inc()
+        """The one place a request's final status is counted; marks the current HTTP request.
+        The tenant label is the request's tenant only for those named in ``tenant_labels``
+        (config ``metrics_tenants``: bounded cardinality), "other" for the rest, "none" before
+        authentication."""
         acct = REQUEST_ACCOUNT.get()
+        tenant = (acct or {}).get("tenant")
+        label = "none" if tenant is None else (tenant if tenant in self.tenant_labels else "other")
+        self.requests.labels(plan, status, fallback, label).inc()
         if acct is not None:
             acct["counted"] = True
 

@@ -111,6 +111,7 @@ class RouterIngress:
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
         from kvruntime.telemetry import node_ip, start_exporter
+        self.router.metrics.tenant_labels = frozenset(cfg.metrics_tenants)
         self.process = f"router-{_replica_id()}"
         self.metrics_target = start_exporter(self.router.metrics.registry, host=node_ip())
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
@@ -141,6 +142,7 @@ class RouterIngress:
         acct = request_metrics.begin_request()   # the router marks it when it counts the final status
         try:
             tenant = self.auth.tenant(request.headers, request.client.host if request.client else None)
+            acct["tenant"] = tenant
             self.inflight.acquire(tenant)
         except Exception as exc:
             return self._counted(error_response(exc, rid), acct)

@@ -63,7 +63,8 @@ def cluster(tmp_path_factory):
     try:
         cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(root / "state"),
                             tier_remote_url=TIER["server"].url,
-                            shadow_fraction=1.0)          # every approximate request gets a shadow check
+                            shadow_fraction=1.0,          # every approximate request gets a shadow check
+                            metrics_tenants=("default",))  # the embedded key's tenant gets its own label
         start(cfg, local_cpus=4)
         try:
             yield cfg, f"http://127.0.0.1:{cfg.port}"
@@ -183,9 +184,10 @@ def test_every_request_is_counted_once_with_its_final_status(cluster, workload):
     assert metric(text, "kvnotes_requests_total", plan="reposition", status="cancelled") == 1
     assert metric(text, "kvnotes_requests_total", plan="none", status="not_found") == 1
     if h:
-        assert metric(text, "kvnotes_requests_total", plan="none", status="unauthorized") >= 1
+        assert metric(text, "kvnotes_requests_total", plan="none", status="unauthorized", tenant="none") >= 1
+    assert metric(text, "kvnotes_requests_total", status="ok", tenant="other") == 0    # one tenant, labelled
     # 2 compose, 3 session turns, 2 prompts: ok; registrations and the template: ok with plan "none"
-    ok_planned = sum(metric(text, "kvnotes_requests_total", plan=p, status="ok")
+    ok_planned = sum(metric(text, "kvnotes_requests_total", plan=p, status="ok", tenant=cfg.tenant)
                      for p in ("reuse", "reposition", "recompute", "erratum", "edit_in_place"))
     assert ok_planned == 7, text
     assert metric(text, "kvnotes_requests_total", plan="none", status="ok") >= 3
@@ -218,7 +220,7 @@ def test_every_process_is_discovered_and_exports_its_own_series(cluster, prometh
     put = _query(prometheus, 'sum(kvnotes_worker_tier_bytes_total{direction="put", kvnotes_role="prefill"})')
     assert put and float(put[0]["value"][1]) > 0, put
     assert _query(prometheus, 'kvnotes_inbox_held_bytes{kvnotes_role="decode"}')
-    regs = _query(prometheus, 'kvnotes_registrations{kind="skill", in_tier="true"}')
+    regs = _query(prometheus, 'kvnotes_registered_chunks{kind="skill", in_tier="true"}')
     assert regs and float(regs[0]["value"][1]) == len(SKILLS), regs     # both skills, as last looked up
     held = _query(prometheus, 'sum(kvnotes_tier_bytes{kvnotes_role="prefill", tier="cpu"})')
     assert held and float(held[0]["value"][1]) > 0, held          # the skills' KV, in bytes

@@ -26,8 +26,9 @@ def scraped(tmp_path_factory):
             deadline = time.monotonic() + 90
             while True:
                 # a workload's worth of series: two plan kinds, prompt sources, a fallback
-                m.requests.labels("reposition", "ok", "").inc(2)
-                m.requests.labels("recompute", "ok", "").inc()
+                m.count_request("reposition", "ok")
+                m.count_request("reposition", "ok")
+                m.count_request("recompute", "ok")
                 m.ttft.labels("reposition").observe(0.2)
                 m.ttft.labels("recompute").observe(1.5)
                 m.prompt_tokens.labels("repositioned").inc(900)

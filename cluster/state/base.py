@@ -98,7 +98,7 @@ class StateStore(ABC):
     @abstractmethod
     def registrations_by_tier(self) -> dict[tuple[str, str], int]:
         """Registrations of every tenant by (kind, in_tier: "true" | "false" | "unknown"), as last
-        looked up (``kvnotes_registrations`` gauge)."""
+        looked up (``kvnotes_registered_chunks`` gauge)."""
 
     @abstractmethod
     def delete_registration(self, tenant: str, kind: str, name: str) -> bool:

@@ -67,6 +67,7 @@ class ClusterConfig:
     max_stop: int = 4                          # stop strings per request
     max_stop_chars: int = 128                  # characters per stop string
     max_inflight_per_tenant: int = 64          # requests one tenant may have in flight per router replica -> 429
+    metrics_tenants: tuple[str, ...] = ()      # tenants with their own label on kvnotes_requests_total (others: "other")
     ray_address: str | None = None             # None: start/attach local Ray; "auto" or host:port: join a cluster
     ray_auth_mode: str | None = None           # token | disabled; None: token if ~/.ray/auth_token exists (Ray 2.60)
     # fault handling and routing (cluster.health, cluster.routing)
@@ -113,6 +114,10 @@ class ClusterConfig:
             raise ValueError(f"state_url must start with sqlite:/// or redis://, got {self.state_url!r}")
         if not self.auth and not _is_loopback(self.host):
             raise ValueError(f"auth: false is only allowed when host is a loopback address, not {self.host!r}")
+        if not isinstance(self.metrics_tenants, (list, tuple)) or \
+                not all(isinstance(t, str) and t for t in self.metrics_tenants) or len(self.metrics_tenants) > 100:
+            raise ValueError("metrics_tenants must be a list of at most 100 tenant names (label cardinality)")
+        object.__setattr__(self, "metrics_tenants", tuple(self.metrics_tenants))
         if not isinstance(self.trusted_proxies, tuple) or not all(isinstance(p, str) and p for p in self.trusted_proxies):
             raise ValueError("trusted_proxies must be a list of IP addresses")
         if min(self.max_body_bytes, self.max_text_chars, self.max_segments, self.max_template_fields,
