@@ -16,6 +16,7 @@ import time
 import uuid
 
 import httpx
+from bench.progress import progress as _progress
 
 
 def _ttft(client: httpx.Client, body: dict) -> tuple[float, dict]:
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
         print(f"# cluster TTFT ({args.url}), client-side time to first streamed token, {args.reps} requests each")
         print("| workload | plan | prompt tokens | cached | TTFT p50 (s) | TTFT p90 (s) | p50 speed-up | p90 speed-up |")
         print("|---|---|---|---|---|---|---|---|")
-        for size in args.sizes:
+        for size in _progress(args.sizes, "context sizes"):
             for row in compose(client, size, args.reps):
                 print(row, flush=True)
         for row in edit_session(client, args.turns, args.doc_tokens):

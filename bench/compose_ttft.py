@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from bench.progress import progress as _progress
 
 
 def _chunks(engine, passages: list[str], total: int, chunk_tokens: int) -> list[list[int]]:
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     print("| context tokens | precompiled | r | recompute TTFT (s) | reposition+seam (+r) TTFT (s) | speed-up | KL | top-1 |")
     print("|---|---|---|---|---|---|---|---|")
     from kvruntime.fidelity.metrics import kl_divergence
-    for size in args.sizes:
+    for size in _progress(args.sizes, "context sizes"):
         body = size - len(pre) - len(q)
         chunks = _chunks(engine, passages, body, args.chunk_tokens)
         kvs = [precompile_chunk(engine, c) for c in chunks]                       # not timed: the tier's job

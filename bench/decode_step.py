@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     e = ReferenceEngine(a.model, dtype="float32", threads=a.threads)
     text = "\n\n".join(load_passages().values()) * 8
     rows = []
-    for size in tqdm(a.sizes, desc="context sizes", file=__import__("sys").stderr):
+    for size in _progress(a.sizes, "context sizes"):
         ids = e.encode(text)[:size]
         ctx = recompute(e, ids)
         t_old, t_new = [], []

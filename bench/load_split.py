@@ -14,6 +14,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import time
+from bench.progress import progress as _progress
 
 
 def _cpu(pid: int) -> float:
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
                     help="no shared lm:// tier: each prefill actor recomputes the shared prefix once")
     a = ap.parse_args(argv)
     rows = []
-    for lay in a.layouts:
+    for lay in _progress(a.layouts, "layouts"):
         p, d = (int(x) for x in lay.split("+"))
         tier = None
         if not a.no_remote_tier:

@@ -39,6 +39,7 @@ from bench.plots import plot_edit, plot_ttft
 from kvruntime.messages.keys import tenant_salt
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
+from bench.progress import progress as _progress
 
 SYSTEMS = ("vLLM APC", "kvnotes + vLLM", "full recompute")
 
@@ -141,7 +142,7 @@ def bench_compose(h: Harness, sizes: list[int], reps: int, seam: int, n_out: int
     questions = ["Summarise the key facts above in one sentence.", "Which organisation is mentioned first?",
                  "List two numbers that appear above.", "What is the main topic of the last section?"]
     rows = []
-    for size in sizes:
+    for size in _progress(sizes, "compose sizes"):
         k = {1024: 2, 2048: 3, 4096: 4}.get(size, 6)
         chunks = _chunks(h.engine, passages, size - len(h.pre) - 24, k, f"s{size}")
         for name, ids in chunks.items():                        # precompile into the tier: not timed
