@@ -26,7 +26,7 @@ def _old(engine, kv, logits, n):
 
 
 def main(argv=None) -> int:
-    from tqdm import tqdm
+    from bench.progress import progress as _progress
 
     from kvruntime.engine import ReferenceEngine
     from kvruntime.fidelity.cases import load_passages
