@@ -84,6 +84,12 @@ def test_registration_through_one_replica_is_used_through_the_other_and_counters
     # every request through _call is counted once: the two registrations (plan "none") and the completions
     assert sum(_metric(t, "kvnotes_requests_total") for t in after.values()) - before == sent + 2
     assert all(_metric(t, "kvnotes_state_entries", kind="registrations") == 1 for t in after.values())
+    # what Prometheus scrapes: service discovery lists each replica's own endpoint, and their
+    # counters add up to the same total (nothing depends on which replica the proxy picked)
+    routers = [g["targets"][0] for g in http.get("/metrics/targets").json() if g["labels"]["kvnotes_role"] == "router"]
+    assert len(set(routers)) == cfg.router_replicas == 2, routers
+    own = sum(_metric(httpx.get(f"http://{a}/metrics", timeout=30).text, "kvnotes_requests_total") for a in routers)
+    assert own == sum(_metric(t, "kvnotes_requests_total") for t in _replica_metrics(http).values())
 
 
 def test_exact_session_never_reuses_approximate_kv_and_equals_recompute(state_cluster):
