@@ -20,6 +20,19 @@ _STATUS_BY_CODE = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413:
                    503: "unavailable", 504: "deadline"}
 
 
+# Every fallback reason the code takes, exported as zeros from the start: a counter series that is
+# born at 1 shows no increase to rate(), so the first fallback of a reason would be invisible to the
+# dashboard and to KvnotesFallbackRateHigh. A reason missing here still counts, from its second on.
+KNOWN_FALLBACKS = (
+    "session_context_evicted", "tier_lookup_worker_lost", "tier_remote_down", "tier_store_failed",
+    "kv_load_failed", "kv_mismatch", "kv_block_invalid", "reposition_disabled",
+    "kv_transport_nixl_unavailable", "kv_transport_nixl_to_grpc",
+    *(f"kv_transfer_{r}" for r in ("timeout", "rejected", "duplicate", "backpressure", "too_large", "unavailable",
+                                   "unknown_peer", "unsupported", "unknown_transfer", "bad_credential",
+                                   "wrong_model", "wrong_dtype", "wrong_length", "wrong_tokens")),
+)
+
+
 def begin_request() -> dict:
     """Start the accounting of one HTTP request (API layer); returns its holder."""
     acct = {"counted": False}
@@ -102,6 +115,8 @@ class Metrics:
                                  "passed, by the stage they were in", ["stage"], registry=r)
         for src in ("reused", "repositioned", "erratum", "decode_cache", "computed"):
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
+        for reason in KNOWN_FALLBACKS:
+            self.fallbacks.labels(reason)           # zeros: a first fallback is an increase rate() can see
         for role in ("prefill", "decode"):
             for reason in ("lost_before_first_token", "lost_mid_stream", "retries_exhausted"):
                 self.retries.labels(role, reason)   # zeros: "no retries" is a value, not a missing series
