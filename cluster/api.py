@@ -16,6 +16,7 @@ import anyio
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.errors import RequestError, internal_error_json
+from cluster.routing import WorkerLost
 from cluster.limits import RequestLimits
 from cluster.router import Finished, Router
 from cluster.validate import (chat_messages, check_name, check_text, common_options, completions_prompt, deadline_s,
@@ -58,6 +59,20 @@ async def _collect(first, gen) -> tuple[list[TokenEvent], Finished]:
 def _tail(sent: str, fin: Finished) -> str:
     """Text the decoder held back until the end (a partial stop string or character before EOS)."""
     return fin.summary.text[len(sent):] if fin.summary.text.startswith(sent) else ""
+
+
+def stream_error_json(exc: BaseException, rid: str) -> dict:
+    """The in-band error event of a stream that fails after it started: the caller's mistake or a
+    lost worker is said as it is (the answer so far is incomplete: send the request again); any
+    other failure gives only the request id, the details go to the log under it."""
+    if isinstance(exc, RequestError):
+        return exc.to_json(rid)
+    if isinstance(exc, WorkerLost):
+        log.warning("request %s: %s", rid, exc)
+        return {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "worker_lost",
+                          "request_id": rid}}
+    log.error("request %s: stream failed", rid, exc_info=exc)
+    return internal_error_json(rid)
 
 
 def _sse(obj) -> bytes:
@@ -150,9 +165,8 @@ async def openai_complete(router: Router, limits: RequestLimits, body: dict, ten
                 end["usage"] = _usage(ev)
             end["kvnotes"] = _kvnotes(ev, explain)
             yield _sse(end)
-        except Exception:  # mid-stream failure: report it in-band (no details), log it, end the stream
-            log.exception("request %s: stream failed", rid)
-            yield _sse(internal_error_json(rid))
+        except Exception as exc:  # mid-stream failure: reported in-band, logged, the stream ends
+            yield _sse(stream_error_json(exc, rid))
         yield b"data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -185,9 +199,8 @@ async def notes_complete(router: Router, limits: RequestLimits, body: dict, tena
                 yield _sse({"id": nid, "token": tail, "index": ev.summary.completion_tokens})
             yield _sse({"id": nid, "finish_reason": ev.summary.finish_reason, "usage": _usage(ev),
                         **_kvnotes(ev, explain)})
-        except Exception:
-            log.exception("request %s: stream failed", rid)
-            yield _sse(internal_error_json(rid))
+        except Exception as exc:  # mid-stream failure: reported in-band, logged, the stream ends
+            yield _sse(stream_error_json(exc, rid))
         yield b"data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
