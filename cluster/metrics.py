@@ -11,6 +11,10 @@ from contextvars import ContextVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvruntime.messages.plan import PlanKind
+
+PLAN_KINDS = tuple(k.value for k in PlanKind)
+
 # One holder per HTTP request (set by the API layer): the router marks the request counted when it
 # records its final status, so the API layer counts only what never reached the router (auth,
 # limits, bad bodies, planning errors) or ended without a status (a client that went away).
@@ -117,9 +121,20 @@ class Metrics:
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
         for reason in KNOWN_FALLBACKS:
             self.fallbacks.labels(reason)           # zeros: a first fallback is an increase rate() can see
+        for plan in PLAN_KINDS:                     # same for every plan's first request and first TTFT
+            self.ttft.labels(plan)
+        self.set_tenant_labels(())
         for role in ("prefill", "decode"):
             for reason in ("lost_before_first_token", "lost_mid_stream", "retries_exhausted"):
                 self.retries.labels(role, reason)   # zeros: "no retries" is a value, not a missing series
+
+    def set_tenant_labels(self, tenants) -> None:
+        """Tenants with their own ``tenant`` label (config ``metrics_tenants``); their ok series and
+        those of "other" and "none" start at zero."""
+        self.tenant_labels = frozenset(tenants)
+        for plan in PLAN_KINDS:
+            for t in (*sorted(self.tenant_labels), "other", "none"):
+                self.requests.labels(plan, "ok", "", t)
 
     def count_request(self, plan: str, status: str, fallback: str = "") -> None:
         """The one place a request's final status is counted; marks the current HTTP request.

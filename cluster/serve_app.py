@@ -111,7 +111,7 @@ class RouterIngress:
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
         from kvruntime.telemetry import node_ip, start_exporter
-        self.router.metrics.tenant_labels = frozenset(cfg.metrics_tenants)
+        self.router.metrics.set_tenant_labels(cfg.metrics_tenants)
         self.process = f"router-{_replica_id()}"
         self.metrics_target = start_exporter(self.router.metrics.registry, host=node_ip())
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
