@@ -15,6 +15,8 @@ import torch
 
 
 def _old(engine, kv, logits, n):
+    """Greedy decoding as the reference engine did it before DecodeSession: a fresh HF cache per
+    step and a whole-cache concatenation (kept as the oracle for tests/test_decode_cache.py)."""
     from kvruntime.kv import KVCache
     out, pos = [], int(kv.positions.max()) + 1
     for _ in range(n):

@@ -3,9 +3,7 @@ alert rules load, are wired into deploy/prometheus.yml, and pass their promtool 
 import json
 import re
 import shutil
-import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -15,10 +13,10 @@ import pytest
 import yaml
 
 from cluster.dashboard import DASHBOARD_JSON, METRICS, ROWS, dashboard, panel_queries
+from tests.conftest import prometheus_server
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
 # Metric names in PromQL: kvnotes_* and vLLM's vllm:* (colons are legal in metric names).
@@ -96,12 +94,6 @@ def test_counters_are_summed_across_processes(board):
                 f"{title}: rate() not directly inside sum by (...): {expr}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=30) as r:
@@ -113,35 +105,9 @@ def _get(url: str) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     """Debian's prometheus with no scrape targets on a free loopback port; its base URL."""
-    d = tmp_path_factory.mktemp("prometheus")
-    (d / "prometheus.yml").write_text("global:\n  scrape_interval: 15s\nscrape_configs: []\n")
-    port = _free_port()
-    log = open(d / "log.txt", "wb")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={d / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={d / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"prometheus exited: {(d / 'log.txt').read_text()[-2000:]}"
-            try:
-                with urllib.request.urlopen(base + "/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"prometheus not ready: {(d / 'log.txt').read_text()[-2000:]}"
-            time.sleep(0.2)
+    with prometheus_server("global:\n  scrape_interval: 15s\nscrape_configs: []\n",
+                           tmp_path_factory.mktemp("prometheus")) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def test_every_panel_query_parses_in_prometheus(prometheus, board):

@@ -4,8 +4,8 @@ implementation (a fresh HF cache per step plus a whole-cache concatenation) on b
 import pytest
 import torch
 
+from bench.decode_step import _old as old_loop
 from kvruntime.decode_cache import DecodeSession
-from kvruntime.kv import KVCache
 from kvruntime.ops import recompute
 
 pytestmark = pytest.mark.slow
@@ -14,22 +14,11 @@ TEXT = ("Ledger note: the Harbour Street branch opened in 2011, employs 42 peopl
         "The Quay Road branch opened in 2016 and employs 17 people. ") * 6 + "Who manages the Harbour Street branch?"
 
 
-def _old_greedy(engine, kv: KVCache, logits: torch.Tensor, n: int) -> list[int]:
-    """The implementation this replaces, kept here as the oracle."""
-    out, pos = [], int(kv.positions.max()) + 1
-    for _ in range(n):
-        tok = int(torch.argmax(logits))
-        out.append(tok)
-        step = engine.prefill([tok], [pos], kv, logits=True)
-        kv, logits, pos = KVCache.cat([kv, step.kv]), step.logits, pos + 1
-    return out
-
-
 def test_generate_equals_the_concatenating_loop(engine, one_torch_thread):
     ids = engine.encode(TEXT)
     ctx = recompute(engine, ids)
     new = engine.greedy(ctx.kv, ctx.logits, 24)
-    assert new == _old_greedy(engine, ctx.kv, ctx.logits, 24)
+    assert new == old_loop(engine, ctx.kv, ctx.logits, 24)       # the implementation this replaced
 
 
 def test_session_writes_in_place_and_matches_recompute(smol, one_torch_thread):
