@@ -13,6 +13,10 @@ Rules (per segment, left to right; DESIGN.md section 3):
   position and stored back)
 - plain prompt with a cached prefix            -> reuse the prefix (any policy)
 - everything else                              -> recompute
+- nothing reusable at all, no session to store, and a decode engine that computes prompts
+  itself (vLLM: ``PlannerConfig.decode_computes_cold``) -> no prefix step: the whole prompt goes
+  to the decode engine as its suffix, so no prefill worker runs and no KV block travels (a cold
+  prompt costs what it costs in plain vLLM)
 """
 from __future__ import annotations
 
@@ -145,6 +149,7 @@ class PlannerConfig:
     edit: EditChoice = field(default_factory=lambda: EditChoice(PlanKind.ERRATUM, reason="default"))
     balanced: ComposeChoice | None = None       # per policy, from the profile; None: reposition + seam_tokens
     fast: ComposeChoice | None = None
+    decode_computes_cold: bool = False          # True (decode engine vLLM): a plan reusing nothing skips prefill
 
     def compose_for(self, policy: Policy) -> ComposeChoice | None:
         return {Policy.BALANCED: self.balanced, Policy.FAST: self.fast}.get(policy)
@@ -187,6 +192,13 @@ def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext |
     for seg in req.context:
         steps += _plan_segment(seg, pos, req.policy, tier, config, notes)
         pos += len(seg.token_ids)
+    if config.decode_computes_cold and req.session is None and steps \
+            and all(s.kind is PlanKind.RECOMPUTE for s in steps):
+        # nothing to reuse and nothing to keep for a next turn: the decode engine computes it all
+        notes.append(f"nothing reusable: the decode engine computes all {pos + len(req.suffix_ids)} prompt "
+                     "tokens itself (no prefill, no KV transfer)")
+        ids = tuple(t for s in steps for t in s.token_ids) + req.suffix_ids
+        return RequestPlan(req.request_id, req.model, req.policy, (), ids, None, tuple(notes))
     return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids, req.session, tuple(notes))
 
 

@@ -100,6 +100,9 @@ class RouterIngress:
                              shadow=ShadowConfig(cfg.shadow_fraction, frozenset(cfg.shadow_opt_out_tenants),
                                                  cfg.shadow_max_in_flight, cfg.shadow_window,
                                                  cfg.shadow_min_samples, cfg.shadow_demote_s))
+        if cfg.decode_engine == "vllm":       # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
+            from dataclasses import replace
+            self.router.guard.set_base(replace(self.router.guard.base, decode_computes_cold=True))
         from cluster.auth import Authenticator
         from cluster.limits import InflightLimiter
         self.auth = Authenticator(self.state, enabled=cfg.auth, default_tenant=cfg.tenant,

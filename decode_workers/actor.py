@@ -54,7 +54,8 @@ class DecodeWorker:
             self.executor = VllmDecodeExecutor(
                 cfg.model, dtype=cfg.dtype, device=device, load_failure_policy=cfg.kv_load_failure_policy,
                 receive_timeout=cfg.transfer_timeout_s, receiver=self.receiver, kv_cache_gib=cfg.vllm_kv_cache_gib,
-                max_model_len=cfg.vllm_max_model_len, threads=cfg.decode.threads)
+                max_model_len=cfg.vllm_max_model_len, threads=cfg.decode.threads,
+                kv_load=cfg.vllm_kv_load, load_threads=cfg.vllm_kv_load_threads)
             return
         from decode_workers.executor import DecodeExecutor
         from kvruntime.engine import ReferenceEngine

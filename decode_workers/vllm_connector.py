@@ -18,8 +18,16 @@ A block that is missing, late or corrupt is reported to vLLM as failed blocks; v
 ``kv_load_failure_policy`` (ours, passed through: ``recompute`` or ``fail``) then recomputes
 the prefix or fails the request. The reason travels back to the scheduler side as worker
 metadata and out in ``RequestOutput.kv_transfer_params["kvnotes_load"]`` so the decode worker
-counts it. The load is synchronous (before the step's forward), which stalls other requests'
-decode steps for the copy; an async load (``get_finished``) is the next step.
+counts it.
+
+**Load mode** (extra config ``kvnotes_kv_load``, per request ``kvnotes_kv_load`` in its
+``kv_transfer_params``): ``async`` (default) uses vLLM's asynchronous load: the request waits
+in ``WAITING_FOR_REMOTE_KVS`` while the engine keeps stepping the running requests, a pool of
+``kvnotes_load_threads`` threads claims, checks and writes the block
+(:mod:`decode_workers.vllm_async_load`, which also says why the write is safe), and
+``get_finished`` reports it. ``sync`` loads before the step's forward, which stalls every running
+request on this engine for the claim, the checks and the copy (kept to measure the difference:
+``python -m bench.decode_stall``).
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
+from decode_workers.vllm_async_load import AsyncLoader
 from kvtransport.blocks import BlockError, decode_block
 from kvtransport.transport import TransferError
 
@@ -57,6 +66,8 @@ PARAM_PREFIX = "kvnotes_prefix_tokens"
 PARAM_RESULT = "kvnotes_load"       # in RequestOutput.kv_transfer_params: "loaded" | "apc" | "failed:<reason>"
 PARAM_LOADED = "kvnotes_loaded_tokens"   # ... and how many prefix tokens the connector wrote (the rest hit APC)
 PARAM_STAGES = "kvnotes_stages"          # ... and {"receive": s, "load": s} measured on the worker side
+PARAM_MODE = "kvnotes_kv_load"           # in a request's kv_transfer_params: "async" | "sync" (else the engine's)
+LOAD_MODES = ("async", "sync")
 
 #: receivers owned by decode actors in this process, by key (``kvnotes_receiver`` in extra config)
 RECEIVERS: dict[str, Any] = {}
@@ -72,6 +83,7 @@ class LoadSpec:
     slot_mapping: tuple[int, ...]   # [N - start] paged slot of tokens start..N-1
     block_ids: tuple[int, ...]      # vLLM block ids those slots live in (reported on failure)
     token_ids: tuple[int, ...]      # [N] the request's prompt tokens 0..N-1 (the block must hold exactly these)
+    async_load: bool = False        # True: vLLM waits for get_finished (WAITING_FOR_REMOTE_KVS)
 
 
 @dataclass
@@ -89,11 +101,14 @@ class KvnotesWorkerMetadata(KVConnectorWorkerMetadata):
         return KvnotesWorkerMetadata({**self.failures, **other.failures}, {**self.stages, **other.stages})
 
 
-def load_params(transfer_id: str, prefix_tokens: int) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a request carries to be served from a kvnotes block."""
+def load_params(transfer_id: str, prefix_tokens: int, mode: str | None = None) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a request carries to be served from a kvnotes block (``mode``:
+    async | sync, None = the engine's ``kvnotes_kv_load``)."""
     if prefix_tokens < 1:
         raise ValueError("prefix_tokens must be >= 1")
-    return {PARAM_TRANSFER: transfer_id, PARAM_PREFIX: int(prefix_tokens)}
+    if mode is not None and mode not in LOAD_MODES:
+        raise ValueError(f"kv load mode must be async or sync, got {mode!r}")
+    return {PARAM_TRANSFER: transfer_id, PARAM_PREFIX: int(prefix_tokens), **({PARAM_MODE: mode} if mode else {})}
 
 
 class KvnotesConnector(KVConnectorBase_V1):
@@ -104,8 +119,11 @@ class KvnotesConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._model = extra.get("kvnotes_model")          # registry name; blocks of another model are refused
         self._timeout = float(extra.get("kvnotes_receive_timeout_s", 30.0))
+        self._mode = extra.get("kvnotes_kv_load", "async")
+        if self._mode not in LOAD_MODES:
+            raise ValueError(f"kvnotes_kv_load must be async or sync, got {self._mode!r}")
         # scheduler side
-        self._pending: dict[str, tuple[str, int, int, list[int], tuple[int, ...]]] = {}  # req_id -> (tid, N, start, blocks, ids)
+        self._pending: dict[str, tuple] = {}    # req_id -> (tid, N, start, blocks, ids, async)
         self._failed: dict[str, str] = {}                 # req_id -> reason, from worker metadata
         self._loaded: set[str] = set()
         self._external: dict[str, int] = {}               # req_id -> tokens this connector loads
@@ -118,8 +136,11 @@ class KvnotesConnector(KVConnectorBase_V1):
         self._stages: dict[str, dict] = {}
         self._invalid: set[int] = set()
         self._layer_names: list[str] = []
+        self._layers: list | None = None                  # attention layers, in layer order (first start_load_kv)
         self._lock = threading.Lock()
         self._owns_transport = False
+        self._async: AsyncLoader | None = None
+        self._specs: dict[str, LoadSpec] = {}             # loads started and not yet reported (under _lock)
         if role == KVConnectorRole.WORKER:
             self.transport = RECEIVERS.get(extra.get("kvnotes_receiver", ""))
             if self.transport is None:
@@ -129,7 +150,8 @@ class KvnotesConnector(KVConnectorBase_V1):
                 self.address = self.transport.serve(host, int(extra.get("kvnotes_grpc_port", 0)))
             else:
                 self.address = self.transport.endpoint.grpc_address
-            log.info("kvnotes connector: receiving KV blocks at %s", self.address)
+            self._async = AsyncLoader(int(extra.get("kvnotes_load_threads", 2)), self._lock, self._fail_locked)
+            log.info("kvnotes connector: receiving KV blocks at %s (default load %s)", self.address, self._mode)
 
     # ---------------- scheduler side ----------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -142,7 +164,8 @@ class KvnotesConnector(KVConnectorBase_V1):
         if n >= request.num_prompt_tokens:
             # vLLM must compute at least the last prompt token itself (it produces the logits)
             n = request.num_prompt_tokens - 1
-        return max(0, n - num_computed_tokens), False
+        ext = max(0, n - num_computed_tokens)
+        return ext, ext > 0 and params.get(PARAM_MODE, self._mode) == "async"
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         params = request.kv_transfer_params or {}
@@ -156,15 +179,16 @@ class KvnotesConnector(KVConnectorBase_V1):
         start = n - num_external_tokens
         self._external[request.request_id] = num_external_tokens
         self._pending[request.request_id] = (params[PARAM_TRANSFER], n, start, list(blocks.get_block_ids()[0]),
-                                             tuple(request.prompt_token_ids[:n]))
+                                             tuple(request.prompt_token_ids[:n]),
+                                             params.get(PARAM_MODE, self._mode) == "async")
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvnotesConnectorMetadata()
-        for req_id, (tid, n, start, block_ids, ids) in self._pending.items():
+        for req_id, (tid, n, start, block_ids, ids, async_load) in self._pending.items():
             bs = self._block_size
             slots = tuple(block_ids[p // bs] * bs + p % bs for p in range(start, n))
             used = tuple(sorted({block_ids[p // bs] for p in range(start, n)}))
-            meta.loads.append(LoadSpec(req_id, tid, n, start, slots, used, ids))
+            meta.loads.append(LoadSpec(req_id, tid, n, start, slots, used, ids, async_load))
             self._served.add(req_id)
         self._pending.clear()
         return meta
@@ -199,19 +223,43 @@ class KvnotesConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvnotesConnectorMetadata)
+        if meta.loads and self._layers is None:
+            self._layers = [forward_context.no_compile_layers[name] for name in self._layer_names]
         for spec in meta.loads:
-            try:
-                self._load(spec, forward_context)
-            except (TransferError, BlockError, _Mismatch) as exc:
-                reason = exc.reason if isinstance(exc, TransferError) else \
-                    ("kv_block_invalid" if isinstance(exc, BlockError) else "kv_mismatch")
-                log.warning("kvnotes: KV for request %s (transfer %s) unusable: %s: %s",
-                            spec.req_id, spec.transfer_id, reason, exc)
+            report = spec.async_load and spec.start < spec.prefix_tokens
+            if report or not spec.async_load:
                 with self._lock:
-                    self._failures[spec.req_id] = reason if reason.startswith("kv_") else f"kv_transfer_{reason}"
-                    self._invalid.update(spec.block_ids)
+                    self._specs[spec.req_id] = spec
+            if spec.async_load or (self._mode == "async" and spec.start >= spec.prefix_tokens):
+                # an APC-held prefix (nothing to write, nobody waits) is claimed and dropped off the step too
+                self._async.submit(spec.req_id, lambda spec=spec: self._try_load(spec), report=report)
+                continue
+            reason = self._try_load(spec)
+            with self._lock:
+                if reason is not None:
+                    self._fail_locked(spec.req_id, reason)
+                self._specs.pop(spec.req_id, None)
 
-    def _load(self, spec: LoadSpec, ctx: "ForwardContext") -> None:
+    def _try_load(self, spec: LoadSpec) -> str | None:
+        """Load ``spec``; None, or the failure reason (logged)."""
+        try:
+            self._load(spec)
+            return None
+        except (TransferError, BlockError, _Mismatch) as exc:
+            reason = exc.reason if isinstance(exc, TransferError) else \
+                ("kv_block_invalid" if isinstance(exc, BlockError) else "kv_mismatch")
+            log.warning("kvnotes: KV for request %s (transfer %s) unusable: %s: %s",
+                        spec.req_id, spec.transfer_id, reason, exc)
+            return reason if reason.startswith("kv_") else f"kv_transfer_{reason}"
+
+    def _fail_locked(self, req_id: str, reason: str) -> None:
+        """Record a failed load (caller holds ``self._lock``): its blocks go to vLLM as load errors."""
+        spec = self._specs.pop(req_id, None)
+        self._failures[req_id] = reason
+        if spec is not None:
+            self._invalid.update(spec.block_ids)
+
+    def _load(self, spec: LoadSpec) -> None:
         t0 = time.perf_counter()
         if spec.start >= spec.prefix_tokens:          # APC holds it all: claim and drop the block
             try:
@@ -232,7 +280,7 @@ class KvnotesConnector(KVConnectorBase_V1):
                             f"are needed")
         if tuple(kv.token_ids[:n - f].tolist()) != spec.token_ids[f:n]:
             raise _Mismatch("block token ids differ from the request's prompt")
-        layers = [ctx.no_compile_layers[name] for name in self._layer_names]
+        layers = self._layers
         if kv.data.shape[0] != len(layers):
             raise _Mismatch(f"block has {kv.data.shape[0]} layers, model has {len(layers)}")
         first = layers[0]
@@ -255,6 +303,13 @@ class KvnotesConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         return
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = self._async.take_done() if self._async is not None else set()
+        with self._lock:
+            for rid in done:
+                self._specs.pop(rid, None)
+        return None, (done or None)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
             out, self._invalid = self._invalid, set()
@@ -269,6 +324,8 @@ class KvnotesConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self):
+        if self._async is not None:
+            self._async.shutdown()
         if self.transport is not None and self._owns_transport:   # a decode actor's Receiver is its own to stop
             self.transport.stop()
 

@@ -60,9 +60,11 @@ class VllmDecodeExecutor:
                  load_failure_policy: str = "recompute", receive_timeout: float = 30.0,
                  grpc_host: str = "127.0.0.1", grpc_port: int | None = None, receiver=None,
                  kv_cache_gib: float = 1.0, max_model_len: int = 8192, enable_prefix_caching: bool = True,
-                 threads: int = 1):
+                 threads: int = 1, kv_load: str = "async", load_threads: int = 2):
         if load_failure_policy not in ("recompute", "fail"):
             raise ValueError("load_failure_policy must be 'recompute' or 'fail'")
+        if kv_load not in ("async", "sync") or load_threads < 1:
+            raise ValueError("kv_load must be 'async' or 'sync' and load_threads >= 1")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core (and our connector's gRPC server) live here
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
@@ -78,6 +80,7 @@ class VllmDecodeExecutor:
 
         self.spec = get_model_spec(model)
         self.policy = load_failure_policy
+        self.kv_load = kv_load        # default load mode of this engine's requests (generate(kv_load=) overrides)
         port = grpc_port or free_port(grpc_host)
         ckpt = ensure_checkpoint(self.spec)
         self._receiver_key = ""
@@ -90,7 +93,8 @@ class VllmDecodeExecutor:
             kv_load_failure_policy=load_failure_policy,
             kv_connector_extra_config={"kvnotes_model": self.spec.name, "kvnotes_grpc_host": grpc_host,
                                        "kvnotes_grpc_port": port, "kvnotes_receive_timeout_s": receive_timeout,
-                                       "kvnotes_receiver": self._receiver_key})
+                                       "kvnotes_receiver": self._receiver_key, "kvnotes_kv_load": kv_load,
+                                       "kvnotes_load_threads": load_threads})
         args = EngineArgs(model=str(ckpt), tokenizer=str(ckpt), dtype=dtype, enforce_eager=True,
                           enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
                           kv_transfer_config=ktc, disable_log_stats=False, seed=0)
@@ -122,6 +126,10 @@ class VllmDecodeExecutor:
                     self._work.wait()
                 if self._stopped:
                     return
+                if self._idle():
+                    # only requests waiting for their KV (an async load): nothing to compute, so poll
+                    # the loads' completion gently instead of spinning on empty steps
+                    self._work.wait(0.002)
                 try:
                     outs = self.engine.step()
                 except Exception as exc:           # an engine failure ends every request with it
@@ -136,6 +144,13 @@ class VllmDecodeExecutor:
                         q.put(out)
                         if out.finished:
                             self._queues.pop(out.request_id, None)
+
+    def _idle(self) -> bool:
+        """True when vLLM's scheduler has nothing running (in-process engine core only)."""
+        core = getattr(self.engine.engine_core, "engine_core", None)
+        sched = getattr(core, "scheduler", None)
+        return sched is not None and not sched.running and len(getattr(sched, "kv_holding_waiting", ())) > 0 \
+            and not len(getattr(sched, "waiting", ()))
 
     def stop(self) -> None:
         with self._work:
@@ -167,9 +182,11 @@ class VllmDecodeExecutor:
 
     # ---- requests -----------------------------------------------------------------------------
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
-                 sampling: SamplingParams, *, salt: str | None = None) -> Iterator[TokenEvent | DecodeSummary]:
+                 sampling: SamplingParams, *, salt: str | None = None,
+                 kv_load: str | None = None) -> Iterator[TokenEvent | DecodeSummary]:
         """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`.
-        ``transfer_id`` None: no block was sent, vLLM computes (or APC-hits) the prefix itself."""
+        ``transfer_id`` None: no block was sent, vLLM computes (or APC-hits) the prefix itself.
+        ``kv_load``: async | sync for this request's block (None: the engine's ``kv_load``)."""
         from vllm import SamplingParams as VSampling
         from vllm.sampling_params import RequestOutputKind
 
@@ -177,7 +194,7 @@ class VllmDecodeExecutor:
 
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
-        extra = {"kv_transfer_params": load_params(transfer_id, len(prefix_ids))} \
+        extra = {"kv_transfer_params": load_params(transfer_id, len(prefix_ids), kv_load or self.kv_load)} \
             if transfer_id is not None and prefix_ids else None
         vs = VSampling(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                        seed=sampling.seed, stop=list(sampling.stop) or None, output_kind=RequestOutputKind.DELTA,

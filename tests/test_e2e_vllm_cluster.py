@@ -130,3 +130,41 @@ def test_cached_tokens_count_the_decode_engines_own_prefix_cache(vcluster):
     hit = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert hit >= 128 and hit % 16 == 0, second["usage"]           # whole vLLM blocks
     assert metric(http.get("/metrics").text, "kvnotes_prompt_tokens_total", source="decode_cache") - before == hit
+
+
+def test_a_cold_prompt_is_computed_by_vllm_alone(vcluster):
+    """Cold-prompt parity guard: a prompt that reuses nothing (no registered chunk, no cached
+    prefix, no session) goes straight to the vLLM decode engine: no prefill stage runs, no KV
+    block travels, and vLLM counts every prompt token as computed by itself."""
+    import httpx
+
+    from tests.conftest import metric
+    http = vcluster
+    text = " ".join(f"Shelf {i} holds {i * 11 % 97} jars of cold plum jam." for i in range(40))
+    body = {"segments": [{"text": text}, {"text": "Which shelf holds 44 jars?"}], "max_tokens": 4,
+            "temperature": 0, "kv_policy": "balanced", "explain": True}
+    groups = http.get("/metrics/targets").json()
+    decode = [g["targets"][0] for g in groups if g["labels"]["kvnotes_role"] == "decode"]
+
+    def counters():
+        own = httpx.get(f"http://{decode[0]}/metrics", timeout=30).text
+        router = http.get("/metrics").text
+        return {"bytes": metric(router, "kvnotes_kv_transfer_bytes_total"),
+                "computed": metric(router, "kvnotes_prompt_tokens_total", source="computed"),
+                "vllm_prompt": metric(own, "vllm:prompt_tokens_total"),
+                "vllm_external": metric(own, "vllm:external_prefix_cache_hits_total")}
+
+    before = counters()
+    r = http.post("/v1/notes/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    ex = out["explain"]
+    n = out["usage"]["prompt_tokens"]
+    assert n > 300 and out["plan"] == "recompute" and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert ex["steps"] == [] and ex["suffix_tokens"] == n and ex["transport"] == "", ex
+    assert not {"tier_get", "forward", "serialise", "transfer", "receive", "load"} & set(ex["stages"]), ex["stages"]
+    after = counters()
+    assert after["bytes"] == before["bytes"], "a KV block travelled for a cold prompt"
+    assert after["vllm_external"] == before["vllm_external"]
+    assert after["computed"] - before["computed"] == n
+    assert after["vllm_prompt"] - before["vllm_prompt"] == n          # vLLM computed (or counted) all of it

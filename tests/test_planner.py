@@ -262,3 +262,25 @@ def test_fidelity_target_validates():
         FidelityTarget("cosine", 0.9)
     with pytest.raises(ValueError):
         FidelityTarget("top1", 1.5)
+
+
+def test_a_cold_prompt_goes_whole_to_a_decode_engine_that_computes_it():
+    """Decode engine vLLM: a request reusing nothing (and storing nothing for a session) has no
+    prefix step, so no prefill worker runs and no KV travels; vLLM computes every token."""
+    cold = PlannerConfig(decode_computes_cold=True)
+    prompt = RenderedSegment("prompt", None, tuple(range(300)))
+    p = plan_request(req(prompt), TierView(), None, encode, cold)
+    assert p.steps == () and p.suffix_ids == tuple(range(300)) + (7, 8, 9) and p.prompt_tokens == 303
+    assert p.kind is PlanKind.RECOMPUTE and p.computed_tokens == 303 and any("no KV transfer" in n for n in p.notes)
+    # exact policy recomputes the skill too: still nothing reusable
+    e = plan_request(req(FRAME, SKILL, policy=Policy.EXACT), TierView(frozenset({SKILL.kv.digest})), None, encode, cold)
+    assert e.steps == () and e.suffix_ids == FRAME.token_ids + SKILL.token_ids + (7, 8, 9)
+    # anything reusable keeps its prefill; a session's first turn keeps it (its context is stored)
+    hit = plan_request(req(prompt), TierView(prompt_prefix_hit=256, prompt_prefix_kv=CTX), None, encode, cold)
+    assert [s.kind for s in hit.steps] == [PlanKind.REUSE, PlanKind.RECOMPUTE]
+    comp = plan_request(req(FRAME, SKILL), TierView(frozenset({SKILL.kv.digest})), None, encode, cold)
+    assert [s.kind for s in comp.steps] == [PlanKind.RECOMPUTE, PlanKind.REPOSITION]
+    first_turn = plan_request(req(FRAME, session="agent-17"), TierView(), None, encode, cold)
+    assert [s.kind for s in first_turn.steps] == [PlanKind.RECOMPUTE]
+    # the reference decode engine (default) keeps the prefill worker's recompute
+    assert plan_request(req(prompt), TierView(), None, encode).steps[0].kind is PlanKind.RECOMPUTE

@@ -7,6 +7,8 @@
   request fails with a clear error), both counted.
 * vLLM's own prefix cache still serves a repeated composed prefix, and a salt keeps composed KV
   away from exact requests.
+* The asynchronous load (the default) gives the same tokens as the synchronous one, and a
+  request waiting for its block does not stop the running requests.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -41,7 +44,7 @@ NEAR_TIE = 0.05       # nats: a divergence where the two candidates' log-probs d
 def vx():
     from decode_workers import vllm_engine
     x = vllm_engine.VllmDecodeExecutor(MODEL, dtype="float32", load_failure_policy="recompute",
-                                       receive_timeout=3.0, kv_cache_gib=1, max_model_len=4096)
+                                       receive_timeout=5.0, kv_cache_gib=1, max_model_len=4096)
     yield x
     x.stop()
     torch.set_num_threads = vllm_engine._set_num_threads    # vLLM's CPU worker replaced it process-wide
@@ -52,8 +55,9 @@ def sender():
     return GrpcTransport()
 
 
-def _run(vx, tid, prefix, suffix, n=GREEDY, salt=None):
-    evs = list(vx.generate(tid, tuple(prefix), tuple(suffix), SamplingParams(max_tokens=n), salt=salt))
+def _run(vx, tid, prefix, suffix, n=GREEDY, salt=None, kv_load=None):
+    evs = list(vx.generate(tid, tuple(prefix), tuple(suffix), SamplingParams(max_tokens=n), salt=salt,
+                           kv_load=kv_load))
     assert isinstance(evs[-1], DecodeSummary)
     return [e.token_id for e in evs if isinstance(e, TokenEvent)], evs[-1]
 
@@ -130,30 +134,91 @@ def _prompt(smol, n_words=300):
     return pre + doc, smol.encode("What does item 3 cost?" + close)
 
 
-def test_missing_and_corrupt_blocks_follow_recompute_policy(smol, vx, sender, one_torch_thread):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_missing_and_corrupt_blocks_follow_recompute_policy(smol, vx, sender, one_torch_thread, mode):
     prefix, suffix = _prompt(smol)
     plain, _ = _run(vx, None, prefix, suffix, salt="plain-recompute")
     kv = recompute(smol, prefix, logits=False).kv
     # never sent: the connector's receive times out, vLLM recomputes the prefix
-    got, s = _run(vx, "never-sent", prefix, suffix, salt="missing")
-    assert got == plain and s.fallbacks == ("kv_transfer_timeout",)
+    got, s = _run(vx, f"never-sent-{mode}", prefix, suffix, salt=f"missing-{mode}", kv_load=mode)
+    assert got == plain and s.fallbacks == ("kv_transfer_timeout",) and s.loaded_tokens == 0
     # corrupt payload (header CRC kept): the receiver rejects it, vLLM recomputes
-    good = encode_block("corrupt", MODEL, kv)
+    good = encode_block(f"corrupt-{mode}", MODEL, kv)
     bad = bytearray(good.payload)
     bad[len(bad) // 2] ^= 0xFF
     with pytest.raises(TransferError):
         sender.send(vx.address, KVBlock(good.header, bytes(bad)), timeout=30)
-    got, s = _run(vx, "corrupt", prefix, suffix, salt="corrupt")
+    got, s = _run(vx, f"corrupt-{mode}", prefix, suffix, salt=f"corrupt-{mode}", kv_load=mode)
     assert got == plain and s.fallbacks == ("kv_transfer_rejected",)
     # a block of other tokens (a routing bug) is refused, not decoded
     other = recompute(smol, prefix[:-1] + [prefix[-1] + 1], logits=False).kv
-    sender.send(vx.address, encode_block("other", MODEL, other), timeout=30)
-    got, s = _run(vx, "other", prefix, suffix, salt="other")
+    sender.send(vx.address, encode_block(f"other-{mode}", MODEL, other), timeout=30)
+    got, s = _run(vx, f"other-{mode}", prefix, suffix, salt=f"other-{mode}", kv_load=mode)
     assert got == plain and s.fallbacks == ("kv_mismatch",)
     # and a good block after all that is used
-    sender.send(vx.address, encode_block("good", MODEL, kv), timeout=30)
-    got, s = _run(vx, "good", prefix, suffix, salt="good")
-    assert s.fallbacks == () and got == plain
+    sender.send(vx.address, encode_block(f"good-{mode}", MODEL, kv), timeout=30)
+    got, s = _run(vx, f"good-{mode}", prefix, suffix, salt=f"good-{mode}", kv_load=mode)
+    assert s.fallbacks == () and got == plain and s.loaded_tokens == len(prefix)
+
+
+def test_async_and_sync_loads_give_the_tokens_of_a_full_vllm_prefill(smol, vx, sender, one_torch_thread):
+    prefix, suffix = _prompt(smol, 250)
+    plain, s0 = _run(vx, None, prefix, suffix, n=24, salt="parity-plain")
+    assert s0.loaded_tokens == 0 and s0.cached_tokens == 0
+    kv = recompute(smol, prefix, logits=False).kv
+    for mode in ("async", "sync"):
+        sender.send(vx.address, encode_block(f"parity-{mode}", MODEL, kv), timeout=30)
+        got, s = _run(vx, f"parity-{mode}", prefix, suffix, n=24, salt=f"parity-{mode}", kv_load=mode)
+        assert got == plain and s.fallbacks == () and s.loaded_tokens == len(prefix), (mode, s)
+        assert {"receive", "load"} <= dict(s.stages).keys()
+
+
+def test_a_pending_async_load_does_not_stop_running_streams(smol, vx, sender, one_torch_thread):
+    """Request B's block is pushed late on purpose: while B waits for it (vLLM's
+    WAITING_FOR_REMOTE_KVS), the running stream A keeps producing tokens; then B loads and
+    decodes exactly like a full prefill."""
+    import threading
+
+    from vllm.v1.request import RequestStatus
+
+    prefix, suffix = _prompt(smol, 250)
+    plain, _ = _run(vx, None, prefix, suffix, salt="late-plain")
+    kv = recompute(smol, prefix, logits=False).kv
+    a_tokens: list[int] = []
+    b_out: dict = {}
+
+    def run_a():
+        for ev in vx.generate(None, tuple(smol.encode("Count slowly:")), (smol.encode(" 1,")[0],),
+                              SamplingParams(max_tokens=400), salt="late-a"):
+            if isinstance(ev, TokenEvent):
+                a_tokens.append(ev.token_id)
+
+    def run_b():
+        b_out["result"] = _run(vx, "late-b", prefix, suffix, salt="late-b", kv_load="async")
+
+    sched = vx.engine.engine_core.engine_core.scheduler
+    a = threading.Thread(target=run_a, daemon=True)
+    a.start()
+    deadline = time.monotonic() + 120
+    while not a_tokens:
+        assert time.monotonic() < deadline and a.is_alive(), "stream A produced no token"
+        time.sleep(0.01)
+    b = threading.Thread(target=run_b, daemon=True)
+    b.start()
+    while not any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in list(sched.requests.values())):
+        assert time.monotonic() < deadline and b.is_alive(), "B never waited for its KV"
+        time.sleep(0.005)
+    at_wait = len(a_tokens)
+    while len(a_tokens) < at_wait + 3:            # A decodes while B's block has not even been sent
+        assert time.monotonic() < deadline and a.is_alive(), f"A stalled at {len(a_tokens)} tokens while B waited"
+        time.sleep(0.005)
+    assert any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in list(sched.requests.values()))
+    sender.send(vx.address, encode_block("late-b", MODEL, kv), timeout=30)
+    b.join(timeout=120)
+    a.join(timeout=300)
+    assert not b.is_alive() and not a.is_alive()
+    got, s = b_out["result"]
+    assert got == plain and s.fallbacks == () and s.loaded_tokens == len(prefix), s
 
 
 def test_repeated_composed_prefix_hits_vllm_prefix_cache(smol, vx, sender, one_torch_thread):
@@ -173,27 +238,32 @@ def test_repeated_composed_prefix_hits_vllm_prefix_cache(smol, vx, sender, one_t
 
 
 def test_fail_policy_fails_the_request_with_a_clear_error(tmp_path):
-    """``fail``: a missing block ends the request with an error naming the reason (own process:
-    one vLLM engine per process)."""
+    """``fail``: a missing block ends the request with an error naming the reason, under both
+    load modes, and the engine goes on serving (own process: one vLLM engine per process)."""
     script = textwrap.dedent(f"""
         import sys
         from decode_workers.vllm_engine import VllmDecodeExecutor
         from kvruntime.messages.decode import SamplingParams
         vx = VllmDecodeExecutor({MODEL!r}, dtype="float32", load_failure_policy="fail", receive_timeout=1.0,
                                 kv_cache_gib=1, max_model_len=2048)
-        try:
-            list(vx.generate("never-sent", tuple(range(1, 200)), (42, 43), SamplingParams(max_tokens=4)))
-        except RuntimeError as exc:
-            print("ERROR:", exc)
-            sys.exit(0)
-        print("NO ERROR")
-        sys.exit(1)
+        for mode in ("async", "sync"):
+            try:
+                list(vx.generate("never-sent-" + mode, tuple(range(1, 200)), (42, 43), SamplingParams(max_tokens=4),
+                                 kv_load=mode))
+                print("NO ERROR", mode)
+            except RuntimeError as exc:
+                print("ERROR:", mode, exc)
+        print("AFTER:", type(list(vx.generate(None, tuple(range(1, 50)), (42,), SamplingParams(max_tokens=3)))[-1]).__name__)
+        vx.stop()
     """)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     out = p.stdout + p.stderr[-3000:]
     assert p.returncode == 0, out
-    assert "ERROR: prefix KV unavailable (kv_load_failed) and kv load failure policy is 'fail'" in p.stdout, out
+    for mode in ("async", "sync"):
+        assert f"ERROR: {mode} prefix KV unavailable (kv_load_failed) and kv load failure policy is 'fail'" \
+            in p.stdout, out
+    assert "AFTER: DecodeSummary" in p.stdout, out          # the engine still serves
 
 
 def test_prefix_wholly_in_apc_moves_nothing_and_drops_the_block(smol, vx, sender, one_torch_thread):
@@ -212,7 +282,11 @@ def test_prefix_wholly_in_apc_moves_nothing_and_drops_the_block(smol, vx, sender
     again, s2 = _run(vx, "aligned-2", prefix, suffix, salt="aligned")
     assert again == first and s2.fallbacks == () and s2.loaded_tokens == 0
     assert s2.cached_tokens >= len(prefix)
-    assert inbox.state("aligned-2") is TransferState.PENDING   # claimed and dropped, not left to expire
+    # claimed and dropped (off the step, by the async loader), not left to expire
+    deadline = time.monotonic() + 30
+    while inbox.state("aligned-2") is not TransferState.PENDING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert inbox.state("aligned-2") is TransferState.PENDING
 
 
 def test_prefix_held_by_vllm_is_not_sent_again(smol, vx, sender, one_torch_thread):

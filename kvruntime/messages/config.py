@@ -36,6 +36,8 @@ class ClusterConfig:
     vllm_kv_cache_gib: float = 1.0             # engine=vllm: paged KV space per decode actor (GiB; CPU: VLLM_CPU_KVCACHE_SPACE)
     vllm_max_model_len: int = 8192             # engine=vllm: longest prompt + completion (tokens)
     vllm_max_concurrency: int = 16             # engine=vllm: requests one decode actor accepts at once (batched by vLLM)
+    vllm_kv_load: str = "async"                # engine=vllm: async (running streams keep decoding while a block loads) | sync
+    vllm_kv_load_threads: int = 2              # engine=vllm, async: blocks claimed, checked and written at once
     default_policy: str = "balanced"           # exact | balanced | fast
     seam_tokens: int = 1
     kv_load_failure_policy: str = "recompute"  # recompute | fail
@@ -100,6 +102,8 @@ class ClusterConfig:
             raise ValueError("decode_engine must be reference or vllm")
         if self.vllm_kv_cache_gib <= 0 or self.vllm_max_model_len < 16 or self.vllm_max_concurrency < 1:
             raise ValueError("vllm_kv_cache_gib > 0, vllm_max_model_len >= 16 and vllm_max_concurrency >= 1 required")
+        if self.vllm_kv_load not in ("async", "sync") or self.vllm_kv_load_threads < 1:
+            raise ValueError("vllm_kv_load must be async or sync and vllm_kv_load_threads >= 1")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError("dtype must be float32 or bfloat16")
         if not 0 < self.port < 65536:
