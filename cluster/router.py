@@ -4,8 +4,9 @@ decode worker), recording every measurement in :class:`~cluster.metrics.Metrics`
 Stateless: registrations, templates, sessions, the prompt-prefix index and the cluster secret
 live in the state store (``cluster.state``); any number of replicas serve the same cluster and a
 restarted one loses nothing. It talks to workers only through :class:`Backends` (Ray actor
-handles in production, see ``cluster.ray_backends``), so this file holds the request lifecycle
-and nothing about Ray. KV is named by content (:class:`KVRef`): any prefill worker finds what its
+handles in production, see ``cluster.ray_backends``); this file renders, plans and keeps
+registrations and sessions, and :mod:`cluster.lifecycle` executes each plan (prefill, push,
+decode, retry, deadline, accounting). Nothing here knows about Ray. KV is named by content (:class:`KVRef`): any prefill worker finds what its
 tiers hold without a name map.
 """
 from __future__ import annotations
@@ -15,32 +16,31 @@ import hashlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import AsyncIterator, Protocol
 
 from cluster.errors import RequestError
-from cluster.metrics import Metrics, note_plan
+from cluster.lifecycle import Finished, RequestRunner  # noqa: F401 (Finished: re-exported for the API layer)
+from cluster.metrics import Metrics
 from cluster.planner import (FidelityTarget, PlannerConfig, RenderedRequest, SessionContext, TierView, choose_edit_kind,
                              plan_request)
 from cluster.shadow import FidelityGuard, ShadowConfig
 from cluster.registry import Registry
 from cluster.render import Renderer
-from cluster.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
+from cluster.routing import FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from cluster.sessions import SessionStore
 from cluster.state import Registration, StateStore
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.messages.keys import tenant_salt, token_hash
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan
 from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
-from kvruntime.messages.transfer import STAGES, TransferGrant
+from kvruntime.messages.transfer import TransferGrant
 
 log = logging.getLogger(__name__)
 # Plain-prompt prefix reuse granularity (tokens). Equal to the tier's LMCache piece size
 # (kvtransport.lmcache_store.TierConfig.chunk_size): a stored prompt serves every prefix of it that
 # ends on a piece boundary, so the index records exactly those boundaries (and the whole prefix).
 PROMPT_BLOCK = 256
-# Fallbacks after which the request still executed as planned (only storing its KV failed).
-STORE_ONLY_FALLBACKS = frozenset({"tier_store_failed"})
 
 
 class Backends(Protocol):
@@ -59,20 +59,6 @@ class Backends(Protocol):
     # Optional (cluster.ray_backends): ``view`` (routing.WorkerView), ``fault_policy``
     # (routing.FaultPolicy), ``start_health(metrics)``, and ``cancel(index, key)`` with
     # ``decode(..., cancel_key=key)``. Worker deaths are raised as routing.WorkerLost.
-
-
-@dataclass(frozen=True)
-class Finished:
-    """Last event of a request: what the API layer needs for ``usage`` and ``explain``."""
-    plan: RequestPlan
-    summary: DecodeSummary
-    ttft_s: float
-    prompt_tokens: int
-    cached_tokens: int             # prompt tokens whose KV was loaded (reused + repositioned)
-    fallbacks: tuple[str, ...]
-    stored: bool = False           # the prefix KV was stored in the tier for the next request
-    stages: tuple[tuple[str, float], ...] = ()   # KV path seconds per stage (transfer.STAGES order)
-    transport: str = ""            # what carried the prefix KV (nixl | grpc; "" if none was sent)
 
 
 class Router:
@@ -100,6 +86,7 @@ class Router:
         self.view: WorkerView = getattr(backends, "view", None) or WorkerView(backends.num_prefill,
                                                                                backends.num_decode)
         self.fault: FaultPolicy = getattr(backends, "fault_policy", None) or FaultPolicy()
+        self.runner = RequestRunner(backends, self.view, self.fault, self.metrics, dtype, self.guard, default_tenant)
         if hasattr(backends, "start_health"):
             backends.start_health(self.metrics)
 
@@ -225,7 +212,7 @@ class Router:
         store_as = None
         if session and plan.steps and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
             store_as = KVRef(plan.prefix_ids, 0, salt, plan.approx)
-        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
+        async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
             if isinstance(ev, Finished) and session:
                 self._remember(tenant, req, sess, plan, store_as if ev.stored else None)
             yield ev
@@ -246,7 +233,7 @@ class Router:
         store_as = None
         if len(prefix) >= PROMPT_BLOCK and hit < len(prefix):
             store_as = KVRef(prefix, 0, salt)
-        async for ev in self._run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
+        async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
             if isinstance(ev, Finished) and ev.stored:
                 bounds = {*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)}
                 self.state.put_prompt_blocks(tenant, {_h(tenant, prefix[:b]): b for b in bounds}, time.time())
@@ -277,150 +264,6 @@ class Router:
             raise RequestError(503, str(exc), code="no_live_worker") from None
         leases.append(self.view.lease("prefill", i))
         return i
-
-    async def _run(self, plan: RequestPlan, sampling: SamplingParams, t0: float,
-                   store_as: KVRef | None, pi: int, salt: str,
-                   deadline_s: float | None = None, leases: list = (),
-                   tenant: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
-        """Prefill then decode, on the least loaded live decode worker. A worker lost before the
-        first token: retried on another one (``request_retries``); lost mid-stream: a clear
-        error. Past the deadline: the decode worker is told to stop; 504. All counted."""
-        m = self.metrics
-        kind = plan.kind.value
-        note_plan(kind)                            # the API layer's label for it if it is abandoned
-        deadline = t0 + min(deadline_s or self.fault.deadline_s, self.fault.deadline_s)
-        tried = {"prefill": set(), "decode": set()}
-        attempt, ttft, sent = 0, None, 0
-        while True:
-            try:
-                di = self.view.pick_decode(exclude=tried["decode"])
-                if pi in tried["prefill"] or not self.view.is_alive("prefill", pi):
-                    pi = self.view.pick_prefill(None, exclude=tried["prefill"])
-            except NoLiveWorker as exc:
-                m.count_request(kind, "no_live_worker")
-                raise RequestError(503, str(exc), code="no_live_worker") from None
-            tid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
-            self.view.begin("decode", di, sampling.max_tokens)
-            try:
-                res = None
-                if plan.steps:
-                    self.view.begin("prefill", pi, plan.prompt_tokens)
-                    for lease in leases:
-                        lease.release()            # the pick's reservation becomes this call's load
-                    try:
-                        # the decode actor accepts this block only: credential (the prefill actor's
-                        # alone), shape, dtype
-                        grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, plan.prefix_ids)
-                        # ship nothing twice: the decode actor says how much of the prefix it holds
-                        held = await self._before(deadline, "prefill", self.backends.expect(
-                            di, grant, plan.prefix_ids, plan.kv_salt(salt)))
-                        res = await self._before(deadline, "prefill", self.backends.prefill(
-                            pi, plan, di, tid, store_as, credential=cred, send_from=held))
-                    finally:
-                        self.view.end("prefill", pi, plan.prompt_tokens)
-                fallbacks = list(res.stats.fallbacks) if res else []
-                extra = {"cancel_key": tid} if hasattr(self.backends, "cancel") else {}
-                gen = self.backends.decode(di, tid if res is not None and res.transferred else None,
-                                           plan.prefix_ids, plan.suffix_ids, sampling, plan.kv_salt(salt), **extra)
-                while True:
-                    try:
-                        ev = await self._before(deadline, "decode", gen.__anext__())
-                    except StopAsyncIteration:
-                        break
-                    except DeadlineExceeded:
-                        if extra:
-                            await self.backends.cancel(di, tid)
-                        raise
-                    if isinstance(ev, TokenEvent):
-                        if ttft is None:               # observed below, labelled with what executed
-                            ttft = time.perf_counter() - t0
-                        sent += 1
-                        yield ev
-                    else:
-                        summary = ev
-                fallbacks += list(summary.fallbacks)
-                break
-            except WorkerLost as exc:
-                tried[exc.role].add(exc.index)
-                if sent == 0 and attempt < self.fault.retries:
-                    attempt += 1
-                    m.retries.labels(exc.role, "lost_before_first_token").inc()
-                    log.warning("request %s: %s before its first token; retrying on another worker (%d/%d)",
-                                plan.request_id, exc, attempt, self.fault.retries)
-                    continue
-                reason = "lost_mid_stream" if sent else "retries_exhausted"
-                m.retries.labels(exc.role, reason).inc()
-                m.count_request(kind, "worker_lost")
-                log.error("request %s failed: %s (%s after %d tokens)", plan.request_id, exc, reason, sent)
-                if sent:
-                    raise WorkerLost(exc.role, exc.index, f"{exc.reason} mid-stream after {sent} tokens; the answer "
-                                     "is incomplete, send the request again") from None
-                raise RequestError(503, f"{exc}; retried {attempt} time(s) without success, send the request "
-                                        "again", code="worker_lost") from None
-            except DeadlineExceeded as exc:
-                m.deadlines.labels(exc.stage).inc()
-                m.count_request(kind, "deadline")
-                log.warning("request %s: deadline passed during %s; worker told to stop", plan.request_id, exc.stage)
-                raise RequestError(504, str(exc), code="deadline_exceeded") from None
-            except RequestError:
-                m.count_request(kind, "client_error")
-                raise
-            except Exception:
-                m.count_request(kind, "error")
-                raise
-            finally:
-                self.view.end("decode", di, sampling.max_tokens)
-
-        if ttft is None:                           # no token at all (immediate EOS): TTFT is the whole call
-            ttft = time.perf_counter() - t0
-        # what executed: a fallback that recomputed the prefix (a missing chunk, a refused or lost
-        # block) makes the request a recompute, whatever was planned
-        executed = "recompute" if any(f not in STORE_ONLY_FALLBACKS for f in fallbacks) else kind
-        m.ttft.labels(executed).observe(ttft)
-        m.count_request(executed, "ok", fallbacks[0] if fallbacks else "")
-        for f in fallbacks:
-            m.record_fallback(f)
-        cached = 0
-        # prompt tokens the decode engine found in its own prefix cache (vLLM's APC) rather than
-        # received: usage.cached_tokens counts them too (at least the larger of the two sources)
-        engine_hit = max(summary.cached_tokens - summary.loaded_tokens, 0)
-        if res is not None:
-            st = res.stats
-            recomputed_prefix = not res.transferred or bool(summary.fallbacks)
-            if not recomputed_prefix:
-                cached = st.reused + st.repositioned
-            extra = max(engine_hit - cached, 0)
-            m.prompt_tokens.labels("reused").inc(st.reused if not recomputed_prefix else 0)
-            m.prompt_tokens.labels("repositioned").inc(st.repositioned if not recomputed_prefix else 0)
-            m.prompt_tokens.labels("erratum").inc(st.erratum)
-            m.prompt_tokens.labels("decode_cache").inc(extra)
-            m.prompt_tokens.labels("computed").inc(max(plan.prompt_tokens - cached - extra - st.erratum, 0))
-            m.tier_rewarms.inc(st.rewarmed)
-            if res.transferred:
-                m.transfer_bytes.labels(res.transport or "grpc").inc(res.transfer_bytes)
-                m.transfer_seconds.labels(res.transport or "grpc").observe(res.transfer_seconds)
-            cached += extra
-        else:
-            cached = min(engine_hit, plan.prompt_tokens)
-            m.prompt_tokens.labels("decode_cache").inc(cached)
-            m.prompt_tokens.labels("computed").inc(plan.prompt_tokens - cached)
-        transport = res.transport if res is not None and res.transferred else ""
-        got = {**(res.stats.stages if res is not None else {}), **dict(summary.stages)}
-        stages = tuple((k, got[k]) for k in STAGES if k in got)
-        for k, sec in stages:
-            m.stage_seconds.labels(k, transport or "none").observe(sec)
-        self.guard.after_response(plan, tenant or self.default_tenant, pi)   # shadow check: fire and forget
-        yield Finished(plan, summary, ttft, plan.prompt_tokens, cached, tuple(fallbacks),
-                       bool(res is not None and res.stored), stages, transport)
-
-    @staticmethod
-    async def _before(deadline: float, stage: str, aw):
-        """Await ``aw`` until the deadline (perf_counter time); past it, DeadlineExceeded."""
-        left = deadline - time.perf_counter()
-        try:
-            return await asyncio.wait_for(aw, timeout=max(left, 0.0))
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(stage) from None
 
     def _remember(self, tenant: str, req: RenderedRequest, sess: SessionContext | None, plan: RequestPlan,
                   stored_as: KVRef | None) -> None:
