@@ -3,21 +3,23 @@
 Run: ``python -m bench.decode_stall [--quick] [--out runs/decode_stall.json]``
 
 One vLLM engine (:class:`~decode_workers.vllm_engine.VllmDecodeExecutor`, in process, as in
-``bench.vllm_side_by_side``) with the kvnotes connector; a real kvnotes prefill executor
-(reference engine + LMCache tier) builds each composed prefix and pushes it over real gRPC into
-the connector's inbox. For each load mode (``sync``: the block is claimed, checked and written
-before the step's forward; ``async``: vLLM's asynchronous load, the request waits while the
-others decode), in the same run and on the same engine:
+``bench.vllm_side_by_side``) with the kvnotes connector. A real kvnotes prefill executor
+(reference engine + LMCache tier) builds each composed prefix beforehand (on a prefill actor
+that is another process; here its CPU would otherwise compete with the decode engine); at
+arrival time the block is pushed over real gRPC into the connector's inbox and the request goes
+to vLLM. For each load mode (``sync``: the block is claimed, checked and written before the
+step's forward; ``async``: vLLM's asynchronous load, the request waits while the others
+decode), on the same engine, in the same run, interleaved ``reps`` times:
 
 1. ``streams`` greedy streams with a ``stream_context``-token prompt start and decode;
 2. a quiet window measures their decode rate alone (tokens/s summed over the streams);
-3. ``arrivals`` composed requests of ``compose_tokens`` tokens arrive ``spacing_s`` apart (prefill
-   + push + decode request, each in its own thread);
+3. ``arrivals`` composed requests of ``compose_tokens`` tokens arrive ``spacing_s`` apart (push
+   + decode request, each in its own thread);
 4. from the first arrival to the last composed request's first token, the streams' decode rate
    and their longest gap between two consecutive tokens are measured.
 
-The table gives both modes side by side and async/sync as ratios. Every prompt carries its own
-vLLM ``cache_salt`` so no mode reuses the other's KV.
+The table gives both modes side by side (medians over reps) and async/sync as ratios. Every
+request carries its own vLLM ``cache_salt``, so nothing is served from another's KV.
 """
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ class Streams:
             t.join(timeout=120)
 
 
-def run_mode(h, mode: str, args, plans) -> dict:
+def run_mode(h, mode: str, args, plans, blocks) -> dict:
     streams = Streams(h, args.streams, args.stream_context, mode)
     deadline = time.monotonic() + 600
     while not streams.started():
@@ -100,10 +102,10 @@ def run_mode(h, mode: str, args, plans) -> dict:
     q1 = time.perf_counter()
     arrivals: list[dict] = []
 
-    def arrive(plan, k: int) -> None:
+    def arrive(plan, block, k: int) -> None:
         rec = {"start": time.perf_counter()}
-        tid = uuid.uuid4().hex
-        res = h.prefill.execute(plan, h.vllm.address, tid)
+        tid = block.header.transfer_id
+        h.prefill.transport.send(h.vllm.address, block, timeout=600)     # the push, over gRPC
         rec["pushed"] = time.perf_counter()
         prefix = tuple(t for s in plan.steps for t in s.token_ids)
         for ev in h.vllm.generate(tid, prefix, plan.suffix_ids, SamplingParams(max_tokens=4),
@@ -112,13 +114,13 @@ def run_mode(h, mode: str, args, plans) -> dict:
                 rec.setdefault("first", time.perf_counter())
             else:
                 rec["summary"] = ev
-        rec.update(fallbacks=list(res.stats.fallbacks) + list(rec["summary"].fallbacks),
-                   loaded=rec["summary"].loaded_tokens, prompt=plan.prompt_tokens)
+        rec.update(fallbacks=list(rec["summary"].fallbacks), loaded=rec["summary"].loaded_tokens,
+                   prompt=plan.prompt_tokens)
         arrivals.append(rec)
 
     threads = []
-    for k, plan in enumerate(plans):
-        t = threading.Thread(target=arrive, args=(plan, k), daemon=True)
+    for k, (plan, block) in enumerate(zip(plans, blocks)):
+        t = threading.Thread(target=arrive, args=(plan, block, k), daemon=True)
         t.start()
         threads.append(t)
         time.sleep(args.spacing_s)
@@ -131,7 +133,7 @@ def run_mode(h, mode: str, args, plans) -> dict:
     return {"mode": mode, "quiet_tok_s": streams.rate(q0, q1), "quiet_max_gap_s": streams.max_gap(q0, q1),
             "arrivals_tok_s": streams.rate(a, b), "arrivals_max_gap_s": streams.max_gap(a, b), "window_s": b - a,
             "compose_ttft_s": [x["first"] - x["start"] for x in arrivals],
-            "compose_decode_ttft_s": [x["first"] - x["pushed"] for x in arrivals],
+            "push_s": [x["pushed"] - x["start"] for x in arrivals],
             "loaded_tokens": [x["loaded"] for x in arrivals], "fallbacks": [x["fallbacks"] for x in arrivals]}
 
 
@@ -147,11 +149,12 @@ def main() -> None:
     ap.add_argument("--arrivals", type=int)
     ap.add_argument("--spacing-s", type=float)
     ap.add_argument("--quiet-s", type=float)
+    ap.add_argument("--reps", type=int, help="interleaved repetitions of both modes")
     ap.add_argument("--out", default="runs/decode_stall.json")
     args = ap.parse_args()
     q = args.quick
     for k, full, small in (("streams", 4, 2), ("stream_context", 1024, 256), ("compose_tokens", 7800, 2000),
-                           ("arrivals", 3, 2), ("spacing_s", 2.0, 1.0), ("quiet_s", 4.0, 2.0)):
+                           ("arrivals", 3, 2), ("spacing_s", 2.0, 1.0), ("quiet_s", 4.0, 2.0), ("reps", 2, 1)):
         if getattr(args, k) is None:
             setattr(args, k, small if q else full)
 
@@ -160,50 +163,71 @@ def main() -> None:
     from kvruntime.messages.plan import KVRef
     from kvruntime.ops import precompile_chunk
 
+    from kvtransport.blocks import decode_block, encode_block
+    from kvtransport.grpc_transport import GrpcTransport
+
     h = Harness(args.model, args.dtype, args.threads)
     h.max_stream_tokens = 8192 - args.stream_context - 64
+    staging = GrpcTransport()                      # the prefill executor's pushes land here first
     try:
+        addr = staging.serve("127.0.0.1", 0)
         passages = list(load_passages().values())
-        plans = []
+        plans, kvs = [], []
         k = max(2, args.compose_tokens // 1300)
-        for m in range(len(MODES) * (args.arrivals + 1)):           # distinct chunks per request: no tier or APC reuse
+        for m in progress(range(args.arrivals + 1), "composed prefixes"):    # distinct chunks: no reuse between them
             chunks = _chunks(h.engine, passages[m % len(passages):] + passages[:m % len(passages)],
                              args.compose_tokens - len(h.pre) - 24, k, f"a{m}")
-            for name, ids in chunks.items():               # precompiled into the tier: not timed
+            for name, ids in chunks.items():               # precompiled into the tier
                 h.source.put(KVRef(tuple(ids), h.chunk_pos, BENCH_SALT), precompile_chunk(h.engine, ids))
             qids = h.engine.encode(f"Question {m}: what is the first topic above?" + h.post)
             plans.append(h.compose_plan(list(chunks), chunks, qids, 1))
-        for mode, plan in zip(MODES, plans[-len(MODES):]):   # warm-up: one composed request per mode, alone
             tid = uuid.uuid4().hex
-            h.prefill.execute(plan, h.vllm.address, tid)
-            list(h.vllm.generate(tid, tuple(t for s in plan.steps for t in s.token_ids), plan.suffix_ids,
-                                 SamplingParams(max_tokens=2), salt=f"warm-{mode}", kv_load=mode))
+            res = h.prefill.execute(plans[-1], addr, tid)  # the real prefill executor builds and pushes it
+            if res.stats.fallbacks:
+                raise RuntimeError(f"the prefill fell back: {res.stats.fallbacks}")
+            kvs.append(decode_block(staging.receive(tid, timeout=600), model=h.model))
+
+        def fresh(i: int):                                 # a new transfer id per push, same KV
+            return encode_block(uuid.uuid4().hex, h.model, kvs[i])
+
+        for mode in MODES:                                 # warm-up: one composed request per mode, alone
+            b = fresh(args.arrivals)
+            h.prefill.transport.send(h.vllm.address, b, timeout=600)
+            prefix = tuple(t for s in plans[-1].steps for t in s.token_ids)
+            list(h.vllm.generate(b.header.transfer_id, prefix, plans[-1].suffix_ids, SamplingParams(max_tokens=2),
+                                 salt=f"warm-{mode}-{uuid.uuid4().hex}", kv_load=mode))
         rows = []
-        for i, mode in enumerate(progress(MODES, "load modes")):
-            rows.append(run_mode(h, mode, args, plans[i * args.arrivals:(i + 1) * args.arrivals]))
+        order = [m for r in range(args.reps) for m in (MODES if r % 2 == 0 else MODES[::-1])]
+        for mode in progress(order, "load modes x reps"):
+            rows.append(run_mode(h, mode, args, plans[:args.arrivals], [fresh(i) for i in range(args.arrivals)]))
     finally:
+        staging.stop()
         h.close()
-    by = {r["mode"]: r for r in rows}
-    s, a = by["sync"], by["async"]
+    med = {m: {k: statistics.median(v for r in rows if r["mode"] == m
+                                    for v in (r[k] if isinstance(r[k], list) else [r[k]]))
+               for k in ("quiet_tok_s", "arrivals_tok_s", "quiet_max_gap_s", "arrivals_max_gap_s", "compose_ttft_s",
+                         "push_s")} for m in MODES}
+    s, a = med["sync"], med["async"]
     out = {"args": vars(args), "platform": platform.platform(), "cpus": os.cpu_count(), "rows": rows,
-           "ratios": {"arrivals_tok_s async/sync": a["arrivals_tok_s"] / max(s["arrivals_tok_s"], 1e-9),
-                      "arrivals_max_gap sync/async": s["arrivals_max_gap_s"] / max(a["arrivals_max_gap_s"], 1e-9),
-                      "compose_ttft async/sync": statistics.median(a["compose_ttft_s"])
-                      / statistics.median(s["compose_ttft_s"])}}
+           "medians": med,
+           "ratios": {"streams' tok/s during arrivals, async/sync": a["arrivals_tok_s"] / max(s["arrivals_tok_s"], 1e-9),
+                      "streams' max gap during arrivals, sync/async":
+                          s["arrivals_max_gap_s"] / max(a["arrivals_max_gap_s"], 1e-9),
+                      "composed TTFT (push to first token), async/sync": a["compose_ttft_s"] / s["compose_ttft_s"]}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     print(f"\n{args.streams} streams of {args.stream_context} tokens decoding; {args.arrivals} composed "
           f"requests of ~{plans[0].prompt_tokens} tokens arriving {args.spacing_s:g} s apart ({args.model}, "
-          f"{args.dtype}, {args.threads} thread(s))\n")
+          f"{args.dtype}, {args.threads} thread(s)); medians of {args.reps} interleaved rep(s)\n")
     print("| load | streams alone tok/s | during arrivals tok/s | kept | max gap alone s | max gap during "
-          "arrivals s | composed TTFT p50 s | loaded tokens | fallbacks |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['quiet_tok_s']:.1f} | {r['arrivals_tok_s']:.1f} | "
+          "arrivals s | composed TTFT p50 s (push s) | fallbacks |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in MODES:
+        r = med[m]
+        print(f"| {m} | {r['quiet_tok_s']:.1f} | {r['arrivals_tok_s']:.1f} | "
               f"{r['arrivals_tok_s'] / max(r['quiet_tok_s'], 1e-9):.0%} | {r['quiet_max_gap_s']:.2f} | "
-              f"{r['arrivals_max_gap_s']:.2f} | {statistics.median(r['compose_ttft_s']):.2f} | "
-              f"{min(r['loaded_tokens'])}-{max(r['loaded_tokens'])} | "
-              f"{sum(len(f) for f in r['fallbacks'])} |")
+              f"{r['arrivals_max_gap_s']:.2f} | {r['compose_ttft_s']:.2f} ({r['push_s']:.2f}) | "
+              f"{sum(len(f) for x in rows if x['mode'] == m for f in x['fallbacks'])} |")
     print()
     for k, v in out["ratios"].items():
         print(f"- {k}: {v:.2f}x")
