@@ -66,7 +66,8 @@ class Router:
                  metrics: Metrics | None = None, default_policy: str = "balanced", seam_tokens: int = 1,
                  fidelity_summary: dict | None = None, context_window: int = 8192, max_tokens_limit: int = 2048,
                  default_tenant: str = "default", balanced_min_top1: float = 0.97,
-                 fast_min_top1: float | None = None, shadow: ShadowConfig | None = None):
+                 fast_min_top1: float | None = None, shadow: ShadowConfig | None = None,
+                 decode_computes_cold: bool = False):
         self.backends, self.renderer, self.state = backends, renderer, state
         self.model_id, self.dtype = model_id, dtype
         self.registry: Registry = renderer.registry
@@ -79,7 +80,8 @@ class Router:
             targets[Policy.FAST] = FidelityTarget("top1", fast_min_top1)
         self.guard = FidelityGuard(fidelity_summary, targets, shadow or ShadowConfig(), self.metrics,
                                    lambda i, plan: self.backends.shadow(i, plan),
-                                   PlannerConfig(seam_tokens=seam_tokens, edit=self.edit_choice))
+                                   PlannerConfig(seam_tokens=seam_tokens, edit=self.edit_choice,
+                                                 decode_computes_cold=decode_computes_cold))
         self.context_window, self.max_tokens_limit = context_window, max_tokens_limit
         self.default_tenant = default_tenant
         self._secret = state.secret()          # the same for every replica: keys agree cluster-wide

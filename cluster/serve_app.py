@@ -99,10 +99,9 @@ class RouterIngress:
                              balanced_min_top1=cfg.balanced_min_top1, fast_min_top1=cfg.fast_min_top1,
                              shadow=ShadowConfig(cfg.shadow_fraction, frozenset(cfg.shadow_opt_out_tenants),
                                                  cfg.shadow_max_in_flight, cfg.shadow_window,
-                                                 cfg.shadow_min_samples, cfg.shadow_demote_s))
-        if cfg.decode_engine == "vllm":       # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
-            from dataclasses import replace
-            self.router.guard.set_base(replace(self.router.guard.base, decode_computes_cold=True))
+                                                 cfg.shadow_min_samples, cfg.shadow_demote_s),
+                             # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
+                             decode_computes_cold=cfg.decode_engine == "vllm")
         from cluster.auth import Authenticator
         from cluster.limits import InflightLimiter
         self.auth = Authenticator(self.state, enabled=cfg.auth, default_tenant=cfg.tenant,

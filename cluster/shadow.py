@@ -198,12 +198,6 @@ class FidelityGuard:
               for p, t in self.targets.items()}
         return replace(self.base, balanced=ch.get(Policy.BALANCED), fast=ch.get(Policy.FAST))
 
-    def set_base(self, base) -> None:
-        """Replace the base planner config (what does not come from the profile), e.g. the
-        decode engine's ``decode_computes_cold``."""
-        self.base = base
-        self._config = self._choose()
-
     def planner_config(self):
         self._apply(self.monitor.tick())              # a demoted op whose cool-down ended is readmitted
         return self._config
