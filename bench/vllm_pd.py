@@ -47,6 +47,12 @@ def _log(msg: str) -> None:
     print(f"[vllm_pd] {msg}", file=sys.stderr, flush=True)
 
 
+def _leg_line(system: str, tokens: int, rows: list[dict], warmup: int) -> str:
+    warm = ", ".join(f"{r['decode_leg']:.2f}" for r in rows[:warmup]) or "none"
+    return (f"{system} {tokens} tokens: decode leg median {statistics.median(r['decode_leg'] for r in rows[warmup:]):.3f} s "
+            f"(warm-ups {warm} s)")
+
+
 # ---- kvnotes: two Ray actors, as the cluster places them --------------------------------------
 class PrefillSide:
     """Prefill actor: reference engine + LMCache tier + executor with a NIXL Sender."""
@@ -186,13 +192,12 @@ def run_kvnotes(args, sizes: list[int]) -> tuple[dict, dict]:
         pre = ray.remote(num_cpus=0)(PrefillSide).remote(args.model, args.dtype, args.threads, "nixl")
         prompts, results = {}, {}
         for size in progress(sizes, "kvnotes sizes"):
-            p = ray.get(pre.prompts.remote(size, args.reps + 1, size))
+            p = ray.get(pre.prompts.remote(size, args.reps + args.warmup, size))
             prompts[size] = p
             rows = [kvnotes_request(pre, dec, args.model, args.dtype, x, p["chunks"], args.max_tokens)
                     for x in p["prompts"]]
-            results[size] = rows[1:]                   # the first is the warm-up
-            _log(f"kvnotes {len(p['prompts'][0]['ids'])} tokens: decode leg "
-                 f"{statistics.median(r['decode_leg'] for r in rows[1:]):.3f} s (warm-up {rows[0]['decode_leg']:.2f} s)")
+            results[size] = rows[args.warmup:]         # the first ones are warm-ups
+            _log(_leg_line("kvnotes", len(p["prompts"][0]["ids"]), rows, args.warmup))
         for a in (pre, dec):
             ray.get(a.stop.remote())
         return prompts, results
@@ -215,9 +220,8 @@ def run_vllm_pd(args, prompts: dict) -> dict:
              f"(producer pid {srv.producer.proc.pid}, consumer pid {srv.consumer.proc.pid})")
         for size in progress(list(prompts), "vLLM P/D sizes"):
             rows = [pd_request(srv, x["ids"], args.max_tokens, uuid.uuid4().hex) for x in prompts[size]["prompts"]]
-            results[size] = rows[1:]
-            _log(f"vLLM P/D {len(prompts[size]['prompts'][0]['ids'])} tokens: decode leg "
-                 f"{statistics.median(r['decode_leg'] for r in rows[1:]):.3f} s (warm-up {rows[0]['decode_leg']:.2f} s)")
+            results[size] = rows[args.warmup:]
+            _log(_leg_line("vLLM P/D", len(prompts[size]["prompts"][0]["ids"]), rows, args.warmup))
     return results
 
 
@@ -268,6 +272,8 @@ def main(argv=None) -> int:
                     help="default: the cluster's (ClusterConfig.dtype), which kvnotes' vLLM decode engine runs")
     ap.add_argument("--sizes", type=int, nargs="*", default=list(SIZES))
     ap.add_argument("--reps", type=int, default=3, help="timed requests per size and system (after one warm-up)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed requests per size and system first "
+                    "(vLLM P/D's first NIXL pulls take seconds)")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kv-gib", type=int, default=2, help="paged KV space per vLLM engine (GiB)")
@@ -276,16 +282,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/vllm_pd.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes, args.reps = [1024], 1
+        args.sizes, args.reps, args.warmup = [1024], 1, 1
     if args.dtype is None:
         from kvruntime.messages.config import ClusterConfig
         args.dtype = ClusterConfig().dtype
-    if args.reps < 1 or args.max_tokens < 1 or not args.sizes or any(s < 256 or s > 8000 for s in args.sizes):
-        ap.error("--reps >= 1, --max-tokens >= 1 and sizes in 256..8000 required")
+    if args.reps < 1 or args.warmup < 0 or args.max_tokens < 1 or not args.sizes or any(s < 256 or s > 8000 for s in args.sizes):
+        ap.error("--reps >= 1, --warmup >= 0, --max-tokens >= 1 and sizes in 256..8000 required")
     # SIGTERM ends the run like Ctrl-C: the finally blocks stop Ray and both vLLM servers by PID
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     t0 = time.perf_counter()
-    _log(f"phase 1/2: kvnotes (sizes {args.sizes}, {args.reps} reps + 1 warm-up, {args.dtype})")
+    _log(f"phase 1/2: kvnotes (sizes {args.sizes}, {args.reps} reps + {args.warmup} warm-up(s), {args.dtype})")
     prompts, kv = run_kvnotes(args, args.sizes)
     _log("phase 2/2: vLLM P/D on the same prompts")
     pd = run_vllm_pd(args, prompts)
