@@ -3,7 +3,7 @@
 
 - :class:`PDServers` starts a producer (``kv_producer``) and a consumer (``kv_consumer``)
   ``python -m vllm.entrypoints.openai.api_server`` with distinct ``VLLM_NIXL_SIDE_CHANNEL_PORT``s
-  and stops both by PID (SIGTERM, then SIGKILL of the group each one leads) on exit, error or
+  (optionally with NIXL's busy-polling progress thread off: ``quiet_nixl``) and stops both by PID (SIGTERM, then SIGKILL of the group each one leads) on exit, error or
   Ctrl-C.
 - :func:`pd_request` is the proxy: a prefill request with ``max_tokens: 1`` and
   ``kv_transfer_params: {"do_remote_decode": true, ...}``, then the decode request (streamed)
@@ -45,12 +45,20 @@ def server_command(python: str, ckpt: str, name: str, port: int, role: str, dtyp
             "--kv-transfer-config", kv_transfer_config(role)]
 
 
-def server_env(base: dict[str, str], side_port: int, kv_gib: int, threads: int) -> dict[str, str]:
+QUIET_DIR = Path(__file__).resolve().parent / "nixl_quiet"
+
+
+def server_env(base: dict[str, str], side_port: int, kv_gib: int, threads: int, quiet: bool = False) -> dict[str, str]:
+    """The servers' environment; ``quiet``: NIXL agents without their busy-polling progress thread
+    (``bench/nixl_quiet/sitecustomize.py``)."""
     env = dict(base)
     env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
                 "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "OMP_NUM_THREADS": str(threads), "LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0",
                 "UCX_RCACHE_MAX_UNRELEASED": "1024"})
+    if quiet:
+        env["KVNOTES_BENCH_NIXL_QUIET"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(QUIET_DIR), base.get("PYTHONPATH", "")) if p)
     return env
 
 
@@ -112,7 +120,8 @@ class PDServers:
     """Producer + consumer vLLM servers; a context manager that always stops both by PID."""
 
     def __init__(self, ckpt: str, name: str, dtype: str, *, kv_gib: int = 2, threads: int = 1,
-                 max_model_len: int = 8192, log_dir: Path = Path("runs/vllm_pd"), start_timeout: float = 600.0):
+                 max_model_len: int = 8192, log_dir: Path = Path("runs/vllm_pd"), start_timeout: float = 600.0,
+                 quiet_nixl: bool = False):
         from kvtransport.tier_server import free_port
 
         self.name, self.start_timeout = name, start_timeout
@@ -122,7 +131,7 @@ class PDServers:
             port, side = free_port("127.0.0.1"), free_port("127.0.0.1")
             log = log_dir / f"{role}.log"
             proc = subprocess.Popen(server_command(sys.executable, ckpt, name, port, role, dtype, max_model_len),
-                                    env=server_env(os.environ, side, kv_gib, threads), stdout=log.open("wb"),
+                                    env=server_env(os.environ, side, kv_gib, threads, quiet_nixl), stdout=log.open("wb"),
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             self.servers.append(Server(role, port, proc, log))
         self.producer, self.consumer = self.servers

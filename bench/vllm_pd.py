@@ -215,7 +215,7 @@ def run_vllm_pd(args, prompts: dict) -> dict:
     results = {}
     t = time.perf_counter()
     with PDServers(ckpt, args.model, args.dtype, kv_gib=args.kv_gib, threads=args.threads,
-                   log_dir=Path(args.out).parent / "vllm_pd_logs") as srv:
+                   log_dir=Path(args.out).parent / "vllm_pd_logs", quiet_nixl=args.vllm_nixl == "quiet") as srv:
         _log(f"vLLM P/D servers ready in {time.perf_counter() - t:.0f} s "
              f"(producer pid {srv.producer.proc.pid}, consumer pid {srv.consumer.proc.pid})")
         for size in progress(list(prompts), "vLLM P/D sizes"):
@@ -246,7 +246,8 @@ def summarise(prompts: dict, kv: dict, pd: dict) -> list[dict]:
 
 
 def report(r: dict) -> str:
-    lines = [f"# decode leg: kvnotes (composed, NIXL) vs vLLM P/D (NixlConnector): {r['model']} {r['dtype']}, "
+    lines = [f"# decode leg: kvnotes (composed, NIXL) vs vLLM P/D (NixlConnector, {r['vllm_nixl']} NIXL agents): "
+             f"{r['model']} {r['dtype']}, "
              f"{r['machine']}", "",
              "| tokens | kvnotes decode leg (s) | vLLM P/D decode leg (s) | kvnotes / vLLM P/D | kvnotes: serialise "
              "/ transfer / load / first token (s) | vLLM P/D pull (s) | KV moved kvnotes / vLLM P/D (MiB) "
@@ -277,6 +278,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kv-gib", type=int, default=2, help="paged KV space per vLLM engine (GiB)")
+    ap.add_argument("--vllm-nixl", choices=["shipped", "quiet"], default="shipped",
+                    help="vLLM P/D's NIXL agents as vLLM creates them (shipped: nixl's progress thread busy-polls a "
+                         "core per agent) or with that thread off, as kvnotes' transport runs (quiet)")
     ap.add_argument("--quick", action="store_true", help="1k only, 1 rep (a smoke run)")
     ap.add_argument("--json", action="store_true", help="one JSON object per size on stdout instead of the table")
     ap.add_argument("--out", default="runs/vllm_pd.json")
@@ -293,11 +297,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     _log(f"phase 1/2: kvnotes (sizes {args.sizes}, {args.reps} reps + {args.warmup} warm-up(s), {args.dtype})")
     prompts, kv = run_kvnotes(args, args.sizes)
-    _log("phase 2/2: vLLM P/D on the same prompts")
+    _log(f"phase 2/2: vLLM P/D on the same prompts ({args.vllm_nixl} NIXL agents)")
     pd = run_vllm_pd(args, prompts)
     import torch
     import vllm
-    r = {"model": args.model, "dtype": args.dtype, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+    r = {"model": args.model, "dtype": args.dtype, "vllm_nixl": args.vllm_nixl, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
          f"{args.threads} thread(s) per engine, vLLM {vllm.__version__} CPU, torch {torch.__version__}",
          "rows": summarise(prompts, kv, pd), "seconds": time.perf_counter() - t0,
          "raw": {"kvnotes": kv, "vllm_pd": pd}}
@@ -305,7 +309,7 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(r, indent=1, default=str))
     if args.json:
         for x in r["rows"]:
-            print(json.dumps({"model": r["model"], "dtype": r["dtype"], **x}))
+            print(json.dumps({"model": r["model"], "dtype": r["dtype"], "vllm_nixl": r["vllm_nixl"], **x}))
     else:
         print(report(r))
         print(f"\n(run took {r['seconds']:.0f} s; raw results in {args.out})")

@@ -103,3 +103,17 @@ def test_proxy_sends_the_producers_params_to_the_consumer_and_measures_the_pull(
     assert dec["kv_transfer_params"] == PARAMS and dec["prompt"] == [5, 6, 7] and dec["cache_salt"] == "salt-1"
     assert r["tokens"] == [11, 12] and r["pull_bytes"] == 1000.0 and r["pulls"] == 1
     assert r["pull_seconds"] == pytest.approx(0.01) and 0 < r["decode_leg"] and 0 < r["prefill_leg"]
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_quiet_servers_build_nixl_agents_without_the_progress_thread(quiet):
+    """The env ``--vllm-nixl quiet`` gives the vLLM servers: every nixl_agent_config built in those
+    processes (vLLM's included) has the busy-polling progress thread off; shipped keeps NIXL's default."""
+    import os
+    import subprocess
+    import sys
+    env = server_env(dict(os.environ), 5601, 2, 1, quiet=quiet)
+    code = "from nixl._api import nixl_agent_config as c; print(c(num_threads=4).enable_pthread)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(not quiet)
