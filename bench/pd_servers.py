@@ -127,13 +127,18 @@ class PDServers:
         self.name, self.start_timeout = name, start_timeout
         log_dir.mkdir(parents=True, exist_ok=True)
         self.servers: list[Server] = []
-        for role in ("kv_producer", "kv_consumer"):
-            port, side = free_port("127.0.0.1"), free_port("127.0.0.1")
-            log = log_dir / f"{role}.log"
-            proc = subprocess.Popen(server_command(sys.executable, ckpt, name, port, role, dtype, max_model_len),
-                                    env=server_env(os.environ, side, kv_gib, threads, quiet_nixl), stdout=log.open("wb"),
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-            self.servers.append(Server(role, port, proc, log))
+        try:
+            for role in ("kv_producer", "kv_consumer"):
+                port, side = free_port("127.0.0.1"), free_port("127.0.0.1")
+                log = log_dir / f"{role}.log"
+                with log.open("wb") as out:
+                    proc = subprocess.Popen(server_command(sys.executable, ckpt, name, port, role, dtype, max_model_len),
+                                            env=server_env(os.environ, side, kv_gib, threads, quiet_nixl), stdout=out,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                self.servers.append(Server(role, port, proc, log))
+        except BaseException:          # the first server must not outlive a failed start of the second
+            self.stop()
+            raise
         self.producer, self.consumer = self.servers
 
     def __enter__(self) -> "PDServers":

@@ -212,6 +212,7 @@ def run_vllm_pd(args, prompts: dict) -> dict:
     from kvruntime.models import get_model_spec
 
     ckpt = str(ensure_checkpoint(get_model_spec(args.model)))
+    _own_signals()             # ray.init/shutdown replaced them: Ctrl-C / SIGTERM must reach PDServers.__exit__
     results = {}
     t = time.perf_counter()
     with PDServers(ckpt, args.model, args.dtype, kv_gib=args.kv_gib, threads=args.threads,
@@ -266,6 +267,13 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _own_signals() -> None:
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM SystemExit, so every ``finally`` runs (Ray and
+    both vLLM servers stopped by PID)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.vllm_pd")
     ap.add_argument("--model", default="smollm2-135m")
@@ -293,7 +301,7 @@ def main(argv=None) -> int:
     if args.reps < 1 or args.warmup < 0 or args.max_tokens < 1 or not args.sizes or any(s < 256 or s > 8000 for s in args.sizes):
         ap.error("--reps >= 1, --warmup >= 0, --max-tokens >= 1 and sizes in 256..8000 required")
     # SIGTERM ends the run like Ctrl-C: the finally blocks stop Ray and both vLLM servers by PID
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _own_signals()
     t0 = time.perf_counter()
     _log(f"phase 1/2: kvnotes (sizes {args.sizes}, {args.reps} reps + {args.warmup} warm-up(s), {args.dtype})")
     prompts, kv = run_kvnotes(args, args.sizes)
