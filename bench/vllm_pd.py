@@ -305,6 +305,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     _log(f"phase 1/2: kvnotes (sizes {args.sizes}, {args.reps} reps + {args.warmup} warm-up(s), {args.dtype})")
     prompts, kv = run_kvnotes(args, args.sizes)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)     # phase 1 kept even if phase 2 fails
+    Path(args.out).with_suffix(".kvnotes.json").write_text(json.dumps({"kvnotes": kv}, indent=1))
     _log(f"phase 2/2: vLLM P/D on the same prompts ({args.vllm_nixl} NIXL agents)")
     pd = run_vllm_pd(args, prompts)
     import torch
