@@ -24,6 +24,13 @@ def eval_fidelity(args, argv: list[str]) -> int:
     for r in ratios:
         if not 0 < r <= 1:
             raise ValueError(f"--ratios must be in (0, 1], got {r}")
+    probes = tuple(getattr(args, "probes", None) or ("kv1",))
+    seams = tuple(getattr(args, "seams", None) or (1,))
+    from kvruntime.ops.blend import probe_layer_of
+    for p in probes:
+        probe_layer_of(p, 30)                      # the syntax; the layer is checked against the model below
+    if any(s < 0 for s in seams):
+        raise ValueError("--seams must be >= 0")
     started = time.monotonic()
     engine = ReferenceEngine(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     if not engine.rope.enabled:
@@ -35,7 +42,9 @@ def eval_fidelity(args, argv: list[str]) -> int:
     compose_cases = compose_cases[: args.limit]
     edit_cases = [] if compose_only else load_edit_cases()[: args.limit]
     if compose_only:
-        return _compose_sweep(args, argv, engine, compose_cases, ratios, started)
+        for p in probes:
+            probe_layer_of(p, engine.num_layers)
+        return _compose_sweep(args, argv, engine, compose_cases, ratios, started, probes, seams)
     print(f"kvnotes: fidelity of {args.model}: {len(compose_cases)} compose cases, "
           f"{len(edit_cases)} edit cases{'' if args.no_cot else ' (+ CoT variant)'}", file=sys.stderr)
     compose_rows = run_compose(engine, compose_cases, load_passages())
@@ -61,13 +70,19 @@ def eval_fidelity(args, argv: list[str]) -> int:
     return 0
 
 
-def _compose_sweep(args, argv, engine, cases, ratios, started) -> int:
+def _compose_sweep(args, argv, engine, cases, ratios, started, probes=("kv1",), seams=(1,)) -> int:
     """``--compose-only``: the compose operations plus one selective recompute per ratio, merged
     into the model's existing summary under ``compose_sweep`` (the other sections are kept). The
     r = 0 row is "reposition + seam 1"; naive splice and seam 4 are in the full run's table."""
     print(f"kvnotes: compose sweep of {args.model}: {len(cases)} cases, ratios {list(ratios)}", file=sys.stderr)
-    ops = {k: v for k, v in compose_ops(ratios).items() if k == "reposition + seam 1" or v.get("recompute_ratio")}
-    rows = run_compose(engine, cases, load_passages(), ops=ops)
+    ops = {k: v for k, v in compose_ops(ratios, probes, seams).items()
+           if k in ("reposition + seam 1", "reposition + seam 4") and v["seam_tokens"] in seams or v.get("recompute_ratio")}
+    rows_out = open(args.rows_out, "w") if getattr(args, "rows_out", None) else None
+    try:
+        rows = run_compose(engine, cases, load_passages(), ops=ops, rows_out=rows_out)
+    finally:
+        if rows_out is not None:
+            rows_out.close()
     meta = {"model": args.model, "dtype": args.dtype, "device": args.device,
             "command": "kvnotes " + " ".join(_without_option(argv, "--tables-dir")),
             "date": datetime.date.today().isoformat(),

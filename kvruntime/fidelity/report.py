@@ -37,8 +37,11 @@ def build_sweep(meta: dict, compose_rows: dict, ops: dict[str, dict]) -> dict:
 
 
 def _params(kw: dict) -> dict:
-    return {"rotate": kw.get("rotate", True), "seam_tokens": kw.get("seam_tokens", 1),
-            "recompute_ratio": kw.get("recompute_ratio", 0.0)}
+    out = {"rotate": kw.get("rotate", True), "seam_tokens": kw.get("seam_tokens", 1),
+           "recompute_ratio": kw.get("recompute_ratio", 0.0)}
+    if kw.get("recompute_ratio") and kw.get("probe", "kv1") != "kv1":
+        out["probe"] = kw["probe"]            # absent: the default probe, what executors run
+    return out
 
 
 def with_params(section: dict) -> dict:
@@ -71,7 +74,9 @@ def _f(x, fmt):
 def _ordered(section: dict) -> list[tuple[str, dict]]:
     """Operations in the harness's own order (the saved JSON has its keys sorted)."""
     from kvruntime.fidelity.runner import BLEND_RATIOS, EDIT_OPS, REFERENCE_OP, compose_ops
-    order = [REFERENCE_OP] + list(compose_ops(BLEND_RATIOS)) + list(EDIT_OPS)
+    ratios = sorted(set(BLEND_RATIOS) | {0.2, 1.0})
+    order = ([REFERENCE_OP] + list(compose_ops(ratios)) + list(compose_ops(ratios, ("kv4", "progressive"), (1, 4)))
+             + list(EDIT_OPS))
     return sorted(section.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
 
 
