@@ -31,14 +31,20 @@ def eval_fidelity(args, argv: list[str]) -> int:
         probe_layer_of(p, 30)                      # the syntax; the layer is checked against the model below
     if any(s < 0 for s in seams):
         raise ValueError("--seams must be >= 0")
+    if getattr(args, "from_rows", None):
+        return _sweep_from_rows(args, argv)
     started = time.monotonic()
     engine = ReferenceEngine(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     if not engine.rope.enabled:
         raise RuntimeError(f"RoPE self-test failed (error {engine.rope.self_test_error}); cannot evaluate reposition")
     compose_only = getattr(args, "compose_only", False)
     compose_cases = load_compose_cases()
+    if getattr(args, "answered", False) and getattr(args, "unanswered", False):
+        raise ValueError("--answered and --unanswered exclude each other")
     if getattr(args, "answered", False):
         compose_cases = [c for c in compose_cases if c.answers]
+    if getattr(args, "unanswered", False):
+        compose_cases = [c for c in compose_cases if not c.answers]
     compose_cases = compose_cases[: args.limit]
     edit_cases = [] if compose_only else load_edit_cases()[: args.limit]
     if compose_only:
@@ -95,6 +101,29 @@ def _compose_sweep(args, argv, engine, cases, ratios, started, probes=("kv1",), 
     summary["compose_sweep"] = report.build_sweep(meta, rows, ops)
     path = report.save_summary(args.model, summary, tables_dir)
     print(report.render_markdown(summary))
+    print(f"kvnotes: summary written to {path}", file=sys.stderr)
+    return 0
+
+
+def _sweep_from_rows(args, argv) -> int:
+    """``--from-rows``: the ``compose_sweep`` section rebuilt from per-case rows (several runs,
+    e.g. answered and unanswered cases measured apart), merged into the model's summary."""
+    for f in args.from_rows:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"--from-rows: {f} does not exist")
+    rows = report.load_rows(args.from_rows)
+    if not rows:
+        raise ValueError("--from-rows: the files hold no rows")
+    meta = {"model": args.model, "dtype": args.dtype, "device": args.device,
+            "command": "kvnotes " + " ".join(_without_option(argv, "--tables-dir")),
+            "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "seconds": None}
+    tables_dir = Path(args.tables_dir) if args.tables_dir else report.TABLES_DIR
+    summary = report.load_summary(args.model, tables_dir) or {"meta": meta}
+    summary["compose_sweep"] = report.sweep_from_rows(meta, rows)
+    path = report.save_summary(args.model, summary, tables_dir)
+    print(report.render_markdown(summary))
+    print("#### Top-1 flips\n\n" + report.flips_table(rows))
     print(f"kvnotes: summary written to {path}", file=sys.stderr)
     return 0
 
