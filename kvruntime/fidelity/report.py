@@ -153,8 +153,11 @@ def load_rows(paths) -> dict[str, list[dict]]:
 
 
 def sweep_from_rows(meta: dict, rows: dict[str, list[dict]]) -> dict:
-    """A ``compose_sweep`` section from per-case rows; only cases every operation measured count."""
-    common = set.intersection(*({r["case"] for r in rs} for rs in rows.values())) if rows else set()
+    """A ``compose_sweep`` section from per-case rows; only cases every operation measured count
+    (the reference row exists for cases with an expected answer only, so it does not narrow them)."""
+    from kvruntime.fidelity.runner import REFERENCE_OP
+    sets = [{r["case"] for r in rs} for op, rs in rows.items() if op != REFERENCE_OP]
+    common = set.intersection(*sets) if sets else set()
     out = {}
     for op, rs in rows.items():
         out[op] = {**summarize([r for r in rs if r["case"] in common]), "params": params_of(op)}
