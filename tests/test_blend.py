@@ -106,8 +106,11 @@ def test_corrupted_slots_are_found_and_restored_to_the_full_context_kv(smol, pro
     assert res.recomputed_slots == bad
     assert torch.allclose(res.kv.data, exact.data, atol=5e-4), float((res.kv.data - exact.data).abs().max())
     assert torch.equal(corrupted.data, data)                  # not in place: the caller's buffer is kept
-    if probe == "progressive":                                # refined at layers 2 and 3 beyond the layer-1 probe
-        assert res.probe_token_layers > 2 * n_chunk
+    layers = {"kv1": 1, "kv4": 4}.get(probe)
+    if layers:                                                # tokens x full layers (the last one stops at its K/V)
+        assert res.probe_token_layers == layers * (exact.num_tokens - start)
+    else:                                                     # refined at layers 2 and 3 beyond the layer-1 probe
+        assert res.probe_token_layers > exact.num_tokens - start
     inplace = selective_recompute(smol, corrupted, start, ratio, probe=probe, in_place=True)
     assert inplace.kv.data.data_ptr() == corrupted.data.data_ptr()
     assert torch.allclose(corrupted.data, exact.data, atol=5e-4)
@@ -132,3 +135,14 @@ def test_blending_a_lone_naively_spliced_chunk_never_writes_into_the_callers_chu
     before = chunk.data.clone()
     compose(smol, [ChunkSegment(chunk)], seam_tokens=1, rotate=False, recompute_ratio=0.5)
     assert torch.equal(chunk.data, before)
+
+
+@pytest.mark.slow
+def test_probe_forward_stops_at_the_layers_kv_and_gives_the_same_kv_as_prefill(engine):
+    """The probe's early stop (right after layer N projects K/V) changes nothing in those K/V."""
+    from kvruntime.ops.blend import _layer_kv
+    kv = recompute(engine, engine.encode(A + B), logits=False).kv
+    for layer in (1, 4):
+        ref = engine.prefill(kv.token_ids[10:], kv.positions[10:], kv.slice(0, 10), stop_after_layer=layer).kv
+        assert torch.equal(_layer_kv(engine, kv.token_ids[10:], kv.positions[10:], kv.slice(0, 10), layer),
+                           ref.data[layer])

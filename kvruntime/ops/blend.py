@@ -7,10 +7,11 @@ with a cheap probe and recomputes only those against the whole context in every 
 
 Probes (``probe=``; measured against each other in docs/fidelity.md):
 
-- ``"kv1"`` (default): every chunk token is re-run through layers 0..1 only, attending to the
-  whole context; the KV deviation at layer 1 (sum of squared key and value differences) ranks
-  them. Layer 0 cannot see the context (its KV depends on token and position only).
-- ``"kv<N>"`` (e.g. ``"kv4"``): the same at layer N (costs N+1 layers per chunk token).
+- ``"kv1"`` (default): every chunk token is re-run through layer 0 and layer 1's K/V projection
+  only, attending to the whole context; the KV deviation at layer 1 (sum of squared key and value
+  differences) ranks them. Layer 0 cannot see the context (its KV depends on token and position
+  only). Cost ~1 layer per chunk token (the forward stops once layer 1 has its K/V).
+- ``"kv<N>"`` (e.g. ``"kv4"``): the same at layer N (costs ~N layers per chunk token).
 - ``"progressive"``: CacheBlend's gradual filtering. Rank by layer 1 as ``kv1``, keep the top
   3k (k = the tokens to recompute), recompute those through layers 0..2 against the cached rest
   and re-rank by their layer-2 deviation, keep 2k, do the same at layer 3, keep k.
@@ -38,7 +39,7 @@ class BlendResult:
     kv: KVCache                 # the context with the selected slots recomputed
     recomputed_slots: list[int]  # slot indices recomputed through every layer (seams included)
     probed_tokens: int          # chunk tokens run through the probe's first layers to rank them
-    probe_token_layers: int = 0  # probe cost: sum over probe forwards of tokens x layers run
+    probe_token_layers: int = 0  # probe cost: tokens x full layers run (+ the last layer's K/V projection)
 
 
 def blend_count(ratio: float, candidates: int) -> int:
@@ -68,11 +69,45 @@ def _dev(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return ((a - b).float() ** 2).sum(dim=(0, 1, 3))
 
 
+class _Stop(Exception):
+    pass
+
+
+def _layer_kv(engine, token_ids, positions, past: KVCache, layer: int) -> torch.Tensor:
+    """K/V ([2, kv_heads, n, head_dim]) that ``layer`` computes for the new tokens attending to
+    ``past`` + themselves. The forward stops as soon as that layer has projected (and rotated)
+    its keys and values: the layer's attention and MLP, and every later layer, never run. Same
+    mask and cache as ``engine.prefill`` (whose ``stop_after_layer`` would also run the layer's
+    attention and MLP): the K/V are identical, the probe costs ``layer`` layers plus projections."""
+    from transformers import DynamicCache
+
+    class StopCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            if layer_idx == layer:
+                raise _Stop
+            return out
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=engine.device)
+    pos = torch.as_tensor(positions, dtype=torch.long, device=engine.device)
+    n_past = past.num_tokens
+    cache = StopCache(ddp_cache_data=past.to(engine.device, engine.dtype).to_legacy()) if n_past else StopCache()
+    mask = engine._mask(pos, torch.cat([past.positions.to(engine.device), pos]))
+    with torch.inference_mode(), engine._lock:
+        try:
+            engine.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+            raise RuntimeError(f"layer {layer} never updated its cache")
+        except _Stop:
+            pass
+    lyr = cache.layers[layer]
+    return torch.stack([lyr.keys[0, :, n_past:], lyr.values[0, :, n_past:]]).clone()
+
+
 def _probe_all(engine, kv: KVCache, start: int, layer: int) -> torch.Tensor:
     """Deviation at ``layer`` of every slot in [start, n) re-run through layers 0..layer."""
     tail = kv.slice(start)
-    probe = engine.prefill(tail.token_ids, tail.positions, kv.slice(0, start), stop_after_layer=layer).kv
-    return _dev(probe.data[layer], tail.data[layer])
+    fresh = _layer_kv(engine, tail.token_ids, tail.positions, kv.slice(0, start), layer)
+    return _dev(fresh, tail.data[layer])
 
 
 def _refine(engine, kv: KVCache, slots: list[int], layer: int) -> torch.Tensor:
@@ -81,9 +116,8 @@ def _refine(engine, kv: KVCache, slots: list[int], layer: int) -> torch.Tensor:
     idx = torch.tensor(slots, dtype=torch.long, device=dev)
     keep = torch.ones(kv.num_tokens, dtype=torch.bool, device=dev)
     keep[idx] = False
-    fresh = engine.prefill(kv.token_ids[idx], kv.positions[idx], kv.select(torch.nonzero(keep).flatten()),
-                           stop_after_layer=layer).kv
-    return _dev(fresh.data[layer], kv.data[layer].index_select(2, idx))
+    fresh = _layer_kv(engine, kv.token_ids[idx], kv.positions[idx], kv.select(torch.nonzero(keep).flatten()), layer)
+    return _dev(fresh, kv.data[layer].index_select(2, idx))
 
 
 def choose_slots(engine, kv: KVCache, start: int, cand: list[int], k: int, probe: str = "kv1",
@@ -99,7 +133,7 @@ def choose_slots(engine, kv: KVCache, start: int, cand: list[int], k: int, probe
         d = cache[key]
     else:
         d = _probe_all(engine, kv, start, first)
-        cost = (kv.num_tokens - start) * (first + 1)
+        cost = (kv.num_tokens - start) * first
         if cache is not None:
             cache[key] = d
     c_idx = torch.tensor(cand, dtype=torch.long, device=d.device) - start
@@ -113,7 +147,7 @@ def choose_slots(engine, kv: KVCache, start: int, cand: list[int], k: int, probe
         if n_keep == len(sel):
             continue
         dl = _refine(engine, kv, sorted(sel), lyr)
-        cost += len(sel) * (lyr + 1)
+        cost += len(sel) * lyr
         order = sorted(sel)
         sel = [order[i] for i in torch.topk(dl, n_keep).indices.tolist()]
     return sorted(sel), cost
