@@ -85,3 +85,15 @@ def test_sweep_from_rows_merges_runs_and_lists_flips(tmp_path):
     assert "| a | 0.020 | 2/2:" in flips and "| b |" not in flips
     with pytest.raises(ValueError):
         report.params_of("something else")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--probes", "attention"], "probe must be"),
+    (["--probes", "kv0"], "probe layer"),
+    (["--answered", "--unanswered"], "exclude each other"),
+    (["--from-rows", "/nonexistent/rows.jsonl"], "does not exist"),
+])
+def test_bad_sweep_options_are_one_line_errors(argv, needle):
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", "fidelity", "--compose-only", *argv],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr[-500:]

@@ -31,6 +31,8 @@ def eval_fidelity(args, argv: list[str]) -> int:
         probe_layer_of(p, 30)                      # the syntax; the layer is checked against the model below
     if any(s < 0 for s in seams):
         raise ValueError("--seams must be >= 0")
+    if getattr(args, "answered", False) and getattr(args, "unanswered", False):
+        raise ValueError("--answered and --unanswered exclude each other")
     if getattr(args, "from_rows", None):
         return _sweep_from_rows(args, argv)
     started = time.monotonic()
@@ -39,8 +41,6 @@ def eval_fidelity(args, argv: list[str]) -> int:
         raise RuntimeError(f"RoPE self-test failed (error {engine.rope.self_test_error}); cannot evaluate reposition")
     compose_only = getattr(args, "compose_only", False)
     compose_cases = load_compose_cases()
-    if getattr(args, "answered", False) and getattr(args, "unanswered", False):
-        raise ValueError("--answered and --unanswered exclude each other")
     if getattr(args, "answered", False):
         compose_cases = [c for c in compose_cases if c.answers]
     if getattr(args, "unanswered", False):
