@@ -52,7 +52,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="only the compose r sweep, merged into the model's summary (compose_sweep)")
     f.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.10, 0.15, 0.25, 0.50],
                    help="selective-recompute ratios swept with --compose-only")
+    f.add_argument("--probes", nargs="+", default=["kv1"],
+                   help="selective-recompute probes swept with --compose-only (kv<N>, progressive)")
+    f.add_argument("--seams", type=int, nargs="+", default=[1], help="seam tokens swept with --compose-only")
+    f.add_argument("--rows-out", default=None, help="also write every per-case row as JSON lines to this file")
+    f.add_argument("--from-rows", nargs="+", default=None,
+                   help="no run: build the compose sweep from --rows-out files and print the top-1 flips")
     f.add_argument("--answered", action="store_true", help="only compose cases that carry an expected answer")
+    f.add_argument("--unanswered", action="store_true", help="only compose cases without an expected answer")
     f.add_argument("--tables-dir", default=None, help="where to write <model>.json (default: shipped tables)")
     r = esub.add_parser("report", help="regenerate the tables in docs/fidelity.md from the saved summaries")
     r.add_argument("--doc", default="docs/fidelity.md")

@@ -107,6 +107,9 @@ def compose_op_key(seam_tokens: int, recompute_ratio: float) -> str:
     return f"reposition(seam={seam_tokens},r={recompute_ratio:g})"
 
 
+EXECUTED_PROBE = "kv1"   # the selective-recompute probe prefill executors run (ops.compose's default)
+
+
 def choose_compose(summary: dict | None, target: FidelityTarget, *, demoted: frozenset[str] = frozenset(),
                    model: str = "") -> ComposeChoice:
     """The cheapest compose operation (lowest r, then fewest seam tokens) whose every measured row
@@ -123,6 +126,8 @@ def choose_compose(summary: dict | None, target: FidelityTarget, *, demoted: fro
             p = row.get("params") or {}
             if p.get("recompute") or not p.get("rotate", False):
                 continue                                   # the reference row; naive splice never plans
+            if p.get("probe", EXECUTED_PROBE) != EXECUTED_PROBE:
+                continue                                   # measured with a probe executors do not run
             groups.setdefault((int(p.get("seam_tokens", 0)), float(p.get("recompute_ratio", 0.0))), []).append((sec, name, row))
     want = f"{target.metric} >= {target.minimum:.0%}"
     skipped = []

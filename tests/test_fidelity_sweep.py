@@ -60,3 +60,40 @@ def test_bad_ratio_is_a_one_line_error():
     r = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", "fidelity", "--compose-only", "--ratios", "1.5"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--ratios" in r.stderr
+
+
+def test_sweep_from_rows_merges_runs_and_lists_flips(tmp_path):
+    base = dict(kl=0.1, cosine=1.0, greedy_exact=0.0, greedy_prefix=0.5, recomputed_tokens=10, context_tokens=100)
+    rows = [
+        {"op": REFERENCE_OP, "case": "a", "top1": 1.0, "answer_ok": 1.0, "oracle_margin": 0.02, **base},
+        {"op": "reposition + seam 1", "case": "a", "top1": 0.0, "answer_ok": 0.0, "oracle_margin": 0.02, **base},
+        {"op": blend_op(0.1, probe="progressive"), "case": "a", "top1": 0.0, "oracle_margin": 0.02, **base},
+        {"op": "reposition + seam 1", "case": "b", "top1": 1.0, "oracle_margin": 3.0, **base},
+        {"op": blend_op(0.1, probe="progressive"), "case": "b", "top1": 1.0, "oracle_margin": 3.0, **base},
+        {"op": "reposition + seam 1", "case": "c", "top1": 1.0, "oracle_margin": 2.0, **base},   # c: one op only
+    ]
+    (tmp_path / "one.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:3]) + "\n")
+    (tmp_path / "two.jsonl").write_text("\n".join(json.dumps(r) for r in rows[3:]) + "\n")
+    loaded = report.load_rows([tmp_path / "one.jsonl", tmp_path / "two.jsonl"])
+    sweep = report.sweep_from_rows({"model": "m"}, loaded)
+    ops = sweep["ops"]
+    assert ops["reposition + seam 1"]["n"] == 2 and ops["reposition + seam 1"]["top1"] == 0.5   # a, b (c not common)
+    assert ops[REFERENCE_OP]["n"] == 1                                     # the reference exists for answered cases only
+    assert ops[blend_op(0.1, probe="progressive")]["params"] == {
+        "rotate": True, "seam_tokens": 1, "recompute_ratio": 0.1, "probe": "progressive"}
+    flips = report.flips_table(loaded)
+    assert "| a | 0.020 | 2/2:" in flips and "| b |" not in flips
+    with pytest.raises(ValueError):
+        report.params_of("something else")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--probes", "attention"], "probe must be"),
+    (["--probes", "kv0"], "probe layer"),
+    (["--answered", "--unanswered"], "exclude each other"),
+    (["--from-rows", "/nonexistent/rows.jsonl"], "does not exist"),
+])
+def test_bad_sweep_options_are_one_line_errors(argv, needle):
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", "fidelity", "--compose-only", *argv],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr[-500:]

@@ -224,6 +224,17 @@ def test_balanced_never_picks_an_operation_whose_profile_misses_the_target():
             assert not any(meets(rows_of(x["params"]["seam_tokens"], x["params"]["recompute_ratio"])) for x in sweep.values())
 
 
+def test_rows_measured_with_a_probe_the_executors_do_not_run_are_not_used():
+    """A sweep row for another probe (e.g. progressive) says nothing about what an executor runs."""
+    fancy = _row(1.0, r=0.1)
+    fancy["params"]["probe"] = "progressive"
+    prof = _profile({"seam": _row(0.9), "r10 progressive": fancy, "r50": _row(0.98, r=0.5)})
+    c = choose_compose(prof, BALANCED)
+    assert c.allowed and c.recompute_ratio == 0.5 and "progressive" not in c.reason
+    prof = _profile({"seam": _row(0.9), "r10 progressive": fancy})
+    assert not choose_compose(prof, BALANCED).allowed
+
+
 def test_a_model_without_a_profile_gets_only_exact_reuse():
     c = choose_compose(None, BALANCED)
     assert not c.allowed and "no fidelity profile" in c.reason

@@ -24,6 +24,17 @@ def eval_fidelity(args, argv: list[str]) -> int:
     for r in ratios:
         if not 0 < r <= 1:
             raise ValueError(f"--ratios must be in (0, 1], got {r}")
+    probes = tuple(getattr(args, "probes", None) or ("kv1",))
+    seams = tuple(getattr(args, "seams", None) or (1,))
+    from kvruntime.ops.blend import probe_layer_of
+    for p in probes:
+        probe_layer_of(p, 30)                      # the syntax; the layer is checked against the model below
+    if any(s < 0 for s in seams):
+        raise ValueError("--seams must be >= 0")
+    if getattr(args, "answered", False) and getattr(args, "unanswered", False):
+        raise ValueError("--answered and --unanswered exclude each other")
+    if getattr(args, "from_rows", None):
+        return _sweep_from_rows(args, argv)
     started = time.monotonic()
     engine = ReferenceEngine(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     if not engine.rope.enabled:
@@ -32,10 +43,14 @@ def eval_fidelity(args, argv: list[str]) -> int:
     compose_cases = load_compose_cases()
     if getattr(args, "answered", False):
         compose_cases = [c for c in compose_cases if c.answers]
+    if getattr(args, "unanswered", False):
+        compose_cases = [c for c in compose_cases if not c.answers]
     compose_cases = compose_cases[: args.limit]
     edit_cases = [] if compose_only else load_edit_cases()[: args.limit]
     if compose_only:
-        return _compose_sweep(args, argv, engine, compose_cases, ratios, started)
+        for p in probes:
+            probe_layer_of(p, engine.num_layers)
+        return _compose_sweep(args, argv, engine, compose_cases, ratios, started, probes, seams)
     print(f"kvnotes: fidelity of {args.model}: {len(compose_cases)} compose cases, "
           f"{len(edit_cases)} edit cases{'' if args.no_cot else ' (+ CoT variant)'}", file=sys.stderr)
     compose_rows = run_compose(engine, compose_cases, load_passages())
@@ -61,13 +76,19 @@ def eval_fidelity(args, argv: list[str]) -> int:
     return 0
 
 
-def _compose_sweep(args, argv, engine, cases, ratios, started) -> int:
+def _compose_sweep(args, argv, engine, cases, ratios, started, probes=("kv1",), seams=(1,)) -> int:
     """``--compose-only``: the compose operations plus one selective recompute per ratio, merged
     into the model's existing summary under ``compose_sweep`` (the other sections are kept). The
     r = 0 row is "reposition + seam 1"; naive splice and seam 4 are in the full run's table."""
     print(f"kvnotes: compose sweep of {args.model}: {len(cases)} cases, ratios {list(ratios)}", file=sys.stderr)
-    ops = {k: v for k, v in compose_ops(ratios).items() if k == "reposition + seam 1" or v.get("recompute_ratio")}
-    rows = run_compose(engine, cases, load_passages(), ops=ops)
+    ops = {k: v for k, v in compose_ops(ratios, probes, seams).items()
+           if k in ("reposition + seam 1", "reposition + seam 4") and v["seam_tokens"] in seams or v.get("recompute_ratio")}
+    rows_out = open(args.rows_out, "w") if getattr(args, "rows_out", None) else None
+    try:
+        rows = run_compose(engine, cases, load_passages(), ops=ops, rows_out=rows_out)
+    finally:
+        if rows_out is not None:
+            rows_out.close()
     meta = {"model": args.model, "dtype": args.dtype, "device": args.device,
             "command": "kvnotes " + " ".join(_without_option(argv, "--tables-dir")),
             "date": datetime.date.today().isoformat(),
@@ -80,6 +101,29 @@ def _compose_sweep(args, argv, engine, cases, ratios, started) -> int:
     summary["compose_sweep"] = report.build_sweep(meta, rows, ops)
     path = report.save_summary(args.model, summary, tables_dir)
     print(report.render_markdown(summary))
+    print(f"kvnotes: summary written to {path}", file=sys.stderr)
+    return 0
+
+
+def _sweep_from_rows(args, argv) -> int:
+    """``--from-rows``: the ``compose_sweep`` section rebuilt from per-case rows (several runs,
+    e.g. answered and unanswered cases measured apart), merged into the model's summary."""
+    for f in args.from_rows:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"--from-rows: {f} does not exist")
+    rows = report.load_rows(args.from_rows)
+    if not rows:
+        raise ValueError("--from-rows: the files hold no rows")
+    meta = {"model": args.model, "dtype": args.dtype, "device": args.device,
+            "command": "kvnotes " + " ".join(_without_option(argv, "--tables-dir")),
+            "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "seconds": None}
+    tables_dir = Path(args.tables_dir) if args.tables_dir else report.TABLES_DIR
+    summary = report.load_summary(args.model, tables_dir) or {"meta": meta}
+    summary["compose_sweep"] = report.sweep_from_rows(meta, rows)
+    path = report.save_summary(args.model, summary, tables_dir)
+    print(report.render_markdown(summary))
+    print("#### Top-1 flips\n\n" + report.flips_table(rows))
     print(f"kvnotes: summary written to {path}", file=sys.stderr)
     return 0
 

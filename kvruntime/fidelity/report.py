@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from kvruntime.fidelity.metrics import summarize
@@ -37,8 +38,11 @@ def build_sweep(meta: dict, compose_rows: dict, ops: dict[str, dict]) -> dict:
 
 
 def _params(kw: dict) -> dict:
-    return {"rotate": kw.get("rotate", True), "seam_tokens": kw.get("seam_tokens", 1),
-            "recompute_ratio": kw.get("recompute_ratio", 0.0)}
+    out = {"rotate": kw.get("rotate", True), "seam_tokens": kw.get("seam_tokens", 1),
+           "recompute_ratio": kw.get("recompute_ratio", 0.0)}
+    if kw.get("recompute_ratio") and kw.get("probe", "kv1") != "kv1":
+        out["probe"] = kw["probe"]            # absent: the default probe, what executors run
+    return out
 
 
 def with_params(section: dict) -> dict:
@@ -71,7 +75,9 @@ def _f(x, fmt):
 def _ordered(section: dict) -> list[tuple[str, dict]]:
     """Operations in the harness's own order (the saved JSON has its keys sorted)."""
     from kvruntime.fidelity.runner import BLEND_RATIOS, EDIT_OPS, REFERENCE_OP, compose_ops
-    order = [REFERENCE_OP] + list(compose_ops(BLEND_RATIOS)) + list(EDIT_OPS)
+    ratios = sorted(set(BLEND_RATIOS) | {0.2, 1.0})
+    order = ([REFERENCE_OP] + list(compose_ops(ratios)) + list(compose_ops(ratios, ("kv4", "progressive"), (1, 4)))
+             + list(EDIT_OPS))
     return sorted(section.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
 
 
@@ -105,14 +111,76 @@ SECTIONS = [
 def render_markdown(summary: dict) -> str:
     m = summary["meta"]
     out = [f"### {m['model']} ({m['dtype']}, {m['device']})",
-           f"Command: `{m['command']}` — {m['date']}, {m['machine']}, {m['seconds']:.0f} s.", ""]
+           f"Command: `{m['command']}` — {m['date']}, {m['machine']}, {_f(m.get('seconds'), '.0f')} s.", ""]
     sweep = summary.get("compose_sweep")
     if sweep:
         sm = sweep["meta"]
-        out += ["#### Compose with selective recompute: r sweep on cases with expected answers",
-                f"Command: `{sm['command']}` — {sm['date']}, {sm['machine']}, {sm['seconds']:.0f} s, "
+        out += ["#### Compose with selective recompute: r sweep (answer accuracy over the cases that carry one)",
+                f"Command: `{sm['command']}` — {sm['date']}, {sm['machine']}, {_f(sm.get('seconds'), '.0f')} s, "
                 f"{sm['cases']['compose']} compose cases.", "", table(sweep["ops"]), ""]
     for key, title in SECTIONS:
         if summary.get(key):
             out += [f"#### {title}", "", table(summary[key]), ""]
     return "\n".join(out)
+
+
+_OP = re.compile(r"reposition \+ seam (\d+)(?: \+ recompute (\d+)%(?: \((\w+)\))?)?$")
+
+
+def params_of(op: str) -> dict:
+    """compose() parameters of a sweep operation from its name (``blend_op``'s format)."""
+    from kvruntime.fidelity.runner import REFERENCE_OP
+    if op == REFERENCE_OP:
+        return {"recompute": True}
+    m = _OP.match(op)
+    if not m:
+        raise ValueError(f"not a sweep operation: {op!r}")
+    kw = {"rotate": True, "seam_tokens": int(m.group(1)), "recompute_ratio": int(m.group(2) or 0) / 100}
+    if m.group(3):
+        kw["probe"] = m.group(3)
+    return _params(kw)
+
+
+def load_rows(paths) -> dict[str, list[dict]]:
+    """Per-case rows (``--rows-out`` files) by operation; a case measured twice keeps its last row."""
+    by_op: dict[str, dict[str, dict]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                by_op.setdefault(r["op"], {})[r["case"]] = r
+    return {op: list(rows.values()) for op, rows in by_op.items()}
+
+
+def sweep_from_rows(meta: dict, rows: dict[str, list[dict]]) -> dict:
+    """A ``compose_sweep`` section from per-case rows; only cases every operation measured count
+    (the reference row exists for cases with an expected answer only, so it does not narrow them)."""
+    from kvruntime.fidelity.runner import REFERENCE_OP
+    sets = [{r["case"] for r in rs} for op, rs in rows.items() if op != REFERENCE_OP]
+    common = set.intersection(*sets) if sets else set()
+    out = {}
+    for op, rs in rows.items():
+        out[op] = {**summarize([r for r in rs if r["case"] in common]), "params": params_of(op)}
+    return {"meta": {**meta, "cases": {"compose": len(common)}}, "ops": out}
+
+
+def flips_table(rows: dict[str, list[dict]]) -> str:
+    """Cases whose first token differs from recompute's under some operation, with recompute's
+    top-1/top-2 logit margin (a near-tie flips under any perturbation) and the ops that flip."""
+    from kvruntime.fidelity.runner import REFERENCE_OP
+    ops = [op for op, _ in _ordered({op: {} for op in rows}) if op != REFERENCE_OP]
+    margin, flipped = {}, {}
+    for op in ops:
+        for r in rows[op]:
+            margin[r["case"]] = r.get("oracle_margin")
+            if r["top1"] < 1.0:
+                flipped.setdefault(r["case"], []).append(op)
+    margins = sorted(m for m in margin.values() if m is not None)
+    lines = [f"Recompute's top-1/top-2 logit margin over all {len(margins)} cases: median "
+             f"{_f(margins[len(margins) // 2] if margins else None, '.2f')}.", "",
+             "| case | recompute margin (logits) | ops whose first token differs |", "|---|---|---|"]
+    for case in sorted(flipped, key=lambda c: margin.get(c) or 0.0):
+        names = flipped[case]
+        lines.append(f"| {case} | {_f(margin.get(case), '.3f')} | "
+                     f"{len(names)}/{len(ops)}: {', '.join(n.replace('reposition + ', '') for n in names)} |")
+    return "\n".join(lines)

@@ -25,15 +25,21 @@ REFERENCE_OP = "full recompute (reference)"
 BLEND_RATIOS = (0.05, 0.10, 0.15, 0.25, 0.50)   # the r sweep (r=0 is "reposition + seam 1")
 
 
-def blend_op(ratio: float, seam: int = 1) -> str:
-    return f"reposition + seam {seam} + recompute {ratio:.0%}"
+DEFAULT_PROBE = "kv1"      # ops.compose's default, what prefill executors run
 
 
-def compose_ops(ratios=()) -> dict[str, dict]:
-    """The compose operations measured: the fixed ones plus one selective recompute per ratio."""
+def blend_op(ratio: float, seam: int = 1, probe: str = DEFAULT_PROBE) -> str:
+    return f"reposition + seam {seam} + recompute {ratio:.0%}" + ("" if probe == DEFAULT_PROBE else f" ({probe})")
+
+
+def compose_ops(ratios=(), probes=(DEFAULT_PROBE,), seams=(1,)) -> dict[str, dict]:
+    """The compose operations measured: the fixed ones plus one selective recompute per ratio,
+    probe and seam count."""
     ops = dict(COMPOSE_OPS)
-    for r in ratios:
-        ops[blend_op(r)] = dict(rotate=True, seam_tokens=1, recompute_ratio=r)
+    for seam in seams:
+        for probe in probes:
+            for r in ratios:
+                ops[blend_op(r, seam, probe)] = dict(rotate=True, seam_tokens=seam, recompute_ratio=r, probe=probe)
     return ops
 
 
@@ -64,10 +70,13 @@ def _finish(engine, kv: KVCache, question_ids: list[int]):
 
 
 def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, greedy_n: int = 16,
-                progress: Progress = _stderr, ops: dict[str, dict] | None = None) -> dict[str, list[dict]]:
+                progress: Progress = _stderr, ops: dict[str, dict] | None = None,
+                rows_out=None) -> dict[str, list[dict]]:
     """Per op, one row per case. Chunks are precompiled once per passage and reused across
     cases, as the tier would. Cases with expected answers also get ``answer_ok`` per op and a
-    ``REFERENCE_OP`` row (full recompute judged against the answer)."""
+    ``REFERENCE_OP`` row (full recompute judged against the answer). Every row also carries the
+    recompute's top-1/top-2 logit margin (``oracle_margin``: a near-tie flips easily). With
+    ``rows_out`` (a text file) every row is also written as one JSON line as it is measured."""
     ops = COMPOSE_OPS if ops is None else ops
     pre, suffix = _frame(engine)
     chunk_ids = {pid: engine.encode(passages[pid].strip() + "\n\n") for c in cases for pid in c.chunks}
@@ -79,6 +88,8 @@ def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, g
         ids = pre + [t for pid in case.chunks for t in chunk_ids[pid]] + q
         oracle = recompute(engine, ids)
         oracle_greedy = engine.greedy(oracle.kv, oracle.logits, greedy_n, stop_at_eos=True)
+        top2 = torch.topk(oracle.logits.float(), 2).values
+        margin = float(top2[0] - top2[1])
         for pid in case.chunks:
             if pid not in chunk_kv:
                 chunk_kv[pid] = precompile_chunk(engine, chunk_ids[pid])
@@ -89,18 +100,29 @@ def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, g
         if case.answers:
             row = compare(oracle.logits, oracle_greedy, oracle.logits, oracle_greedy)
             row.update(case=case.id, recomputed_tokens=len(ids), context_tokens=len(ids),
-                       answer_ok=judged(oracle_greedy))
+                       answer_ok=judged(oracle_greedy), oracle_margin=margin)
             rows[REFERENCE_OP].append(row)
+            _dump(rows_out, REFERENCE_OP, row, oracle_greedy, engine)
+        probe_cache: dict = {}                      # one probe per context, shared by every ratio
         for name, kw in ops.items():
-            res = compose(engine, segs, **kw)
+            extra = {"probe_cache": probe_cache} if kw.get("recompute_ratio") else {}
+            res = compose(engine, segs, **kw, **extra)
             g = engine.greedy(res.kv, res.logits, greedy_n, stop_at_eos=True)
             row = compare(oracle.logits, oracle_greedy, res.logits, g)
             row.update(case=case.id, recomputed_tokens=res.computed_tokens, context_tokens=len(ids),
-                       probed_tokens=res.probed_tokens, answer_ok=judged(g))
+                       probed_tokens=res.probed_tokens, answer_ok=judged(g), oracle_margin=margin)
             rows[name].append(row)
+            _dump(rows_out, name, row, g, engine)
         progress(f"  compose [{i}/{len(cases)}] {case.id}: {len(ids)} tokens, "
                  f"{time.monotonic() - t0:.0f} s elapsed")
     return dict(rows)
+
+
+def _dump(out, op: str, row: dict, greedy: list[int], engine) -> None:
+    if out is not None:
+        import json
+        out.write(json.dumps({"op": op, **row, "greedy_text": engine.decode(greedy)}) + "\n")
+        out.flush()
 
 
 def run_edit(engine, cases: list[EditCase], *, cot: bool = False, greedy_n: int = 16,

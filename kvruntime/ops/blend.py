@@ -5,29 +5,41 @@ to what a full prefill of the whole context would give, but some tokens deviate 
 whose meaning depends on what came before the chunk. :func:`selective_recompute` finds them
 with a cheap probe and recomputes only those against the whole context in every layer.
 
-Probe (as in edit-in-place): every chunk token is re-run through layers 0..``probe_layer`` only,
-attending to the whole context; the KV deviation at ``probe_layer`` (sum of squared key and value
-differences) ranks the tokens. Layer 0 cannot see the context (its KV depends on token and
-position only), so the probe starts at layer 1. The top ``ratio`` of the chunk tokens, plus the
-seam tokens, are then recomputed in ONE forward through all layers: each attends by position to
-the cached slots and to the other recomputed tokens' fresh KV, so ``ratio=1`` is a full recompute
-of the chunks and ``ratio=0`` is exactly reposition + seam repair.
+Probes (``probe=``; measured against each other in docs/fidelity.md):
+
+- ``"kv1"`` (default): every chunk token is re-run through layer 0 and layer 1's K/V projection
+  only, attending to the whole context; the KV deviation at layer 1 (sum of squared key and value
+  differences) ranks them. Layer 0 cannot see the context (its KV depends on token and position
+  only). Cost ~1 layer per chunk token (the forward stops once layer 1 has its K/V).
+- ``"kv<N>"`` (e.g. ``"kv4"``): the same at layer N (costs ~N layers per chunk token).
+- ``"progressive"``: CacheBlend's gradual filtering. Rank by layer 1 as ``kv1``, keep the top
+  3k (k = the tokens to recompute), recompute those through layers 0..2 against the cached rest
+  and re-rank by their layer-2 deviation, keep 2k, do the same at layer 3, keep k.
+
+The chosen tokens, plus the seam tokens, are then recomputed in ONE forward through all layers:
+each attends by position to the cached slots and to the other recomputed tokens' fresh KV, so
+``ratio=1`` is a full recompute of the chunks and ``ratio=0`` is exactly reposition + seam repair.
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 
 from kvruntime.kv import KVCache
 
+PROGRESSIVE_STEPS = ((2, 2), (3, 1))   # (layer, keep multiple of k) after the layer-1 top-3k
+PROGRESSIVE_FIRST = 3
+
 
 @dataclass(frozen=True)
 class BlendResult:
     kv: KVCache                 # the context with the selected slots recomputed
     recomputed_slots: list[int]  # slot indices recomputed through every layer (seams included)
-    probed_tokens: int          # tokens run through layers 0..probe_layer to rank them
+    probed_tokens: int          # chunk tokens run through the probe's first layers to rank them
+    probe_token_layers: int = 0  # probe cost: tokens x full layers run (+ the last layer's K/V projection)
 
 
 def blend_count(ratio: float, candidates: int) -> int:
@@ -37,46 +49,148 @@ def blend_count(ratio: float, candidates: int) -> int:
     return min(candidates, math.ceil(ratio * candidates - 1e-9))
 
 
-def selective_recompute(engine, kv: KVCache, start: int, ratio: float, *, seam_slots=(),
-                        probe_layer: int = 1) -> BlendResult:
-    """Recompute the ``ratio`` share of slots ``[start, kv.num_tokens)`` (the composed chunks)
-    whose KV deviates most from the whole-context KV, plus ``seam_slots`` (absolute slot indices
-    in that range, always recomputed), against every other slot of ``kv``.
+def probe_layer_of(probe: str, num_layers: int) -> int | None:
+    """The deviation layer of a ``kv<N>`` probe, None for ``progressive``; ValueError otherwise."""
+    if probe == "progressive":
+        if num_layers < 5:
+            raise ValueError("the progressive probe needs a model of >= 5 layers")
+        return None
+    m = re.fullmatch(r"kv(\d+)", probe or "")
+    if not m:
+        raise ValueError(f"probe must be 'kv<N>' (e.g. 'kv1') or 'progressive', got {probe!r}")
+    layer = int(m.group(1))
+    if not 1 <= layer < num_layers - 1:
+        raise ValueError(f"probe layer must be in [1, {num_layers - 2}], got {layer}")
+    return layer
 
-    Cost: O(T * P * (probe_layer + 1)) for the probe over T chunk tokens attending to P slots,
+
+def _dev(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-token squared KV distance of two [2, heads, tokens, dim] layer slices -> [tokens]."""
+    return ((a - b).float() ** 2).sum(dim=(0, 1, 3))
+
+
+class _Stop(Exception):
+    pass
+
+
+def _layer_kv(engine, token_ids, positions, past: KVCache, layer: int) -> torch.Tensor:
+    """K/V ([2, kv_heads, n, head_dim]) that ``layer`` computes for the new tokens attending to
+    ``past`` + themselves. The forward stops as soon as that layer has projected (and rotated)
+    its keys and values: the layer's attention and MLP, and every later layer, never run. Same
+    mask and cache as ``engine.prefill`` (whose ``stop_after_layer`` would also run the layer's
+    attention and MLP): the K/V are identical, the probe costs ``layer`` layers plus projections."""
+    from transformers import DynamicCache
+
+    class StopCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            if layer_idx == layer:
+                raise _Stop
+            return out
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=engine.device)
+    pos = torch.as_tensor(positions, dtype=torch.long, device=engine.device)
+    n_past = past.num_tokens
+    cache = StopCache(ddp_cache_data=past.to(engine.device, engine.dtype).to_legacy()) if n_past else StopCache()
+    mask = engine._mask(pos, torch.cat([past.positions.to(engine.device), pos]))
+    with torch.inference_mode(), engine._lock:
+        try:
+            engine.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+            raise RuntimeError(f"layer {layer} never updated its cache")
+        except _Stop:
+            pass
+    lyr = cache.layers[layer]
+    return torch.stack([lyr.keys[0, :, n_past:], lyr.values[0, :, n_past:]]).clone()
+
+
+def _probe_all(engine, kv: KVCache, start: int, layer: int) -> torch.Tensor:
+    """Deviation at ``layer`` of every slot in [start, n) re-run through layers 0..layer."""
+    tail = kv.slice(start)
+    fresh = _layer_kv(engine, tail.token_ids, tail.positions, kv.slice(0, start), layer)
+    return _dev(fresh, tail.data[layer])
+
+
+def _refine(engine, kv: KVCache, slots: list[int], layer: int) -> torch.Tensor:
+    """Deviation at ``layer`` of ``slots`` recomputed through layers 0..layer against the rest."""
+    dev = kv.positions.device
+    idx = torch.tensor(slots, dtype=torch.long, device=dev)
+    keep = torch.ones(kv.num_tokens, dtype=torch.bool, device=dev)
+    keep[idx] = False
+    fresh = _layer_kv(engine, kv.token_ids[idx], kv.positions[idx], kv.select(torch.nonzero(keep).flatten()), layer)
+    return _dev(fresh, kv.data[layer].index_select(2, idx))
+
+
+def choose_slots(engine, kv: KVCache, start: int, cand: list[int], k: int, probe: str = "kv1",
+                 cache: dict | None = None) -> tuple[list[int], int]:
+    """The ``k`` of ``cand`` (absolute slots >= start) the probe ranks highest, and the probe's
+    cost in token-layers. ``cache`` (a dict the caller keeps per context) memoises the first-layer
+    ranking, so a sweep over ratios probes once."""
+    layer = probe_layer_of(probe, engine.num_layers)
+    first = layer if layer is not None else 1
+    key = (start, kv.num_tokens, first)
+    cost = 0
+    if cache is not None and key in cache:
+        d = cache[key]
+    else:
+        d = _probe_all(engine, kv, start, first)
+        cost = (kv.num_tokens - start) * first
+        if cache is not None:
+            cache[key] = d
+    c_idx = torch.tensor(cand, dtype=torch.long, device=d.device) - start
+    if layer is not None:
+        top = torch.topk(d[c_idx], k).indices
+        return sorted(int(c_idx[i]) + start for i in top), cost
+    keep = min(len(cand), PROGRESSIVE_FIRST * k)
+    sel = [int(c_idx[i]) + start for i in torch.topk(d[c_idx], keep).indices]
+    for lyr, mult in PROGRESSIVE_STEPS:
+        n_keep = min(len(sel), mult * k)
+        if n_keep == len(sel):
+            continue
+        dl = _refine(engine, kv, sorted(sel), lyr)
+        cost += len(sel) * lyr
+        order = sorted(sel)
+        sel = [order[i] for i in torch.topk(dl, n_keep).indices.tolist()]
+    return sorted(sel), cost
+
+
+def selective_recompute(engine, kv: KVCache, start: int, ratio: float, *, seam_slots=(),
+                        probe: str = "kv1", in_place: bool = False, probe_cache: dict | None = None
+                        ) -> BlendResult:
+    """Recompute the ``ratio`` share of slots ``[start, kv.num_tokens)`` (the composed chunks)
+    whose KV deviates most from the whole-context KV (ranked by ``probe``), plus ``seam_slots``
+    (absolute slot indices in that range, always recomputed), against every other slot of ``kv``.
+    ``in_place=True`` writes the fresh KV into ``kv.data`` (the caller owns that buffer) instead
+    of copying it first.
+
+    Cost: ``kv1``: O(T * P * 2 layers) for the probe over T chunk tokens attending to P slots,
     plus O((r*T + seams) * P * L) for the recompute; no probe when ``ratio`` is 0 or 1.
     """
     n = kv.num_tokens
     if not 0 <= start <= n:
         raise ValueError(f"chunk start {start} outside the cache of {n} slots")
-    if not 0 <= probe_layer < engine.num_layers - 1:
-        raise ValueError(f"probe_layer must be in [0, {engine.num_layers - 2}]")
+    probe_layer_of(probe, engine.num_layers)          # validates the probe
     dev = kv.positions.device
     seams = sorted({int(s) for s in seam_slots})
     if any(not start <= s < n for s in seams):
         raise ValueError("seam slots must lie in the chunk range")
-    cand = [i for i in range(start, n) if i not in set(seams)]
+    seam_set = set(seams)
+    cand = [i for i in range(start, n) if i not in seam_set]
     k = blend_count(ratio, len(cand))
-    probed = 0
+    probed = cost = 0
     if k == len(cand):
         chosen = cand
     elif k == 0:
         chosen = []
     else:
-        tail = kv.slice(start)
-        probe = engine.prefill(tail.token_ids, tail.positions, kv.slice(0, start), stop_after_layer=probe_layer).kv
-        d = ((probe.data[probe_layer] - tail.data[probe_layer]).float() ** 2).sum(dim=(0, 1, 3))  # [T]
-        c_idx = torch.tensor(cand, dtype=torch.long, device=d.device) - start
-        top = torch.topk(d[c_idx], k).indices
-        chosen = sorted(int(c_idx[i]) + start for i in top)
-        probed = tail.num_tokens
-    slots = sorted(set(chosen) | set(seams))
+        chosen, cost = choose_slots(engine, kv, start, cand, k, probe, probe_cache)
+        probed = n - start
+    slots = sorted(set(chosen) | seam_set)
     if not slots:
-        return BlendResult(kv, [], probed)
+        return BlendResult(kv, [], probed, cost)
     idx = torch.tensor(slots, dtype=torch.long, device=dev)
     keep = torch.ones(n, dtype=torch.bool, device=dev)
     keep[idx] = False
     fresh = engine.prefill(kv.token_ids[idx], kv.positions[idx], kv.select(torch.nonzero(keep).flatten())).kv
-    data = kv.data.clone()
+    data = kv.data if in_place else kv.data.clone()
     data[:, :, :, idx] = fresh.data.to(data.dtype)
-    return BlendResult(KVCache(data, kv.positions, kv.token_ids), slots, probed)
+    return BlendResult(KVCache(data, kv.positions, kv.token_ids), slots, probed, cost)

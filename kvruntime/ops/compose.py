@@ -96,14 +96,17 @@ class ComposeResult:
 
 
 def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: int = 1,
-            rotate: bool = True, recompute_ratio: float = 0.0, probe_layer: int = 1) -> ComposeResult:
+            rotate: bool = True, recompute_ratio: float = 0.0, probe: str = "kv1",
+            probe_cache: dict | None = None) -> ComposeResult:
     """Build a context left to right: text is prefilled in context; a chunk is repositioned to
     the cursor (or naively spliced when ``rotate`` is False) and its first ``seam_tokens``
     recomputed. With ``recompute_ratio`` r > 0, before any text (and at the end) the run of
     chunks since the last text also gets :func:`~kvruntime.ops.blend.selective_recompute`: the
     r share of its tokens that deviate most is recomputed with the seams in one forward.
     Cost: O(text * P) + O(chunks * seam_tokens * P) forward work plus O(chunk tokens) rotation,
-    plus (r > 0) a 2-layer probe and O(r * chunk tokens * P) forward, versus O(P^2) for recompute."""
+    plus (r > 0) a 2-layer probe and O(r * chunk tokens * P) forward, versus O(P^2) for recompute.
+    ``probe`` picks the ranking (see :mod:`kvruntime.ops.blend`); ``probe_cache`` (a dict kept by the
+    caller for one context) lets several ratios share one probe."""
     from kvruntime.ops.blend import blend_count, selective_recompute
     blend_count(recompute_ratio, 0)  # validates the ratio
     kv = engine.empty_kv()
@@ -111,14 +114,16 @@ def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: 
     computed = reused = probed = 0
     starts: list[int] = []
     pending: list[int] = []          # chunk starts whose seams are not repaired yet
+    borrowed = {s.kv.data.untyped_storage().data_ptr() for s in segments if isinstance(s, ChunkSegment)}
 
     def flush(kv: KVCache, pending: list[int]) -> KVCache:
         nonlocal computed, reused, probed
         if not pending or recompute_ratio <= 0:
             return seam_repair(engine, kv, pending, seam_tokens)
         seams = {i for s in pending for i in range(s, min(s + seam_tokens, kv.num_tokens))}
-        res = selective_recompute(engine, kv, pending[0], recompute_ratio, seam_slots=seams,
-                                  probe_layer=probe_layer)
+        owned = kv.data.untyped_storage().data_ptr() not in borrowed   # a cat's copy, not a caller's chunk
+        res = selective_recompute(engine, kv, pending[0], recompute_ratio, seam_slots=seams, probe=probe,
+                                  in_place=owned, probe_cache=probe_cache)
         extra = len(res.recomputed_slots) - len(seams)
         computed, reused, probed = computed + extra, reused - extra, probed + res.probed_tokens
         return res.kv
