@@ -24,7 +24,7 @@ field-edit session (one template field early, changed each turn, kvnotes ``sessi
 with APC); then a mixed Poisson load (compose + cold + edit). The in-process compose time (the
 reference engine composing the same chunk KV in this process, ``kvruntime.ops.compose``) gives
 the in-process speed-up over the same vLLM recompute; ``kept`` = in-process time / cluster time.
-Tables: ``bench.cluster_vs_vllm_report``.
+Tables: ``bench.cluster_vs_vllm_report``; the mixed load: ``bench.cluster_vs_vllm_load``.
 """
 from __future__ import annotations
 
@@ -33,14 +33,12 @@ import contextlib
 import json
 import os
 import platform
-import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -284,68 +282,6 @@ def _inprocess(model: str, dtype: str, chunks_by_size: dict[int, list[list[int]]
     return out
 
 
-def _load(s: Systems, rate: float, count: int, size: int, n: int, seed: int, tag: str) -> list[dict]:
-    """Poisson arrivals of compose / cold / edit (one third each) at ``rate``, on each system in turn."""
-    k = max(2, round(size / 1024))
-    names = [f"{tag}-load-{i}" for i in range(k)]
-    chunks = []
-    for i, nm in enumerate(names):
-        text = s.text(50_000 + i * 997, int(size * 0.96 / k))
-        if s.kv.post("/v1/skills", json={"name": nm, "text": text}).status_code != 201:
-            raise RuntimeError(f"registering {nm} failed")
-        chunks.append(list(s.render.chunk_ids(text)))
-    tname, ttext = _template(s, size, f"{tag}-load")
-    n_edit = len(range(2, count, 3))
-    sessions = [f"{tag}-load-{j}-{uuid.uuid4().hex[:6]}" for j in range(n_edit)]
-    vsalt = uuid.uuid4().hex                       # plain vLLM: one salt, its prefix cache on as deployed
-    for sess in sessions:                          # turn 0 of every session on both (warm, not timed)
-        _edit_turn(s, tname, ttext, sess, vsalt, STATUSES[0], n)
-    rng = random.Random(seed)
-    gaps = [rng.expovariate(rate) for _ in range(count)]
-    runs = []
-    for system in ("kvnotes", "vLLM"):
-        recs, lock = [], threading.Lock()
-
-        def one(i: int, at: float, t0: float) -> None:
-            time.sleep(max(0.0, t0 + at - time.perf_counter()))
-            kind = ("compose", "cold", "edit")[i % 3]
-            if kind == "compose":
-                order = [(i + j) % k for j in range(k)]
-                q = f"Question {i}: what is said about item {i}?"
-                if system == "kvnotes":
-                    r = s.kv_native({"segments": [{"skill": names[j]} for j in order] + [{"text": q}],
-                                     "kv_policy": "fast"}, n)
-                else:
-                    ids = list(s.render.frame()) + [t for j in order for t in chunks[j]] + s.question(q)
-                    r = s.vllm_ids(ids, vsalt, n)
-            elif kind == "cold":
-                ids = _cold_ids(s, size, 1000 + i)
-                r = s.kv_ids(ids, n) if system == "kvnotes" else s.vllm_ids(ids, vsalt, n)
-            else:
-                value, sess = STATUSES[1 + i % (len(STATUSES) - 1)], sessions[i // 3]
-                if system == "kvnotes":
-                    r = s.kv_native({"session": sess, "kv_policy": "fast", "edit_strategy": "auto",
-                                     "segments": [{"template": tname, "fields": {"status": value}}, {"text": EDIT_Q}]}, n)
-                else:
-                    r = s.vllm_ids(s.template_ids(ttext, value) + s.question(EDIT_Q), vsalt, n)
-            r.update(kind=kind, done=time.perf_counter() - t0)
-            with lock:
-                recs.append(r)
-
-        t0, at, threads = time.perf_counter(), 0.0, []
-        for i, g in enumerate(gaps):
-            at += g
-            threads.append(threading.Thread(target=one, args=(i, at, t0)))
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if len(recs) != count:
-            raise RuntimeError(f"mixed load on {system}: {count - len(recs)} request(s) failed (see stderr)")
-        runs.append({"rate": rate, "system": system, "records": recs, "span": max(r["done"] for r in recs)})
-    return runs
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cluster_vs_vllm")
     ap.add_argument("--model", default="smollm2-135m")
@@ -392,8 +328,9 @@ def main(argv=None) -> int:
             w["cold"] = _cold(s, size, pick(args.reps, i), args.max_tokens)
             w["edit"] = _edit(s, size, pick(args.turns, i), args.max_tokens, tag)
             r["sizes"][str(size)] = w
+        from bench.cluster_vs_vllm_load import mixed_load
         for rate in _progress(args.rates, "mixed load rates"):
-            r["load"] += _load(s, rate, args.load_requests, args.load_size, args.max_tokens, 7, tag)
+            r["load"] += mixed_load(s, rate, args.load_requests, args.load_size, args.max_tokens, 7, tag)
         # in this process while both systems are up (idle): the machine state the cluster saw
         print("in-process compose (reference engine, this process)...", file=sys.stderr, flush=True)
         r["inprocess"] = _inprocess(args.model, args.dtype, chunks_by_size, 1 if args.quick else 2,
