@@ -161,6 +161,10 @@ def markdown(r: dict) -> str:
             m = stage_means(recs)
             lines.append(f"| {wl} | {x['size']} | {statistics.mean(q['ttft'] for q in recs):.2f} | "
                          + " | ".join(_f(m.get(k)) for k in STAGE_COLS) + f" | {m[OUTSIDE]:.2f} |")
+    fell = [(wl, size, f) for size, w in r["sizes"].items() for wl, d in w.items() for x in d.get("kvnotes", [])
+            for f in x.get("fallbacks", [])]
+    lines += ["", f"kvnotes requests that fell back to recompute: {len(fell)}"
+              + (f" ({', '.join(f'{wl} {sz}: {f}' for wl, sz, f in fell)})" if fell else "")]
     if r.get("load"):
         lines += ["", "### Mixed Poisson load (compose + cold + field edit, one third each)", "",
                   "| offered (req/s) | system | requests | p50 TTFT | p90 TTFT | p90 compose | p90 cold | p90 edit "
