@@ -75,3 +75,7 @@ def test_percentiles_and_the_markdown_tables():
     assert "| cold prompt within 1.2x of plain vLLM | 4096 | 1.29x | <= 1.2x | **miss** |" in md
     assert "| 7990 | 1.10 | 21.00 | 1.00 | 19.1x | 1.1x |" in md              # the side-by-side row at 8k
     assert "| 0.5 | kvnotes | 2 | " in md                                  # the mixed-load row
+    assert "kvnotes requests that fell back to recompute: 0" in md
+    r = _run()
+    r["sizes"]["4096"]["edit"]["kvnotes"][0]["fallbacks"] = ["session_context_evicted"]
+    assert "fell back to recompute: 1 (edit 4096: session_context_evicted)" in markdown(r)
