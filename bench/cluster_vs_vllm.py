@@ -1,6 +1,10 @@
 """kvnotes through the whole cluster vs plain vLLM, started by one command, measured side by side.
 
     python -m bench.cluster_vs_vllm [--quick] [--json runs/cluster_vs_vllm.json] [--plots docs/img]
+    python -m bench.cluster_vs_vllm --from-json runs/cluster_vs_vllm.json    # tables of a saved run
+
+The JSON is saved after every size, so a run cut short (Ctrl-C, SIGTERM, an error) keeps and
+prints what it measured, marked incomplete.
 
 Starts, in this order, and stops by PID / Ray shutdown on exit, Ctrl-C or error:
 
@@ -263,23 +267,32 @@ def _edit(s: Systems, size: int, turns: int, n: int, tag: str) -> dict:
     return out
 
 
-def _inprocess(model: str, dtype: str, chunks_by_size: dict[int, list[list[int]]], reps: int, frame, q) -> dict:
+def _inprocess(engine, chunks: list[list[int]], reps: int, frame, q) -> list[float]:
     """The same compose in this process (reference engine, 1 thread, chunk KV in memory)."""
-    import torch
-    from kvruntime.engine import ReferenceEngine
     from kvruntime.ops import ChunkSegment, TextSegment, compose, precompile_chunk
-    torch.set_num_threads(1)
-    engine = ReferenceEngine(model, dtype=dtype, threads=1)
-    out = {}
-    for size, chunks in chunks_by_size.items():
-        segs = [TextSegment(list(frame))] + [ChunkSegment(precompile_chunk(engine, c)) for c in chunks] + [TextSegment(q)]
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            compose(engine, segs, seam_tokens=1)
-            ts.append(time.perf_counter() - t)
-        out[str(size)] = ts
-    return out
+    segs = [TextSegment(list(frame))] + [ChunkSegment(precompile_chunk(engine, c)) for c in chunks] + [TextSegment(q)]
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        compose(engine, segs, seam_tokens=1)
+        ts.append(time.perf_counter() - t)
+    return ts
+
+
+def _save(r: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(r, indent=1))
+
+
+def _print(r: dict, plots: str) -> None:
+    if plots:
+        from bench.plots import plot_cluster_vs_vllm
+        for p in plot_cluster_vs_vllm(r, Path(plots)):
+            print(f"wrote {p}", file=sys.stderr)
+    print(f"# kvnotes cluster vs plain vLLM: {r['model']} {r['dtype']}, vLLM {r.get('vllm')}, {r['machine']}, "
+          f"max_tokens {r['max_tokens']}, run {r.get('seconds', 0):.0f} s" + (" (INCOMPLETE: " + r["incomplete"] + ")"
+                                                                             if r.get("incomplete") else "") + "\n")
+    print(markdown(r))
 
 
 def main(argv=None) -> int:
@@ -287,8 +300,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--sizes", type=int, nargs="*", default=[1024, 4096, 8000])
-    ap.add_argument("--reps", type=int, nargs="*", default=[4, 3, 2], help="compose/cold reps per size (last repeats)")
-    ap.add_argument("--turns", type=int, nargs="*", default=[8, 5, 3], help="measured field-edit turns per size")
+    # an 8k recompute takes ~2 min in plain vLLM fp32 on 2 cores: these defaults run ~25 min there
+    ap.add_argument("--reps", type=int, nargs="*", default=[3, 2, 1], help="compose/cold reps per size (last repeats)")
+    ap.add_argument("--turns", type=int, nargs="*", default=[6, 3, 2], help="measured field-edit turns per size")
     ap.add_argument("--rates", type=float, nargs="*", default=[0.5], help="mixed Poisson load rates (req/s)")
     ap.add_argument("--load-requests", type=int, default=9)
     ap.add_argument("--load-size", type=int, default=1024)
@@ -298,7 +312,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: 1k only, 1 rep, 2 edit turns, 3 load requests")
     ap.add_argument("--json", default="runs/cluster_vs_vllm.json")
     ap.add_argument("--plots", default="", help="folder for PNGs (e.g. docs/img; '' for none)")
+    ap.add_argument("--from-json", metavar="FILE", help="print the tables (and --plots) of a saved run; start nothing")
     args = ap.parse_args(argv)
+    if args.from_json:
+        _print(json.loads(Path(args.from_json).read_text()), args.plots)
+        return 0
     if args.quick:
         args.sizes, args.reps, args.turns, args.load_requests = [1024], [1], [2], 3
     if not args.sizes or any(not 256 <= x <= 8000 for x in args.sizes) or min(args.reps + args.turns) < 1 \
@@ -321,33 +339,34 @@ def main(argv=None) -> int:
         # warm-up, not counted: each path's first request pays one-off costs (kernels, connections)
         _compose(s, 512, 1, args.max_tokens, f"{tag}-warm"), _cold(s, 512, 1, args.max_tokens)
         _edit(s, 512, 1, args.max_tokens, f"{tag}-warm")
-        chunks_by_size = {}
+        import torch
+        from kvruntime.engine import ReferenceEngine
+        torch.set_num_threads(1)
+        ref = ReferenceEngine(args.model, dtype=args.dtype, threads=1)     # in-process compose, 1 thread
+        r["inprocess"] = {}
         for i, size in enumerate(_progress(args.sizes, "context sizes")):
             w = {}
-            w["compose"], chunks_by_size[size] = _compose(s, size, pick(args.reps, i), args.max_tokens, tag)
+            w["compose"], chunks = _compose(s, size, pick(args.reps, i), args.max_tokens, tag)
+            # in this process while both systems are up (idle): the machine state the cluster saw
+            r["inprocess"][str(size)] = _inprocess(ref, chunks, 1 if args.quick else 2, s.render.frame(),
+                                                   s.question(QUESTIONS[0]))
             w["cold"] = _cold(s, size, pick(args.reps, i), args.max_tokens)
             w["edit"] = _edit(s, size, pick(args.turns, i), args.max_tokens, tag)
             r["sizes"][str(size)] = w
+            _save(r, args.json)                      # a run cut short keeps what it measured
         from bench.cluster_vs_vllm_load import mixed_load
         for rate in _progress(args.rates, "mixed load rates"):
             r["load"] += mixed_load(s, rate, args.load_requests, args.load_size, args.max_tokens, 7, tag)
-        # in this process while both systems are up (idle): the machine state the cluster saw
-        print("in-process compose (reference engine, this process)...", file=sys.stderr, flush=True)
-        r["inprocess"] = _inprocess(args.model, args.dtype, chunks_by_size, 1 if args.quick else 2,
-                                    s.render.frame(), s.question(QUESTIONS[0]))
+    except BaseException as exc:                     # Ctrl-C, SIGTERM, an error: save, report, stop
+        r["incomplete"] = f"{type(exc).__name__}: {exc}"[:300]
+        raise
     finally:
         s.close()
         shutil.rmtree(workdir, ignore_errors=True)
-    r["seconds"] = time.perf_counter() - t_start
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(r, indent=1))
-    if args.plots:
-        from bench.plots import plot_cluster_vs_vllm
-        for p in plot_cluster_vs_vllm(r, Path(args.plots)):
-            print(f"wrote {p}", file=sys.stderr)
-    print(f"# kvnotes cluster vs plain vLLM: {r['model']} {r['dtype']}, vLLM {r.get('vllm')}, {r['machine']}, "
-          f"max_tokens {r['max_tokens']}, run {r['seconds']:.0f} s\n")
-    print(markdown(r))
+        r["seconds"] = time.perf_counter() - t_start
+        _save(r, args.json)
+        if r["sizes"]:
+            _print(r, args.plots)
     return 0
 
 
