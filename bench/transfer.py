@@ -9,9 +9,12 @@ transport object each, metadata/addresses passed through the actor handles. One 
 the whole path the executors run: ``encode_block`` + ``send`` on the sender (returns once the
 receiver has verified the block), then ``receive`` + ``decode_block`` on the receiver; GB/s =
 1e9 bytes/s over their sum, median of ``--reps`` after one untimed warm-up (which faults in the
-pools' pages). ``nixl`` encodes into the transport's registered pool
-(``encode_block(..., into=transport.lease)``: copy + CRC in one pass, no staging copy in send);
-``nixl-staged`` is the plain ``encode_block`` (send stages a copy). As in the cluster, every
+pools' pages). ``nixl`` is what the cluster's ``Sender`` runs: pipelined
+(``NixlTransport.send_kv``: the copy + CRC into registered memory overlaps the receiver's READ,
+piece by piece; its encode column is only the header, the copy is inside send);
+``nixl-serial`` encodes into the registered pool first (``encode_block(..., into=transport.lease)``:
+copy + CRC in one pass, no staging copy in send), then sends; ``nixl-staged`` is the plain
+``encode_block`` (send stages a copy). As in the cluster, every
 transfer is authenticated: the driver gives the receiver a grant (``expect``) before the push and
 the block carries the transfer's credential (receivers run with ``require_grant``).
 ``send_gbps`` is the send alone. ``copy_gbps`` is ``Tensor.copy_`` of the same
@@ -46,11 +49,11 @@ class Endpoint:
         if kind == "grpc":
             from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
             self.t = GrpcTransport(GrpcTransportConfig(require_grant=True), model=MODEL)
-        elif kind in ("nixl", "nixl-staged"):
+        elif kind in ("nixl", "nixl-serial", "nixl-staged"):
             from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
             self.t = NixlTransport(NixlTransportConfig(require_grant=True), model=MODEL)
         elif kind != "copy":
-            raise ValueError(f"unknown transport {kind!r}; choose nixl, nixl-staged, grpc or copy")
+            raise ValueError(f"unknown transport {kind!r}; choose nixl, nixl-serial, nixl-staged, grpc or copy")
 
     def address(self):
         """gRPC: serve and return host:port; NIXL: (agent name, metadata)."""
@@ -79,9 +82,14 @@ class Endpoint:
         return self.kv.data.nbytes
 
     def push(self, address: str, tid: str, credential: str) -> tuple[float, float]:
-        from kvtransport.blocks import encode_block
+        from kvtransport.blocks import block_header, encode_block
         t0 = time.perf_counter()
-        block = encode_block(tid, MODEL, self.kv, into=self.t.lease if self.kind == "nixl" else None,
+        if self.kind == "nixl":
+            header, payload = block_header(tid, MODEL, self.kv, credential=credential)
+            t1 = time.perf_counter()
+            self.t.send_kv(address, header, payload, timeout=120)
+            return t1 - t0, time.perf_counter() - t1
+        block = encode_block(tid, MODEL, self.kv, into=self.t.lease if self.kind == "nixl-serial" else None,
                              credential=credential)
         t1 = time.perf_counter()
         self.t.send(address, block, timeout=120)
@@ -169,8 +177,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", default="45,180,360", help="block sizes in MiB, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median)")
-    ap.add_argument("--transports", default="nixl,nixl-staged,grpc",
-                    help="nixl, nixl-staged and/or grpc (copy always runs)")
+    ap.add_argument("--transports", default="nixl,nixl-serial,grpc",
+                    help="nixl, nixl-serial, nixl-staged and/or grpc (copy always runs)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -178,8 +186,8 @@ def main(argv=None) -> None:
     mibs = [int(x) for x in args.mib.split(",") if x]
     transports = [t for t in args.transports.split(",") if t]
     for t in transports:
-        if t not in ("nixl", "nixl-staged", "grpc"):
-            raise SystemExit(f"unknown transport {t!r}; choose nixl, nixl-staged, grpc")
+        if t not in ("nixl", "nixl-serial", "nixl-staged", "grpc"):
+            raise SystemExit(f"unknown transport {t!r}; choose nixl, nixl-serial, nixl-staged, grpc")
     rows = run(mibs, args.reps, transports)
     if args.json:
         for r in rows:

@@ -45,9 +45,12 @@ class DecodeWorker:
         self.receiver = Receiver(cfg.kv_transport, cfg.model, cfg.dtype, bind=host, advertise=host, node_id=node_id)
         # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine
         # is vLLM (they live in the process-wide registry served here)
+        from decode_workers.held_kv import HeldPrefixes
         from decode_workers.metrics import worker_registry
         from kvruntime.telemetry import start_exporter
-        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}"), host=ip)
+        # the reference engine keeps prefix KV for the next request (vLLM has its own prefix cache)
+        held = HeldPrefixes(cfg.decode_prefix_cache_bytes) if cfg.decode_engine == "reference" else None
+        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}", held), host=ip)
         if cfg.decode_engine == "vllm":
             from decode_workers.vllm_engine import VllmDecodeExecutor
 
@@ -62,7 +65,7 @@ class DecodeWorker:
 
         self.engine = ReferenceEngine(cfg.model, dtype=cfg.dtype, device=device, threads=cfg.decode.threads)
         self.executor = DecodeExecutor(self.engine, self.receiver, load_failure_policy=cfg.kv_load_failure_policy,
-                                       receive_timeout=cfg.transfer_timeout_s)
+                                       receive_timeout=cfg.transfer_timeout_s, held=held)
 
     def address(self) -> str:
         return self.receiver.endpoint.grpc_address
@@ -73,13 +76,20 @@ class DecodeWorker:
 
     def expect(self, grant: TransferGrant, prefix_ids: tuple[int, ...] = (), salt: str | None = None) -> int:
         """The router announces a transfer before the prefill actor pushes it. Returns how many
-        leading prefix tokens this engine already holds (vLLM's prefix cache under ``salt``): the
-        grant is narrowed to the rest, which is all the prefill actor then sends."""
+        leading prefix tokens this engine already holds under ``salt`` (vLLM's prefix cache; the
+        reference engine's held prefix KV, pinned for this transfer): the grant is narrowed to the
+        rest, which is all the prefill actor then sends. The reference engine always gets at least
+        one token sent (the block, with its credential, stays the proof the prefill actor built
+        this prefix, and the one receive path is kept)."""
         held = 0
-        if self.engine_kind == "vllm" and prefix_ids and grant.first_position == 0:
+        if prefix_ids and grant.first_position == 0:
             if token_hash(tuple(prefix_ids)) != grant.tokens_sha256 or len(prefix_ids) != grant.tokens:
                 raise ValueError(f"prefix ids do not match the grant of transfer {grant.transfer_id}")
-            held = min(self.executor.held_prefix(tuple(prefix_ids), salt), grant.tokens)
+            if self.engine_kind == "vllm":
+                held = min(self.executor.held_prefix(tuple(prefix_ids), salt), grant.tokens)
+            else:
+                held = self.executor.held_prefix(tuple(prefix_ids), salt, transfer_id=grant.transfer_id,
+                                                 limit=grant.tokens - 1)
             if held:
                 grant = dataclasses.replace(grant, first_position=held, tokens=grant.tokens - held,
                                             tokens_sha256=token_hash(tuple(prefix_ids[held:])))
@@ -90,7 +100,9 @@ class DecodeWorker:
         """Inbox accounting: held bytes, refusals by reason, expiries (reads only)."""
         s = self.receiver.stats()
         return {"held_bytes": s.held_bytes, "blocks": s.blocks, "pending": s.pending, "expired": s.expired,
-                "refused": s.refused, "rejected": s.rejected, "grants": s.grants, "grants_expired": s.grants_expired}
+                "refused": s.refused, "rejected": s.rejected, "grants": s.grants, "grants_expired": s.grants_expired,
+                "prefix_held": dataclasses.asdict(self.executor.held.stats())
+                if getattr(self.executor, "held", None) is not None else None}
 
     def ready(self) -> dict:
         ep = self.receiver.endpoint

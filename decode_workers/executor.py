@@ -3,6 +3,11 @@
 If the prefix KV cannot be received (checksum rejected, transfer timed out, never sent), the
 configured policy decides: ``recompute`` the prefix from the plan's token ids (counted and
 logged), or ``fail`` the request.
+
+With ``held`` (a :class:`~decode_workers.held_kv.HeldPrefixes`), the prefix KV of each request
+is kept under its salt; :meth:`DecodeExecutor.held_prefix` / ``hold`` tell the actor how much of
+the next prefix it need not be sent, and :meth:`DecodeExecutor._prefix` joins the held slots with
+the received tail (which starts at the grant's ``first_position``).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from kvruntime.decode_cache import DecodeSession
 from kvruntime.kv import KVCache
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import recompute
+from decode_workers.held_kv import HeldPrefixes
 from decode_workers.sampling import Sampler, TextStream
 from kvtransport.blocks import BlockError, decode_block
 from kvtransport.transport import KVTransport, TransferError
@@ -23,20 +29,34 @@ log = logging.getLogger(__name__)
 
 class DecodeExecutor:
     def __init__(self, engine, transport: KVTransport, *, load_failure_policy: str = "recompute",
-                 receive_timeout: float = 60.0):
+                 receive_timeout: float = 60.0, held: HeldPrefixes | None = None):
         if load_failure_policy not in ("recompute", "fail"):
             raise ValueError("load_failure_policy must be 'recompute' or 'fail'")
         self.engine, self.transport = engine, transport
         self.policy, self.receive_timeout = load_failure_policy, receive_timeout
+        self.held = held
+
+    def held_prefix(self, prefix_ids: tuple[int, ...], salt: str | None = None, *,
+                    transfer_id: str | None = None, limit: int | None = None) -> int:
+        """Leading tokens of ``prefix_ids`` whose KV this executor holds under ``salt`` (0 without
+        a held cache). With ``transfer_id``: at most ``limit`` of them are pinned for that
+        transfer's :meth:`generate` (an eviction in between cannot take them)."""
+        if self.held is None:
+            return 0
+        if transfer_id is None:
+            return self.held.held_prefix(prefix_ids, salt)
+        return self.held.hold(transfer_id, prefix_ids, salt, len(prefix_ids) if limit is None else limit)
 
     def _prefix(self, transfer_id: str | None, prefix_ids: tuple[int, ...], fallbacks: list[str],
-                stages: dict[str, float] | None = None) -> KVCache:
+                stages: dict[str, float] | None = None) -> tuple[KVCache, int]:
+        """The prefix KV and how many of its tokens arrived in the transferred block."""
         stages = {} if stages is None else stages
         if not prefix_ids:
-            return self.engine.empty_kv()
+            return self.engine.empty_kv(), 0
         if transfer_id is None:
             # the caller knows no block was sent and has already counted that fallback
-            return recompute(self.engine, list(prefix_ids), logits=False).kv
+            return recompute(self.engine, list(prefix_ids), logits=False).kv, 0
+        pinned = self.held.take(transfer_id) if self.held is not None else None
         try:
             t = time.perf_counter()
             block = self.transport.receive(transfer_id, timeout=self.receive_timeout)
@@ -45,32 +65,50 @@ class DecodeExecutor:
             del block
             if kv.data.dtype != self.engine.dtype:
                 kv = kv.to(self.engine.device, self.engine.dtype)
+            start, loaded = len(prefix_ids) - kv.num_tokens, kv.num_tokens
+            if start > 0:                   # the grant was narrowed: the first `start` slots are held here
+                first = int(kv.positions[0]) if kv.num_tokens else start
+                if pinned is None or pinned.num_tokens != start or first != start:
+                    raise _Unusable("kv_held_missing")
+                kv = KVCache.cat([pinned.to(self.engine.device, self.engine.dtype), kv])
             stages["load"] = time.perf_counter() - t - stages["receive"]
-            if kv.token_ids.tolist() == list(prefix_ids):
-                return kv
+            if start >= 0 and kv.token_ids.tolist() == list(prefix_ids):
+                return kv, loaded
             reason = "kv_mismatch"
         except TransferError as exc:
             reason = f"kv_transfer_{exc.reason}"
         except BlockError:
             reason = "kv_block_invalid"
+        except _Unusable as exc:
+            reason = str(exc)
         fallbacks.append(reason)
         log.warning("prefix KV for %s unusable (%s); policy %s", transfer_id, reason, self.policy)
         if self.policy == "fail":
             raise RuntimeError(f"prefix KV unavailable ({reason}) and kv load failure policy is 'fail'")
-        return recompute(self.engine, list(prefix_ids), logits=False).kv
+        return recompute(self.engine, list(prefix_ids), logits=False).kv, 0
+
+    def _keep(self, prefix_ids: tuple[int, ...], salt: str | None, kv: KVCache, loaded: int) -> None:
+        """Keep this request's prefix KV for the next one (a fresh copy when it aliases the
+        received block's memory: transports reuse that)."""
+        if self.held is None or salt is None or not prefix_ids or kv.nbytes > self.held.capacity:
+            return
+        aliased = loaded == len(prefix_ids)           # the received block as is, no cat, no cast
+        self.held.put(prefix_ids, salt, KVCache(kv.data.clone(), kv.positions, kv.token_ids) if aliased else kv)
 
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
                  sampling: SamplingParams, *, salt: str | None = None) -> Iterator[TokenEvent | DecodeSummary]:
         """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`. Text is
         detokenized incrementally (never half a character) and ends before a stop string.
-        ``salt`` is ignored: this engine keeps no KV across requests."""
+        ``salt``: the key this request's prefix KV is kept under for the next request (with a
+        held cache; see :meth:`held_prefix`)."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
         t = time.perf_counter()
         fallbacks: list[str] = []
         stages: dict[str, float] = {}
-        kv = self._prefix(transfer_id, prefix_ids, fallbacks, stages)
+        kv, loaded = self._prefix(transfer_id, prefix_ids, fallbacks, stages)
         received = time.perf_counter() - t
+        self._keep(prefix_ids, salt, kv, loaded)
         start = len(prefix_ids)
         t_suffix = time.perf_counter()
         # the context is copied once into a buffer with room for the suffix and every token to come
@@ -100,4 +138,9 @@ class DecodeExecutor:
         stream.finish()       # after EOS: text still held back is in the summary's text, not in an event
         text = stream.text
         n_prefix = 0 if fallbacks or transfer_id is None else len(prefix_ids)
-        yield DecodeSummary(n, finish, tuple(fallbacks), received, text, n_prefix, n_prefix, tuple(stages.items()))
+        yield DecodeSummary(n, finish, tuple(fallbacks), received, text, n_prefix, min(loaded, n_prefix),
+                            tuple(stages.items()))
+
+
+class _Unusable(Exception):
+    """The received block cannot be joined to the held prefix (reason in the message)."""

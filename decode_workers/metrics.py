@@ -35,6 +35,29 @@ class InboxCollector:
         yield expired
 
 
+class HeldCollector:
+    """``kvnotes_decode_prefix_*`` series of the reference engine's held prefix KV
+    (``decode_workers.held_kv``; labels: ``worker``)."""
+
+    def __init__(self, held, worker: str):
+        self.held, self.worker = held, worker
+
+    def collect(self):
+        s, w = self.held.stats(), self.worker
+        g = GaugeMetricFamily("kvnotes_decode_prefix_held_bytes", "Prefix KV bytes the decode engine keeps for "
+                              "later requests (decode_prefix_cache_bytes bounds it)", labels=["worker"])
+        g.add_metric([w], s.held_bytes)
+        yield g
+        ev = CounterMetricFamily("kvnotes_decode_prefix_evictions", "Held prefix KV entries evicted (LRU, over "
+                                 "decode_prefix_cache_bytes)", labels=["worker"])
+        ev.add_metric([w], s.evictions)
+        yield ev
+        hit = CounterMetricFamily("kvnotes_decode_prefix_hit_tokens", "Prefix tokens not sent again because the "
+                                  "decode engine held their KV", labels=["worker"])
+        hit.add_metric([w], s.hit_tokens)
+        yield hit
+
+
 class _ProcessRegistry:
     """The process-wide registry's series (vLLM's engine metrics register there), forwarded."""
 
@@ -43,10 +66,13 @@ class _ProcessRegistry:
         yield from REGISTRY.collect()
 
 
-def worker_registry(receiver, worker: str):
-    """This actor's registry: its inbox plus whatever the process-wide registry holds."""
+def worker_registry(receiver, worker: str, held=None):
+    """This actor's registry: its inbox, its held prefix KV (reference engine), plus whatever the
+    process-wide registry holds."""
     from prometheus_client import CollectorRegistry
     r = CollectorRegistry(auto_describe=False)
     r.register(InboxCollector(receiver, worker))
+    if held is not None:
+        r.register(HeldCollector(held, worker))
     r.register(_ProcessRegistry())
     return r

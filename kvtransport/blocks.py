@@ -183,6 +183,23 @@ def encode_block(transfer_id: str, model: str, kv: KVCache, *, into=None, dtype:
     return KVBlock(header, payload)
 
 
+def block_header(transfer_id: str, model: str, kv: KVCache, *, dtype: str | None = None,
+                 credential: str = "") -> tuple[KVBlockHeader, memoryview]:
+    """For a streaming sender (``NixlTransport.send_kv``): the header with ``checksum`` 0 (the
+    sender computes it while copying and sends it last) and the payload bytes, in the wire
+    ``dtype`` (cast once if needed), aliasing ``kv.data`` when it is contiguous CPU memory of
+    that dtype. No checksum pass here."""
+    if kv.data.dtype not in _NAMES:
+        raise BlockError(f"unsupported KV dtype {kv.data.dtype}")
+    if dtype is not None and dtype not in DTYPES:
+        raise BlockError(f"unsupported wire dtype {dtype!r}")
+    data = kv.data.detach().to("cpu", DTYPES[dtype] if dtype else kv.data.dtype).contiguous()
+    payload = payload_view(data)
+    layers, _, heads, _, head_dim = data.shape
+    return KVBlockHeader(transfer_id, model, layers, heads, head_dim, _NAMES[data.dtype], tuple(kv.positions.tolist()),
+                         tuple(kv.token_ids.tolist()), payload.nbytes, 0, credential), payload
+
+
 def payload_len(payload: Payload) -> int:
     return memoryview(payload).nbytes
 

@@ -7,9 +7,10 @@ sends with, picked by config ``kv_transport: auto | nixl | grpc``.
   (or all interfaces) and advertises the node's address, so senders on other nodes reach it.
   Its :attr:`Receiver.endpoint` (a :class:`~kvruntime.messages.transfer.KVEndpoint`, NIXL agent
   metadata included) travels to prefill workers through the Ray actors.
-- :class:`Sender` (prefill side): encodes the block in the decode engine's dtype, straight into
-  NIXL registered memory when NIXL carries it (``encode_block(into=nixl.lease)``), with the
-  transfer's credential in its header, and sends it.
+- :class:`Sender` (prefill side): encodes the block in the decode engine's dtype, with the
+  transfer's credential in its header, and sends it; over NIXL pipelined
+  (``NixlTransport.send_kv``: copied into registered memory piece by piece while the receiver
+  READs the pieces already there).
 
 ``auto`` = NIXL where it imports and starts, else gRPC; ``nixl`` = NIXL or refuse to start.
 A fall back from NIXL to gRPC (NIXL unavailable at start, or a peer NIXL cannot reach) is
@@ -23,7 +24,7 @@ import time
 
 from kvruntime.kv import KVCache
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
-from kvtransport.blocks import KVBlock, encode_block
+from kvtransport.blocks import KVBlock, block_header, encode_block
 from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransport.transport import Inbox, InboxStats, KVTransport, TransferError, TransferReceipt
 
@@ -123,12 +124,12 @@ class Sender:
                 fallbacks.append("kv_transport_nixl_unavailable")   # this sender or that receiver runs gRPC only
             elif (peer := self._nixl_peer(ep)) is None:
                 fallbacks.append("kv_transport_nixl_to_grpc")
-        if peer is not None:
+        if peer is not None and kv.num_tokens:
             t = time.perf_counter()
-            block = encode_block(transfer_id, model, kv, into=self.nixl.lease, dtype=ep.dtype, credential=credential)
+            header, payload = block_header(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
             stages = {"serialise": time.perf_counter() - t}
-            try:
-                receipt = self.nixl.send(peer, block, timeout=timeout)
+            try:                # the copy into registered memory + CRC overlaps the READ (counted in transfer)
+                receipt = self.nixl.send_kv(peer, header, payload, timeout=timeout)
                 stages["transfer"] = receipt.seconds
                 return receipt, "nixl", stages, fallbacks
             except TransferError as exc:
@@ -137,7 +138,7 @@ class Sender:
                 _log_once("kv_transport_nixl_to_grpc", "NIXL send to %s failed (%s): sending over gRPC", peer, exc)
                 fallbacks.append("kv_transport_nixl_to_grpc")
             finally:
-                del block
+                del payload
         t = time.perf_counter()
         block = encode_block(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
         stages = {"serialise": time.perf_counter() - t}

@@ -22,17 +22,21 @@ Design (after vLLM's NixlConnector and NIXL's examples/python, shaped for our pu
   (ok, or a :class:`TransferError` reason: ``duplicate``, ``backpressure``, ``too_large``,
   ``rejected``, ``nixl_error``, or a grant refusal, see ``Inbox``); ``send`` returns or raises on
   it. A sender that times out notifies ``CANCEL`` and keeps its staging until ``PULLED`` or TTL.
+- **Pipelined** (``send_kv``, what :class:`~kvtransport.endpoints.Sender` uses): the offer goes
+  out first (``STREAM``), the sender copies + CRCs the payload into its lease and announces every
+  ``stream_piece_bytes`` (``AVAIL``); the receiver READs each announced piece while the next is
+  copied (see :mod:`kvtransport.nixl_read`); the last ``AVAIL`` carries the CRC-32C, checked
+  before the block is visible. Encode and transfer overlap on two cores.
 Same host: UCX picks ``cma``; across hosts tcp/RDMA (``UCX_TLS``, ``UCX_NET_DEVICES``). No VRAM
 pool: blocks are CPU bytes by construction (``encode_block`` moves KV to the CPU).
 """
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -41,14 +45,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtransport.blocks import BlockError, KVBlock, KVBlockHeader, as_bytes_array, checksum_extend, payload_len
-from kvtransport.grpc_codec import header_from_bytes, header_to_bytes
+from kvtransport.nixl_read import NixlReader
+from kvtransport.nixl_wire import AVAIL, CANCEL, OFFER, PULLED, REPLY, STREAM, Avail, Offer, Reply
 from kvtransport.transport import BufferPool, Inbox, KVTransport, TransferError, TransferReceipt, TransferState
 
 log = logging.getLogger(__name__)
-
-_OFFER, _PULLED, _REPLY, _CANCEL = b"O", b"P", b"R", b"C"   # notification kinds (first byte)
-_OFFER_FIXED = struct.Struct("<QQIII")      # addr, nbytes, dev_id, len(metadata), len(header)
-
 
 @dataclass(frozen=True)
 class NixlTransportConfig:
@@ -60,6 +61,7 @@ class NixlTransportConfig:
     busy_poll_s: float = 0.0002             # poll period while a transfer is open, s
     read_timeout_s: float = 60.0            # a READ still in progress after this fails
     read_piece_bytes: int = 8 << 20         # READ in pieces this big, each CRC'd while in cache
+    stream_piece_bytes: int = 16 << 20      # send_kv: announce availability every this many bytes encoded
     verify_crc: bool = True                 # receiver checks CRC-32C before a block is visible
     require_grant: bool = False             # accept only transfers announced by expect() (the cluster: True)
     backends: tuple[str, ...] = ("UCX",)
@@ -67,49 +69,8 @@ class NixlTransportConfig:
     def __post_init__(self):
         if self.pool_bytes <= 0 or self.max_block_bytes <= 0 or self.inbox_bytes <= 0:
             raise ValueError("pool_bytes, max_block_bytes and inbox_bytes must be positive")
-        if self.read_piece_bytes <= 0 or not 0 < self.busy_poll_s <= self.idle_poll_s:
-            raise ValueError("need read_piece_bytes > 0 and 0 < busy_poll_s <= idle_poll_s")
-
-
-@dataclass(frozen=True)
-class Offer:
-    """Sender -> receiver: pull this block from my registered memory."""
-    header: KVBlockHeader
-    addr: int                 # virtual address of the staged payload in the sender's process
-    nbytes: int               # staged bytes (the receiver checks them against the header)
-    dev_id: int               # NIXL device id of that memory (0 for DRAM)
-    metadata: bytes           # the sender's agent metadata on a first offer, else b""
-
-    def encode(self) -> bytes:
-        hdr = header_to_bytes(self.header)
-        return b"".join((_OFFER, _OFFER_FIXED.pack(self.addr, self.nbytes, self.dev_id, len(self.metadata), len(hdr)),
-                         self.metadata, hdr))
-
-    @staticmethod
-    def decode(msg: bytes) -> "Offer":
-        """Raises ``ValueError`` for a malformed offer."""
-        n = 1 + _OFFER_FIXED.size
-        addr, nbytes, dev, lmd, lhdr = _OFFER_FIXED.unpack_from(msg, 1) if len(msg) >= n else (0, 0, 0, -1, 0)
-        if lmd < 0 or len(msg) != n + lmd + lhdr:
-            raise ValueError("offer too short or its length does not match its fields")
-        return Offer(header_from_bytes(msg[n + lmd:]), addr, nbytes, dev, bytes(msg[n:n + lmd]))
-
-
-@dataclass(frozen=True)
-class Reply:
-    """Receiver -> sender: the verdict on an offer."""
-    transfer_id: str
-    ok: bool
-    reason: str = ""          # TransferError reason when not ok
-    error: str = ""
-
-    def encode(self) -> bytes:
-        return _REPLY + json.dumps([self.transfer_id, self.ok, self.reason, self.error]).encode()
-
-    @staticmethod
-    def decode(msg: bytes) -> "Reply":
-        tid, ok, reason, error = json.loads(msg[1:])
-        return Reply(str(tid), bool(ok), str(reason), str(error))
+        if self.read_piece_bytes <= 0 or self.stream_piece_bytes <= 0 or not 0 < self.busy_poll_s <= self.idle_poll_s:
+            raise ValueError("need read_piece_bytes, stream_piece_bytes > 0 and 0 < busy_poll_s <= idle_poll_s")
 
 
 @dataclass
@@ -121,7 +82,7 @@ class _Outgoing:              # one open send, owned by the sending thread + the
     reply: Reply | None = None
 
 
-class NixlTransport(KVTransport):
+class NixlTransport(NixlReader, KVTransport):
     """Both ends over one NIXL agent. Receiver: give :meth:`metadata` (and :attr:`name`, the
     address senders use) to senders; then :meth:`receive`. Sender: :meth:`add_peer`, then
     :meth:`send`. Starts the agent, registers the pool and starts the progress thread."""
@@ -142,6 +103,10 @@ class NixlTransport(KVTransport):
         self._out: dict[str, _Outgoing] = {}                        # transfer id -> open send
         self._quarantine: dict[str, _Outgoing] = {}                 # timed-out send -> staging kept until PULLED/TTL
         self._out_lock = threading.Lock()  # guards _out and _quarantine
+        # receiver side, progress thread only: streamed offers' announced bytes (tid -> Avail), and
+        # notifications that arrived while a streamed READ waited (dispatched after it)
+        self._avail: collections.OrderedDict[str, Avail] = collections.OrderedDict()
+        self._deferred: collections.deque = collections.deque()
         self.counters: collections.Counter[str] = collections.Counter()  # fallback/failure kind -> count
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._progress, name=f"nixl-progress-{self.name}", daemon=True)
@@ -193,14 +158,53 @@ class NixlTransport(KVTransport):
                 time.sleep(self.cfg.busy_poll_s * 10)
                 staging = self._pool.lease(n)
             staging[:] = as_bytes_array(block.payload)
+        out = self._post(address, block.header, staging, streamed=False)
+        del staging
+        return self._await(address, tid, out, n, t0, deadline, timeout)
+
+    def send_kv(self, address: str, header: KVBlockHeader, payload, *, timeout: float = 30.0) -> TransferReceipt:
+        """Pipelined send: copy ``payload`` (the bytes :func:`~kvtransport.blocks.block_header`
+        returned) into a registered lease piece by piece, CRC-32C'ing each piece while in cache,
+        and announce each ``stream_piece_bytes`` as it lands, so the receiver READs piece k while
+        piece k+1 is copied (two processes: two cores). The CRC travels last; ``header.checksum``
+        is ignored. Blocks until the receiver has verified the block; raises like :meth:`send`."""
+        t0, deadline = time.perf_counter(), time.monotonic() + timeout
+        src = as_bytes_array(payload)
+        tid, n = header.transfer_id, src.nbytes
+        if address not in self._peers:
+            raise TransferError("unknown_peer", f"no metadata for NIXL peer {address!r}: call add_peer first")
+        if n == 0 or n > self.cfg.pool_bytes:
+            raise TransferError("too_large", f"a streamed block of {n} bytes does not fit the NIXL pool "
+                                             f"({self.cfg.pool_bytes}) or is empty")
+        buf = self._pool.lease(n)
+        while buf is None:
+            if time.monotonic() > deadline:
+                raise TransferError("backpressure", f"NIXL send pool full for {tid} ({n} bytes)")
+            time.sleep(self.cfg.busy_poll_s * 10)
+            buf = self._pool.lease(n)
+        out = self._post(address, header, buf, streamed=True)
+        crc, off, step, piece = 0, 0, self.cfg.stream_piece_bytes, 4 << 20
+        while off < n and not out.done.is_set():          # a refusal ends the copying early
+            end = min(n, off + step)
+            for a in range(off, end, piece):
+                b = min(end, a + piece)
+                buf[a:b] = src[a:b]
+                crc = checksum_extend(crc, buf[a:b])
+            off = end
+            with self._lock:
+                self._safe_notify(address, Avail(tid, off, crc if off == n else 0).encode())
+        del buf
+        return self._await(address, tid, out, n, t0, deadline, timeout)
+
+    def _post(self, address: str, header: KVBlockHeader, staging: np.ndarray, *, streamed: bool) -> _Outgoing:
+        tid = header.transfer_id
         out = _Outgoing(address, staging, time.monotonic())
         with self._out_lock:
             if tid in self._out:
                 raise TransferError("duplicate", f"transfer id {tid} is already being sent")
             self._out[tid] = out
-        del staging
         md = b"" if address in self._introduced else self.metadata()
-        offer = Offer(block.header, int(out.staging.ctypes.data), n, 0, md)
+        offer = Offer(header, int(staging.ctypes.data), staging.nbytes, 0, md, streamed)
         try:
             with self._lock:
                 self._agent.send_notif(address, offer.encode())
@@ -208,10 +212,14 @@ class NixlTransport(KVTransport):
             self._forget(tid)
             raise TransferError("unavailable", f"NIXL notify to {address} failed: {exc}") from None
         self._introduced.add(address)
+        return out
+
+    def _await(self, address: str, tid: str, out: _Outgoing, n: int, t0: float, deadline: float,
+               timeout: float) -> TransferReceipt:
         if not out.done.wait(max(0.0, deadline - time.monotonic())):
             self.counters["send_timeout"] += 1
             with self._lock:
-                self._safe_notify(address, _CANCEL + tid.encode())
+                self._safe_notify(address, CANCEL + tid.encode())
             with self._out_lock:                                   # keep staging until PULLED or TTL
                 self._out.pop(tid, None)
                 if out.staging is not None:
@@ -269,10 +277,11 @@ class NixlTransport(KVTransport):
             try:
                 with self._lock:
                     notifs = self._agent.get_new_notifs()
-                for peer, msgs in notifs.items():
+                for peer, msgs in notifs.items():       # queued: a streamed READ applies the batch's AVAILs
                     peer = peer.decode() if isinstance(peer, bytes) else peer
-                    for msg in msgs:
-                        self._dispatch(peer, bytes(msg))
+                    self._deferred.extend((peer, bytes(msg)) for msg in msgs)
+                while self._deferred:
+                    self._dispatch(*self._deferred.popleft())
             except Exception:  # the thread must survive anything a peer sends; counted, logged
                 self.counters["progress_error"] += 1
                 log.exception("NIXL progress loop error in %s", self.name)
@@ -293,7 +302,18 @@ class NixlTransport(KVTransport):
 
     def _dispatch(self, peer: str, msg: bytes) -> None:
         kind, body = msg[:1], msg[1:]
-        if kind == _OFFER:
+        if kind == AVAIL:
+            try:
+                a = Avail.decode(msg)
+            except (ValueError, UnicodeDecodeError) as exc:
+                self.counters["bad_notification"] += 1
+                log.warning("malformed NIXL availability from %s dropped: %s", peer, exc)
+                return
+            self._avail[a.transfer_id] = a
+            self._avail.move_to_end(a.transfer_id)
+            while len(self._avail) > 1024:                 # left by refused or abandoned streams
+                self._avail.popitem(last=False)
+        elif kind in (OFFER, STREAM):
             try:
                 offer = Offer.decode(msg)
             except ValueError as exc:
@@ -301,8 +321,8 @@ class NixlTransport(KVTransport):
                 log.warning("malformed NIXL offer from %s dropped: %s", peer, exc)
                 return
             self._on_offer(peer, offer)
-        elif kind in (_PULLED, _REPLY):
-            reply = Reply.decode(msg) if kind == _REPLY else None
+        elif kind in (PULLED, REPLY):
+            reply = Reply.decode(msg) if kind == REPLY else None
             tid = reply.transfer_id if reply else body.decode()
             with self._out_lock:
                 out = self._out.get(tid) or self._quarantine.pop(tid, None)
@@ -315,7 +335,8 @@ class NixlTransport(KVTransport):
             if reply is not None:
                 out.reply = reply
                 out.done.set()
-        elif kind == _CANCEL:
+        elif kind == CANCEL:
+            self._avail.pop(body.decode(), None)
             self._inbox.abort(body.decode(), f"cancelled by sender {peer}")
         else:
             self.counters["bad_notification"] += 1
@@ -354,12 +375,17 @@ class NixlTransport(KVTransport):
             self.counters["pool_full"] += 1
             return self._fail(peer, tid, "backpressure", f"NIXL receive pool full ({self._pool.leased_bytes} leased)")
         try:
-            state, crc = self._read(peer, dest, offer, _PULLED + tid.encode())
+            state, crc = self._read(peer, dest, offer, PULLED + tid.encode())
         except Exception as exc:  # a NIXL/UCX error fails this transfer only; counted, logged
             state, crc = f"ERR ({type(exc).__name__}: {exc})", None
         if state != "DONE":
             self.counters["nixl_error"] += 1
             return self._fail(peer, tid, "nixl_error", f"NIXL READ of {tid} from {peer}: {state}")
+        if offer.streamed:                                 # the checksum came last, with the final bytes
+            final = self._avail.pop(tid, None)
+            if final is None or final.ready != offer.nbytes:
+                return self._fail(peer, tid, "rejected", f"streamed block {tid} ended without its checksum")
+            h = dataclasses.replace(h, checksum=final.crc)
         if crc is not None and crc != h.checksum:
             return self._fail(peer, tid, "rejected", f"checksum mismatch on {tid}: header {h.checksum:#010x}, "
                                                      f"payload {crc:#010x}")
@@ -367,33 +393,8 @@ class NixlTransport(KVTransport):
         self._inbox.finish(tid, KVBlock.verified(h, payload) if crc is not None else KVBlock(h, payload))
         self._notify(peer, Reply(tid, True))
 
-    def _read(self, peer: str, dest: np.ndarray, offer: Offer, notif: bytes) -> tuple[str, int | None]:
-        """Pull ``offer`` into ``dest`` piece by piece (the last piece carries ``notif``); returns
-        the final NIXL state and the CRC-32C of what arrived (None unless ``verify_crc``)."""
-        deadline = time.monotonic() + self.cfg.read_timeout_s
-        crc, n, step, state = (0 if self.cfg.verify_crc else None), offer.nbytes, self.cfg.read_piece_bytes, "DONE"
-        for off in range(0, n, step):
-            size = min(step, n - off)
-            with self._lock:
-                local = self._agent.get_xfer_descs([(int(dest.ctypes.data) + off, size, 0)], "DRAM")
-                remote = self._agent.get_xfer_descs([(offer.addr + off, size, offer.dev_id)], "DRAM")
-                handle = self._agent.initialize_xfer("READ", local, remote, peer, notif if off + size == n else b"")
-                try:
-                    state = self._agent.transfer(handle)
-                    while state == "PROC" and time.monotonic() < deadline:
-                        state = self._agent.check_xfer_state(handle)
-                finally:
-                    self._agent.release_xfer_handle(handle)
-            if state != "DONE":
-                return state, crc
-            if crc is not None:
-                crc = checksum_extend(crc, dest[off:off + size])
-        if n == 0 and notif:
-            with self._lock:
-                self._safe_notify(peer, notif)
-        return state, crc
-
     def _fail(self, peer: str, tid: str, reason: str, error: str) -> None:
         log.warning("rejected NIXL KV block %s from %s: %s", tid, peer, error)
+        self._avail.pop(tid, None)
         self._inbox.finish(tid, None, error)
         self._notify(peer, Reply(tid, False, reason, error))

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.blocks import KVBlock, encode_block
+from kvtransport.blocks import KVBlock, block_header, encode_block
 from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
 from kvtransport.transport import TransferError
 
 CFG = NixlTransportConfig(pool_bytes=64 << 20, max_block_bytes=32 << 20, inbox_bytes=48 << 20,
-                          read_piece_bytes=1 << 20)
+                          read_piece_bytes=1 << 20, stream_piece_bytes=2 << 20)
 
 
 def _kv(tokens=50, dtype=torch.float32, seed=None):
@@ -165,6 +165,46 @@ def test_duplicate_transfer_id_is_refused_and_holds_no_memory(pair):
     s = _stats(ask)
     assert s["held"] == 0 and s["leased"] == 0 and s["blocks"] == 0
     assert tx.pool.leased_bytes == 0
+
+
+@pytest.mark.parametrize("tokens,dtype", [(50, "float32"), (4000, "float32"), (3000, "bfloat16")])
+def test_pipelined_send_is_bit_exact_and_frees_both_pools(pair, tokens, dtype):
+    """send_kv: offer first, payload copied into the lease piece by piece and announced (2 MiB
+    here: 12 announcements for 4000 fp32 tokens) while the receiver READs; the CRC comes last."""
+    tx, name, ask = pair
+    header, payload = block_header(f"st-{tokens}-{dtype}", "m", _kv(tokens), dtype=dtype)
+    receipt = tx.send_kv(name, header, payload, timeout=60)
+    assert receipt.bytes_sent == header.payload_bytes
+    assert ask("receive", f"st-{tokens}-{dtype}", 10, tokens, dtype) == ("ok", True)
+    s = _stats(ask)
+    assert s["held"] == 0 and s["blocks"] == 0 and s["leased"] == 0 and s["pending"] == 0
+    gc.collect()
+    assert tx.pool.leased_bytes == 0
+
+
+def test_pipelined_send_with_a_bad_checksum_or_a_bad_header_is_rejected(pair, monkeypatch):
+    tx, name, ask = pair
+    import kvtransport.nixl_transport as nt
+    header, payload = block_header("st-crc", "m", _kv(4000))
+    real = nt.checksum_extend
+    monkeypatch.setattr(nt, "checksum_extend", lambda crc, piece: real(crc, piece) ^ 1)   # the sender's CRC lies
+    with pytest.raises(TransferError, match="checksum") as info:
+        tx.send_kv(name, header, payload, timeout=30)
+    monkeypatch.undo()
+    assert info.value.reason == "rejected"
+    status, kind, reason, msg = ask("receive", "st-crc", 5, 0, "float32")
+    assert (status, kind, reason) == ("error", "TransferError", "rejected")
+    header, payload = block_header("st-model", "other", _kv(4000))                     # refused at the offer
+    with pytest.raises(TransferError, match="model") as info:
+        tx.send_kv(name, header, payload, timeout=30)
+    assert info.value.reason == "rejected"
+    s = _stats(ask)
+    assert s["held"] == 0 and s["leased"] == 0 and s["pending"] == 0
+    gc.collect()
+    assert tx.pool.leased_bytes == 0
+    header, payload = block_header("st-after", "m", _kv(60))                           # still works
+    tx.send_kv(name, header, payload, timeout=30)
+    assert ask("receive", "st-after", 5, 60, "float32") == ("ok", True)
 
 
 def test_forged_notifications_are_counted_not_fatal(pair):

@@ -33,6 +33,7 @@ class ClusterConfig:
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
     decode_engine: str = "reference"           # reference (torch oracle) | vllm (vLLM v1 + kvnotes KV connector)
+    decode_prefix_cache_bytes: int = 256 << 20  # engine=reference: prefix KV a decode actor keeps (LRU) so it is not sent twice; 0 = off
     vllm_kv_cache_gib: float = 1.0             # engine=vllm: paged KV space per decode actor (GiB; CPU: VLLM_CPU_KVCACHE_SPACE)
     vllm_max_model_len: int = 8192             # engine=vllm: longest prompt + completion (tokens)
     vllm_max_concurrency: int = 16             # engine=vllm: requests one decode actor accepts at once (batched by vLLM)
@@ -100,6 +101,8 @@ class ClusterConfig:
             raise ValueError(f"kv_transport must be auto, nixl or grpc, got {self.kv_transport!r}")
         if self.decode_engine not in ("reference", "vllm"):
             raise ValueError("decode_engine must be reference or vllm")
+        if not isinstance(self.decode_prefix_cache_bytes, int) or self.decode_prefix_cache_bytes < 0:
+            raise ValueError("decode_prefix_cache_bytes must be an integer >= 0 (0 = off)")
         if self.vllm_kv_cache_gib <= 0 or self.vllm_max_model_len < 16 or self.vllm_max_concurrency < 1:
             raise ValueError("vllm_kv_cache_gib > 0, vllm_max_model_len >= 16 and vllm_max_concurrency >= 1 required")
         if self.vllm_kv_load not in ("async", "sync") or self.vllm_kv_load_threads < 1:

@@ -1,0 +1,80 @@
+"""Ship nothing twice through the real cluster with the reference decode engine: the decode actor
+keeps a request's prefix KV (``decode_prefix_cache_bytes``), tells the router at ``expect`` how
+much of the next prefix it holds under the request's salt, and the prefill actor sends only the
+rest. Another tenant's identical text is a different salt: everything travels again."""
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.conftest import api_key, direct_text, free_port, get_engine, metric
+
+pytestmark = pytest.mark.slow
+
+PRICES = " ".join(f"Item {i} costs {i * 7 % 100} dollars." for i in range(120))    # ~1k tokens
+QUESTION = "What does item 3 cost?"
+
+
+@pytest.fixture(scope="module")
+def held_cluster(tmp_path_factory):
+    from cluster.launcher import start, stop
+    from kvruntime.messages.config import ClusterConfig
+
+    root = tmp_path_factory.mktemp("held")
+    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=128 << 20, data_dir=str(root))
+    (root / "c.json").write_text(json.dumps({"data_dir": str(root)}))
+    start(cfg, local_cpus=4)
+    base = f"http://127.0.0.1:{cfg.port}"
+    clients = []
+    try:
+        out = subprocess.run([sys.executable, "-m", "cluster.cli", "keys", "create", "--tenant", "globex",
+                              "--config", str(root / "c.json")], capture_output=True, text=True, timeout=120, check=True)
+        for key in (api_key(cfg), out.stdout.strip().splitlines()[-1]):
+            clients.append(httpx.Client(base_url=base, timeout=300, headers={"authorization": f"Bearer {key}"}))
+        for c in clients:                              # the same text, registered by each tenant
+            r = c.post("/v1/skills", json={"name": "prices", "text": PRICES})
+            assert r.status_code == 201, r.text
+        yield clients
+    finally:
+        for c in clients:
+            c.close()
+        stop(cfg)
+
+
+def _sent(http) -> float:
+    return metric(http.get("/metrics").text, "kvnotes_kv_transfer_bytes_total")
+
+
+def test_a_repeated_composed_prefix_is_not_sent_twice_by_the_reference_engine(held_cluster):
+    acme, globex = held_cluster
+    e = get_engine("smollm2-135m")
+    ids = (e.encode(e.spec.chat_user_prefix) + e.encode(PRICES.strip() + "\n\n")
+           + e.encode(QUESTION + e.spec.chat_user_suffix))
+    oracle = direct_text(ids, 8)
+    exact = {"segments": [{"skill": "prices"}, {"text": QUESTION}], "max_tokens": 8, "temperature": 0,
+             "kv_policy": "exact", "explain": True}
+    b0 = _sent(acme)
+    first = acme.post("/v1/notes/completions", json=exact).json()
+    b1 = _sent(acme)
+    second = acme.post("/v1/notes/completions", json=exact).json()
+    b2 = _sent(acme)
+    assert first["text"] == second["text"] == oracle, (first, second)
+    assert b1 - b0 > 0 and 0 < b2 - b1 < (b1 - b0) / 2, (b0, b1, b2)        # only the tail travelled again
+    assert second["explain"]["transport"] in ("nixl", "grpc") and "transfer" in second["explain"]["stages"]
+
+    # a composed (repositioned) prefix: its own salt (another recipe), then held on the repeat
+    fast = {**exact, "kv_policy": "fast"}
+    f1 = acme.post("/v1/notes/completions", json=fast).json()
+    b3 = _sent(acme)
+    f2 = acme.post("/v1/notes/completions", json=fast).json()
+    b4 = _sent(acme)
+    assert f1["plan"] == f2["plan"] == "reposition" and f2["text"] == f1["text"], (f1, f2)
+    assert b3 - b2 > (b1 - b0) / 2 and 0 < b4 - b3 < (b3 - b2) / 2, (b2, b3, b4)
+
+    # globex sends the same text: another tenant's salt, nothing of acme's held KV is used
+    g = globex.post("/v1/notes/completions", json=exact).json()
+    b5 = _sent(acme)
+    assert g["text"] == oracle and b5 - b4 > (b1 - b0) / 2, (b4, b5)
+    assert metric(acme.get("/metrics").text, "kvnotes_fallbacks_total") == 0
