@@ -29,7 +29,7 @@ _STATUS_BY_CODE = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413:
 # dashboard and to KvnotesFallbackRateHigh. A reason missing here still counts, from its second on.
 KNOWN_FALLBACKS = (
     "session_context_evicted", "tier_lookup_worker_lost", "tier_remote_down", "tier_store_failed",
-    "kv_load_failed", "kv_mismatch", "kv_block_invalid", "reposition_disabled",
+    "kv_load_failed", "kv_mismatch", "kv_block_invalid", "kv_held_missing", "reposition_disabled",
     "kv_transport_nixl_unavailable", "kv_transport_nixl_to_grpc",
     *(f"kv_transfer_{r}" for r in ("timeout", "rejected", "duplicate", "backpressure", "too_large", "unavailable",
                                    "unknown_peer", "unsupported", "unknown_transfer", "bad_credential",
