@@ -86,9 +86,12 @@ def test_native_plans_reposition_and_exact(cluster):
     kinds = [s["kind"] for s in fast["explain"]["steps"]]
     assert kinds.count("reposition") == 2 and fast["usage"]["prompt_tokens_details"]["cached_tokens"] > 40
     exact = http.post("/v1/notes/completions", json={**body, "kv_policy": "exact"}).json()
-    assert exact["plan"] == "recompute" and exact["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert exact["plan"] == "recompute" and exact["explain"]["reused_tokens"] == 0
     from tests.conftest import get_engine
     e = get_engine("smollm2-135m")
+    # nothing came from the tier; the decode actor may already hold the chat frame's leading
+    # tokens from an earlier request of this tenant (exact KV, sent once: decode_prefix_cache_bytes)
+    assert exact["usage"]["prompt_tokens_details"]["cached_tokens"] <= len(e.encode(e.spec.chat_user_prefix))
     ids = (e.encode(e.spec.chat_user_prefix) + e.encode(SKILL.strip() + "\n\n") + e.encode(MEMORY.strip() + "\n\n")
            + e.encode("Can Dana return the headphones?" + e.spec.chat_user_suffix))
     assert exact["text"] == _direct(ids, 16)
