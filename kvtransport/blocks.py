@@ -161,11 +161,7 @@ def encode_block(transfer_id: str, model: str, kv: KVCache, *, into=None, dtype:
     the payload is copied into that array piece by piece, each piece CRC'd while in cache, so a
     transport that owns the array (registered memory) sends it without a staging copy. None from
     ``into`` (its pool is full) keeps the aliasing path."""
-    if kv.data.dtype not in _NAMES:
-        raise BlockError(f"unsupported KV dtype {kv.data.dtype}")
-    if dtype is not None and dtype not in DTYPES:
-        raise BlockError(f"unsupported wire dtype {dtype!r}")
-    data = kv.data.detach().to("cpu", DTYPES[dtype] if dtype else kv.data.dtype).contiguous()
+    data = _wire_data(kv, dtype)
     payload = payload_view(data)
     dest = into(payload.nbytes) if into is not None and payload.nbytes else None
     if dest is None:
@@ -183,17 +179,22 @@ def encode_block(transfer_id: str, model: str, kv: KVCache, *, into=None, dtype:
     return KVBlock(header, payload)
 
 
+def _wire_data(kv: KVCache, dtype: str | None):
+    """``kv.data`` on the CPU in the wire dtype (cast once if needed), contiguous."""
+    if kv.data.dtype not in _NAMES:
+        raise BlockError(f"unsupported KV dtype {kv.data.dtype}")
+    if dtype is not None and dtype not in DTYPES:
+        raise BlockError(f"unsupported wire dtype {dtype!r}")
+    return kv.data.detach().to("cpu", DTYPES[dtype] if dtype else kv.data.dtype).contiguous()
+
+
 def block_header(transfer_id: str, model: str, kv: KVCache, *, dtype: str | None = None,
                  credential: str = "") -> tuple[KVBlockHeader, memoryview]:
     """For a streaming sender (``NixlTransport.send_kv``): the header with ``checksum`` 0 (the
     sender computes it while copying and sends it last) and the payload bytes, in the wire
     ``dtype`` (cast once if needed), aliasing ``kv.data`` when it is contiguous CPU memory of
     that dtype. No checksum pass here."""
-    if kv.data.dtype not in _NAMES:
-        raise BlockError(f"unsupported KV dtype {kv.data.dtype}")
-    if dtype is not None and dtype not in DTYPES:
-        raise BlockError(f"unsupported wire dtype {dtype!r}")
-    data = kv.data.detach().to("cpu", DTYPES[dtype] if dtype else kv.data.dtype).contiguous()
+    data = _wire_data(kv, dtype)
     payload = payload_view(data)
     layers, _, heads, _, head_dim = data.shape
     return KVBlockHeader(transfer_id, model, layers, heads, head_dim, _NAMES[data.dtype], tuple(kv.positions.tolist()),

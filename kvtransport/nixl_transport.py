@@ -151,16 +151,21 @@ class NixlTransport(NixlReader, KVTransport):
             raise TransferError("too_large", f"block of {n} bytes exceeds the NIXL pool ({self.cfg.pool_bytes})")
         staging = as_bytes_array(block.payload) if n else None
         if staging is None or not self._in_pool(staging):          # not encoded into our pool: stage it
-            staging = self._pool.lease(n)
-            while staging is None:
-                if time.monotonic() > deadline:
-                    raise TransferError("backpressure", f"NIXL send pool full for {tid} ({n} bytes)")
-                time.sleep(self.cfg.busy_poll_s * 10)
-                staging = self._pool.lease(n)
+            staging = self._lease_until(n, tid, deadline)
             staging[:] = as_bytes_array(block.payload)
         out = self._post(address, block.header, staging, streamed=False)
         del staging
         return self._await(address, tid, out, n, t0, deadline, timeout)
+
+    def _lease_until(self, n: int, tid: str, deadline: float):
+        """A registered lease of ``n`` bytes, waiting for the pool until ``deadline`` (monotonic)."""
+        buf = self._pool.lease(n)
+        while buf is None:
+            if time.monotonic() > deadline:
+                raise TransferError("backpressure", f"NIXL send pool full for {tid} ({n} bytes)")
+            time.sleep(self.cfg.busy_poll_s * 10)
+            buf = self._pool.lease(n)
+        return buf
 
     def send_kv(self, address: str, header: KVBlockHeader, payload, *, timeout: float = 30.0) -> TransferReceipt:
         """Pipelined send: copy ``payload`` (the bytes :func:`~kvtransport.blocks.block_header`
@@ -176,12 +181,7 @@ class NixlTransport(NixlReader, KVTransport):
         if n == 0 or n > self.cfg.pool_bytes:
             raise TransferError("too_large", f"a streamed block of {n} bytes does not fit the NIXL pool "
                                              f"({self.cfg.pool_bytes}) or is empty")
-        buf = self._pool.lease(n)
-        while buf is None:
-            if time.monotonic() > deadline:
-                raise TransferError("backpressure", f"NIXL send pool full for {tid} ({n} bytes)")
-            time.sleep(self.cfg.busy_poll_s * 10)
-            buf = self._pool.lease(n)
+        buf = self._lease_until(n, tid, deadline)
         out = self._post(address, header, buf, streamed=True)
         crc, off, step, piece = 0, 0, self.cfg.stream_piece_bytes, 4 << 20
         while off < n and not out.done.is_set():          # a refusal ends the copying early
