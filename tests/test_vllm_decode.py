@@ -186,12 +186,17 @@ def test_a_pending_async_load_does_not_stop_running_streams(smol, vx, sender, on
     kv = recompute(smol, prefix, logits=False).kv
     a_tokens: list[int] = []
     b_out: dict = {}
+    stop_a = threading.Event()
 
     def run_a():
+        # A streams until the test stops it (closing the generator aborts the request), so a
+        # slow machine cannot finish A before B has even started waiting
         for ev in vx.generate(None, tuple(smol.encode("Count slowly:")), (smol.encode(" 1,")[0],),
-                              SamplingParams(max_tokens=400), salt="late-a"):
+                              SamplingParams(max_tokens=4000), salt="late-a"):
             if isinstance(ev, TokenEvent):
                 a_tokens.append(ev.token_id)
+            if stop_a.is_set():
+                break
 
     def run_b():
         b_out["result"] = _run(vx, "late-b", prefix, suffix, salt="late-b", kv_load="async")
@@ -215,8 +220,13 @@ def test_a_pending_async_load_does_not_stop_running_streams(smol, vx, sender, on
     assert any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in list(sched.requests.values()))
     sender.send(vx.address, encode_block("late-b", MODEL, kv), timeout=30)
     b.join(timeout=120)
-    a.join(timeout=300)
+    stop_a.set()
+    a.join(timeout=120)
     assert not b.is_alive() and not a.is_alive()
+    gone = time.monotonic() + 30                  # the stopped stream was aborted, not left running
+    while sched.requests and time.monotonic() < gone:
+        time.sleep(0.05)
+    assert not sched.requests, list(sched.requests)
     got, s = b_out["result"]
     assert got == plain and s.fallbacks == () and s.loaded_tokens == len(prefix), s
 
