@@ -65,6 +65,7 @@ class PrefillExecutor:
         kv, st = self.engine.empty_kv(), PrefillStats()
         self._seams: list[int] = []               # chunk starts awaiting one batched seam repair
         self._seam_k, self._ratio = 0, 0.0       # ratio > 0: selective recompute (ops.blend)
+        self._borrowed: set[int] = set()         # storages of loaded KV (a tier's memory): never written
         for step in plan.steps:
             if step.kind is not PlanKind.REPOSITION:
                 kv = self._flush_seams(kv, st)        # computed steps must see repaired seams
@@ -75,7 +76,10 @@ class PrefillExecutor:
         if self._seams and self._ratio > 0:       # the plan's r: seams + top-r chunk tokens, one forward
             seams = {i for c in self._seams for i in range(c, min(c + self._seam_k, kv.num_tokens))}
             with _timed(st, "forward"):
-                res = selective_recompute(self.engine, kv, self._seams[0], self._ratio, seam_slots=seams)
+                # the fresh KV is written into kv's buffer when it is a cat's copy, not a tier's chunk
+                owned = kv.data.untyped_storage().data_ptr() not in self._borrowed
+                res = selective_recompute(self.engine, kv, self._seams[0], self._ratio, seam_slots=seams,
+                                          in_place=owned)
             extra = len(res.recomputed_slots) - len(seams)
             st.computed += extra
             st.repositioned -= extra
@@ -151,8 +155,9 @@ class PrefillExecutor:
                 return self._compute(kv, step.token_ids, step.position, st)
             try:
                 with _timed(st, "rerotate"):
-                    moved = reposition(self.engine.rope, loaded.to(self.engine.device, self.engine.dtype),
-                                       step.position - int(loaded.positions[0]))
+                    src = loaded.to(self.engine.device, self.engine.dtype)
+                    moved = reposition(self.engine.rope, src, step.position - int(loaded.positions[0]))
+                self._borrowed |= {src.data.untyped_storage().data_ptr(), moved.data.untyped_storage().data_ptr()}
             except RepositionDisabled:
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)

@@ -156,7 +156,11 @@ def test_reposition_plan_executes_the_planned_recompute_ratio(wired, ratio):
     plan = plan_request(RenderedRequest("r", e.spec.name, Policy.BALANCED, (frame, skill), q),
                         TierView(frozenset({skill.kv.digest})), None, e.encode, cfg)
     assert plan.steps[1].recompute_ratio == ratio
+    chunk_before = src.get(skill.kv).data.clone()
     kv, st = pre.build(plan)
+    # the recompute writes into the executor's own buffer, never into the tier's chunk
+    assert torch.equal(src.get(skill.kv).data, chunk_before)
+    assert torch.equal(pre.build(plan)[0].data, kv.data)
     want = compose(e, [TextSegment(list(frame.token_ids)), ChunkSegment(src.get(skill.kv))], seam_tokens=1,
                    recompute_ratio=ratio)
     assert torch.equal(kv.data, want.kv.data)
