@@ -58,8 +58,8 @@ def create_key(state: StateStore, tenant: str) -> tuple[str, ApiKeyRecord]:
 
 def ensure_default_key(state: StateStore, tenant: str, path: Path) -> str | None:
     """The embedded default's key: the one saved in ``path`` if the store still knows it, else a
-    new one for ``tenant`` when the store holds no key at all (saved to ``path``, mode 0600,
-    printed once). None when other keys exist (made with ``kvnotes keys create``)."""
+    new one for ``tenant`` when the store holds no key at all (saved to ``path``, mode 0600;
+    the path is printed, never the key). None when other keys exist (made with ``kvnotes keys create``)."""
     path = Path(path).expanduser()
     if path.exists():
         key = path.read_text().strip()
@@ -75,8 +75,9 @@ def ensure_default_key(state: StateStore, tenant: str, path: Path) -> str | None
         f.write(key + "\n")
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
-    print(f"kvnotes: created API key {rec.key_id} for tenant {tenant!r}, saved in {path} (mode 0600):\n{key}",
-          flush=True)
+    # the secret itself stays out of stdout (it ends up in service logs); the file is the handle
+    print(f"kvnotes: created API key {rec.key_id} for tenant {tenant!r}, saved in {path} (mode 0600); "
+          f"use it with: -H \"authorization: Bearer $(cat {path})\"", flush=True)
     return key
 
 
