@@ -184,10 +184,10 @@ def test_pipelined_send_is_bit_exact_and_frees_both_pools(pair, tokens, dtype):
 
 def test_pipelined_send_with_a_bad_checksum_or_a_bad_header_is_rejected(pair, monkeypatch):
     tx, name, ask = pair
-    import kvtransport.nixl_transport as nt
+    import kvtransport.nixl_read as nr                  # the CRC thread's checksum, in this (sender) process
     header, payload = block_header("st-crc", "m", _kv(4000))
-    real = nt.checksum_extend
-    monkeypatch.setattr(nt, "checksum_extend", lambda crc, piece: real(crc, piece) ^ 1)   # the sender's CRC lies
+    real = nr.checksum_extend
+    monkeypatch.setattr(nr, "checksum_extend", lambda crc, piece: real(crc, piece) ^ 1)   # the sender's CRC lies
     with pytest.raises(TransferError, match="checksum") as info:
         tx.send_kv(name, header, payload, timeout=30)
     monkeypatch.undo()
