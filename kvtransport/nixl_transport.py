@@ -67,12 +67,18 @@ class NixlTransportConfig:
     verify_crc: bool = True                 # receiver checks CRC-32C before a block is visible
     require_grant: bool = False             # accept only transfers announced by expect() (the cluster: True)
     backends: tuple[str, ...] = ("UCX",)
+    # UCX error handling: "peer" detects a dead peer but forces notifications over tcp (shared memory
+    # has no failure detection); "none" sends them over shared memory on one host (~10% faster at
+    # 180 MiB, measured) and relies on our timeouts alone for a dead peer
+    ucx_error_handling: str = "peer"
 
     def __post_init__(self):
         if self.pool_bytes <= 0 or self.max_block_bytes <= 0 or self.inbox_bytes <= 0:
             raise ValueError("pool_bytes, max_block_bytes and inbox_bytes must be positive")
         if self.read_piece_bytes <= 0 or self.stream_piece_bytes <= 0 or not 0 < self.busy_poll_s <= self.idle_poll_s:
             raise ValueError("need read_piece_bytes, stream_piece_bytes > 0 and 0 < busy_poll_s <= idle_poll_s")
+        if self.ucx_error_handling not in ("peer", "none"):
+            raise ValueError(f"ucx_error_handling must be 'peer' or 'none', not {self.ucx_error_handling!r}")
 
 
 @dataclass
@@ -94,7 +100,9 @@ class NixlTransport(NixlReader, KVTransport):
         from nixl._api import nixl_agent, nixl_agent_config        # lazy: only this backend needs NIXL
         self.cfg, self.model = cfg, model
         self.name = name or f"kvnotes-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=list(cfg.backends)))
+        self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        for b in cfg.backends:
+            self._agent.create_backend(b, {"ucx_error_handling_mode": cfg.ucx_error_handling} if b == "UCX" else {})
         self._lock = threading.RLock()                              # every agent call
         self._pool = BufferPool(cfg.pool_bytes)
         self._reg = self._agent.register_memory([(self._pool.address, cfg.pool_bytes, 0, "")], "DRAM")
