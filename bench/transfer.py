@@ -9,7 +9,8 @@ transport object each, metadata/addresses passed through the actor handles. One 
 the whole path the executors run: ``encode_block`` + ``send`` on the sender (returns once the
 receiver has verified the block), then ``receive`` + ``decode_block`` on the receiver; GB/s =
 1e9 bytes/s over their sum, median of ``--reps`` after one untimed warm-up (which faults in the
-pools' pages). ``nixl`` is what the cluster's ``Sender`` runs: pipelined
+pools' pages). ``--ucx-error-handling none`` runs the NIXL rows with that
+``NixlTransportConfig`` setting (see there). ``nixl`` is what the cluster's ``Sender`` runs: pipelined
 (``NixlTransport.send_kv``: the copy + CRC into registered memory overlaps the receiver's READ,
 piece by piece; its encode column is only the header, the copy is inside send);
 ``nixl-serial`` encodes into the registered pool first (``encode_block(..., into=transport.lease)``:
@@ -42,7 +43,7 @@ def _tokens(mib: int) -> int:
 class Endpoint:
     """One side of one transport, inside a Ray actor. Holds at most one KV tensor."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, ucx_error_handling: str = "peer"):
         import logging
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self.kind, self.kv = kind, None
@@ -51,7 +52,8 @@ class Endpoint:
             self.t = GrpcTransport(GrpcTransportConfig(require_grant=True), model=MODEL)
         elif kind in ("nixl", "nixl-serial", "nixl-staged"):
             from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
-            self.t = NixlTransport(NixlTransportConfig(require_grant=True), model=MODEL)
+            self.t = NixlTransport(NixlTransportConfig(require_grant=True, ucx_error_handling=ucx_error_handling),
+                                   model=MODEL)
         elif kind != "copy":
             raise ValueError(f"unknown transport {kind!r}; choose nixl, nixl-serial, nixl-staged, grpc or copy")
 
@@ -123,7 +125,7 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run(mibs: list[int], reps: int, transports: list[str]) -> list[dict]:
+def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: str = "peer") -> list[dict]:
     import ray
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"}})
@@ -132,7 +134,7 @@ def run(mibs: list[int], reps: int, transports: list[str]) -> list[dict]:
     try:
         pairs = {}
         for kind in transports:
-            tx, rx = actor.remote(kind), actor.remote(kind)
+            tx, rx = actor.remote(kind, ucx_error_handling), actor.remote(kind, ucx_error_handling)
             addr = ray.get(rx.address.remote())
             if kind != "grpc":
                 name, md = addr
@@ -179,6 +181,9 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median)")
     ap.add_argument("--transports", default="nixl,nixl-serial,grpc",
                     help="nixl, nixl-serial, nixl-staged and/or grpc (copy always runs)")
+    ap.add_argument("--ucx-error-handling", default="peer", choices=("peer", "none"),
+                    help="NixlTransportConfig.ucx_error_handling for the NIXL rows (none: notifications "
+                         "over shared memory, no peer-failure detection)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -188,7 +193,7 @@ def main(argv=None) -> None:
     for t in transports:
         if t not in ("nixl", "nixl-serial", "nixl-staged", "grpc"):
             raise SystemExit(f"unknown transport {t!r}; choose nixl, nixl-serial, nixl-staged, grpc")
-    rows = run(mibs, args.reps, transports)
+    rows = run(mibs, args.reps, transports, args.ucx_error_handling)
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -287,9 +287,11 @@ class KvnotesConnector(KVConnectorBase_V1):
         slots = torch.tensor(spec.slot_mapping, dtype=torch.long, device=first.kv_cache.device)
         for i, layer in enumerate(layers):
             cache = layer.kv_cache
-            # ours: [2, kv_heads, tokens, head_dim] -> vLLM's op wants [tokens, kv_heads, head_dim]
-            k = kv.data[i, 0, :, spec.start - f:n - f].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
-            v = kv.data[i, 1, :, spec.start - f:n - f].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
+            # ours: [2, kv_heads, tokens, head_dim] -> vLLM's op wants [tokens, kv_heads, head_dim]:
+            # a transposed view where the op honours strides (no copy), else one contiguous copy
+            k, v = (kv.data[i, j, :, spec.start - f:n - f].transpose(0, 1) for j in (0, 1))
+            if not (_strided_ok(layer.impl) and k.dtype == cache.dtype and k.device == cache.device):
+                k, v = (t.to(cache.device, cache.dtype).contiguous() for t in (k, v))
             layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
         with self._lock:
             self._stages[spec.req_id] = {"receive": t1 - t0, "load": time.perf_counter() - t1}
@@ -328,6 +330,14 @@ class KvnotesConnector(KVConnectorBase_V1):
             self._async.shutdown()
         if self.transport is not None and self._owns_transport:   # a decode actor's Receiver is its own to stop
             self.transport.stop()
+
+
+def _strided_ok(impl) -> bool:
+    """Whether ``impl.do_kv_cache_update`` takes strided key/value views: vLLM's CPU backend
+    (``cpu_attn_reshape_and_cache`` reads each token/head by stride; checked against the
+    contiguous input in tests/test_vllm_decode.py). GPU ops assume [heads, head_dim] contiguous
+    per token, so they get a copy."""
+    return type(impl).__name__ == "CPUAttentionBackendImpl"
 
 
 class _Mismatch(ValueError):

@@ -19,6 +19,7 @@ prefill side), a transfer id accepted once (ALREADY_EXISTS), and expiry of uncla
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
 import threading
@@ -57,12 +58,38 @@ class GrpcTransportConfig:
     workers: int = 8                      # server threads (concurrent pushes)
     pool_bytes: int = 1 << 30             # receive arena (virtual until used; pages stay warm)
     require_grant: bool = False           # accept only transfers announced by expect() (the cluster: True)
+    # glibc malloc: keep up to this many freed bytes in the heap (and serve allocations up to 32 MiB
+    # from it) so gRPC's per-message buffers reuse warm pages instead of page-faulting fresh ones
+    # (measured 0.75 -> 1.0-1.15 GB/s at 180 MiB); process-wide, set once; 0 leaves glibc's defaults
+    malloc_keep_bytes: int = 256 << 20
 
     def __post_init__(self):
         if self.chunk_bytes <= 0 or self.max_message_bytes < self.chunk_bytes + (1 << 20):
             raise ValueError("max_message_bytes must exceed chunk_bytes by at least 1 MiB of header room")
-        if self.pool_bytes < 0:
-            raise ValueError("pool_bytes must be >= 0 (0: no pool, fresh memory per block)")
+        if self.pool_bytes < 0 or self.malloc_keep_bytes < 0:
+            raise ValueError("pool_bytes and malloc_keep_bytes must be >= 0 (0: no pool / glibc defaults)")
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3      # mallopt(3) parameters
+_malloc_tuned = False
+
+
+def tune_malloc(keep_bytes: int) -> bool:
+    """Once per process: glibc ``mallopt`` so that freed message buffers stay in the heap (trim
+    threshold ``keep_bytes``) and allocations up to 32 MiB (glibc's maximum mmap threshold) come
+    from it, warm, instead of a fresh ``mmap`` that page-faults per 4 KiB. Returns whether it
+    applied (False: not glibc, ``keep_bytes`` 0, or already done); logged."""
+    global _malloc_tuned
+    if _malloc_tuned or keep_bytes <= 0:
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, keep_bytes) == 1
+    except (OSError, AttributeError):  # not glibc (musl, macOS): defaults stay, logged
+        ok = False
+    _malloc_tuned = True
+    log.info("gRPC transport: malloc keeps up to %d freed bytes warm: %s", keep_bytes, "applied" if ok else "unavailable")
+    return ok
 
 
 class _Servicer(grpc.GenericRpcHandler):
@@ -144,6 +171,7 @@ class GrpcTransport(KVTransport):
     def __init__(self, cfg: GrpcTransportConfig = GrpcTransportConfig(), *, model: str | None = None,
                  inbox: Inbox | None = None):
         self.cfg, self.model = cfg, model
+        tune_malloc(cfg.malloc_keep_bytes)
         self._inbox = inbox or Inbox(cfg.inbox_bytes, cfg.max_block_bytes, cfg.unclaimed_ttl_s,
                                      require_grant=cfg.require_grant)
         self._servicer: _Servicer | None = None

@@ -1,35 +1,61 @@
 """The receiving half of :class:`~kvtransport.nixl_transport.NixlTransport`: READ an offer's
 payload from the sender's registered memory into a lease of our pool, piece by piece (each piece
-CRC-32C'd while in cache), and for a streamed offer wait for each piece's announcement
+CRC-32C'd on the transport's CRC thread while the next is READ), and for a streamed offer wait for each piece's announcement
 (:class:`~kvtransport.nixl_wire.Avail`) while READing the ones already announced. Runs on the
 transport's progress thread; uses its agent, lock, inbox, config and notification queues.
 """
 from __future__ import annotations
 
 import collections
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kvtransport.blocks import checksum_extend
-from kvtransport.nixl_wire import AVAIL, CANCEL, Offer
+from kvtransport.nixl_wire import AVAIL, CANCEL, Offer, Reply
 from kvtransport.transport import TransferState
+
+log = logging.getLogger("kvtransport.nixl_transport")
+
+
+class _CrcChain:
+    """CRC-32C of pieces handed in order to a one-thread executor, so the receiver's CRC of
+    piece k overlaps the READ of piece k+1 (the sender's core is free once it has copied)."""
+
+    def __init__(self, executor: ThreadPoolExecutor):
+        self.crc, self._ex, self._last = 0, executor, None
+
+    def add(self, piece: np.ndarray) -> None:
+        self._last = self._ex.submit(self._step, piece)
+
+    def _step(self, piece: np.ndarray) -> None:
+        self.crc = checksum_extend(self.crc, piece)
+
+    def result(self) -> int:
+        """The CRC-32C of every piece added, once they are all checked."""
+        if self._last is not None:
+            self._last.result()
+        return self.crc
 
 
 class NixlReader:
-    """Mixin: ``_read`` and ``_wait_ready`` for NixlTransport (attributes: ``_agent``, ``_lock``,
-    ``_inbox``, ``cfg``, ``_avail``, ``_deferred``, ``_dispatch``, ``_safe_notify``)."""
+    """Mixin: ``_read``, ``_wait_ready`` and the notify helpers for NixlTransport (attributes:
+    ``_agent``, ``_lock``, ``_inbox``, ``cfg``, ``_avail``, ``_deferred``, ``_dispatch``,
+    ``counters``, ``_crc_pool``)."""
 
     def _read(self, peer: str, dest: np.ndarray, offer: Offer, notif: bytes) -> tuple[str, int | None]:
         """Pull ``offer`` into ``dest`` piece by piece (the last piece carries ``notif``; a
         streamed offer's pieces as they are announced); returns the final NIXL state and the
         CRC-32C of what arrived (None unless ``verify_crc``)."""
         deadline = time.monotonic() + self.cfg.read_timeout_s
-        crc, n, step, state = (0 if self.cfg.verify_crc else None), offer.nbytes, self.cfg.read_piece_bytes, "DONE"
+        chain = _CrcChain(self._crc_executor()) if self.cfg.verify_crc else None
+        n, step, state = offer.nbytes, self.cfg.read_piece_bytes, "DONE"
         off, ready = 0, (0 if offer.streamed else n)
         while off < n:
             if ready <= off and (ready := self._wait_ready(offer.header.transfer_id, off, deadline)) <= off:
-                return "ERR (the sender stopped streaming: cancelled or timed out)", crc
+                return "ERR (the sender stopped streaming: cancelled or timed out)", None
             size = min(step, ready - off)
             with self._lock:
                 local = self._agent.get_xfer_descs([(int(dest.ctypes.data) + off, size, 0)], "DRAM")
@@ -42,14 +68,19 @@ class NixlReader:
                 finally:
                     self._agent.release_xfer_handle(handle)
             if state != "DONE":
-                return state, crc
-            if crc is not None:
-                crc = checksum_extend(crc, dest[off:off + size])
+                return state, None                       # pending CRC tasks keep their pieces' lease alive
+            if chain is not None:
+                chain.add(dest[off:off + size])          # CRC'd on its thread while the next piece is READ
             off += size
         if n == 0 and notif:
             with self._lock:
                 self._safe_notify(peer, notif)
-        return state, crc
+        return state, (chain.result() if chain else None)
+
+    def _crc_executor(self) -> ThreadPoolExecutor:
+        """The transport's one CRC thread: runs each chain's pieces in order (libcrc32c releases
+        the GIL, so a CRC runs beside a READ or a copy)."""
+        return self._crc_pool
 
     def _wait_ready(self, tid: str, off: int, deadline: float) -> int:
         """A streamed offer: poll notifications until more than ``off`` bytes of ``tid`` are
@@ -82,3 +113,14 @@ class NixlReader:
                         self._deferred.append((peer, msg))
             if not notifs:
                 time.sleep(self.cfg.busy_poll_s)
+
+    def _notify(self, peer: str, reply: Reply) -> None:
+        with self._lock:
+            self._safe_notify(peer, reply.encode())
+
+    def _safe_notify(self, peer: str, msg: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as exc:  # the peer is gone: it times out on its side; counted, logged
+            self.counters["notify_failed"] += 1
+            log.warning("NIXL notification to %s failed: %s", peer, exc)

@@ -134,3 +134,27 @@ def test_unclaimed_block_expires_and_is_counted():
     finally:
         tx.stop()
         rx.stop()
+
+
+def test_malloc_tuning_is_a_setting_applied_once_per_process(monkeypatch):
+    import kvtransport.grpc_transport as gt
+    with pytest.raises(ValueError, match="malloc_keep_bytes"):
+        GrpcTransportConfig(malloc_keep_bytes=-1)
+    monkeypatch.setattr(gt, "_malloc_tuned", False)
+    assert gt.tune_malloc(0) is False and gt._malloc_tuned is False      # 0: glibc defaults stay
+    assert gt.tune_malloc(256 << 20) is True                             # glibc (this image): applied
+    assert gt.tune_malloc(256 << 20) is False                            # once per process
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_buffer_pool_leases_and_releases_with_or_without_huge_pages(huge):
+    from kvtransport.transport import BufferPool
+    pool = BufferPool(8 << 20, huge_pages=huge)
+    a, b = pool.lease(5 << 20), pool.lease(3 << 20)
+    assert a is not None and b is not None and pool.lease(4096) is None
+    a[:] = 7
+    b[:] = 9
+    assert int(a.sum()) == 7 * (5 << 20) and int(pool.arena[:5 << 20].sum()) == 7 * (5 << 20)
+    del a
+    gc.collect()
+    assert pool.leased_bytes == 3 << 20 and pool.lease(5 << 20) is not None

@@ -184,10 +184,10 @@ def test_pipelined_send_is_bit_exact_and_frees_both_pools(pair, tokens, dtype):
 
 def test_pipelined_send_with_a_bad_checksum_or_a_bad_header_is_rejected(pair, monkeypatch):
     tx, name, ask = pair
-    import kvtransport.nixl_transport as nt
+    import kvtransport.nixl_read as nr                  # the CRC thread's checksum, in this (sender) process
     header, payload = block_header("st-crc", "m", _kv(4000))
-    real = nt.checksum_extend
-    monkeypatch.setattr(nt, "checksum_extend", lambda crc, piece: real(crc, piece) ^ 1)   # the sender's CRC lies
+    real = nr.checksum_extend
+    monkeypatch.setattr(nr, "checksum_extend", lambda crc, piece: real(crc, piece) ^ 1)   # the sender's CRC lies
     with pytest.raises(TransferError, match="checksum") as info:
         tx.send_kv(name, header, payload, timeout=30)
     monkeypatch.undo()
@@ -223,3 +223,37 @@ def test_config_validation():
         NixlTransportConfig(pool_bytes=0)
     with pytest.raises(ValueError):
         NixlTransportConfig(busy_poll_s=0.1, idle_poll_s=0.01)
+    with pytest.raises(ValueError, match="ucx_error_handling"):
+        NixlTransportConfig(ucx_error_handling="retry")
+
+
+def test_no_ucx_error_handling_still_moves_and_checks_blocks():
+    """ucx_error_handling="none" (notifications over shared memory): a pipelined round trip is
+    bit exact and a lying checksum is still rejected."""
+    import dataclasses
+    import kvtransport.nixl_read as nr
+    from kvtransport.blocks import decode_block
+    cfg = dataclasses.replace(CFG, ucx_error_handling="none")
+    rx, tx = NixlTransport(cfg, model="m"), NixlTransport(cfg, model="m")
+    try:
+        tx.add_peer(rx.name, rx.metadata())
+        kv = _kv(3000)
+        header, payload = block_header("none-ok", "m", kv)
+        tx.send_kv(rx.name, header, payload, timeout=30)
+        assert torch.equal(decode_block(rx.receive("none-ok", timeout=5), model="m").data, kv.data)
+        header, payload = block_header("none-bad", "m", kv)
+        real = nr.checksum_extend
+        calls = []
+
+        def lying(crc, piece):                          # one side's first piece CRC lies: the two must differ
+            calls.append(1)
+            return real(crc, piece) ^ (1 if len(calls) == 1 else 0)
+        nr.checksum_extend = lying
+        try:
+            with pytest.raises(TransferError, match="checksum"):
+                tx.send_kv(rx.name, header, payload, timeout=30)
+        finally:
+            nr.checksum_extend = real
+    finally:
+        tx.stop()
+        rx.stop()

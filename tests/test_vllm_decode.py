@@ -102,6 +102,34 @@ def _cases(engine):
         yield c.id, res.kv, engine.encode(c.question + close)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_cache_update_writes_strided_views_like_contiguous_ones(dtype):
+    """The connector hands vLLM's CPU backend transposed views of the block (no copy): the op
+    must write exactly what it writes from contiguous copies, for keys (packed) and values."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
+    from decode_workers.vllm_connector import _strided_ok
+    import vllm._custom_ops as ops
+    layers, heads, tokens, dim, bs, blocks = 2, 3, 300, 64, 32, 16
+    data = torch.randn(layers, 2, heads, tokens + 5, dim).to(dtype)
+    slots = torch.randperm(blocks * bs)[:tokens]                # scattered slots, as vLLM's blocks are
+    isa = _get_attn_isa(dtype, bs, dim)
+
+    def write(strided):
+        cache = torch.zeros(blocks, heads, bs, 2 * dim, dtype=dtype)
+        kc, vc = cache.view(blocks, heads, 2 * bs, dim).chunk(2, dim=2)
+        for i in range(layers):
+            k, v = (data[i, j, :, 5:].transpose(0, 1) for j in (0, 1))
+            if not strided:
+                k, v = k.contiguous(), v.contiguous()
+            ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+        return cache
+
+    assert _strided_ok(CPUAttentionBackendImpl.__new__(CPUAttentionBackendImpl))
+    want = write(False)
+    assert want.abs().sum() > 0
+    assert torch.equal(write(True), want)
+
+
 def test_composed_kv_decoded_by_vllm_matches_reference(smol, vx, sender, one_torch_thread):
     report, exact = [], 0
     cases = list(_cases(smol))
