@@ -18,7 +18,6 @@ import platform
 import statistics
 import time
 
-import torch
 from bench.progress import progress as _progress
 
 

@@ -1,5 +1,6 @@
 """The compose r sweep and answer judging of the fidelity harness."""
 import json
+import math
 import subprocess
 import sys
 
@@ -85,6 +86,18 @@ def test_sweep_from_rows_merges_runs_and_lists_flips(tmp_path):
     assert "| a | 0.020 | 2/2:" in flips and "| b |" not in flips
     with pytest.raises(ValueError):
         report.params_of("something else")
+    paired = report.paired_table(loaded)
+    # seam 1 on the common cases a, b: one flip (a, margin 0.02 < 0.1, not < 0.001); answers:
+    # a judged for seam 1 (wrong) and recompute (right) -> 0/1 right (1/1), lost 1, gained 0
+    assert "| reposition + seam 1 | 2 | 1/2 = 50% (9%-91%) | 0/2 = 0% (0%-66%) | 1 | 0 / 1 | 0/1 (1/1) | 1 / 0 |" in paired, paired
+    assert f"| {blend_op(0.1, probe='progressive')} | 2 | 1/2 = 50%" in paired and "n/a | n/a |" in paired
+
+
+def test_wilson_interval():
+    lo, hi = report.wilson(87, 90)
+    assert 0.90 < lo < 0.91 and 0.98 < hi < 0.995          # 97% observed on 90 cases: [90.6%, 98.9%]
+    assert report.wilson(0, 10)[0] == 0.0 and report.wilson(10, 10)[1] == 1.0
+    assert all(math.isnan(x) for x in report.wilson(0, 0))
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -1,13 +1,12 @@
 """Online shadow checks: windows, demotion and recovery (pure), the bounded runner, and a router
 with real executors where an injected drifting operation gets demoted."""
 import asyncio
-import math
 
 import pytest
 
 from cluster.metrics import Metrics
 from cluster.planner import FidelityTarget, PlannerConfig, compose_op_key
-from cluster.shadow import FidelityGuard, FidelityMonitor, ShadowConfig, ShadowRunner, sampled
+from cluster.shadow import FidelityGuard, FidelityMonitor, ShadowConfig, sampled
 from kvruntime.messages.decode import SamplingParams
 from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan

@@ -123,6 +123,8 @@ def _sweep_from_rows(args, argv) -> int:
     summary["compose_sweep"] = report.sweep_from_rows(meta, rows)
     path = report.save_summary(args.model, summary, tables_dir)
     print(report.render_markdown(summary))
+    print("#### Agreement with 95% intervals, near ties, answers paired with recompute\n\n"
+          + report.paired_table(rows) + "\n")
     print("#### Top-1 flips\n\n" + report.flips_table(rows))
     print(f"kvnotes: summary written to {path}", file=sys.stderr)
     return 0

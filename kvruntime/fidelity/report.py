@@ -184,3 +184,49 @@ def flips_table(rows: dict[str, list[dict]]) -> str:
         lines.append(f"| {case} | {_f(margin.get(case), '.3f')} | "
                      f"{len(names)}/{len(ops)}: {', '.join(n.replace('reposition + ', '') for n in names)} |")
     return "\n".join(lines)
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion k/n (how far n cases pin an agreement rate)."""
+    if n <= 0:
+        return math.nan, math.nan
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def paired_table(rows: dict[str, list[dict]], noise: float = 1e-3) -> str:
+    """Per operation, on the cases every operation measured: top-1 and greedy-16 exact agreement
+    with their 95% intervals, the top-1 flips whose recompute margin is below ``noise`` logits
+    (could be fp noise) or below 0.1, and answer accuracy paired with recompute's on the same
+    cases (answers lost: recompute right, the op wrong; gained: the reverse)."""
+    from kvruntime.fidelity.runner import REFERENCE_OP
+    sets = [{r["case"] for r in rs} for op, rs in rows.items() if op != REFERENCE_OP]
+    common = set.intersection(*sets) if sets else set()
+    ref = {r["case"]: r.get("answer_ok") for r in rows.get(REFERENCE_OP, [])}
+    lines = [f"| operation | n | top-1 agree (95% CI) | greedy-16 exact (95% CI) | flips | flips with recompute margin "
+             f"< {noise:g} / < 0.1 logits | answers right (recompute) | lost / gained vs recompute |",
+             "|---|---|---|---|---|---|---|---|"]
+    for op, _ in _ordered({op: {} for op in rows}):
+        if op == REFERENCE_OP:
+            continue
+        rs = [r for r in rows[op] if r["case"] in common]
+        n = len(rs)
+        top1, exact = round(sum(r["top1"] for r in rs)), round(sum(r["greedy_exact"] for r in rs))
+        flips = [r for r in rs if r["top1"] < 1.0]
+        tiny = sum(1 for r in flips if (r.get("oracle_margin") or 0.0) < noise)
+        small = sum(1 for r in flips if (r.get("oracle_margin") or 0.0) < 0.1)
+        judged = [(r["answer_ok"], ref.get(r["case"])) for r in rs if r.get("answer_ok") is not None
+                  and ref.get(r["case"]) is not None]
+        right, ref_right = sum(1 for a, _ in judged if a), sum(1 for _, b in judged if b)
+        lost, gained = sum(1 for a, b in judged if b and not a), sum(1 for a, b in judged if a and not b)
+        lo1, hi1 = wilson(top1, n)
+        loe, hie = wilson(exact, n)
+        lines.append(f"| {op} | {n} | {top1}/{n} = {_f(top1 / n if n else None, '.0%')} ({_f(lo1, '.0%')}-{_f(hi1, '.0%')}) | "
+                     f"{exact}/{n} = {_f(exact / n if n else None, '.0%')} ({_f(loe, '.0%')}-{_f(hie, '.0%')}) | "
+                     f"{len(flips)} | {tiny} / {small} | "
+                     + (f"{right}/{len(judged)} ({ref_right}/{len(judged)}) | {lost} / {gained} |" if judged else "n/a | n/a |"))
+    return "\n".join(lines)
+
