@@ -110,6 +110,11 @@ def compose_op_key(seam_tokens: int, recompute_ratio: float) -> str:
 EXECUTED_PROBE = "kv1"   # the selective-recompute probe prefill executors run (ops.compose's default)
 
 
+def _pct(x: float) -> str:
+    """97% stays "97%"; 96.67% is "96.7%", never rounded up to a target it misses."""
+    return f"{x:.0%}" if abs(x * 100 - round(x * 100)) < 1e-9 else f"{x:.1%}"
+
+
 def choose_compose(summary: dict | None, target: FidelityTarget, *, demoted: frozenset[str] = frozenset(),
                    model: str = "") -> ComposeChoice:
     """The cheapest compose operation (lowest r, then fewest seam tokens) whose every measured row
@@ -129,7 +134,7 @@ def choose_compose(summary: dict | None, target: FidelityTarget, *, demoted: fro
             if p.get("probe", EXECUTED_PROBE) != EXECUTED_PROBE:
                 continue                                   # measured with a probe executors do not run
             groups.setdefault((int(p.get("seam_tokens", 0)), float(p.get("recompute_ratio", 0.0))), []).append((sec, name, row))
-    want = f"{target.metric} >= {target.minimum:.0%}"
+    want = f"{target.metric} >= {_pct(target.minimum)}"
     skipped = []
     for (seam, ratio) in sorted(groups, key=lambda k: (k[1], k[0])):
         rows, key = groups[(seam, ratio)], compose_op_key(seam, ratio)
@@ -139,7 +144,7 @@ def choose_compose(summary: dict | None, target: FidelityTarget, *, demoted: fro
             skipped.append(key)
             continue
         if ok:
-            cited = "; ".join(f"{model or 'profile'} {sec} row '{name}': {target.metric} {r[target.metric]:.0%} "
+            cited = "; ".join(f"{model or 'profile'} {sec} row '{name}': {target.metric} {_pct(r[target.metric])} "
                               f"on {r['n']} cases" for sec, name, r in rows)
             return ComposeChoice(True, seam, ratio, key, f"{want} met by {cited}"
                                  + (f" (demoted online: {', '.join(skipped)})" if skipped else ""))

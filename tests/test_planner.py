@@ -187,6 +187,15 @@ def _profile(sweep: dict, compose: dict | None = None):
 BALANCED = FidelityTarget("top1", 0.97)
 
 
+def test_a_row_just_under_the_target_misses_and_explain_does_not_round_it_up():
+    """87/90 = 96.7% misses top-1 >= 97% (compared exactly), and a met 97.5% is cited as such."""
+    miss = choose_compose(_profile({"r50": _row(87 / 90, n=90, r=0.5)}), BALANCED, model="m")
+    assert not miss.allowed and "top1 >= 97%" in miss.reason
+    hit = choose_compose(_profile({"r50": _row(87 / 90, n=90, r=0.5), "r60": _row(0.975, n=90, r=0.6)}),
+                         BALANCED, model="m")
+    assert hit.allowed and hit.recompute_ratio == 0.6 and "top1 97.5% on 90 cases" in hit.reason
+
+
 def test_balanced_picks_the_cheapest_operation_whose_profile_meets_the_target():
     prof = _profile({"seam": _row(0.86), "r5": _row(0.92, r=0.05), "r15": _row(0.97, r=0.15),
                      "r50": _row(1.0, r=0.5)},
