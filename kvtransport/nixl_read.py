@@ -21,8 +21,8 @@ log = logging.getLogger("kvtransport.nixl_transport")
 
 
 class _CrcChain:
-    """CRC-32C of pieces handed in order to a one-thread executor, so the receiver's CRC of
-    piece k overlaps the READ of piece k+1 (the sender's core is free once it has copied)."""
+    """CRC-32C of pieces handed in order to the transport's one CRC thread (``_crc_pool``), so
+    the receiver's CRC of piece k overlaps the READ of piece k+1 (libcrc32c releases the GIL)."""
 
     def __init__(self, executor: ThreadPoolExecutor):
         self.crc, self._ex, self._last = 0, executor, None
@@ -50,7 +50,7 @@ class NixlReader:
         streamed offer's pieces as they are announced); returns the final NIXL state and the
         CRC-32C of what arrived (None unless ``verify_crc``)."""
         deadline = time.monotonic() + self.cfg.read_timeout_s
-        chain = _CrcChain(self._crc_executor()) if self.cfg.verify_crc else None
+        chain = _CrcChain(self._crc_pool) if self.cfg.verify_crc else None
         n, step, state = offer.nbytes, self.cfg.read_piece_bytes, "DONE"
         off, ready = 0, (0 if offer.streamed else n)
         while off < n:
@@ -76,11 +76,6 @@ class NixlReader:
             with self._lock:
                 self._safe_notify(peer, notif)
         return state, (chain.result() if chain else None)
-
-    def _crc_executor(self) -> ThreadPoolExecutor:
-        """The transport's one CRC thread: runs each chain's pieces in order (libcrc32c releases
-        the GIL, so a CRC runs beside a READ or a copy)."""
-        return self._crc_pool
 
     def _wait_ready(self, tid: str, off: int, deadline: float) -> int:
         """A streamed offer: poll notifications until more than ``off`` bytes of ``tid`` are

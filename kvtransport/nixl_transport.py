@@ -194,7 +194,7 @@ class NixlTransport(NixlReader, KVTransport):
                                              f"({self.cfg.pool_bytes}) or is empty")
         buf = self._lease_until(n, tid, deadline)
         out = self._post(address, header, buf, streamed=True)
-        chain, off, step = _CrcChain(self._crc_executor()), 0, self.cfg.stream_piece_bytes
+        chain, off, step = _CrcChain(self._crc_pool), 0, self.cfg.stream_piece_bytes
         while off < n and not out.done.is_set():          # a refusal ends the copying early
             end = min(n, off + step)
             buf[off:end] = src[off:end]
