@@ -2,6 +2,7 @@
 limit), side by side in one run.
 
     python -m bench.transfer [--mib 45,180,360] [--reps 5] [--transports nixl,grpc] [--json]
+                             [--grpc-config '{"chunk_bytes": 4194304}']
 
 KV is synthetic fp32 with SmolLM2-135M's shape (30 layers, 3 KV heads, head dim 64: 45 MiB per
 1024 tokens). Each transport runs in two actors (a quarter CPU each, so all four fit): a sender and a receiver holding one
@@ -15,10 +16,15 @@ pools' pages). ``--ucx-error-handling none`` runs the NIXL rows with that
 piece by piece; its encode column is only the header, the copy is inside send);
 ``nixl-serial`` encodes into the registered pool first (``encode_block(..., into=transport.lease)``:
 copy + CRC in one pass, no staging copy in send), then sends; ``nixl-staged`` is the plain
-``encode_block`` (send stages a copy). As in the cluster, every
+``encode_block`` (send stages a copy). ``grpc`` is ``GrpcTransport.send_kv`` (streaming: each chunk
+CRC'd as it is framed, on the CRC thread, the CRC sent last; its encode column is only the header);
+``grpc-serial`` is ``encode_block`` (one CRC pass) + ``GrpcTransport.send``. ``--grpc-config``
+overrides ``GrpcTransportConfig`` fields of both gRPC ends (JSON object; for A/B runs). As in the cluster, every
 transfer is authenticated: the driver gives the receiver a grant (``expect``) before the push and
 the block carries the transfer's credential (receivers run with ``require_grant``).
-``send_gbps`` is the send alone. ``copy_gbps`` is ``Tensor.copy_`` of the same
+``send_gbps`` is the send alone; ``tx_cpu_ns_b`` / ``rx_cpu_ns_b`` are the CPU seconds (all
+threads) the sender / receiver actor spent per byte over one measurement, median (CPU is the
+scarce thing on a small box, and it is steadier than wall time when the machine is shared). ``copy_gbps`` is ``Tensor.copy_`` of the same
 bytes into a warm preallocated tensor inside the sender actor, median of ``--reps``. One progress
 line per measurement goes to stderr; ``--json`` prints one JSON object per line to stdout.
 """
@@ -34,6 +40,7 @@ import time
 import torch
 
 LAYERS, KV_HEADS, HEAD_DIM, MODEL = 30, 3, 64, "smollm2-135m"
+KINDS = ("nixl", "nixl-serial", "nixl-staged", "grpc", "grpc-serial")
 
 
 def _tokens(mib: int) -> int:
@@ -43,23 +50,23 @@ def _tokens(mib: int) -> int:
 class Endpoint:
     """One side of one transport, inside a Ray actor. Holds at most one KV tensor."""
 
-    def __init__(self, kind: str, ucx_error_handling: str = "peer"):
+    def __init__(self, kind: str, ucx_error_handling: str = "peer", grpc_config: dict | None = None):
         import logging
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self.kind, self.kv = kind, None
-        if kind == "grpc":
+        if kind in ("grpc", "grpc-serial"):
             from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
-            self.t = GrpcTransport(GrpcTransportConfig(require_grant=True), model=MODEL)
+            self.t = GrpcTransport(GrpcTransportConfig(**{"require_grant": True, **(grpc_config or {})}), model=MODEL)
         elif kind in ("nixl", "nixl-serial", "nixl-staged"):
             from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
             self.t = NixlTransport(NixlTransportConfig(require_grant=True, ucx_error_handling=ucx_error_handling),
                                    model=MODEL)
         elif kind != "copy":
-            raise ValueError(f"unknown transport {kind!r}; choose nixl, nixl-serial, nixl-staged, grpc or copy")
+            raise ValueError(f"unknown transport {kind!r}; choose {', '.join(KINDS)} or copy")
 
     def address(self):
         """gRPC: serve and return host:port; NIXL: (agent name, metadata)."""
-        if self.kind == "grpc":
+        if self.kind.startswith("grpc"):
             return self.t.serve("127.0.0.1", 0)
         return self.t.name, self.t.metadata()
 
@@ -83,10 +90,15 @@ class Endpoint:
                           torch.arange(100, 100 + n))
         return self.kv.data.nbytes
 
+    @staticmethod
+    def cpu() -> float:
+        """CPU seconds this process has used (all threads, user + system)."""
+        return sum(os.times()[:2])
+
     def push(self, address: str, tid: str, credential: str) -> tuple[float, float]:
         from kvtransport.blocks import block_header, encode_block
         t0 = time.perf_counter()
-        if self.kind == "nixl":
+        if self.kind in ("nixl", "grpc"):
             header, payload = block_header(tid, MODEL, self.kv, credential=credential)
             t1 = time.perf_counter()
             self.t.send_kv(address, header, payload, timeout=120)
@@ -125,7 +137,8 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: str = "peer") -> list[dict]:
+def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: str = "peer",
+        grpc_config: dict | None = None) -> list[dict]:
     import ray
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"}})
@@ -134,9 +147,9 @@ def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: s
     try:
         pairs = {}
         for kind in transports:
-            tx, rx = actor.remote(kind, ucx_error_handling), actor.remote(kind, ucx_error_handling)
+            tx, rx = (actor.remote(kind, ucx_error_handling, grpc_config) for _ in range(2))
             addr = ray.get(rx.address.remote())
-            if kind != "grpc":
+            if not kind.startswith("grpc"):
                 name, md = addr
                 addr = ray.get(tx.add_peer.remote(name, md))
             pairs[kind] = (tx, rx, addr)
@@ -148,22 +161,29 @@ def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: s
             _progress(f"copy {mib} MiB: {copy_gbps:.2f} GB/s")
             for kind, (tx, rx, addr) in pairs.items():
                 ray.get(tx.make.remote(mib))
-                totals, sends = [], []
+                totals, sends, tx_cpu, rx_cpu = [], [], [], []
                 for i in range(reps + 1):
                     tid = f"{kind}-{mib}-{i}"
                     grant, cred = ray.get(tx.grant.remote(tid))       # the router's part, untimed
                     ray.get(rx.expect.remote(grant))
+                    c_tx, c_rx = ray.get([tx.cpu.remote(), rx.cpu.remote()])
                     enc, snd = ray.get(tx.push.remote(addr, tid, cred))
                     rcv = ray.get(rx.pull.remote(tid, nbytes))
+                    c_tx, c_rx = (b - a for a, b in zip((c_tx, c_rx), ray.get([tx.cpu.remote(), rx.cpu.remote()])))
                     if i == 0:
                         continue                                      # warm-up
                     totals.append(enc + snd + rcv)
                     sends.append(snd)
+                    tx_cpu.append(c_tx * 1e9 / nbytes)
+                    rx_cpu.append(c_rx * 1e9 / nbytes)
                     _progress(f"{kind} {mib} MiB rep {i}: encode {enc * 1e3:.1f} ms, send {snd * 1e3:.1f} ms, "
-                              f"receive+decode {rcv * 1e3:.1f} ms -> {nbytes / (enc + snd + rcv) / 1e9:.2f} GB/s")
+                              f"receive+decode {rcv * 1e3:.1f} ms -> {nbytes / (enc + snd + rcv) / 1e9:.2f} GB/s; "
+                              f"CPU ns/byte sender {tx_cpu[-1]:.2f}, receiver {rx_cpu[-1]:.2f}")
                 rows.append({"transport": kind, "mib": mib, "gbps": round(nbytes / statistics.median(totals) / 1e9, 3),
                              "send_gbps": round(nbytes / statistics.median(sends) / 1e9, 3),
-                             "copy_gbps": round(copy_gbps, 3), "reps": reps})
+                             "copy_gbps": round(copy_gbps, 3), "reps": reps,
+                             "tx_cpu_ns_b": round(statistics.median(tx_cpu), 3),
+                             "rx_cpu_ns_b": round(statistics.median(rx_cpu), 3)})
             rows.append({"transport": "copy", "mib": mib, "gbps": round(copy_gbps, 3),
                          "copy_gbps": round(copy_gbps, 3), "reps": reps})
             for tx, rx, _ in pairs.values():
@@ -180,7 +200,9 @@ def main(argv=None) -> None:
     ap.add_argument("--mib", default="45,180,360", help="block sizes in MiB, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median)")
     ap.add_argument("--transports", default="nixl,nixl-serial,grpc",
-                    help="nixl, nixl-serial, nixl-staged and/or grpc (copy always runs)")
+                    help="nixl, nixl-serial, nixl-staged, grpc and/or grpc-serial (copy always runs)")
+    ap.add_argument("--grpc-config", default="{}",
+                    help="JSON object of GrpcTransportConfig fields for both gRPC ends (A/B runs)")
     ap.add_argument("--ucx-error-handling", default="peer", choices=("peer", "none"),
                     help="NixlTransportConfig.ucx_error_handling for the NIXL rows (none: notifications "
                          "over shared memory, no peer-failure detection)")
@@ -191,9 +213,15 @@ def main(argv=None) -> None:
     mibs = [int(x) for x in args.mib.split(",") if x]
     transports = [t for t in args.transports.split(",") if t]
     for t in transports:
-        if t not in ("nixl", "nixl-serial", "nixl-staged", "grpc"):
-            raise SystemExit(f"unknown transport {t!r}; choose nixl, nixl-serial, nixl-staged, grpc")
-    rows = run(mibs, args.reps, transports, args.ucx_error_handling)
+        if t not in KINDS:
+            raise SystemExit(f"unknown transport {t!r}; choose {', '.join(KINDS)}")
+    try:
+        grpc_config = json.loads(args.grpc_config)
+        from kvtransport.grpc_transport import GrpcTransportConfig
+        GrpcTransportConfig(**grpc_config)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"--grpc-config: {exc}") from None
+    rows = run(mibs, args.reps, transports, args.ucx_error_handling, grpc_config)
     if args.json:
         for r in rows:
             print(json.dumps(r))
