@@ -17,7 +17,7 @@ piece by piece; its encode column is only the header, the copy is inside send);
 ``nixl-serial`` encodes into the registered pool first (``encode_block(..., into=transport.lease)``:
 copy + CRC in one pass, no staging copy in send), then sends; ``nixl-staged`` is the plain
 ``encode_block`` (send stages a copy). ``grpc`` is ``GrpcTransport.send_kv`` (streaming: each chunk
-CRC'd as it is framed, on the CRC thread, the CRC sent last; its encode column is only the header);
+CRC'd right after it is framed, while in cache, the CRC sent last; its encode column is only the header);
 ``grpc-serial`` is ``encode_block`` (one CRC pass) + ``GrpcTransport.send``. ``--grpc-config``
 overrides ``GrpcTransportConfig`` fields of both gRPC ends (JSON object; for A/B runs). As in the cluster, every
 transfer is authenticated: the driver gives the receiver a grant (``expect``) before the push and

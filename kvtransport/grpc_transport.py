@@ -5,13 +5,13 @@ Copies per block (the portable path; NIXL is the fast one):
 - send: :meth:`GrpcTransport.send_kv` (what the cluster's sender runs) streams the KV tensor's
   bytes: each chunk is one copy of a slice into the ``bytes`` gRPC's Python API demands
   (``cygrpc.SendMessageOperation`` refuses memoryviews; gRPC core then copies it to a slice),
-  CRC-32C'd from that fresh copy (in cache) on a CRC thread while the stream goes on; the CRC
-  travels last. :meth:`GrpcTransport.send` sends an encoded block (:func:`~kvtransport.blocks.encode_block`:
+  CRC-32C'd from that fresh copy while it is in cache (no pass over the tensor before the first
+  byte moves); the CRC travels last. :meth:`GrpcTransport.send` sends an encoded block (:func:`~kvtransport.blocks.encode_block`:
   aliases the tensor, one CRC pass over it before the first byte moves).
 - receive: gRPC hands each message over as ``bytes``; the header-free view of it is copied once
   into the block's destination, a lease of a :class:`~kvtransport.transport.BufferPool` arena
   (warm pages: a fresh 360 MiB allocation page-faults at 0.6-3 GB/s on the dev machine), and
-  CRC-32C'd while in cache (on the CRC thread, overlapping the next message). A pool that
+  CRC-32C'd while in cache. A pool that
   cannot fit the block falls back to fresh memory (counted in ``pool_misses``, logged once).
 Integrity: TCP's 16-bit checksum is too weak for 100s of MiB, so the payload's CRC-32C (header,
 or the stream's last message) is checked before a block becomes visible; ``decode_block`` checks
@@ -68,8 +68,10 @@ class GrpcTransportConfig:
     # (measured 0.75 -> 1.0-1.15 GB/s at 180 MiB); process-wide, set once; 0 leaves glibc's defaults
     malloc_keep_bytes: int = 256 << 20
     # CRC-32C of each chunk on one CRC thread per transport (sender's send_kv and receiver),
-    # overlapping the stream (libcrc32c releases the GIL); False: in line on the stream's thread
-    crc_thread: bool = True
+    # overlapping the stream (libcrc32c releases the GIL); False: in line, right after the chunk's
+    # copy (in cache). On 2 cores in line measured faster (1.26-1.32 vs 0.91-0.99 GB/s at 180 MiB:
+    # a hand-off per 1 MiB chunk costs more CPU than the overlap saves; docs/benchmarks.md)
+    crc_thread: bool = False
     # HTTP/2 SETTINGS_MAX_FRAME_SIZE this side advertises (16 KiB .. 16 MiB - 1; 0: gRPC's default,
     # 16 KiB): larger DATA frames from the peer mean fewer slices per message to join
     http2_max_frame_bytes: int = 0
