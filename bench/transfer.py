@@ -16,9 +16,10 @@ pools' pages). ``--ucx-error-handling none`` runs the NIXL rows with that
 piece by piece; its encode column is only the header, the copy is inside send);
 ``nixl-serial`` encodes into the registered pool first (``encode_block(..., into=transport.lease)``:
 copy + CRC in one pass, no staging copy in send), then sends; ``nixl-staged`` is the plain
-``encode_block`` (send stages a copy). ``grpc`` is ``GrpcTransport.send_kv`` (streaming: each chunk
-CRC'd right after it is framed, while in cache, the CRC sent last; its encode column is only the header);
-``grpc-serial`` is ``encode_block`` (one CRC pass) + ``GrpcTransport.send``. ``--grpc-config``
+``encode_block`` (send stages a copy). ``grpc`` is what the cluster's ``Sender`` runs over gRPC:
+``encode_block`` (one CRC pass over the tensor) + ``GrpcTransport.send``; ``grpc-stream`` is
+``GrpcTransport.send_kv`` (each chunk CRC'd right after it is framed, while in cache, the CRC sent
+last; its encode column is only the header). ``--grpc-config``
 overrides ``GrpcTransportConfig`` fields of both gRPC ends (JSON object; for A/B runs). As in the cluster, every
 transfer is authenticated: the driver gives the receiver a grant (``expect``) before the push and
 the block carries the transfer's credential (receivers run with ``require_grant``).
@@ -40,7 +41,7 @@ import time
 import torch
 
 LAYERS, KV_HEADS, HEAD_DIM, MODEL = 30, 3, 64, "smollm2-135m"
-KINDS = ("nixl", "nixl-serial", "nixl-staged", "grpc", "grpc-serial")
+KINDS = ("nixl", "nixl-serial", "nixl-staged", "grpc", "grpc-stream")
 
 
 def _tokens(mib: int) -> int:
@@ -54,7 +55,7 @@ class Endpoint:
         import logging
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self.kind, self.kv = kind, None
-        if kind in ("grpc", "grpc-serial"):
+        if kind in ("grpc", "grpc-stream"):
             from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
             self.t = GrpcTransport(GrpcTransportConfig(**{"require_grant": True, **(grpc_config or {})}), model=MODEL)
         elif kind in ("nixl", "nixl-serial", "nixl-staged"):
@@ -98,7 +99,7 @@ class Endpoint:
     def push(self, address: str, tid: str, credential: str) -> tuple[float, float]:
         from kvtransport.blocks import block_header, encode_block
         t0 = time.perf_counter()
-        if self.kind in ("nixl", "grpc"):
+        if self.kind in ("nixl", "grpc-stream"):
             header, payload = block_header(tid, MODEL, self.kv, credential=credential)
             t1 = time.perf_counter()
             self.t.send_kv(address, header, payload, timeout=120)
@@ -200,7 +201,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mib", default="45,180,360", help="block sizes in MiB, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median)")
     ap.add_argument("--transports", default="nixl,nixl-serial,grpc",
-                    help="nixl, nixl-serial, nixl-staged, grpc and/or grpc-serial (copy always runs)")
+                    help="nixl, nixl-serial, nixl-staged, grpc and/or grpc-stream (copy always runs)")
     ap.add_argument("--grpc-config", default="{}",
                     help="JSON object of GrpcTransportConfig fields for both gRPC ends (A/B runs)")
     ap.add_argument("--ucx-error-handling", default="peer", choices=("peer", "none"),

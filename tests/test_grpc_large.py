@@ -29,7 +29,7 @@ def _kv(tokens=50):
 
 def _push_big(addr, q, streamed=False):
     try:
-        if streamed:                   # what the cluster's sender runs: CRC while framing, sent last
+        if streamed:                   # the streaming sender: CRC while framing, sent last
             receipt = GrpcTransport().send_kv(addr, *block_header("big", "m", _big_kv()), timeout=120)
         else:
             receipt = GrpcTransport().send(addr, encode_block("big", "m", _big_kv()), timeout=120)
