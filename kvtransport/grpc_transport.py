@@ -77,6 +77,9 @@ class GrpcTransportConfig:
     http2_max_frame_bytes: int = 0
     # gRPC's TCP read buffer size hint (grpc.experimental.tcp_read_chunk_size; 0: gRPC's default)
     tcp_read_chunk_bytes: int = 0
+    # HTTP/2 stream flow-control lookahead (grpc.http2.lookahead_bytes: how far a sender may run
+    # ahead of the receiver's reads; 0: gRPC's default, 64 KiB, grown by BDP probing)
+    http2_lookahead_bytes: int = 0
 
     def __post_init__(self):
         if self.chunk_bytes <= 0 or self.max_message_bytes < self.chunk_bytes + (1 << 20):
@@ -85,8 +88,8 @@ class GrpcTransportConfig:
             raise ValueError("pool_bytes and malloc_keep_bytes must be >= 0 (0: no pool / glibc defaults)")
         if self.http2_max_frame_bytes and not (1 << 14) <= self.http2_max_frame_bytes < (1 << 24):
             raise ValueError("http2_max_frame_bytes must be 0 (default) or in [16384, 16777215] (HTTP/2 limits)")
-        if self.tcp_read_chunk_bytes < 0:
-            raise ValueError("tcp_read_chunk_bytes must be >= 0 (0: gRPC's default)")
+        if self.tcp_read_chunk_bytes < 0 or self.http2_lookahead_bytes < 0:
+            raise ValueError("tcp_read_chunk_bytes and http2_lookahead_bytes must be >= 0 (0: gRPC's default)")
 
     def channel_options(self) -> list[tuple[str, int]]:
         """gRPC channel/server arguments for this config (both ends use them)."""
@@ -94,6 +97,8 @@ class GrpcTransportConfig:
                 ("grpc.max_receive_message_length", self.max_message_bytes)]
         if self.http2_max_frame_bytes:
             opts.append(("grpc.http2.max_frame_size", self.http2_max_frame_bytes))
+        if self.http2_lookahead_bytes:
+            opts.append(("grpc.http2.lookahead_bytes", self.http2_lookahead_bytes))
         if self.tcp_read_chunk_bytes:
             opts += [("grpc.experimental.tcp_read_chunk_size", self.tcp_read_chunk_bytes),
                      ("grpc.experimental.tcp_max_read_chunk_size", max(self.tcp_read_chunk_bytes, 4 << 20))]

@@ -221,7 +221,11 @@ def test_stream_knobs_are_validated_and_reach_the_channel():
         GrpcTransportConfig(http2_max_frame_bytes=1 << 24)
     with pytest.raises(ValueError, match="tcp_read_chunk_bytes"):
         GrpcTransportConfig(tcp_read_chunk_bytes=-1)
-    opts = dict(GrpcTransportConfig(http2_max_frame_bytes=1 << 20, tcp_read_chunk_bytes=2 << 20).channel_options())
+    with pytest.raises(ValueError, match="http2_lookahead_bytes"):
+        GrpcTransportConfig(http2_lookahead_bytes=-1)
+    opts = dict(GrpcTransportConfig(http2_max_frame_bytes=1 << 20, tcp_read_chunk_bytes=2 << 20,
+                                    http2_lookahead_bytes=8 << 20).channel_options())
     assert opts["grpc.http2.max_frame_size"] == 1 << 20 and opts["grpc.experimental.tcp_read_chunk_size"] == 2 << 20
+    assert opts["grpc.http2.lookahead_bytes"] == 8 << 20
     assert "grpc.http2.max_frame_size" not in dict(GrpcTransportConfig().channel_options())
     assert _varint(300) == pb.PushChunk(payload=b"x" * 300).SerializeToString()[1:3]
