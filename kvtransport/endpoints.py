@@ -78,7 +78,10 @@ class Receiver(KVTransport):
                                    n.name if n else "", n.metadata() if n else b"")
 
     def expect(self, grant: TransferGrant) -> None:
-        self.inbox.expect(grant)
+        if self.nixl is not None:
+            self.nixl.expect(grant)           # the same inbox; wakes NIXL's progress thread
+        else:
+            self.inbox.expect(grant)
 
     def send(self, address, block, *, timeout):     # a receiver does not send
         raise TransferError("unsupported", "a Receiver only receives")

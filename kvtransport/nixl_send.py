@@ -41,7 +41,7 @@ class _Outgoing:              # one open send, owned by the sending thread + the
 
 class NixlSender:
     """Mixin for NixlTransport (attributes: ``_agent``, ``_lock``, ``_pool``, ``cfg``, ``_peers``,
-    ``_introduced``, ``_out``, ``_quarantine``, ``_out_lock``, ``counters``, ``_crc_pool``)."""
+    ``_introduced``, ``_out``, ``_quarantine``, ``_out_lock``, ``counters``, ``_crc_pool``, ``_wake``)."""
 
     def send(self, address: str, block: KVBlock, *, timeout: float = 30.0) -> TransferReceipt:
         """Offer ``block`` to the peer named ``address`` and block until it has pulled and verified
@@ -156,6 +156,7 @@ class NixlSender:
             if tid in self._out:
                 raise TransferError("duplicate", f"transfer id {tid} is already being sent")
             self._out[tid] = out
+        self._wake.set()                                           # the progress thread polls busily now
         md = b"" if address in self._introduced else self.metadata()
         offer = Offer(header, int(staging.ctypes.data), staging.nbytes, 0, md, streamed)
         try:

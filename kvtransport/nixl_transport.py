@@ -4,7 +4,8 @@ Design (after vLLM's NixlConnector and NIXL's examples/python, shaped for our pu
 - **One agent per transport**, created once per process/actor with ``enable_prog_thread=False``
   (nixl 1.5.1's progress thread busy-polls a core). Progress happens in our own thread, which
   polls ``get_new_notifs`` every 0.2 ms while a transfer of ours is open and backs off to
-  ``idle_poll_s`` when idle, and in the READ loop. All agent calls hold one lock.
+  ``expect_poll_s`` while a granted transfer is awaited, ``idle_poll_s`` when nothing is (an
+  idle agent: ~1% of a core; a send or a grant wakes it at once), and in the READ loop. All agent calls hold one lock.
 - **One registered arena** (:class:`~kvtransport.transport.BufferPool`, DRAM, ``pool_bytes``)
   registered once at start; both the send staging copy and received blocks are leases of it.
   No registration per request. A received block's payload *is* its lease (no copy out): the
@@ -61,7 +62,8 @@ class NixlTransportConfig:
     max_block_bytes: int = 1 << 30          # larger offers are refused (too_large)
     inbox_bytes: int = 1 << 30              # in-flight + verified-unclaimed bytes before refusing
     unclaimed_ttl_s: float = 300.0          # unclaimed blocks (and unpulled staging) dropped after
-    idle_poll_s: float = 0.002              # notification poll period when nothing is open, s
+    idle_poll_s: float = 0.02               # notification poll period when nothing is open or expected, s
+    expect_poll_s: float = 0.002            # ... while a granted transfer (Inbox.expect) has not arrived, s
     busy_poll_s: float = 0.0002             # poll period while a transfer is open, s
     read_timeout_s: float = 60.0            # a READ still in progress after this fails
     read_piece_bytes: int = 8 << 20         # READ in pieces this big (4-32 MiB measured: 8-16 best)
@@ -80,8 +82,10 @@ class NixlTransportConfig:
     def __post_init__(self):
         if self.pool_bytes <= 0 or self.max_block_bytes <= 0 or self.inbox_bytes <= 0:
             raise ValueError("pool_bytes, max_block_bytes and inbox_bytes must be positive")
-        if self.read_piece_bytes <= 0 or self.stream_piece_bytes <= 0 or not 0 < self.busy_poll_s <= self.idle_poll_s:
-            raise ValueError("need read_piece_bytes, stream_piece_bytes > 0 and 0 < busy_poll_s <= idle_poll_s")
+        if (self.read_piece_bytes <= 0 or self.stream_piece_bytes <= 0
+                or not 0 < self.busy_poll_s <= self.expect_poll_s <= self.idle_poll_s):
+            raise ValueError("need read_piece_bytes, stream_piece_bytes > 0 and "
+                             "0 < busy_poll_s <= expect_poll_s <= idle_poll_s")
         if self.ucx_error_handling not in ("peer", "none"):
             raise ValueError(f"ucx_error_handling must be 'peer' or 'none', not {self.ucx_error_handling!r}")
 
@@ -115,6 +119,7 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
         self._deferred: collections.deque = collections.deque()
         self.counters: collections.Counter[str] = collections.Counter()  # fallback/failure kind -> count
         self._stop = threading.Event()
+        self._wake = threading.Event()                              # a send or a grant: poll now
         self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="nixl-crc")  # both sides' CRC-32C, in order
         self._thread = threading.Thread(target=self._progress, name=f"nixl-progress-{self.name}", daemon=True)
         self._thread.start()
@@ -154,8 +159,9 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
     def state(self, transfer_id: str) -> TransferState:
         return self._inbox.state(transfer_id)
 
-    def expect(self, grant) -> None:  # announce a transfer (see Inbox.expect)
+    def expect(self, grant) -> None:  # announce a transfer (see Inbox.expect); polls faster until it arrives
         self._inbox.expect(grant)
+        self._wake.set()
 
     stats = lambda self: self._inbox.stats()  # noqa: E731 -- InboxStats: held bytes, expiries, refusals
     pool = property(lambda self: self._pool, doc="the registered arena (staging + received blocks)")
@@ -165,6 +171,7 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake.set()
         self._thread.join(5.0)
         self._crc_pool.shutdown(wait=True)
         with self._lock:
@@ -193,8 +200,10 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
                 last_sweep = time.monotonic()
                 self._sweep()
             busy = bool(notifs) or bool(self._out)
-            delay = self.cfg.busy_poll_s if busy else min(self.cfg.idle_poll_s, delay * 2)
-            self._stop.wait(delay)
+            cap = self.cfg.expect_poll_s if self._inbox.expecting() else self.cfg.idle_poll_s
+            delay = self.cfg.busy_poll_s if busy else min(cap, delay * 2)
+            self._wake.wait(delay)
+            self._wake.clear()
 
     def _sweep(self) -> None:
         now = time.monotonic()
