@@ -24,10 +24,10 @@ from __future__ import annotations
 import logging
 import time
 
-from kvruntime.kv import KVCache
-from kvruntime.messages.transfer import KVEndpoint, TransferGrant
 import torch
 
+from kvruntime.kv import KVCache
+from kvruntime.messages.transfer import KVEndpoint, TransferGrant
 from kvtransport.blocks import DTYPES, KVBlock, encode_block, wire_header
 from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransport.transport import Inbox, InboxStats, KVTransport, TransferError, TransferReceipt
@@ -91,21 +91,6 @@ class Receiver(KVTransport):
 
     def stats(self) -> InboxStats:
         return self.inbox.stats()
-
-    def builds_into_pool(self, ep: KVEndpoint, dtype: torch.dtype) -> bool:
-        """Whether KV of ``dtype`` for ``ep`` should be assembled in :meth:`alloc` memory: NIXL on
-        both ends, ``build_into_pool`` on, and ``dtype`` already the wire dtype (else the send
-        casts into the pool anyway, in one pass)."""
-        return (self.nixl is not None and self.nixl.cfg.build_into_pool and ep.transport == "nixl"
-                and bool(ep.nixl_agent) and DTYPES.get(ep.dtype) == dtype)
-
-    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """An uninitialised CPU tensor in the NIXL registered pool: KV built there is sent without
-        a copy. Released when its last view is dropped. None without NIXL or when the pool is
-        full (the caller builds in ordinary memory; the executor counts ``kv_send_pool_full``)."""
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        buf = self.nixl.lease(nbytes) if self.nixl is not None and nbytes else None
-        return None if buf is None else torch.from_numpy(buf).view(dtype).view(shape)
 
     def stop(self) -> None:
         self.grpc.stop()
