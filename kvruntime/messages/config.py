@@ -81,6 +81,7 @@ class ClusterConfig:
     prefill_load_factor: float = 1.0           # prefill affinity load cap: factor x mean in-flight requests per actor
     request_deadline_s: float = 600.0          # default per-request deadline (a request may ask for less: deadline_s)
     start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
+    ray_start_attempts: int = 2                # a local Ray whose raylet does not come up is shut down and started again, logged
     # fidelity targets (cluster.planner.choose_compose reads the model's measured profile)
     balanced_min_top1: float = 0.97            # balanced: cheapest compose op whose profile top-1 >= this
     fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target
@@ -138,6 +139,8 @@ class ClusterConfig:
             raise ValueError("health_period_s, health_timeout_s > 0 and prefill_load_factor >= 1.0 required")
         if self.request_deadline_s <= 0 or self.start_timeout_s <= 0:
             raise ValueError("request_deadline_s and start_timeout_s must be > 0")
+        if self.ray_start_attempts < 1:
+            raise ValueError("ray_start_attempts must be >= 1")
         self.prefill.validate("prefill")
         self.decode.validate("decode")
         for name in ("balanced_min_top1", "fast_min_top1"):
