@@ -73,6 +73,9 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     import ray
     from ray import serve
 
+    from kvtransport.options import check
+
+    check(cfg)               # kv_grpc / kv_nixl: a bad key fails here, not inside every actor
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     if not ray.is_initialized():
         if cfg.ray_address:
