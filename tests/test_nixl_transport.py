@@ -223,6 +223,8 @@ def test_config_validation():
         NixlTransportConfig(pool_bytes=0)
     with pytest.raises(ValueError):
         NixlTransportConfig(busy_poll_s=0.1, idle_poll_s=0.01)
+    with pytest.raises(ValueError, match="expect_poll_s"):
+        NixlTransportConfig(expect_poll_s=0.5)                  # slower than idle polling
     with pytest.raises(ValueError, match="ucx_error_handling"):
         NixlTransportConfig(ucx_error_handling="retry")
 

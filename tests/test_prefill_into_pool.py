@@ -3,6 +3,7 @@
 this process. The block goes out without a staging copy, arrives byte-identical with its CRC
 checked, and the lease ends with the request; a pool too small to build in is a counted
 fallback (``kv_send_pool_full``) whose block still arrives, copied by the send."""
+import dataclasses
 import gc
 import uuid
 
@@ -95,3 +96,24 @@ def test_a_pool_too_small_to_build_in_is_a_counted_fallback_and_the_send_copies(
         assert _same_bytes(decode_block(block, model=smol.spec.name).data, want.data)
     finally:
         tx.stop()
+
+
+@pytest.mark.slow
+def test_build_into_pool_off_or_another_wire_dtype_ships_through_a_staging_copy(smol, receiver):
+    """``build_into_pool: false`` (kv_nixl), or a decode engine in another dtype: the prefix is
+    built in ordinary memory and the send copies it (casting in the same pass); no fallback."""
+    src = DictSource(smol)
+    plan = _plan(smol, src)
+    n = plan.prefix_tokens * smol.num_layers * 2 * smol.kv_heads * smol.head_dim * 4
+    tx = Sender("nixl", NixlTransportConfig(build_into_pool=False))
+    try:
+        assert not tx.builds_into_pool(receiver.endpoint, smol.dtype)
+        res, block = _ship(PrefillExecutor(smol, src, tx), receiver, plan)
+        assert res.transferred and res.stats.fallbacks == [] and tx.nixl.counters["staged_bytes"] == n
+        want, _ = PrefillExecutor(smol, src, tx).build(plan)
+        assert _same_bytes(decode_block(block, model=smol.spec.name).data, want.data)
+    finally:
+        tx.stop()
+    tx = Sender("nixl")
+    assert not tx.builds_into_pool(dataclasses.replace(receiver.endpoint, dtype="bfloat16"), smol.dtype)
+    tx.stop()
