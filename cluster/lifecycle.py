@@ -29,8 +29,9 @@ if TYPE_CHECKING:
     from cluster.shadow import FidelityGuard
 
 log = logging.getLogger(__name__)
-# Fallbacks after which the request still executed as planned (only storing its KV failed).
-STORE_ONLY_FALLBACKS = frozenset({"tier_store_failed"})
+# Fallbacks after which the request still executed as planned (only storing its KV failed, or the
+# KV was built in ordinary memory because the NIXL send pool was full: the send copied it).
+STORE_ONLY_FALLBACKS = frozenset({"tier_store_failed", "kv_send_pool_full"})
 
 
 @dataclass(frozen=True)
