@@ -101,11 +101,11 @@ class Receiver(KVTransport):
 class Sender:
     """The prefill worker's side: one gRPC client and (``auto``/``nixl``) one NIXL agent."""
 
-    def __init__(self, kind: str, nixl_cfg=None):
+    def __init__(self, kind: str, nixl_cfg=None, grpc_cfg: GrpcTransportConfig | None = None):
         if kind not in ("auto", "nixl", "grpc"):
             raise ValueError(f"kv_transport must be auto, nixl or grpc, got {kind!r}")
         self.kind = kind
-        self.grpc = GrpcTransport()
+        self.grpc = GrpcTransport(grpc_cfg or GrpcTransportConfig())
         self.nixl, self.fallback = None, None
         if kind != "grpc":
             self.nixl, self.fallback = _start_nixl(kind, nixl_cfg)
