@@ -11,16 +11,22 @@ the whole path the executors run: ``encode_block`` + ``send`` on the sender (ret
 receiver has verified the block), then ``receive`` + ``decode_block`` on the receiver; GB/s =
 1e9 bytes/s over their sum, median of ``--reps`` after one untimed warm-up (which faults in the
 pools' pages). ``--ucx-error-handling none`` runs the NIXL rows with that
-``NixlTransportConfig`` setting (see there). ``nixl`` is what the cluster's ``Sender`` runs: pipelined
-(``NixlTransport.send_kv``: the copy + CRC into registered memory overlaps the receiver's READ,
-piece by piece; its encode column is only the header, the copy is inside send);
-``nixl-serial`` encodes into the registered pool first (``encode_block(..., into=transport.lease)``:
-copy + CRC in one pass, no staging copy in send), then sends; ``nixl-staged`` is the plain
-``encode_block`` (send stages a copy). ``grpc`` is what the cluster's ``Sender`` runs over gRPC:
-``encode_block`` (one CRC pass over the tensor) + ``GrpcTransport.send``; ``grpc-stream`` is
-``GrpcTransport.send_kv`` (each chunk CRC'd right after it is framed, while in cache, the CRC sent
-last; its encode column is only the header). ``--grpc-config``
-overrides ``GrpcTransportConfig`` fields of both gRPC ends (JSON object; for A/B runs). As in the cluster, every
+``NixlTransportConfig`` setting (see there). ``nixl`` is exactly what the cluster runs: the
+sender's KV is built in a lease of its ``endpoints.Sender``'s registered pool (``Sender.alloc``,
+where the prefill executor builds the prefix it will ship over NIXL) and ``Sender.send`` ships
+it without a copy (``NixlTransport.send_kv``: each piece CRC-32C'd and announced, the receiver
+READs it while the next is CRC'd; the row records ``zero_copy`` true only if nothing was
+staged); its encode column is the header (``serialise``). ``nixl-copy`` is the same ``Sender``
+with the KV in ordinary memory (what the cluster runs when the prefix is not built in the pool:
+a cast to the engine's dtype, a partial send, a full pool): copied into the pool piece by piece
+while the receiver READs. ``nixl-serial`` encodes into the registered pool first
+(``encode_block(..., into=transport.lease)``: copy + CRC in one pass), then sends;
+``nixl-staged`` is the plain ``encode_block`` (send stages a copy). ``grpc`` is what the
+cluster's ``Sender`` runs over gRPC: ``encode_block`` (one CRC pass over the tensor) +
+``GrpcTransport.send``; ``grpc-stream`` is ``GrpcTransport.send_kv`` (each chunk CRC'd right after
+it is framed, while in cache, the CRC sent last; its encode column is only the header).
+``--grpc-config`` overrides ``GrpcTransportConfig`` fields of both gRPC ends (a JSON object; for
+A/B runs). As in the cluster, every
 transfer is authenticated: the driver gives the receiver a grant (``expect``) before the push and
 the block carries the transfer's credential (receivers run with ``require_grant``).
 ``send_gbps`` is the send alone; ``tx_cpu_ns_b`` / ``rx_cpu_ns_b`` are the CPU seconds (all
@@ -41,7 +47,8 @@ import time
 import torch
 
 LAYERS, KV_HEADS, HEAD_DIM, MODEL = 30, 3, 64, "smollm2-135m"
-KINDS = ("nixl", "nixl-serial", "nixl-staged", "grpc", "grpc-stream")
+NIXL_KINDS = ("nixl", "nixl-copy", "nixl-serial", "nixl-staged")
+GRPC_KINDS = ("grpc", "grpc-stream")
 
 
 def _tokens(mib: int) -> int:
@@ -55,19 +62,25 @@ class Endpoint:
         import logging
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self.kind, self.kv = kind, None
-        if kind in ("grpc", "grpc-stream"):
+        if kind in GRPC_KINDS:
             from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
             self.t = GrpcTransport(GrpcTransportConfig(**{"require_grant": True, **(grpc_config or {})}), model=MODEL)
-        elif kind in ("nixl", "nixl-serial", "nixl-staged"):
+        elif kind in NIXL_KINDS:
             from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
-            self.t = NixlTransport(NixlTransportConfig(require_grant=True, ucx_error_handling=ucx_error_handling),
-                                   model=MODEL)
+            cfg = NixlTransportConfig(require_grant=True, ucx_error_handling=ucx_error_handling)
+            if kind in ("nixl", "nixl-copy"):                      # the cluster's prefill side (a receiver too)
+                from kvtransport.endpoints import Sender
+                self.s = Sender("nixl", cfg)
+                self.t = self.s.nixl
+                self.t.model = MODEL
+            else:
+                self.t = NixlTransport(cfg, model=MODEL)
         elif kind != "copy":
-            raise ValueError(f"unknown transport {kind!r}; choose {', '.join(KINDS)} or copy")
+            raise ValueError(f"unknown transport {kind!r}; choose {', '.join(NIXL_KINDS + GRPC_KINDS)} or copy")
 
     def address(self):
         """gRPC: serve and return host:port; NIXL: (agent name, metadata)."""
-        if self.kind.startswith("grpc"):
+        if self.kind in GRPC_KINDS:
             return self.t.serve("127.0.0.1", 0)
         return self.t.name, self.t.metadata()
 
@@ -86,9 +99,12 @@ class Endpoint:
         from kvruntime.kv import KVCache
         n = _tokens(mib)
         self.kv = None
-        g = torch.Generator().manual_seed(mib)
-        self.kv = KVCache(torch.randn(LAYERS, 2, KV_HEADS, n, HEAD_DIM, generator=g), torch.arange(n),
-                          torch.arange(100, 100 + n))
+        g, shape = torch.Generator().manual_seed(mib), (LAYERS, 2, KV_HEADS, n, HEAD_DIM)
+        data = self.s.alloc(shape, torch.float32) if self.kind == "nixl" and n else None   # as the executor builds it
+        if self.kind == "nixl" and n and data is None:
+            _progress(f"nixl {mib} MiB: the sender's pool is full, KV in ordinary memory (the send copies)")
+        data = torch.randn(shape, generator=g) if data is None else torch.randn(shape, generator=g, out=data)
+        self.kv = KVCache(data, torch.arange(n), torch.arange(100, 100 + n))
         return self.kv.data.nbytes
 
     @staticmethod
@@ -99,16 +115,30 @@ class Endpoint:
     def push(self, address: str, tid: str, credential: str) -> tuple[float, float]:
         from kvtransport.blocks import block_header, encode_block
         t0 = time.perf_counter()
-        if self.kind in ("nixl", "grpc-stream"):
+        if self.kind == "grpc-stream":
             header, payload = block_header(tid, MODEL, self.kv, credential=credential)
             t1 = time.perf_counter()
             self.t.send_kv(address, header, payload, timeout=120)
             return t1 - t0, time.perf_counter() - t1
+        if self.kind in ("nixl", "nixl-copy"):
+            from kvruntime.messages.transfer import KVEndpoint
+            staged = self.t.counters["staged_bytes"]
+            ep = KVEndpoint("nixl", "127.0.0.1:9", "float32", nixl_agent=address)    # its metadata is loaded
+            _, used, stages, fallbacks = self.s.send(ep, tid, MODEL, self.kv, credential=credential, timeout=120)
+            total = time.perf_counter() - t0
+            if used != "nixl" or fallbacks:
+                raise RuntimeError(f"the Sender used {used!r} with fallbacks {fallbacks}")
+            self.zero_copy = self.t.counters["staged_bytes"] == staged
+            return stages["serialise"], total - stages["serialise"]
         block = encode_block(tid, MODEL, self.kv, into=self.t.lease if self.kind == "nixl-serial" else None,
                              credential=credential)
         t1 = time.perf_counter()
         self.t.send(address, block, timeout=120)
         return t1 - t0, time.perf_counter() - t1
+
+    def copied_nothing(self) -> bool | None:
+        """(Sender) whether the last push staged no bytes (None for rows without a Sender)."""
+        return getattr(self, "zero_copy", None)
 
     def pull(self, tid: str, expect_bytes: int) -> float:
         from kvtransport.blocks import decode_block
@@ -150,7 +180,7 @@ def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: s
         for kind in transports:
             tx, rx = (actor.remote(kind, ucx_error_handling, grpc_config) for _ in range(2))
             addr = ray.get(rx.address.remote())
-            if not kind.startswith("grpc"):
+            if kind not in GRPC_KINDS:
                 name, md = addr
                 addr = ray.get(tx.add_peer.remote(name, md))
             pairs[kind] = (tx, rx, addr)
@@ -180,11 +210,14 @@ def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: s
                     _progress(f"{kind} {mib} MiB rep {i}: encode {enc * 1e3:.1f} ms, send {snd * 1e3:.1f} ms, "
                               f"receive+decode {rcv * 1e3:.1f} ms -> {nbytes / (enc + snd + rcv) / 1e9:.2f} GB/s; "
                               f"CPU ns/byte sender {tx_cpu[-1]:.2f}, receiver {rx_cpu[-1]:.2f}")
-                rows.append({"transport": kind, "mib": mib, "gbps": round(nbytes / statistics.median(totals) / 1e9, 3),
-                             "send_gbps": round(nbytes / statistics.median(sends) / 1e9, 3),
-                             "copy_gbps": round(copy_gbps, 3), "reps": reps,
-                             "tx_cpu_ns_b": round(statistics.median(tx_cpu), 3),
-                             "rx_cpu_ns_b": round(statistics.median(rx_cpu), 3)})
+                row = {"transport": kind, "mib": mib, "gbps": round(nbytes / statistics.median(totals) / 1e9, 3),
+                       "send_gbps": round(nbytes / statistics.median(sends) / 1e9, 3),
+                       "copy_gbps": round(copy_gbps, 3), "reps": reps,
+                       "tx_cpu_ns_b": round(statistics.median(tx_cpu), 3),
+                       "rx_cpu_ns_b": round(statistics.median(rx_cpu), 3)}
+                if (zero := ray.get(tx.copied_nothing.remote())) is not None:
+                    row["zero_copy"] = zero
+                rows.append(row)
             rows.append({"transport": "copy", "mib": mib, "gbps": round(copy_gbps, 3),
                          "copy_gbps": round(copy_gbps, 3), "reps": reps})
             for tx, rx, _ in pairs.values():
@@ -200,8 +233,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", default="45,180,360", help="block sizes in MiB, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median)")
-    ap.add_argument("--transports", default="nixl,nixl-serial,grpc",
-                    help="nixl, nixl-serial, nixl-staged, grpc and/or grpc-stream (copy always runs)")
+    ap.add_argument("--transports", default="nixl,nixl-copy,nixl-serial,grpc",
+                    help="nixl, nixl-copy, nixl-serial, nixl-staged, grpc and/or grpc-stream (copy always runs)")
     ap.add_argument("--grpc-config", default="{}",
                     help="JSON object of GrpcTransportConfig fields for both gRPC ends (A/B runs)")
     ap.add_argument("--ucx-error-handling", default="peer", choices=("peer", "none"),
@@ -214,8 +247,8 @@ def main(argv=None) -> None:
     mibs = [int(x) for x in args.mib.split(",") if x]
     transports = [t for t in args.transports.split(",") if t]
     for t in transports:
-        if t not in KINDS:
-            raise SystemExit(f"unknown transport {t!r}; choose {', '.join(KINDS)}")
+        if t not in NIXL_KINDS + GRPC_KINDS:
+            raise SystemExit(f"unknown transport {t!r}; choose {', '.join(NIXL_KINDS + GRPC_KINDS)}")
     try:
         grpc_config = json.loads(args.grpc_config)
         from kvtransport.grpc_transport import GrpcTransportConfig

@@ -73,16 +73,15 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     import ray
     from ray import serve
 
+    from kvtransport.options import check
+
+    check(cfg)               # kv_grpc / kv_nixl: a bad key fails here, not inside every actor
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     if not ray.is_initialized():
         if cfg.ray_address:
             connect(cfg)
         else:
-            # local_cpus given: a fresh local instance (never a `ray start` cluster found on the machine,
-            # which refuses num_cpus); else attach to a local cluster if there is one, or start one
-            ray.init(address="local" if local_cpus is not None else None, num_cpus=local_cpus, namespace="kvnotes",
-                     include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
+            start_local_ray(cfg, local_cpus)
     from cluster.ray_backends import start_workers
     from cluster.serve_app import RouterIngress
 
@@ -93,6 +92,55 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
     serve.run(RouterIngress.options(num_replicas=cfg.router_replicas).bind(cfg), name="kvnotes", route_prefix="/",
               blocking=False)
+
+
+def start_local_ray(cfg: ClusterConfig, local_cpus: int | None = None) -> int:
+    """``ray.init`` a local instance (``local_cpus`` given: always a fresh one, never a ``ray start``
+    cluster found on the machine, which refuses num_cpus; else attach to a local cluster if there is
+    one, or start one). Ray gives a raylet 30 s to register with its GCS and then raises, leaving a
+    half-started node (a loaded machine, a port taken between Ray choosing and binding it): that
+    node is shut down and Ray started again, up to ``cfg.ray_start_attempts`` times in all, each
+    retry logged with Ray's reason. Returns the retries taken; raises Ray's last error."""
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    for attempt in range(1, cfg.ray_start_attempts + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            ray.init(address="local" if local_cpus is not None else None, num_cpus=local_cpus, namespace="kvnotes",
+                     include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
+            return attempt - 1
+        except (ValueError, TypeError):
+            raise                  # a bad argument: starting again cannot help
+        except Exception as exc:   # Ray raises a bare Exception for a raylet that never registered
+            ray.shutdown()
+            # the failed node was never handed to ray (shutdown does not know it): stop, by PID, what
+            # this attempt started (GCS, raylet, reaper, log monitor ...) before the next one
+            _stop_pids([p for p in me.children(recursive=True) if p.pid not in before])
+            if attempt == cfg.ray_start_attempts:
+                raise
+            log.warning("local Ray did not start (attempt %d of %d): %s: starting it again (ray_start_attempts)",
+                        attempt, cfg.ray_start_attempts, str(exc).strip().splitlines()[0] if str(exc).strip() else
+                        type(exc).__name__)
+    raise AssertionError("unreachable")
+
+
+def _stop_pids(procs, grace_s: float = 10.0) -> None:
+    """SIGTERM ``procs`` (psutil.Process), SIGKILL those alive after ``grace_s``."""
+    import psutil
+
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    for p in psutil.wait_procs(procs, timeout=grace_s)[1]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def ensure_api_key(cfg: ClusterConfig) -> str | None:

@@ -29,8 +29,11 @@ if TYPE_CHECKING:
     from cluster.shadow import FidelityGuard
 
 log = logging.getLogger(__name__)
-# Fallbacks after which the request still executed as planned (only storing its KV failed).
-STORE_ONLY_FALLBACKS = frozenset({"tier_store_failed"})
+# Fallbacks after which the request still executed as planned: only storing its KV failed, the KV
+# was built in ordinary memory because the NIXL send pool was full (the send copied it), or the
+# block travelled over gRPC instead of NIXL (and arrived: a lost block adds its own reason)
+STORE_ONLY_FALLBACKS = frozenset({"tier_store_failed", "kv_send_pool_full", "kv_transport_nixl_unavailable",
+                                  "kv_transport_nixl_to_grpc"})
 
 
 @dataclass(frozen=True)

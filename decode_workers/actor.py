@@ -35,6 +35,7 @@ def node_address() -> tuple[str, str]:
 class DecodeWorker:
     def __init__(self, cfg: ClusterConfig, index: int, host: str | None = None):
         from kvtransport.endpoints import Receiver
+        from kvtransport.options import grpc_config, nixl_config
 
         self.index, self.engine_kind, self.model = index, cfg.decode_engine, cfg.model
         self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
@@ -42,7 +43,8 @@ class DecodeWorker:
         device = "cuda" if cfg.decode.num_gpus > 0 else "cpu"
         ip, node_id = node_address()
         host = host or ip
-        self.receiver = Receiver(cfg.kv_transport, cfg.model, cfg.dtype, bind=host, advertise=host, node_id=node_id)
+        self.receiver = Receiver(cfg.kv_transport, cfg.model, cfg.dtype, bind=host, advertise=host, node_id=node_id,
+                                 grpc_cfg=grpc_config(cfg), nixl_cfg=nixl_config(cfg))
         # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine
         # is vLLM (they live in the process-wide registry served here)
         from decode_workers.held_kv import HeldPrefixes

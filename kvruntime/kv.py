@@ -71,12 +71,19 @@ class KVCache:
         return self.num_tokens < 2 or bool((self.positions[1:] > self.positions[:-1]).all())
 
     @staticmethod
-    def cat(parts: list["KVCache"]) -> "KVCache":
-        """Concatenate along tokens. Cost: one copy of all slots."""
+    def cat(parts: list["KVCache"], alloc=None) -> "KVCache":
+        """Concatenate along tokens. Cost: one copy of all slots. ``alloc(shape, dtype) -> Tensor
+        | None``: where the result is written (e.g. a transport's registered memory, so that it
+        is sent without another copy); None from it (or parts of mixed dtype/device): a new tensor."""
         parts = [p for p in parts if p.num_tokens] or parts[:1]
         if len(parts) == 1:
             return parts[0]
-        return KVCache(torch.cat([p.data for p in parts], dim=3),
+        datas = [p.data for p in parts]
+        out = None
+        if alloc is not None and all(d.dtype == datas[0].dtype and d.device == datas[0].device for d in datas):
+            shape = (*datas[0].shape[:3], sum(d.shape[3] for d in datas), datas[0].shape[4])
+            out = alloc(shape, datas[0].dtype) if datas[0].device.type == "cpu" else None
+        return KVCache(torch.cat(datas, dim=3) if out is None else torch.cat(datas, dim=3, out=out),
                        torch.cat([p.positions for p in parts]),
                        torch.cat([p.token_ids for p in parts]))
 

@@ -20,10 +20,12 @@ The transfer (prefill worker -> decode worker, one block per request):
 - ``grpc_transport`` + ``grpc_codec`` + ``proto/``: the portable push over gRPC (decode serves).
 - ``nixl_transport``: NIXL/UCX, registered pool, receiver READs, completion by notification;
   agent metadata passes through the caller (``metadata()`` / ``add_peer``). Imports NIXL lazily.
-  ``send_kv`` pipelines the encode with the READ (announced piece by piece, CRC last);
+  ``send_kv`` (``nixl_send``) announces the payload piece by piece while the receiver READs,
+  CRC last: without a copy when the KV already lives in the pool (the prefill built it there,
+  ``Sender.alloc``), else copied (and cast to the wire dtype) in the same pass;
   ``nixl_wire`` holds the notifications, ``nixl_read`` the receiving READ loop.
 - ``endpoints``: the chosen transport (``kv_transport: auto | nixl | grpc``) at both ends: the
   decode side's ``Receiver`` (one granted inbox fed by NIXL and gRPC, bound to the node's address)
   and the prefill side's ``Sender`` (engine dtype on the wire, credential in the header, fallback
-  to gRPC reported).
+  to gRPC reported, ``alloc``: registered memory to build the shipped KV in).
 """

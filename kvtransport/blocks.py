@@ -188,17 +188,27 @@ def _wire_data(kv: KVCache, dtype: str | None):
     return kv.data.detach().to("cpu", DTYPES[dtype] if dtype else kv.data.dtype).contiguous()
 
 
+def wire_header(transfer_id: str, model: str, kv: KVCache, *, dtype: str | None = None,
+                credential: str = "") -> KVBlockHeader:
+    """The header of ``kv`` sent in the wire ``dtype``, with ``checksum`` 0 (a streaming sender
+    computes it while it sends, see ``NixlTransport.send_kv``). Reads no KV bytes."""
+    if kv.data.dtype not in _NAMES:
+        raise BlockError(f"unsupported KV dtype {kv.data.dtype}")
+    if dtype is not None and dtype not in DTYPES:
+        raise BlockError(f"unsupported wire dtype {dtype!r}")
+    wire = DTYPES[dtype] if dtype else kv.data.dtype
+    layers, _, heads, tokens, head_dim = kv.data.shape
+    nbytes = kv.data.numel() * torch.empty(0, dtype=wire).element_size()
+    return KVBlockHeader(transfer_id, model, layers, heads, head_dim, _NAMES[wire], tuple(kv.positions.tolist()),
+                         tuple(kv.token_ids.tolist()), nbytes, 0, credential)
+
+
 def block_header(transfer_id: str, model: str, kv: KVCache, *, dtype: str | None = None,
                  credential: str = "") -> tuple[KVBlockHeader, memoryview]:
-    """For a streaming sender (``NixlTransport.send_kv``): the header with ``checksum`` 0 (the
-    sender computes it while copying and sends it last) and the payload bytes, in the wire
-    ``dtype`` (cast once if needed), aliasing ``kv.data`` when it is contiguous CPU memory of
-    that dtype. No checksum pass here."""
-    data = _wire_data(kv, dtype)
-    payload = payload_view(data)
-    layers, _, heads, _, head_dim = data.shape
-    return KVBlockHeader(transfer_id, model, layers, heads, head_dim, _NAMES[data.dtype], tuple(kv.positions.tolist()),
-                         tuple(kv.token_ids.tolist()), payload.nbytes, 0, credential), payload
+    """:func:`wire_header` and the payload bytes in the wire ``dtype`` (cast once if needed),
+    aliasing ``kv.data`` when it is contiguous CPU memory of that dtype. No checksum pass here."""
+    payload = payload_view(_wire_data(kv, dtype))
+    return wire_header(transfer_id, model, kv, dtype=dtype, credential=credential), payload
 
 
 def payload_len(payload: Payload) -> int:

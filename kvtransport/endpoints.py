@@ -9,8 +9,10 @@ sends with, picked by config ``kv_transport: auto | nixl | grpc``.
   metadata included) travels to prefill workers through the Ray actors.
 - :class:`Sender` (prefill side): encodes the block in the decode engine's dtype, with the
   transfer's credential in its header, and sends it; over NIXL pipelined
-  (``NixlTransport.send_kv``: copied into registered memory piece by piece while the receiver
-  READs the pieces already there).
+  (``NixlTransport.send_kv``: the receiver READs the pieces already in registered memory while
+  the next is prepared). KV the prefill built in the sender's registered pool (:meth:`Sender.alloc`,
+  used when :meth:`Sender.builds_into_pool` says so) is sent without a copy; other KV is copied,
+  cast to the wire dtype in the same pass, into the pool piece by piece.
 
 ``auto`` = NIXL where it imports and starts, else gRPC; ``nixl`` = NIXL or refuse to start.
 A fall back from NIXL to gRPC (NIXL unavailable at start, or a peer NIXL cannot reach) is
@@ -22,9 +24,11 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from kvruntime.kv import KVCache
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
-from kvtransport.blocks import KVBlock, block_header, encode_block
+from kvtransport.blocks import DTYPES, KVBlock, encode_block, wire_header
 from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransport.transport import Inbox, InboxStats, KVTransport, TransferError, TransferReceipt
 
@@ -74,7 +78,10 @@ class Receiver(KVTransport):
                                    n.name if n else "", n.metadata() if n else b"")
 
     def expect(self, grant: TransferGrant) -> None:
-        self.inbox.expect(grant)
+        if self.nixl is not None:
+            self.nixl.expect(grant)           # the same inbox; wakes NIXL's progress thread
+        else:
+            self.inbox.expect(grant)
 
     def send(self, address, block, *, timeout):     # a receiver does not send
         raise TransferError("unsupported", "a Receiver only receives")
@@ -94,11 +101,11 @@ class Receiver(KVTransport):
 class Sender:
     """The prefill worker's side: one gRPC client and (``auto``/``nixl``) one NIXL agent."""
 
-    def __init__(self, kind: str, nixl_cfg=None):
+    def __init__(self, kind: str, nixl_cfg=None, grpc_cfg: GrpcTransportConfig | None = None):
         if kind not in ("auto", "nixl", "grpc"):
             raise ValueError(f"kv_transport must be auto, nixl or grpc, got {kind!r}")
         self.kind = kind
-        self.grpc = GrpcTransport()
+        self.grpc = GrpcTransport(grpc_cfg or GrpcTransportConfig())
         self.nixl, self.fallback = None, None
         if kind != "grpc":
             self.nixl, self.fallback = _start_nixl(kind, nixl_cfg)
@@ -126,10 +133,10 @@ class Sender:
                 fallbacks.append("kv_transport_nixl_to_grpc")
         if peer is not None and kv.num_tokens:
             t = time.perf_counter()
-            header, payload = block_header(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
+            header = wire_header(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
             stages = {"serialise": time.perf_counter() - t}
-            try:                # the copy into registered memory + CRC overlaps the READ (counted in transfer)
-                receipt = self.nixl.send_kv(peer, header, payload, timeout=timeout)
+            try:    # zero copy if kv.data lives in the NIXL pool, else copied (+ cast) into it, overlapping the READ
+                receipt = self.nixl.send_kv(peer, header, kv.data, timeout=timeout)
                 stages["transfer"] = receipt.seconds
                 return receipt, "nixl", stages, fallbacks
             except TransferError as exc:
@@ -137,14 +144,27 @@ class Sender:
                     raise
                 _log_once("kv_transport_nixl_to_grpc", "NIXL send to %s failed (%s): sending over gRPC", peer, exc)
                 fallbacks.append("kv_transport_nixl_to_grpc")
-            finally:
-                del payload
         t = time.perf_counter()
         block = encode_block(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
         stages = {"serialise": time.perf_counter() - t}
         receipt = self.grpc.send(ep.grpc_address, block, timeout=timeout)
         stages["transfer"] = receipt.seconds
         return receipt, "grpc", stages, fallbacks
+
+    def builds_into_pool(self, ep: KVEndpoint, dtype: torch.dtype) -> bool:
+        """Whether KV of ``dtype`` for ``ep`` should be assembled in :meth:`alloc` memory: NIXL on
+        both ends, ``build_into_pool`` on, and ``dtype`` already the wire dtype (else the send
+        casts into the pool anyway, in one pass)."""
+        return (self.nixl is not None and self.nixl.cfg.build_into_pool and ep.transport == "nixl"
+                and bool(ep.nixl_agent) and DTYPES.get(ep.dtype) == dtype)
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialised CPU tensor in the NIXL registered pool: KV built there is sent without
+        a copy. Released when its last view is dropped. None without NIXL or when the pool is
+        full (the caller builds in ordinary memory; the executor counts ``kv_send_pool_full``)."""
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        buf = self.nixl.lease(nbytes) if self.nixl is not None and nbytes else None
+        return None if buf is None else torch.from_numpy(buf).view(dtype).view(shape)
 
     def stop(self) -> None:
         self.grpc.stop()

@@ -4,7 +4,8 @@ Design (after vLLM's NixlConnector and NIXL's examples/python, shaped for our pu
 - **One agent per transport**, created once per process/actor with ``enable_prog_thread=False``
   (nixl 1.5.1's progress thread busy-polls a core). Progress happens in our own thread, which
   polls ``get_new_notifs`` every 0.2 ms while a transfer of ours is open and backs off to
-  ``idle_poll_s`` when idle, and in the READ loop. All agent calls hold one lock.
+  ``expect_poll_s`` while a granted transfer is awaited, ``idle_poll_s`` when nothing is (an
+  idle agent: ~1% of a core; a send or a grant wakes it at once), and in the READ loop. All agent calls hold one lock.
 - **One registered arena** (:class:`~kvtransport.transport.BufferPool`, DRAM, ``pool_bytes``)
   registered once at start; both the send staging copy and received blocks are leases of it.
   No registration per request. A received block's payload *is* its lease (no copy out): the
@@ -22,12 +23,15 @@ Design (after vLLM's NixlConnector and NIXL's examples/python, shaped for our pu
   notifies ``REPLY`` + id (ok, or a :class:`TransferError` reason: ``duplicate``, ``backpressure``,
   ``too_large``, ``rejected``, ``nixl_error``, or a grant refusal, see ``Inbox``). A sender that
   times out notifies ``CANCEL`` and keeps its staging until ``PULLED`` or TTL.
-- **Pipelined** (``send_kv``, what :class:`~kvtransport.endpoints.Sender` uses): the offer goes
-  out first (``STREAM``), the sender copies the payload into its lease and announces every
-  ``stream_piece_bytes`` (``AVAIL``) at once, its CRC thread checksumming the piece meanwhile; the
-  receiver READs each announced piece while the next is copied (see :mod:`kvtransport.nixl_read`);
-  the last ``AVAIL`` carries the CRC-32C, checked before the block is visible. Copy, CRCs and
-  READ overlap on two cores. The pool is huge-page backed (``BufferPool``): cma pins 2 MiB pages.
+- **Pipelined** (``send_kv``, what :class:`~kvtransport.endpoints.Sender` uses, see
+  :mod:`kvtransport.nixl_send`): the offer goes out first (``STREAM``), then every
+  ``stream_piece_bytes`` is announced (``AVAIL``) as soon as it is in place; the receiver READs
+  each announced piece while the next is prepared (see :mod:`kvtransport.nixl_read`); the last
+  ``AVAIL`` carries the CRC-32C, checked before the block is visible. KV the prefill built in a
+  lease of this pool is sent **without a copy** (each piece only CRC'd, then announced); other
+  KV is copied (and cast to the wire dtype, in the same pass) into a lease piece by piece, the
+  CRC thread checksumming each piece. The pool is huge-page backed (``BufferPool``): cma pins
+  2 MiB pages.
 Same host: UCX picks ``cma``; across hosts tcp/RDMA (``UCX_TLS``, ``UCX_NET_DEVICES``). No VRAM pool:
 blocks are CPU bytes by construction.
 """
@@ -42,14 +46,13 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
-
-from kvtransport.blocks import BlockError, KVBlock, KVBlockHeader, as_bytes_array, payload_len
-from kvtransport.nixl_read import NixlReader, _CrcChain
+from kvtransport.blocks import BlockError, KVBlock
+from kvtransport.nixl_read import NixlReader
+from kvtransport.nixl_send import NixlSender, _Outgoing
 from kvtransport.nixl_wire import AVAIL, CANCEL, OFFER, PULLED, REPLY, STREAM, Avail, Offer, Reply
-from kvtransport.transport import BufferPool, Inbox, KVTransport, TransferError, TransferReceipt, TransferState
+from kvtransport.transport import BufferPool, Inbox, KVTransport, TransferError, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +62,16 @@ class NixlTransportConfig:
     max_block_bytes: int = 1 << 30          # larger offers are refused (too_large)
     inbox_bytes: int = 1 << 30              # in-flight + verified-unclaimed bytes before refusing
     unclaimed_ttl_s: float = 300.0          # unclaimed blocks (and unpulled staging) dropped after
-    idle_poll_s: float = 0.002              # notification poll period when nothing is open, s
+    idle_poll_s: float = 0.02               # notification poll period when nothing is open or expected, s
+    expect_poll_s: float = 0.002            # ... while a granted transfer (Inbox.expect) has not arrived, s
     busy_poll_s: float = 0.0002             # poll period while a transfer is open, s
     read_timeout_s: float = 60.0            # a READ still in progress after this fails
     read_piece_bytes: int = 8 << 20         # READ in pieces this big (4-32 MiB measured: 8-16 best)
     stream_piece_bytes: int = 16 << 20      # send_kv: announce availability every this many bytes encoded
     verify_crc: bool = True                 # receiver checks CRC-32C before a block is visible
+    # the prefill assembles the KV it ships in a lease of this pool (sent without a copy); when the
+    # pool is full it builds in ordinary memory and the send copies (counted: kv_send_pool_full)
+    build_into_pool: bool = True
     require_grant: bool = False             # accept only transfers announced by expect() (the cluster: True)
     backends: tuple[str, ...] = ("UCX",)
     # UCX error handling: "peer" detects a dead peer but forces notifications over tcp (shared memory
@@ -75,22 +82,15 @@ class NixlTransportConfig:
     def __post_init__(self):
         if self.pool_bytes <= 0 or self.max_block_bytes <= 0 or self.inbox_bytes <= 0:
             raise ValueError("pool_bytes, max_block_bytes and inbox_bytes must be positive")
-        if self.read_piece_bytes <= 0 or self.stream_piece_bytes <= 0 or not 0 < self.busy_poll_s <= self.idle_poll_s:
-            raise ValueError("need read_piece_bytes, stream_piece_bytes > 0 and 0 < busy_poll_s <= idle_poll_s")
+        if (self.read_piece_bytes <= 0 or self.stream_piece_bytes <= 0
+                or not 0 < self.busy_poll_s <= self.expect_poll_s <= self.idle_poll_s):
+            raise ValueError("need read_piece_bytes, stream_piece_bytes > 0 and "
+                             "0 < busy_poll_s <= expect_poll_s <= idle_poll_s")
         if self.ucx_error_handling not in ("peer", "none"):
             raise ValueError(f"ucx_error_handling must be 'peer' or 'none', not {self.ucx_error_handling!r}")
 
 
-@dataclass
-class _Outgoing:              # one open send, owned by the sending thread + the progress thread
-    peer: str
-    staging: np.ndarray | None              # [nbytes] uint8 lease, dropped on PULLED / reply / TTL
-    since: float                            # time.monotonic() of the offer
-    done: threading.Event = field(default_factory=threading.Event)
-    reply: Reply | None = None
-
-
-class NixlTransport(NixlReader, KVTransport):
+class NixlTransport(NixlSender, NixlReader, KVTransport):
     """Both ends over one NIXL agent. Receiver: give :meth:`metadata` (and :attr:`name`, the
     address senders use) to senders; then :meth:`receive`. Sender: :meth:`add_peer`, then
     :meth:`send`. Starts the agent, registers the pool and starts the progress thread."""
@@ -119,6 +119,7 @@ class NixlTransport(NixlReader, KVTransport):
         self._deferred: collections.deque = collections.deque()
         self.counters: collections.Counter[str] = collections.Counter()  # fallback/failure kind -> count
         self._stop = threading.Event()
+        self._wake = threading.Event()                              # a send or a grant: poll now
         self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="nixl-crc")  # both sides' CRC-32C, in order
         self._thread = threading.Thread(target=self._progress, name=f"nixl-progress-{self.name}", daemon=True)
         self._thread.start()
@@ -147,110 +148,7 @@ class NixlTransport(NixlReader, KVTransport):
         self._peers.add(name)
         return name
 
-    # ---- sending -------------------------------------------------------------------------------
-    def send(self, address: str, block: KVBlock, *, timeout: float = 30.0) -> TransferReceipt:
-        """Offer ``block`` to the peer named ``address`` and block until it has pulled and verified
-        it. Copies the payload once into a staging lease unless it already is one (see
-        :meth:`lease`). Raises :class:`TransferError`
-        (``unknown_peer``, ``too_large``, ``backpressure``, ``duplicate``, ``timeout``, or the
-        receiver's reason)."""
-        t0, deadline = time.perf_counter(), time.monotonic() + timeout
-        tid, n = block.header.transfer_id, payload_len(block.payload)
-        if address not in self._peers:
-            raise TransferError("unknown_peer", f"no metadata for NIXL peer {address!r}: call add_peer first")
-        if n > self.cfg.pool_bytes:
-            raise TransferError("too_large", f"block of {n} bytes exceeds the NIXL pool ({self.cfg.pool_bytes})")
-        staging = as_bytes_array(block.payload) if n else None
-        if staging is None or not self._in_pool(staging):          # not encoded into our pool: stage it
-            staging = self._lease_until(n, tid, deadline)
-            staging[:] = as_bytes_array(block.payload)
-        out = self._post(address, block.header, staging, streamed=False)
-        del staging
-        return self._await(address, tid, out, n, t0, deadline, timeout)
-
-    def _lease_until(self, n: int, tid: str, deadline: float):
-        """A registered lease of ``n`` bytes, waiting for the pool until ``deadline`` (monotonic)."""
-        buf = self._pool.lease(n)
-        while buf is None:
-            if time.monotonic() > deadline:
-                raise TransferError("backpressure", f"NIXL send pool full for {tid} ({n} bytes)")
-            time.sleep(self.cfg.busy_poll_s * 10)
-            buf = self._pool.lease(n)
-        return buf
-
-    def send_kv(self, address: str, header: KVBlockHeader, payload, *, timeout: float = 30.0) -> TransferReceipt:
-        """Pipelined send: copy ``payload`` (the bytes :func:`~kvtransport.blocks.block_header`
-        returned) into a registered lease piece by piece and announce each ``stream_piece_bytes``
-        as it lands (the CRC thread checksums it meanwhile), so the receiver READs piece k while
-        piece k+1 is copied (two processes: two cores). The CRC travels last; ``header.checksum``
-        is ignored. Blocks until the receiver has verified the block; raises like :meth:`send`."""
-        t0, deadline = time.perf_counter(), time.monotonic() + timeout
-        src = as_bytes_array(payload)
-        tid, n = header.transfer_id, src.nbytes
-        if address not in self._peers:
-            raise TransferError("unknown_peer", f"no metadata for NIXL peer {address!r}: call add_peer first")
-        if n == 0 or n > self.cfg.pool_bytes:
-            raise TransferError("too_large", f"a streamed block of {n} bytes does not fit the NIXL pool "
-                                             f"({self.cfg.pool_bytes}) or is empty")
-        buf = self._lease_until(n, tid, deadline)
-        out = self._post(address, header, buf, streamed=True)
-        chain, off, step = _CrcChain(self._crc_pool), 0, self.cfg.stream_piece_bytes
-        while off < n and not out.done.is_set():          # a refusal ends the copying early
-            end = min(n, off + step)
-            buf[off:end] = src[off:end]
-            chain.add(buf[off:end])                        # CRC'd on its thread while the next piece is copied
-            off = end
-            with self._lock:
-                self._safe_notify(address, Avail(tid, off, chain.result() if off == n else 0).encode())
-        del buf
-        return self._await(address, tid, out, n, t0, deadline, timeout)
-
-    def _post(self, address: str, header: KVBlockHeader, staging: np.ndarray, *, streamed: bool) -> _Outgoing:
-        tid = header.transfer_id
-        out = _Outgoing(address, staging, time.monotonic())
-        with self._out_lock:
-            if tid in self._out:
-                raise TransferError("duplicate", f"transfer id {tid} is already being sent")
-            self._out[tid] = out
-        md = b"" if address in self._introduced else self.metadata()
-        offer = Offer(header, int(staging.ctypes.data), staging.nbytes, 0, md, streamed)
-        try:
-            with self._lock:
-                self._agent.send_notif(address, offer.encode())
-        except Exception as exc:  # nixl raises its own error types; the send fails, reported
-            self._forget(tid)
-            raise TransferError("unavailable", f"NIXL notify to {address} failed: {exc}") from None
-        self._introduced.add(address)
-        return out
-
-    def _await(self, address: str, tid: str, out: _Outgoing, n: int, t0: float, deadline: float,
-               timeout: float) -> TransferReceipt:
-        if not out.done.wait(max(0.0, deadline - time.monotonic())):
-            self.counters["send_timeout"] += 1
-            with self._lock:
-                self._safe_notify(address, CANCEL + tid.encode())
-            with self._out_lock:                                   # keep staging until PULLED or TTL
-                self._out.pop(tid, None)
-                if out.staging is not None:
-                    self._quarantine[tid] = out
-            raise TransferError("timeout", f"NIXL transfer {tid} to {address} not verified within {timeout:.1f} s")
-        self._forget(tid)
-        if not (reply := out.reply).ok:
-            raise TransferError(reply.reason or "rejected", f"receiver rejected {tid}: {reply.error}")
-        return TransferReceipt(tid, n, time.perf_counter() - t0)
-
-    def lease(self, nbytes: int) -> np.ndarray | None:
-        """Registered memory (None when full) for ``encode_block(into=...)``: sent without staging."""
-        return self._pool.lease(nbytes)
-
-    def _in_pool(self, arr: np.ndarray) -> bool:
-        return self._pool.address <= int(arr.ctypes.data) <= self._pool.address + self._pool.nbytes - arr.nbytes
-
-    def _forget(self, tid: str) -> None:
-        with self._out_lock:
-            out = self._out.pop(tid, None)
-        if out is not None:
-            out.staging = None                                     # the staging lease ends here
+    # ---- sending: kvtransport.nixl_send.NixlSender (send, send_kv, lease) -------------------
 
     # ---- receiving -----------------------------------------------------------------------------
     def receive(self, transfer_id: str, *, timeout: float = 30.0) -> KVBlock:
@@ -261,8 +159,9 @@ class NixlTransport(NixlReader, KVTransport):
     def state(self, transfer_id: str) -> TransferState:
         return self._inbox.state(transfer_id)
 
-    def expect(self, grant) -> None:  # announce a transfer (see Inbox.expect)
+    def expect(self, grant) -> None:  # announce a transfer (see Inbox.expect); polls faster until it arrives
         self._inbox.expect(grant)
+        self._wake.set()
 
     stats = lambda self: self._inbox.stats()  # noqa: E731 -- InboxStats: held bytes, expiries, refusals
     pool = property(lambda self: self._pool, doc="the registered arena (staging + received blocks)")
@@ -272,6 +171,7 @@ class NixlTransport(NixlReader, KVTransport):
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake.set()
         self._thread.join(5.0)
         self._crc_pool.shutdown(wait=True)
         with self._lock:
@@ -300,8 +200,10 @@ class NixlTransport(NixlReader, KVTransport):
                 last_sweep = time.monotonic()
                 self._sweep()
             busy = bool(notifs) or bool(self._out)
-            delay = self.cfg.busy_poll_s if busy else min(self.cfg.idle_poll_s, delay * 2)
-            self._stop.wait(delay)
+            cap = self.cfg.expect_poll_s if self._inbox.expecting() else self.cfg.idle_poll_s
+            delay = self.cfg.busy_poll_s if busy else min(cap, delay * 2)
+            self._wake.wait(delay)
+            self._wake.clear()
 
     def _sweep(self) -> None:
         now = time.monotonic()

@@ -187,6 +187,10 @@ class Inbox:
                 raise ValueError(f"{len(self._grants)} transfers announced and not pushed (max_grants)")
             self._grants[tid] = (grant, time.monotonic())
 
+    def expecting(self) -> bool:
+        """Whether an announced transfer has not begun yet (a transport polls faster meanwhile)."""
+        return bool(self._grants)
+
     def _check_grant(self, tid: str, header: KVBlockHeader | None) -> tuple[str, str] | None:
         entry = self._grants.get(tid)
         if entry is None:

@@ -25,6 +25,7 @@ class PrefillWorker:
         os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
         from kvruntime.engine import ReferenceEngine
         from kvtransport.endpoints import Sender
+        from kvtransport.options import grpc_config, nixl_config
         from kvtransport.lmcache_store import LMCacheStore, TierConfig
         from prefill_workers.executor import PrefillExecutor
         from prefill_workers.tier import PrefillTier
@@ -37,7 +38,7 @@ class PrefillWorker:
                           persist_dir=cfg.tier_persist_dir, remote_url=cfg.tier_remote_url)
         self.store = LMCacheStore.for_engine(self.engine, tier)
         self.tier = PrefillTier(self.store, self.engine, worker=f"prefill-{index}")
-        self.sender = Sender(cfg.kv_transport)
+        self.sender = Sender(cfg.kv_transport, nixl_cfg=nixl_config(cfg), grpc_cfg=grpc_config(cfg))
         self.executor = PrefillExecutor(self.engine, self.tier, self.sender,
                                         load_failure_policy=cfg.kv_load_failure_policy,
                                         transfer_timeout=cfg.transfer_timeout_s)

@@ -25,6 +25,13 @@ from kvtransport.endpoints import Sender
 from kvtransport.transport import KVTransport, TransferError
 
 log = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+
+def _log_once(reason: str, msg: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning(msg)
 
 
 @contextlib.contextmanager
@@ -43,7 +50,7 @@ class KVSource(Protocol):
 
     def get(self, ref: KVRef) -> KVCache | None: ...
 
-    def put(self, ref: KVRef, kv: KVCache) -> int: ...
+    def put(self, ref: KVRef, kv: KVCache) -> int: ...      # copies kv: keeps no view of it
 
     def compile(self, ref: KVRef) -> KVCache: ...
 
@@ -58,11 +65,14 @@ class PrefillExecutor:
         self.policy, self.transfer_timeout = load_failure_policy, transfer_timeout
 
     # ---- building ---------------------------------------------------------------------------
-    def build(self, plan: RequestPlan) -> tuple[KVCache, PrefillStats]:
-        """Execute ``plan.steps`` in order; returns the prefix KV (slots in position order)."""
+    def build(self, plan: RequestPlan, alloc=None) -> tuple[KVCache, PrefillStats]:
+        """Execute ``plan.steps`` in order; returns the prefix KV (slots in position order).
+        ``alloc(shape, dtype) -> Tensor | None``: where every concatenation writes its result
+        (``Sender.alloc``: the transport's registered memory, so the final KV ships without a copy)."""
         if plan.model != self.engine.spec.name:
             raise ValueError(f"plan is for model {plan.model!r}, this worker runs {self.engine.spec.name!r}")
         kv, st = self.engine.empty_kv(), PrefillStats()
+        self._alloc, self._pool_misses = (self._counting(alloc) if alloc is not None else None), 0
         self._seams: list[int] = []               # chunk starts awaiting one batched seam repair
         self._seam_k, self._ratio = 0, 0.0       # ratio > 0: selective recompute (ops.blend)
         self._borrowed: set[int] = set()         # storages of loaded KV (a tier's memory): never written
@@ -70,14 +80,26 @@ class PrefillExecutor:
             if step.kind is not PlanKind.REPOSITION:
                 kv = self._flush_seams(kv, st)        # computed steps must see repaired seams
             kv = self._step(kv, step, st)
-        return self._flush_seams(kv, st), st
+        kv = self._flush_seams(kv, st)
+        self._alloc = None
+        return kv, st
+
+    def _counting(self, alloc):
+        def counted(shape, dtype):
+            out = alloc(shape, dtype)
+            self._pool_misses += out is None
+            return out
+        return counted
+
+    def _cat(self, parts: list[KVCache]) -> KVCache:
+        return KVCache.cat(parts, alloc=self._alloc)
 
     def _flush_seams(self, kv: KVCache, st: PrefillStats) -> KVCache:
+        # the fresh KV is written into kv's buffer when it is a cat's copy, not a tier's chunk
+        owned = kv.data.untyped_storage().data_ptr() not in self._borrowed
         if self._seams and self._ratio > 0:       # the plan's r: seams + top-r chunk tokens, one forward
             seams = {i for c in self._seams for i in range(c, min(c + self._seam_k, kv.num_tokens))}
             with _timed(st, "forward"):
-                # the fresh KV is written into kv's buffer when it is a cat's copy, not a tier's chunk
-                owned = kv.data.untyped_storage().data_ptr() not in self._borrowed
                 res = selective_recompute(self.engine, kv, self._seams[0], self._ratio, seam_slots=seams,
                                           in_place=owned)
             extra = len(res.recomputed_slots) - len(seams)
@@ -86,7 +108,7 @@ class PrefillExecutor:
             kv, self._seams = res.kv, []
         elif self._seams:
             with _timed(st, "forward"):
-                kv = seam_repair(self.engine, kv, self._seams, self._seam_k)
+                kv = seam_repair(self.engine, kv, self._seams, self._seam_k, in_place=owned)
             self._seams = []
         return kv
 
@@ -125,7 +147,7 @@ class PrefillExecutor:
         with _timed(st, "forward"):
             out = self.engine.prefill(list(ids), torch.arange(position, position + len(ids)), kv)
         st.computed += len(ids)
-        return KVCache.cat([kv, out.kv])
+        return self._cat([kv, out.kv])
 
     def _step(self, kv: KVCache, step: SegmentPlan, st: PrefillStats) -> KVCache:
         k = step.kind
@@ -148,7 +170,7 @@ class PrefillExecutor:
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
                 return self._compute(kv, step.token_ids, step.position, st)
             st.reused += step.tokens
-            return KVCache.cat([kv, loaded.to(self.engine.device, self.engine.dtype)])
+            return self._cat([kv, loaded.to(self.engine.device, self.engine.dtype)])
         if k is PlanKind.REPOSITION:
             if loaded is None or loaded.token_ids.tolist() != list(step.token_ids):
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
@@ -166,7 +188,7 @@ class PrefillExecutor:
             if step.seam_tokens or step.recompute_ratio:
                 self._seams.append(kv.num_tokens)
                 self._seam_k, self._ratio = step.seam_tokens, step.recompute_ratio
-            kv = KVCache.cat([kv, moved])
+            kv = self._cat([kv, moved])
             st.computed += step.seam_tokens
             st.repositioned += step.tokens - step.seam_tokens
             return kv
@@ -185,7 +207,7 @@ class PrefillExecutor:
                 return self._compute(kv, step.token_ids, step.position, st)
             st.computed += res.recomputed_tokens
             st.reused += step.tokens - res.recomputed_tokens
-            return KVCache.cat([kv, res.kv])
+            return self._cat([kv, res.kv])
         raise ValueError(f"unknown plan step kind {k}")
 
     def shadow(self, plan: RequestPlan, greedy_n: int = 16) -> ShadowResult:
@@ -207,6 +229,16 @@ class PrefillExecutor:
                             cosine=row["cosine"], seconds=time.perf_counter() - t)
 
     # ---- shipping ---------------------------------------------------------------------------
+    def _pool_alloc(self, decode, send_from: int):
+        """``Sender.alloc`` when the whole prefix will be shipped over NIXL in the engine's dtype:
+        the build then assembles it in registered memory and the send copies nothing. The tier
+        store (``source.put``) copies the KV into the tier, so no tier keeps a view of the pool."""
+        t = self.transport
+        if (isinstance(t, Sender) and isinstance(decode, KVEndpoint) and not send_from
+                and self.engine.device.type == "cpu" and t.builds_into_pool(decode, self.engine.dtype)):
+            return t.alloc
+        return None
+
     def execute(self, plan: RequestPlan, decode: KVEndpoint | str, transfer_id: str,
                 store_as: KVRef | None = None, credential: str = "", send_from: int = 0) -> PrefillResult:
         """Build the prefix, optionally store it in the tier under ``store_as`` (a session's
@@ -217,8 +249,14 @@ class PrefillExecutor:
         reason), never raised: the decode worker then recomputes. A failed store is counted
         (``tier_store_failed``) and logged."""
         t = time.perf_counter()
-        kv, st = self.build(plan)
+        alloc = self._pool_alloc(decode, send_from)
+        kv, st = self.build(plan, alloc)
         built = time.perf_counter() - t
+        if self._pool_misses:                     # built (partly) in ordinary memory: the send copies
+            st.fallbacks.append("kv_send_pool_full")
+            _log_once("kv_send_pool_full", "NIXL send pool full: KV built in ordinary memory and copied "
+                      "into the pool by the send (counted in kvnotes_fallbacks_total{reason=kv_send_pool_full}; "
+                      "logged once)")
         stored = False
         if store_as is not None and kv.num_tokens:
             if store_as.token_ids != plan.prefix_ids or store_as.position != 0 or store_as.approx != plan.approx:

@@ -25,8 +25,9 @@ class DictSource:
     def get(self, ref):
         return self.d.get(self._k(ref))
 
-    def put(self, ref, kv):
-        self.d[self._k(ref)] = kv
+    def put(self, ref, kv):                 # copies, like the real tier (KVStore.put)
+        from kvruntime.kv import KVCache
+        self.d[self._k(ref)] = KVCache(kv.data.clone(), kv.positions.clone(), kv.token_ids.clone())
         return kv.nbytes
 
     def compile(self, ref):

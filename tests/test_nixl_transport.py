@@ -223,6 +223,8 @@ def test_config_validation():
         NixlTransportConfig(pool_bytes=0)
     with pytest.raises(ValueError):
         NixlTransportConfig(busy_poll_s=0.1, idle_poll_s=0.01)
+    with pytest.raises(ValueError, match="expect_poll_s"):
+        NixlTransportConfig(expect_poll_s=0.5)                  # slower than idle polling
     with pytest.raises(ValueError, match="ucx_error_handling"):
         NixlTransportConfig(ucx_error_handling="retry")
 
@@ -257,3 +259,64 @@ def test_no_ucx_error_handling_still_moves_and_checks_blocks():
     finally:
         tx.stop()
         rx.stop()
+
+
+def _in_pool(tx, kv):
+    """``kv``'s data copied into a lease of ``tx``'s registered pool (as the prefill builds it)."""
+    buf = tx.lease(kv.data.nbytes)
+    data = torch.from_numpy(buf).view(kv.data.dtype).view(kv.data.shape)
+    data.copy_(kv.data)
+    return KVCache(data, kv.positions, kv.token_ids)
+
+
+def test_kv_built_in_the_pool_is_sent_without_a_copy_and_its_crc_is_checked(pair, monkeypatch):
+    """send_kv of a tensor that lives in the pool: no staging lease, no copy (staged_bytes stays
+    put), pieces CRC'd and announced; bit exact at the receiver. A lying sender CRC is refused."""
+    import kvtransport.nixl_send as ns
+    from kvtransport.blocks import wire_header
+    tx, name, ask = pair
+    kv = _in_pool(tx, _kv(4000))                                    # 23 MiB: 12 pieces of 2 MiB
+    staged, zero, leased = tx.counters["staged_bytes"], tx.counters["zero_copy_sends"], tx.pool.leased_bytes
+    receipt = tx.send_kv(name, wire_header("zc-ok", "m", kv), kv.data, timeout=60)
+    assert receipt.bytes_sent == kv.data.nbytes
+    assert tx.counters["staged_bytes"] == staged and tx.counters["zero_copy_sends"] == zero + 1
+    assert tx.pool.leased_bytes == leased                           # no staging lease was taken
+    assert ask("receive", "zc-ok", 10, 4000, "float32") == ("ok", True)
+    real = ns.checksum_extend
+    monkeypatch.setattr(ns, "checksum_extend", lambda crc, piece: real(crc, piece) ^ 1)   # the sender's CRC lies
+    with pytest.raises(TransferError, match="checksum") as info:
+        tx.send_kv(name, wire_header("zc-bad", "m", kv), kv.data, timeout=30)
+    monkeypatch.undo()
+    assert info.value.reason == "rejected" and tx.counters["staged_bytes"] == staged
+    status, kind, reason, msg = ask("receive", "zc-bad", 5, 0, "float32")
+    assert (status, kind, reason) == ("error", "TransferError", "rejected")
+    del kv, info                                                    # the traceback's frames hold the KV too
+    gc.collect()
+    assert tx.pool.leased_bytes == 0                                # the KV's lease ends with the KV
+    s = _stats(ask)
+    assert s["held"] == 0 and s["leased"] == 0 and s["pending"] == 0
+
+
+def test_a_tensor_in_another_dtype_or_layout_is_cast_straight_into_the_lease(pair):
+    """fp32 KV sent as bf16 (a bf16 engine), or a non-contiguous slice: copied once into the
+    staging lease (cast/gathered in the same pass), bit exact at the receiver."""
+    from kvtransport.blocks import wire_header
+    tx, name, ask = pair
+    kv = _kv(3000)                                                  # fp32; the receiver expects _kv(3000, bf16)
+    staged = tx.counters["staged_bytes"]
+    header = wire_header("cast-bf16", "m", kv, dtype="bfloat16")
+    tx.send_kv(name, header, kv.data, timeout=60)
+    assert tx.counters["staged_bytes"] == staged + header.payload_bytes == staged + kv.data.nbytes // 2
+    assert ask("receive", "cast-bf16", 10, 3000, "bfloat16") == ("ok", True)
+    wide = _kv(3000, seed=3000)
+    pad = torch.arange(7)
+    wide = KVCache(torch.cat([torch.zeros_like(wide.data[:, :, :, :7]), wide.data], dim=3),
+                   torch.cat([pad, wide.positions]), torch.cat([pad, wide.token_ids]))
+    part = wide.slice(7)                                            # a view: not contiguous
+    assert not part.data.is_contiguous()
+    tx.send_kv(name, wire_header("slice", "m", part), part.data, timeout=60)
+    assert ask("receive", "slice", 10, 3000, "float32") == ("ok", True)
+    with pytest.raises(ValueError, match="header"):
+        tx.send_kv(name, wire_header("shape", "m", _kv(10)), kv.data, timeout=5)
+    gc.collect()
+    assert tx.pool.leased_bytes == 0

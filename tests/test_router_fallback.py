@@ -124,6 +124,39 @@ def test_a_fallback_is_labelled_with_what_executed(smol, tmp_path):
         b.rx.stop()
 
 
+class NixlToGrpcBackends(LocalBackends):
+    """The cluster's own Sender (NIXL and gRPC) pushing to a decode inbox that runs gRPC only."""
+
+    async def prefill(self, index, plan, decode_index, transfer_id, store_as, *, credential, send_from=0):
+        from kvruntime.messages.transfer import KVEndpoint
+        ep = KVEndpoint("grpc", self.addr, "float32", "", "", b"")
+        return self.pre.execute(plan, ep, transfer_id, store_as=store_as, credential=credential, send_from=send_from)
+
+
+def test_a_block_that_travelled_over_grpc_instead_of_nixl_is_still_what_was_planned(smol, tmp_path):
+    """kv_transport_nixl_unavailable is counted, but the block arrived: the request is labelled
+    with its planned kind (reposition), not recompute."""
+    from kvtransport.endpoints import Sender
+    from tests.conftest import metric
+    sender = Sender("auto")
+    b = NixlToGrpcBackends(smol, sender)
+    router = make_router(smol, b, open_state(f"sqlite:///{tmp_path}/state-nixl.db"))
+    try:
+        asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
+        toks, fin = asyncio.run(_complete(router, [{"skill": "museum"}, {"text": "When does it close?"}], "fast"))
+        assert len(toks) > 0 and fin.plan.kind.value == "reposition"
+        assert fin.fallbacks == ("kv_transport_nixl_unavailable",) and fin.cached_tokens > 0
+        text = router.metrics.render().decode()
+        assert metric(text, "kvnotes_ttft_seconds_count", plan="reposition") == 1
+        assert metric(text, "kvnotes_ttft_seconds_count", plan="recompute") == 0
+        assert metric(text, "kvnotes_requests_total", plan="reposition", status="ok",
+                      fallback="kv_transport_nixl_unavailable") == 1
+        assert metric(text, "kvnotes_fallbacks_total", reason="kv_transport_nixl_unavailable") == 1
+    finally:
+        sender.stop()
+        b.rx.stop()
+
+
 def test_an_evicted_chunk_is_listed_out_of_tier_counted_as_a_miss_and_rewarmed(smol, tmp_path):
     router, b = _router(smol, GrpcTransport(), tmp_path)
     try:

@@ -44,6 +44,10 @@ class ClusterConfig:
     kv_load_failure_policy: str = "recompute"  # recompute | fail
     transfer_timeout_s: float = 30.0
     kv_transport: str = "auto"                 # auto (NIXL where it imports and starts, else gRPC) | nixl | grpc
+    # transport tuning: a mapping of GrpcTransportConfig / NixlTransportConfig fields (kvtransport.options),
+    # e.g. kv_grpc: {inbox_bytes: 8589934592}; checked by `kvnotes serve` before anything starts
+    kv_grpc: tuple = ()
+    kv_nixl: tuple = ()
     max_tokens_limit: int = 2048               # largest max_tokens a request may ask for
     tier_cpu_bytes: int = 512 << 20            # local CPU tier capacity (LMCache; allocated at start)
     tier_disk_path: str | None = None          # local disk tier (LMCache local_disk)
@@ -81,6 +85,7 @@ class ClusterConfig:
     prefill_load_factor: float = 1.0           # prefill affinity load cap: factor x mean in-flight requests per actor
     request_deadline_s: float = 600.0          # default per-request deadline (a request may ask for less: deadline_s)
     start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
+    ray_start_attempts: int = 2                # a local Ray whose raylet does not come up is shut down and started again, logged
     # fidelity targets (cluster.planner.choose_compose reads the model's measured profile)
     balanced_min_top1: float = 0.97            # balanced: cheapest compose op whose profile top-1 >= this
     fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target
@@ -99,6 +104,8 @@ class ClusterConfig:
             raise ValueError("kv_load_failure_policy must be recompute or fail")
         if self.kv_transport not in ("auto", "nixl", "grpc"):
             raise ValueError(f"kv_transport must be auto, nixl or grpc, got {self.kv_transport!r}")
+        for name in ("kv_grpc", "kv_nixl"):
+            object.__setattr__(self, name, _options(name, getattr(self, name)))
         if self.decode_engine not in ("reference", "vllm"):
             raise ValueError("decode_engine must be reference or vllm")
         if not isinstance(self.decode_prefix_cache_bytes, int) or self.decode_prefix_cache_bytes < 0:
@@ -138,6 +145,8 @@ class ClusterConfig:
             raise ValueError("health_period_s, health_timeout_s > 0 and prefill_load_factor >= 1.0 required")
         if self.request_deadline_s <= 0 or self.start_timeout_s <= 0:
             raise ValueError("request_deadline_s and start_timeout_s must be > 0")
+        if self.ray_start_attempts < 1:
+            raise ValueError("ray_start_attempts must be >= 1")
         self.prefill.validate("prefill")
         self.decode.validate("decode")
         for name in ("balanced_min_top1", "fast_min_top1"):
@@ -154,6 +163,12 @@ class ClusterConfig:
                 or self.shadow_demote_s <= 0:
             raise ValueError("shadow_max_in_flight >= 1, 1 <= shadow_min_samples <= shadow_window and "
                              "shadow_demote_s > 0 required")
+
+    def transport_options(self, transport: str) -> dict:
+        """``kv_grpc`` / ``kv_nixl`` as keyword arguments (``transport``: grpc | nixl)."""
+        if transport not in ("grpc", "nixl"):
+            raise ValueError(f"transport must be grpc or nixl, got {transport!r}")
+        return dict(self.kv_grpc if transport == "grpc" else self.kv_nixl)
 
     @property
     def api_key_file(self) -> Path:
@@ -212,3 +227,18 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _options(name: str, value) -> tuple:
+    """A transport option mapping as a sorted tuple of (key, value) pairs (hashable, like the
+    rest of the frozen config); lists become tuples. Keys are checked against the transport's
+    own config class by :func:`kvtransport.options.check` (this module imports no transport)."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [(k, tuple(v) if isinstance(v, list) else v) for k, v in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a mapping of option names to values") from None
+    bad = [k for k, v in pairs if not isinstance(k, str) or not isinstance(v, (bool, int, float, str, tuple))]
+    if bad:
+        raise ValueError(f"{name}: option {bad[0]!r} must be a name with a number, string, boolean or list value")
+    return tuple(sorted(pairs))

@@ -48,7 +48,8 @@ def splice(parts: list[KVCache]) -> KVCache:
     return out
 
 
-def seam_repair(engine, composed: KVCache, chunk_starts: list[int], k: int = 1) -> KVCache:
+def seam_repair(engine, composed: KVCache, chunk_starts: list[int], k: int = 1, *,
+                in_place: bool = False) -> KVCache:
     """Recompute the first ``k`` slots of each chunk starting at slot ``chunk_starts[i]`` in the
     context of everything before it.
 
@@ -56,7 +57,8 @@ def seam_repair(engine, composed: KVCache, chunk_starts: list[int], k: int = 1) 
     it and to the earlier seams' fresh KV computed in the same forward, layer by layer, which is
     exactly what repairing the chunks one after another left to right would give. Cost: one
     forward of (chunks * k) tokens attending to the context, O(chunks * k * P * L), instead of
-    one forward (and one copy of the context) per chunk.
+    one forward (and one copy of the context) per chunk. ``in_place=True`` writes the fresh
+    KV into ``composed.data`` (the caller owns that buffer) instead of a copy of it.
     """
     if k <= 0 or not chunk_starts:
         return composed
@@ -70,7 +72,7 @@ def seam_repair(engine, composed: KVCache, chunk_starts: list[int], k: int = 1) 
     keep[idx] = False
     past = composed.select(torch.nonzero(keep).flatten())
     fresh = engine.prefill(composed.token_ids[idx], composed.positions[idx], past).kv
-    data = composed.data.clone()
+    data = composed.data if in_place else composed.data.clone()
     data[:, :, :, idx] = fresh.data
     return KVCache(data, composed.positions, composed.token_ids)
 

@@ -1,0 +1,48 @@
+"""The cluster config's transport tuning (``kv_grpc``, ``kv_nixl`` in kvnotes.yaml) turned into
+the transports' own typed configs, :class:`~kvtransport.grpc_transport.GrpcTransportConfig` and
+:class:`~kvtransport.nixl_transport.NixlTransportConfig`; every prefill and decode actor builds
+its transports from these, and ``kvnotes serve`` checks them before anything starts.
+
+What the cluster decides is not an option: ``require_grant`` (every KV push needs the router's
+grant, see DESIGN's trust model) is always on and refused as a key."""
+from __future__ import annotations
+
+import dataclasses
+
+from kvruntime.messages.config import ClusterConfig
+
+#: set by the cluster itself, never by the config file
+FIXED = ("require_grant",)
+
+
+def _build(cls, section: str, options: dict, **fixed):
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in options:
+        if key in FIXED:
+            raise ValueError(f"{section}: {key} is not a setting (the cluster always requires grants)")
+        if key not in names:
+            raise ValueError(f"{section}: unknown option {key!r}; options are {', '.join(sorted(names - set(FIXED)))}")
+    try:
+        return cls(**{**options, **fixed})
+    except ValueError as exc:
+        raise ValueError(f"{section}: {exc}") from None
+    except TypeError as exc:
+        raise ValueError(f"{section}: {exc}") from None
+
+
+def grpc_config(cfg: ClusterConfig, *, require_grant: bool = True):
+    """The gRPC transport's config from ``cfg.kv_grpc``."""
+    from kvtransport.grpc_transport import GrpcTransportConfig
+    return _build(GrpcTransportConfig, "kv_grpc", cfg.transport_options("grpc"), require_grant=require_grant)
+
+
+def nixl_config(cfg: ClusterConfig, *, require_grant: bool = True):
+    """The NIXL transport's config from ``cfg.kv_nixl`` (imports no NIXL: the config is plain)."""
+    from kvtransport.nixl_transport import NixlTransportConfig
+    return _build(NixlTransportConfig, "kv_nixl", cfg.transport_options("nixl"), require_grant=require_grant)
+
+
+def check(cfg: ClusterConfig) -> None:
+    """ValueError naming the section and key when ``kv_grpc`` / ``kv_nixl`` is not a valid config."""
+    grpc_config(cfg)
+    nixl_config(cfg)

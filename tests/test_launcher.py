@@ -1,0 +1,101 @@
+"""Starting local Ray: a raylet that never registers (Ray raises after 30 s and leaves the
+half-started node's processes running) is cleaned up by PID and Ray is started again, up to
+``ray_start_attempts``; a bad argument is not retried."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from kvruntime.messages.config import ClusterConfig
+
+RAY_ERROR = ("The current node timed out during startup. This could happen because some of the raylet failed to "
+             "startup or the GCS has become overloaded.")
+
+
+class _FailingFirst:
+    """Stands in for ``ray.init`` on its first ``fails`` calls only: starts a real child process
+    (what a half-started node leaves behind) and raises Ray's own error; then the real ray.init."""
+
+    def __init__(self, real, fails: int):
+        self.real, self.fails, self.orphans = real, fails, []
+
+    def __call__(self, *a, **kw):
+        if self.fails:
+            self.fails -= 1
+            self.orphans.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]))
+            raise Exception(RAY_ERROR)
+        return self.real(*a, **kw)
+
+
+def _gone(p: subprocess.Popen) -> bool:
+    try:
+        return psutil.Process(p.pid).status() == psutil.STATUS_ZOMBIE or p.poll() is not None
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def fresh_ray():
+    import ray
+    ray.shutdown()
+    yield ray
+    ray.shutdown()
+
+
+def test_a_raylet_that_never_registers_is_cleaned_up_and_ray_started_again(fresh_ray, monkeypatch, caplog):
+    from cluster.launcher import start_local_ray
+
+    fake = _FailingFirst(fresh_ray.init, fails=1)
+    monkeypatch.setattr(fresh_ray, "init", fake)
+    try:
+        with caplog.at_level(logging.WARNING, logger="cluster.launcher"):
+            retries = start_local_ray(ClusterConfig(ray_start_attempts=2), local_cpus=1)
+        assert retries == 1
+        assert fresh_ray.is_initialized() and fresh_ray.cluster_resources().get("CPU") == 1.0
+        assert _gone(fake.orphans[0]), "the failed attempt's process was left running"
+        assert any("attempt 1 of 2" in r.getMessage() and "timed out during startup" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        for p in fake.orphans:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_the_last_attempt_raises_rays_error_and_leaves_nothing_running(fresh_ray, monkeypatch):
+    from cluster.launcher import start_local_ray
+
+    fake = _FailingFirst(fresh_ray.init, fails=2)
+    monkeypatch.setattr(fresh_ray, "init", fake)
+    try:
+        with pytest.raises(Exception, match="timed out during startup"):
+            start_local_ray(ClusterConfig(ray_start_attempts=2), local_cpus=1)
+        assert len(fake.orphans) == 2 and all(_gone(p) for p in fake.orphans)
+        assert not fresh_ray.is_initialized()
+    finally:
+        for p in fake.orphans:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_a_bad_argument_is_not_retried(fresh_ray, monkeypatch):
+    from cluster.launcher import start_local_ray
+
+    calls = []
+
+    def bad(*a, **kw):
+        calls.append(1)
+        raise ValueError("num_cpus must be >= 0")
+
+    monkeypatch.setattr(fresh_ray, "init", bad)
+    with pytest.raises(ValueError):
+        start_local_ray(ClusterConfig(ray_start_attempts=3), local_cpus=1)
+    assert calls == [1]
+
+
+def test_ray_start_attempts_is_validated():
+    with pytest.raises(ValueError, match="ray_start_attempts"):
+        ClusterConfig(ray_start_attempts=0)
