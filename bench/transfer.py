@@ -2,6 +2,7 @@
 limit), side by side in one run.
 
     python -m bench.transfer [--mib 45,180,360] [--reps 5] [--transports nixl,grpc] [--json]
+                             [--grpc-config '{"chunk_bytes": 4194304}']
 
 KV is synthetic fp32 with SmolLM2-135M's shape (30 layers, 3 KV heads, head dim 64: 45 MiB per
 1024 tokens). Each transport runs in two actors (a quarter CPU each, so all four fit): a sender and a receiver holding one
@@ -20,10 +21,17 @@ with the KV in ordinary memory (what the cluster runs when the prefix is not bui
 a cast to the engine's dtype, a partial send, a full pool): copied into the pool piece by piece
 while the receiver READs. ``nixl-serial`` encodes into the registered pool first
 (``encode_block(..., into=transport.lease)``: copy + CRC in one pass), then sends;
-``nixl-staged`` is the plain ``encode_block`` (send stages a copy). As in the cluster, every
+``nixl-staged`` is the plain ``encode_block`` (send stages a copy). ``grpc`` is what the
+cluster's ``Sender`` runs over gRPC: ``encode_block`` (one CRC pass over the tensor) +
+``GrpcTransport.send``; ``grpc-stream`` is ``GrpcTransport.send_kv`` (each chunk CRC'd right after
+it is framed, while in cache, the CRC sent last; its encode column is only the header).
+``--grpc-config`` overrides ``GrpcTransportConfig`` fields of both gRPC ends (a JSON object; for
+A/B runs). As in the cluster, every
 transfer is authenticated: the driver gives the receiver a grant (``expect``) before the push and
 the block carries the transfer's credential (receivers run with ``require_grant``).
-``send_gbps`` is the send alone. ``copy_gbps`` is ``Tensor.copy_`` of the same
+``send_gbps`` is the send alone; ``tx_cpu_ns_b`` / ``rx_cpu_ns_b`` are the CPU seconds (all
+threads) the sender / receiver actor spent per byte over one measurement, median (CPU is the
+scarce thing on a small box, and it is steadier than wall time when the machine is shared). ``copy_gbps`` is ``Tensor.copy_`` of the same
 bytes into a warm preallocated tensor inside the sender actor, median of ``--reps``. One progress
 line per measurement goes to stderr; ``--json`` prints one JSON object per line to stdout.
 """
@@ -40,6 +48,7 @@ import torch
 
 LAYERS, KV_HEADS, HEAD_DIM, MODEL = 30, 3, 64, "smollm2-135m"
 NIXL_KINDS = ("nixl", "nixl-copy", "nixl-serial", "nixl-staged")
+GRPC_KINDS = ("grpc", "grpc-stream")
 
 
 def _tokens(mib: int) -> int:
@@ -49,13 +58,13 @@ def _tokens(mib: int) -> int:
 class Endpoint:
     """One side of one transport, inside a Ray actor. Holds at most one KV tensor."""
 
-    def __init__(self, kind: str, ucx_error_handling: str = "peer"):
+    def __init__(self, kind: str, ucx_error_handling: str = "peer", grpc_config: dict | None = None):
         import logging
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self.kind, self.kv = kind, None
-        if kind == "grpc":
+        if kind in GRPC_KINDS:
             from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
-            self.t = GrpcTransport(GrpcTransportConfig(require_grant=True), model=MODEL)
+            self.t = GrpcTransport(GrpcTransportConfig(**{"require_grant": True, **(grpc_config or {})}), model=MODEL)
         elif kind in NIXL_KINDS:
             from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
             cfg = NixlTransportConfig(require_grant=True, ucx_error_handling=ucx_error_handling)
@@ -67,11 +76,11 @@ class Endpoint:
             else:
                 self.t = NixlTransport(cfg, model=MODEL)
         elif kind != "copy":
-            raise ValueError(f"unknown transport {kind!r}; choose {', '.join(NIXL_KINDS)}, grpc or copy")
+            raise ValueError(f"unknown transport {kind!r}; choose {', '.join(NIXL_KINDS + GRPC_KINDS)} or copy")
 
     def address(self):
         """gRPC: serve and return host:port; NIXL: (agent name, metadata)."""
-        if self.kind == "grpc":
+        if self.kind in GRPC_KINDS:
             return self.t.serve("127.0.0.1", 0)
         return self.t.name, self.t.metadata()
 
@@ -98,9 +107,19 @@ class Endpoint:
         self.kv = KVCache(data, torch.arange(n), torch.arange(100, 100 + n))
         return self.kv.data.nbytes
 
+    @staticmethod
+    def cpu() -> float:
+        """CPU seconds this process has used (all threads, user + system)."""
+        return sum(os.times()[:2])
+
     def push(self, address: str, tid: str, credential: str) -> tuple[float, float]:
-        from kvtransport.blocks import encode_block
+        from kvtransport.blocks import block_header, encode_block
         t0 = time.perf_counter()
+        if self.kind == "grpc-stream":
+            header, payload = block_header(tid, MODEL, self.kv, credential=credential)
+            t1 = time.perf_counter()
+            self.t.send_kv(address, header, payload, timeout=120)
+            return t1 - t0, time.perf_counter() - t1
         if self.kind in ("nixl", "nixl-copy"):
             from kvruntime.messages.transfer import KVEndpoint
             staged = self.t.counters["staged_bytes"]
@@ -149,7 +168,8 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: str = "peer") -> list[dict]:
+def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: str = "peer",
+        grpc_config: dict | None = None) -> list[dict]:
     import ray
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"}})
@@ -158,9 +178,9 @@ def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: s
     try:
         pairs = {}
         for kind in transports:
-            tx, rx = actor.remote(kind, ucx_error_handling), actor.remote(kind, ucx_error_handling)
+            tx, rx = (actor.remote(kind, ucx_error_handling, grpc_config) for _ in range(2))
             addr = ray.get(rx.address.remote())
-            if kind != "grpc":
+            if kind not in GRPC_KINDS:
                 name, md = addr
                 addr = ray.get(tx.add_peer.remote(name, md))
             pairs[kind] = (tx, rx, addr)
@@ -172,22 +192,29 @@ def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: s
             _progress(f"copy {mib} MiB: {copy_gbps:.2f} GB/s")
             for kind, (tx, rx, addr) in pairs.items():
                 ray.get(tx.make.remote(mib))
-                totals, sends = [], []
+                totals, sends, tx_cpu, rx_cpu = [], [], [], []
                 for i in range(reps + 1):
                     tid = f"{kind}-{mib}-{i}"
                     grant, cred = ray.get(tx.grant.remote(tid))       # the router's part, untimed
                     ray.get(rx.expect.remote(grant))
+                    c_tx, c_rx = ray.get([tx.cpu.remote(), rx.cpu.remote()])
                     enc, snd = ray.get(tx.push.remote(addr, tid, cred))
                     rcv = ray.get(rx.pull.remote(tid, nbytes))
+                    c_tx, c_rx = (b - a for a, b in zip((c_tx, c_rx), ray.get([tx.cpu.remote(), rx.cpu.remote()])))
                     if i == 0:
                         continue                                      # warm-up
                     totals.append(enc + snd + rcv)
                     sends.append(snd)
+                    tx_cpu.append(c_tx * 1e9 / nbytes)
+                    rx_cpu.append(c_rx * 1e9 / nbytes)
                     _progress(f"{kind} {mib} MiB rep {i}: encode {enc * 1e3:.1f} ms, send {snd * 1e3:.1f} ms, "
-                              f"receive+decode {rcv * 1e3:.1f} ms -> {nbytes / (enc + snd + rcv) / 1e9:.2f} GB/s")
+                              f"receive+decode {rcv * 1e3:.1f} ms -> {nbytes / (enc + snd + rcv) / 1e9:.2f} GB/s; "
+                              f"CPU ns/byte sender {tx_cpu[-1]:.2f}, receiver {rx_cpu[-1]:.2f}")
                 row = {"transport": kind, "mib": mib, "gbps": round(nbytes / statistics.median(totals) / 1e9, 3),
                        "send_gbps": round(nbytes / statistics.median(sends) / 1e9, 3),
-                       "copy_gbps": round(copy_gbps, 3), "reps": reps}
+                       "copy_gbps": round(copy_gbps, 3), "reps": reps,
+                       "tx_cpu_ns_b": round(statistics.median(tx_cpu), 3),
+                       "rx_cpu_ns_b": round(statistics.median(rx_cpu), 3)}
                 if (zero := ray.get(tx.copied_nothing.remote())) is not None:
                     row["zero_copy"] = zero
                 rows.append(row)
@@ -207,7 +234,9 @@ def main(argv=None) -> None:
     ap.add_argument("--mib", default="45,180,360", help="block sizes in MiB, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median)")
     ap.add_argument("--transports", default="nixl,nixl-copy,nixl-serial,grpc",
-                    help="nixl, nixl-copy, nixl-serial, nixl-staged and/or grpc (copy always runs)")
+                    help="nixl, nixl-copy, nixl-serial, nixl-staged, grpc and/or grpc-stream (copy always runs)")
+    ap.add_argument("--grpc-config", default="{}",
+                    help="JSON object of GrpcTransportConfig fields for both gRPC ends (A/B runs)")
     ap.add_argument("--ucx-error-handling", default="peer", choices=("peer", "none"),
                     help="NixlTransportConfig.ucx_error_handling for the NIXL rows (none: notifications "
                          "over shared memory, no peer-failure detection)")
@@ -218,9 +247,15 @@ def main(argv=None) -> None:
     mibs = [int(x) for x in args.mib.split(",") if x]
     transports = [t for t in args.transports.split(",") if t]
     for t in transports:
-        if t not in (*NIXL_KINDS, "grpc"):
-            raise SystemExit(f"unknown transport {t!r}; choose {', '.join(NIXL_KINDS)}, grpc")
-    rows = run(mibs, args.reps, transports, args.ucx_error_handling)
+        if t not in NIXL_KINDS + GRPC_KINDS:
+            raise SystemExit(f"unknown transport {t!r}; choose {', '.join(NIXL_KINDS + GRPC_KINDS)}")
+    try:
+        grpc_config = json.loads(args.grpc_config)
+        from kvtransport.grpc_transport import GrpcTransportConfig
+        GrpcTransportConfig(**grpc_config)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"--grpc-config: {exc}") from None
+    rows = run(mibs, args.reps, transports, args.ucx_error_handling, grpc_config)
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -5,23 +5,69 @@ Payload messages are framed by hand, byte-identical to ``PushChunk(payload=...)`
 length-delimited), so that a chunk costs exactly one copy (slice of the block's buffer -> the
 ``bytes`` object gRPC's Python API requires) and is parsed without copying (a memoryview past
 the field prefix). Anything else falls back to the generated protobuf parser.
+
+Two stream shapes: :func:`block_to_messages` (an encoded block: its header carries the CRC-32C)
+and :func:`stream_messages` (a streaming sender: the header says ``checksum_last``, each chunk is
+CRC'd from the message just built, still in cache, on a :class:`CrcChain`, and the CRC travels
+in a final ``PushChunk(checksum=...)``; no separate pass over the payload before the send).
 """
 from __future__ import annotations
 
-from typing import Iterator
+from concurrent.futures import Executor
+from typing import Iterator, NamedTuple
 
-from kvtransport.blocks import KVBlock, KVBlockHeader
+import numpy as np
+
+from kvtransport.blocks import KVBlock, KVBlockHeader, checksum_extend
 from kvtransport.proto import kvtransfer_pb2 as pb
 
 _PAYLOAD_TAG = 0x12                  # field 2 (payload), wire type 2 (length-delimited)
 _HEADER_TAG = 0x0A                   # field 1 (header), wire type 2
+_CHECKSUM_TAG = 0x1D                 # field 3 (checksum), wire type 5 (fixed32)
 
 
-def header_to_pb(h: KVBlockHeader, chunk_bytes: int) -> pb.BlockHeader:
+class Opening(NamedTuple):
+    """A stream's first message: the header, and whether the checksum comes last (then
+    ``header.checksum`` is 0 until the :class:`Trailer` arrives)."""
+    header: KVBlockHeader
+    checksum_last: bool
+
+
+class Trailer(NamedTuple):
+    """A streaming sender's last message: the CRC-32C of the whole payload."""
+    checksum: int
+
+
+class CrcChain:
+    """CRC-32C of pieces added in order: on ``executor``'s thread when given (it must run one
+    task at a time, in order; libcrc32c releases the GIL, so the CRC of piece k overlaps the
+    transfer of piece k+1), else in line. A piece must stay unchanged until :meth:`result`."""
+
+    def __init__(self, executor: Executor | None = None):
+        self.crc, self._ex, self._last = 0, executor, None
+
+    def add(self, piece) -> None:
+        if self._ex is None:
+            self.crc = checksum_extend(self.crc, piece)
+        else:
+            self._last = self._ex.submit(self._step, piece)
+
+    def _step(self, piece) -> None:
+        self.crc = checksum_extend(self.crc, piece)
+
+    def result(self) -> int:
+        """The CRC-32C of every piece added (waits for the CRC thread)."""
+        if self._last is not None:
+            self._last.result()
+        return self.crc
+
+
+def header_to_pb(h: KVBlockHeader, chunk_bytes: int, checksum_last: bool = False) -> pb.BlockHeader:
     return pb.BlockHeader(transfer_id=h.transfer_id, model=h.model, num_layers=h.num_layers, kv_heads=h.kv_heads,
                           head_dim=h.head_dim, dtype=h.dtype, positions=list(h.positions),
-                          token_ids=list(h.token_ids), payload_bytes=h.payload_bytes, checksum=h.checksum,
-                          chunk_bytes=chunk_bytes, credential=h.credential)
+                          token_ids=list(h.token_ids), payload_bytes=h.payload_bytes,
+                          checksum=0 if checksum_last else h.checksum, chunk_bytes=chunk_bytes,
+                          credential=h.credential, checksum_last=checksum_last)
 
 
 def header_from_pb(m: pb.BlockHeader) -> KVBlockHeader:
@@ -63,6 +109,22 @@ def block_to_messages(block: KVBlock, chunk_bytes: int) -> Iterator[bytes]:
         yield b"".join((bytes((_PAYLOAD_TAG,)), _varint(len(piece)), piece))
 
 
+def stream_messages(header: KVBlockHeader, payload, chunk_bytes: int, chain: CrcChain) -> Iterator[bytes]:
+    """Serialized ``PushChunk`` messages for a streaming sender: the header (``checksum_last``;
+    its own checksum is ignored), the payload in pieces of at most ``chunk_bytes`` (one copy
+    each, as :func:`block_to_messages`), each piece CRC'd on ``chain`` from the message just
+    built, then the CRC-32C of the payload."""
+    yield pb.PushChunk(header=header_to_pb(header, chunk_bytes, checksum_last=True)).SerializeToString()
+    view = memoryview(payload).cast("B")
+    for s in range(0, len(view), chunk_bytes):
+        piece = view[s:s + chunk_bytes]
+        prefix = bytes((_PAYLOAD_TAG,)) + _varint(len(piece))
+        msg = b"".join((prefix, piece))
+        chain.add(np.frombuffer(msg, dtype=np.uint8, offset=len(prefix)))
+        yield msg
+    yield bytes((_CHECKSUM_TAG,)) + chain.result().to_bytes(4, "little")
+
+
 def block_to_chunks(block: KVBlock, chunk_bytes: int) -> Iterator[pb.PushChunk]:
     """The same stream as protobuf objects (for the generated stub; slower: two more copies)."""
     yield pb.PushChunk(header=header_to_pb(block.header, chunk_bytes))
@@ -71,9 +133,10 @@ def block_to_chunks(block: KVBlock, chunk_bytes: int) -> Iterator[pb.PushChunk]:
         yield pb.PushChunk(payload=bytes(view[s:s + chunk_bytes]))
 
 
-def parse_message(data: bytes) -> KVBlockHeader | memoryview | None:
-    """One received ``PushChunk``: a header, a zero-copy payload view, or None (empty message).
-    Raises ``ValueError`` for bytes that are neither."""
+def parse_message(data: bytes) -> Opening | memoryview | Trailer | None:
+    """One received ``PushChunk``: a header (:class:`Opening`), a zero-copy payload view, the
+    checksum (:class:`Trailer`), or None (empty message). Raises ``ValueError`` for bytes that
+    are none of these."""
     if len(data) > 1 and data[0] == _PAYLOAD_TAG:
         n, shift, i = 0, 0, 1
         while i < len(data) and i < 11:
@@ -91,9 +154,11 @@ def parse_message(data: bytes) -> KVBlockHeader | memoryview | None:
         raise ValueError(f"not a PushChunk message: {exc}") from None
     kind = msg.WhichOneof("item")
     if kind == "header":
-        return header_from_pb(msg.header)
+        return Opening(header_from_pb(msg.header), msg.header.checksum_last)
     if kind == "payload":
         return memoryview(msg.payload)
+    if kind == "checksum":
+        return Trailer(msg.checksum)
     return None
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.blocks import KVBlock, decode_block, encode_block
+from kvtransport.blocks import KVBlock, block_header, decode_block, encode_block
 from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransport.transport import TransferError
 
@@ -27,27 +27,34 @@ def _kv(tokens=50):
     return KVCache(torch.randn(4, 2, 3, tokens, 64, generator=g), torch.arange(tokens), torch.arange(tokens))
 
 
-def _push_big(addr, q):
+def _push_big(addr, q, streamed=False):
     try:
-        receipt = GrpcTransport().send(addr, encode_block("big", "m", _big_kv()), timeout=120)
+        if streamed:                   # the streaming sender: CRC while framing, sent last
+            receipt = GrpcTransport().send_kv(addr, *block_header("big", "m", _big_kv()), timeout=120)
+        else:
+            receipt = GrpcTransport().send(addr, encode_block("big", "m", _big_kv()), timeout=120)
         q.put(("ok", receipt.bytes_sent))
     except Exception as exc:  # reported to the parent, which fails the test
         q.put(("error", repr(exc)))
 
 
-def test_180_mib_round_trip_across_processes_is_bit_exact():
+@pytest.mark.parametrize("streamed", [False, True], ids=["send", "send_kv"])
+def test_180_mib_round_trip_across_processes_is_bit_exact(streamed):
     rx = GrpcTransport(model="m")
     addr = rx.serve()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_push_big, args=(addr, q), daemon=True)
+    p = ctx.Process(target=_push_big, args=(addr, q, streamed), daemon=True)
     p.start()
     try:
         status, sent = q.get(timeout=300)
         assert status == "ok", sent
         want = _big_kv()
         assert sent == want.data.nbytes == 180 * 2**20
-        kv = decode_block(rx.receive("big", timeout=10), model="m")
+        block = rx.receive("big", timeout=10)
+        assert block.header.checksum == encode_block("big", "m", want).header.checksum
+        kv = decode_block(block, model="m")
+        del block
         assert torch.equal(kv.data, want.data)
         assert torch.equal(kv.positions, want.positions) and torch.equal(kv.token_ids, want.token_ids)
         del kv

@@ -115,3 +115,117 @@ def test_push_across_processes(server):
 def test_config_validation():
     with pytest.raises(ValueError):
         GrpcTransportConfig(chunk_bytes=4 << 20, max_message_bytes=4 << 20)
+
+
+# --- the streaming sender (send_kv): CRC computed while framing, sent last -----------------------
+
+from kvtransport.blocks import block_header, checksum  # noqa: E402
+from kvtransport.grpc_codec import CrcChain, _varint, block_to_messages, stream_messages  # noqa: E402
+from kvtransport.proto import kvtransfer_pb2 as pb  # noqa: E402
+
+
+@pytest.mark.parametrize("crc_thread", [False, True])
+def test_send_kv_round_trip_carries_the_real_checksum(crc_thread):
+    cfg = GrpcTransportConfig(chunk_bytes=64 << 10, max_message_bytes=2 << 20, crc_thread=crc_thread)
+    rx, tx = GrpcTransport(cfg, model="m"), GrpcTransport(cfg)
+    try:
+        addr = rx.serve()
+        kv = _kv(300)
+        header, payload = block_header("s-1", "m", kv)
+        assert header.checksum == 0
+        receipt = tx.send_kv(addr, header, payload, timeout=10)
+        assert receipt.bytes_sent == payload.nbytes > 64 << 10                 # really chunked
+        block = rx.receive("s-1", timeout=1)
+        assert block.header.checksum == checksum(kv.data.numpy().tobytes()) != 0
+        assert torch.equal(decode_block(block, model="m").data, kv.data)
+        assert torch.equal(decode_block(block, check_crc=True).data, kv.data)   # the header's CRC is true
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def _raw_push(tx, addr, messages):
+    return tx._push(addr)(iter(messages), timeout=10)
+
+
+def _stream(tid, kv, chunk=64 << 10):
+    header, payload = block_header(tid, "m", kv)
+    return list(stream_messages(header, payload, chunk, CrcChain()))
+
+
+@pytest.mark.parametrize("case,error", [
+    ("wrong_crc", "checksum mismatch"),
+    ("no_trailer", "ended without its checksum"),
+    ("after_trailer", "message after the checksum"),
+    ("flipped_byte", "checksum mismatch"),
+    ("trailer_in_plain_stream", "unexpected checksum message"),
+])
+def test_corrupt_or_malformed_streams_are_rejected_and_nothing_is_claimable(server, case, error):
+    rx, addr = server
+    tx = GrpcTransport(GrpcTransportConfig(chunk_bytes=64 << 10, max_message_bytes=2 << 20))
+    kv, tid = _kv(300), f"bad-{case}"
+    msgs = _stream(tid, kv)
+    if case == "wrong_crc":
+        crc = int.from_bytes(msgs[-1][1:], "little") ^ 1
+        msgs[-1] = msgs[-1][:1] + crc.to_bytes(4, "little")
+    elif case == "no_trailer":
+        msgs = msgs[:-1]
+    elif case == "after_trailer":
+        msgs.append(msgs[1])
+    elif case == "flipped_byte":
+        corrupt = bytearray(msgs[2]); corrupt[100] ^= 0xFF; msgs[2] = bytes(corrupt)
+    else:
+        msgs = list(block_to_messages(encode_block(tid, "m", kv), 64 << 10)) + [msgs[-1]]
+    try:
+        reply = _raw_push(tx, addr, msgs)
+        assert not reply.ok and error in reply.error
+        assert rx.state(tid) is TransferState.FAILED
+        with pytest.raises(TransferError, match="failed"):
+            rx.receive(tid, timeout=1)
+        assert rx.stats().held_bytes == 0 and rx.stats().blocks == 0
+    finally:
+        tx.stop()
+
+
+def test_send_kv_is_refused_without_the_grant_and_credential():
+    from kvruntime.messages.transfer import TransferGrant
+    rx = GrpcTransport(GrpcTransportConfig(require_grant=True), model="m")
+    tx = GrpcTransport()
+    try:
+        addr = rx.serve()
+        kv = _kv(40)
+        grant, cred = TransferGrant.issue("g-1", "m", "float32", kv.token_ids.tolist(), first_position=5)
+        header, payload = block_header("g-1", "m", kv, credential=cred)
+        with pytest.raises(TransferError) as info:                               # not announced yet
+            tx.send_kv(addr, header, payload, timeout=5)
+        assert info.value.reason == "unknown_transfer"
+        rx.expect(grant)
+        forged, payload = block_header("g-1", "m", kv, credential="forged")
+        with pytest.raises(TransferError) as info:
+            tx.send_kv(addr, forged, payload, timeout=5)
+        assert info.value.reason == "bad_credential"
+        tx.send_kv(addr, header, payload, timeout=5)                             # the grant survived the forgery
+        assert torch.equal(decode_block(rx.receive("g-1", timeout=1), model="m").data, kv.data)
+        with pytest.raises(TransferError) as info:
+            tx.send_kv(addr, header, payload, timeout=5)
+        assert info.value.reason in ("duplicate", "unknown_transfer")
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def test_stream_knobs_are_validated_and_reach_the_channel():
+    with pytest.raises(ValueError, match="http2_max_frame_bytes"):
+        GrpcTransportConfig(http2_max_frame_bytes=1000)
+    with pytest.raises(ValueError, match="http2_max_frame_bytes"):
+        GrpcTransportConfig(http2_max_frame_bytes=1 << 24)
+    with pytest.raises(ValueError, match="tcp_read_chunk_bytes"):
+        GrpcTransportConfig(tcp_read_chunk_bytes=-1)
+    with pytest.raises(ValueError, match="http2_lookahead_bytes"):
+        GrpcTransportConfig(http2_lookahead_bytes=-1)
+    opts = dict(GrpcTransportConfig(http2_max_frame_bytes=1 << 20, tcp_read_chunk_bytes=2 << 20,
+                                    http2_lookahead_bytes=8 << 20).channel_options())
+    assert opts["grpc.http2.max_frame_size"] == 1 << 20 and opts["grpc.experimental.tcp_read_chunk_size"] == 2 << 20
+    assert opts["grpc.http2.lookahead_bytes"] == 8 << 20
+    assert "grpc.http2.max_frame_size" not in dict(GrpcTransportConfig().channel_options())
+    assert _varint(300) == pb.PushChunk(payload=b"x" * 300).SerializeToString()[1:3]
