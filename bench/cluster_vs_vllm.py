@@ -6,7 +6,8 @@
 The JSON is saved after every size, so a run cut short (Ctrl-C, SIGTERM, an error) keeps and
 prints what it measured, marked incomplete.
 
-Starts, in this order, and stops by PID / Ray shutdown on exit, Ctrl-C or error:
+Starts, in this order, and stops by PID / Ray shutdown on exit, Ctrl-C or error (then removes the
+``psm_*`` shared memory a SIGKILLed vLLM leaves in ``/dev/shm``: :mod:`decode_workers.vllm_shm`):
 
 * **plain vLLM**: ``python -m vllm.entrypoints.openai.api_server`` (a child process group) on the
   same converted checkpoint and dtype as the cluster's vLLM decode engine, eager, automatic prefix
@@ -52,6 +53,7 @@ import httpx
 
 from bench.cluster_vs_vllm_report import markdown
 from bench.progress import progress as _progress
+from decode_workers.vllm_shm import psm_names, remove_leaked, wait_group_exit
 
 QUESTIONS = ["Summarise the key facts above in one sentence.", "Which organisation is mentioned first?",
              "List two numbers that appear above.", "What is the main topic of the last section?"]
@@ -125,6 +127,7 @@ class Systems:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "OMP_NUM_THREADS": "1"}
         log = open(workdir / "vllm_server.log", "w")
+        self.shm_before = psm_names()                      # shm segments that are not this server's
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--tokenizer", str(ckpt),
              "--served-model-name", model, "--dtype", dtype, "--enforce-eager", "--enable-prefix-caching",
@@ -146,13 +149,18 @@ class Systems:
             time.sleep(1)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)     # the server and its engine-core child
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGTERM)     # the server and its engine-core child
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(30)
+            # what is left of the group (the engine core), even when the server itself died
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(10)
+            wait_group_exit(self.proc.pid)
+            remove_leaked(self.shm_before)                  # the psm_* segments SIGKILL left in /dev/shm (logged)
         if self.cfg is not None:
             from cluster.launcher import stop
             stop(self.cfg)                                # Serve, the actors, then ray.shutdown()

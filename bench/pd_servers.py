@@ -4,7 +4,8 @@
 - :class:`PDServers` starts a producer (``kv_producer``) and a consumer (``kv_consumer``)
   ``python -m vllm.entrypoints.openai.api_server`` with distinct ``VLLM_NIXL_SIDE_CHANNEL_PORT``s
   (optionally with NIXL's busy-polling progress thread off: ``quiet_nixl``) and stops both by PID (SIGTERM, then SIGKILL of the group each one leads) on exit, error or
-  Ctrl-C.
+  Ctrl-C, then removes the ``psm_*`` shared memory a killed server leaves in ``/dev/shm``
+  (:mod:`decode_workers.vllm_shm`).
 - :func:`pd_request` is the proxy: a prefill request with ``max_tokens: 1`` and
   ``kv_transfer_params: {"do_remote_decode": true, ...}``, then the decode request (streamed)
   carrying the ``kv_transfer_params`` the producer returned. Its decode leg is timed from the
@@ -26,6 +27,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from decode_workers.vllm_shm import psm_names, remove_leaked, wait_group_exit
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
 NIXL_SERIES = ("vllm:nixl_bytes_transferred", "vllm:nixl_xfer_time_seconds")
@@ -127,6 +130,7 @@ class PDServers:
         self.name, self.start_timeout = name, start_timeout
         log_dir.mkdir(parents=True, exist_ok=True)
         self.servers: list[Server] = []
+        self.shm_before = psm_names()      # the shm segments that are not ours to remove
         try:
             for role in ("kv_producer", "kv_consumer"):
                 port, side = free_port("127.0.0.1"), free_port("127.0.0.1")
@@ -170,7 +174,8 @@ class PDServers:
 
     def stop(self) -> None:
         """SIGTERM each server (it stops its engine core), then SIGKILL whatever is left of the
-        process group that server leads (start_new_session: the group is exactly its children)."""
+        process group that server leads (start_new_session: the group is exactly its children),
+        then remove the ``psm_*`` segments that appeared since start and that no live process maps."""
         for s in self.servers:
             if s.proc.poll() is None:
                 s.proc.send_signal(signal.SIGTERM)
@@ -187,6 +192,9 @@ class PDServers:
                 s.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 print(f"vLLM {s.role} pid {s.proc.pid} did not exit", file=sys.stderr)
+            if not wait_group_exit(s.proc.pid):
+                print(f"vLLM {s.role}'s process group {s.proc.pid} still has live processes", file=sys.stderr)
+        remove_leaked(self.shm_before)     # what SIGKILL left in /dev/shm (logged), not what others map
 
     def nixl_sums(self) -> dict[str, float]:
         import httpx
