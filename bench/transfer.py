@@ -11,10 +11,9 @@ the whole path the executors run: ``encode_block`` + ``send`` on the sender (ret
 receiver has verified the block), then ``receive`` + ``decode_block`` on the receiver; GB/s =
 1e9 bytes/s over their sum, median of ``--reps`` after one untimed warm-up (which faults in the
 pools' pages). Repetitions are interleaved (rep 1 of every transport, then rep 2, ...), so a slow
-spell of a shared VM hits every row alike and the ratios between rows stay fair. ``--ucx-error-handling none`` runs the NIXL rows with
-that
-``NixlTransportConfig`` setting (see there). ``nixl`` is exactly what the cluster runs: the
-sender's KV is built in a lease of its ``endpoints.Sender``'s registered pool (``Sender.alloc``,
+spell of a shared VM hits every row alike and the ratios between rows stay fair.
+``--ucx-error-handling none`` runs the NIXL rows with that ``NixlTransportConfig`` setting (see
+there). ``nixl`` is exactly what the cluster runs: the sender's KV is built in a lease of its ``endpoints.Sender``'s registered pool (``Sender.alloc``,
 where the prefill executor builds the prefix it will ship over NIXL) and ``Sender.send`` ships
 it without a copy (``NixlTransport.send_kv``: each piece CRC-32C'd and announced, the receiver
 READs it while the next is CRC'd; the row records ``zero_copy`` true only if nothing was
