@@ -22,10 +22,10 @@ with the KV in ordinary memory (what the cluster runs when the prefix is not bui
 a cast to the engine's dtype, a partial send, a full pool): copied into the pool piece by piece
 while the receiver READs. ``nixl-serial`` encodes into the registered pool first
 (``encode_block(..., into=transport.lease)``: copy + CRC in one pass), then sends;
-``nixl-staged`` is the plain ``encode_block`` (send stages a copy). ``grpc`` is what the
-cluster's ``Sender`` runs over gRPC: ``encode_block`` (one CRC pass over the tensor) +
-``GrpcTransport.send``; ``grpc-stream`` is ``GrpcTransport.send_kv`` (each chunk CRC'd right after
-it is framed, while in cache, the CRC sent last; its encode column is only the header).
+``nixl-staged`` is the plain ``encode_block`` (send stages a copy). ``grpc-stream`` is what the
+cluster's ``Sender`` runs over gRPC: ``GrpcTransport.send_kv`` (each chunk CRC'd right after it
+is framed, while in cache, the CRC sent last; its encode column is only the header); ``grpc`` is
+``encode_block`` (one CRC pass over the tensor first) + ``GrpcTransport.send``.
 ``grpc-raw`` is the ceiling of gRPC's Python API here (:class:`RawGrpc`: the same bytes, no
 header, checksum, inbox or grant); the ``grpc`` rows carry ``of_grpc_raw``, their share of it
 measured in the same run. ``--grpc-config`` overrides ``GrpcTransportConfig`` fields of both gRPC ends (a JSON object; for
