@@ -5,10 +5,10 @@ limit), side by side in one run.
                              [--grpc-config '{"chunk_bytes": 4194304}']
 
 KV is synthetic fp32 with SmolLM2-135M's shape (30 layers, 3 KV heads, head dim 64: 45 MiB per
-1024 tokens). Each transport runs in two actors (a quarter CPU each, so all four fit): a sender and a receiver holding one
-transport object each, metadata/addresses passed through the actor handles. One measurement is
-the whole path the executors run: ``encode_block`` + ``send`` on the sender (returns once the
-receiver has verified the block), then ``receive`` + ``decode_block`` on the receiver; GB/s =
+1024 tokens). Each transport runs in two actors (a share of Ray's 2 CPUs small enough that all
+fit): a sender and a receiver holding one transport object each, metadata/addresses passed
+through the actor handles. One measurement is the whole path the executors run: the row's send
+on the sender (returns once the receiver has verified the block), then ``receive`` + ``decode_block`` on the receiver; GB/s =
 1e9 bytes/s over their sum, median of ``--reps`` after one untimed warm-up (which faults in the
 pools' pages). Repetitions are interleaved (rep 1 of every transport, then rep 2, ...), so a slow
 spell of a shared VM hits every row alike and the ratios between rows stay fair.
@@ -258,7 +258,9 @@ def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: s
     import ray
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"}})
-    actor = ray.remote(num_cpus=0.25)(Endpoint)              # 4 actors share the 2 CPUs given to Ray
+    # every sender, receiver (and the copy actor when no transport runs) fits in the 2 CPUs given
+    # to Ray: a share too large would leave an actor pending forever
+    actor = ray.remote(num_cpus=2 / (2 * len(transports) + 1))(Endpoint)
     rows = []
     try:
         pairs = {}
