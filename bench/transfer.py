@@ -8,12 +8,13 @@ KV is synthetic fp32 with SmolLM2-135M's shape (30 layers, 3 KV heads, head dim 
 1024 tokens). Each transport runs in two actors (a share of Ray's 2 CPUs small enough that all
 fit): a sender and a receiver holding one transport object each, metadata/addresses passed
 through the actor handles. One measurement is the whole path the executors run: the row's send
-on the sender (returns once the receiver has verified the block), then ``receive`` + ``decode_block`` on the receiver; GB/s =
-1e9 bytes/s over their sum, median of ``--reps`` after one untimed warm-up (which faults in the
-pools' pages). Repetitions are interleaved (rep 1 of every transport, then rep 2, ...), so a slow
-spell of a shared VM hits every row alike and the ratios between rows stay fair.
-``--ucx-error-handling none`` runs the NIXL rows with that ``NixlTransportConfig`` setting (see
-there). ``nixl`` is exactly what the cluster runs: the sender's KV is built in a lease of its ``endpoints.Sender``'s registered pool (``Sender.alloc``,
+on the sender (returns once the receiver has verified the block), then ``receive`` +
+``decode_block`` on the receiver; GB/s = 1e9 bytes/s over their sum, median of ``--reps`` after
+one untimed warm-up (which faults in the pools' pages). Repetitions are interleaved (rep 1 of
+every transport, then rep 2, ...), so a slow spell of a shared VM hits every row alike and the
+ratios between rows stay fair. ``--ucx-error-handling none`` runs the NIXL rows with that
+``NixlTransportConfig`` setting (see there). ``nixl`` is exactly what the cluster runs: the
+sender's KV is built in a lease of its ``endpoints.Sender``'s registered pool (``Sender.alloc``,
 where the prefill executor builds the prefix it will ship over NIXL) and ``Sender.send`` ships
 it without a copy (``NixlTransport.send_kv``: each piece CRC-32C'd and announced, the receiver
 READs it while the next is CRC'd; the row records ``zero_copy`` true only if nothing was
@@ -22,21 +23,22 @@ with the KV in ordinary memory (what the cluster runs when the prefix is not bui
 a cast to the engine's dtype, a partial send, a full pool): copied into the pool piece by piece
 while the receiver READs. ``nixl-serial`` encodes into the registered pool first
 (``encode_block(..., into=transport.lease)``: copy + CRC in one pass), then sends;
-``nixl-staged`` is the plain ``encode_block`` (send stages a copy). ``grpc-stream`` is what the
-cluster's ``Sender`` runs over gRPC: ``GrpcTransport.send_kv`` (each chunk CRC'd right after it
-is framed, while in cache, the CRC sent last; its encode column is only the header); ``grpc`` is
-``encode_block`` (one CRC pass over the tensor first) + ``GrpcTransport.send``.
+``nixl-staged`` is the plain ``encode_block`` (send stages a copy). ``grpc`` is what the
+cluster's ``Sender`` runs over gRPC: ``encode_block`` (one CRC pass over the tensor) +
+``GrpcTransport.send``; ``grpc-stream`` is ``GrpcTransport.send_kv`` (each chunk CRC'd right
+after it is framed, while in cache, the CRC sent last; its encode column is only the header).
 ``grpc-raw`` is the ceiling of gRPC's Python API here (:class:`RawGrpc`: the same bytes, no
 header, checksum, inbox or grant); the ``grpc`` rows carry ``of_grpc_raw``, their share of it
-measured in the same run. ``--grpc-config`` overrides ``GrpcTransportConfig`` fields of both gRPC ends (a JSON object; for
-A/B runs). As in the cluster, every
-transfer is authenticated: the driver gives the receiver a grant (``expect``) before the push and
-the block carries the transfer's credential (receivers run with ``require_grant``).
-``send_gbps`` is the send alone; ``tx_cpu_ns_b`` / ``rx_cpu_ns_b`` are the CPU seconds (all
-threads) the sender / receiver actor spent per byte over one measurement, median (CPU is the
-scarce thing on a small box, and it is steadier than wall time when the machine is shared). ``copy_gbps`` is ``Tensor.copy_`` of the same
-bytes into a warm preallocated tensor inside the sender actor, median of ``--reps``. One progress
-line per measurement goes to stderr; ``--json`` prints one JSON object per line to stdout.
+measured in the same run. ``--grpc-config`` overrides ``GrpcTransportConfig`` fields of both
+gRPC ends (a JSON object; for A/B runs). As in the cluster, every transfer is authenticated: the
+driver gives the receiver a grant (``expect``) before the push and the block carries the
+transfer's credential (receivers run with ``require_grant``). ``send_gbps`` is the send alone;
+``tx_cpu_ns_b`` / ``rx_cpu_ns_b`` are the CPU seconds (all threads) the sender / receiver actor
+spent per byte over one measurement, median (CPU is the scarce thing on a small box, and it is
+steadier than wall time when the machine is shared). ``copy_gbps`` is ``Tensor.copy_`` of the
+same bytes into a warm preallocated tensor inside the sender actor, median of ``--reps``. One
+progress line per measurement goes to stderr; ``--json`` prints one JSON object per line to
+stdout.
 """
 from __future__ import annotations
 

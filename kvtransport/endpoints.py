@@ -12,9 +12,7 @@ sends with, picked by config ``kv_transport: auto | nixl | grpc``.
   (``NixlTransport.send_kv``: the receiver READs the pieces already in registered memory while
   the next is prepared). KV the prefill built in the sender's registered pool (:meth:`Sender.alloc`,
   used when :meth:`Sender.builds_into_pool` says so) is sent without a copy; other KV is copied,
-  cast to the wire dtype in the same pass, into the pool piece by piece. Over gRPC it streams
-  (``GrpcTransport.send_kv``: each chunk CRC'd as it is framed, the CRC sent last; no CRC pass
-  over the KV before the first byte moves).
+  cast to the wire dtype in the same pass, into the pool piece by piece.
 
 ``auto`` = NIXL where it imports and starts, else gRPC; ``nixl`` = NIXL or refuse to start.
 A fall back from NIXL to gRPC (NIXL unavailable at start, or a peer NIXL cannot reach) is
@@ -30,7 +28,7 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
-from kvtransport.blocks import DTYPES, KVBlock, block_header, wire_header
+from kvtransport.blocks import DTYPES, KVBlock, encode_block, wire_header
 from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransport.transport import Inbox, InboxStats, KVTransport, TransferError, TransferReceipt
 
@@ -146,10 +144,10 @@ class Sender:
                     raise
                 _log_once("kv_transport_nixl_to_grpc", "NIXL send to %s failed (%s): sending over gRPC", peer, exc)
                 fallbacks.append("kv_transport_nixl_to_grpc")
-        t = time.perf_counter()     # no CRC pass first: each chunk is CRC'd as it is framed, the CRC sent last
-        header, payload = block_header(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
+        t = time.perf_counter()
+        block = encode_block(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
         stages = {"serialise": time.perf_counter() - t}
-        receipt = self.grpc.send_kv(ep.grpc_address, header, payload, timeout=timeout)
+        receipt = self.grpc.send(ep.grpc_address, block, timeout=timeout)
         stages["transfer"] = receipt.seconds
         return receipt, "grpc", stages, fallbacks
 
