@@ -61,9 +61,9 @@ class RawGrpc:
     """The ceiling of gRPC's Python API on this machine, for the ``grpc-raw`` row: the same bytes
     as a bare stream of ``chunk_bytes`` ``bytes`` messages (one copy each, like the transport's
     framing) into a stream-unary handler that copies each message into one preallocated, warm
-    array (like the transport's receive pool), in processes with the transport's malloc setting. No header, no CRC-32C, no inbox, no grant: what is
-    left is gRPC itself, so ``grpc`` / ``grpc-raw`` is the share of that ceiling the transport
-    reaches."""
+    array (like the transport's receive pool), in processes with the transport's malloc setting.
+    No header, no CRC-32C, no inbox, no grant: what is left is gRPC itself, so ``grpc`` /
+    ``grpc-raw`` is the share of that ceiling the transport reaches."""
 
     def __init__(self, cfg):
         import threading
@@ -82,11 +82,8 @@ class RawGrpc:
             tid, got = dict(context.invocation_metadata()).get("tid", ""), 0
             for m in requests:
                 n = len(m)
-                if self.dest is None or got + n > len(self.dest):       # grown by the warm-up push
-                    grown = np.empty(max(2 * (got + n), 1 << 20), np.uint8)
-                    if self.dest is not None:
-                        grown[:got] = self.dest[:got]
-                    self.dest = grown
+                if self.dest is None or got + n > len(self.dest):       # sized (and warmed) by the warm-up push
+                    self.dest = np.empty(max(2 * (got + n), 1 << 20), np.uint8)   # contents are never read
                 self.dest[got:got + n] = np.frombuffer(m, np.uint8)
                 got += n
             with self.cv:

@@ -1,0 +1,214 @@
+"""gRPC's Python API alone, between two plain processes: which shape of it moves bytes fastest here.
+
+    python -m bench.grpc_api [--variants sync/sync/tcp,aio/aio/tcp,sync/sync/uds,...] [--mib 180]
+                             [--chunk-kib 1024] [--reps 7] [--json]
+
+A variant is ``server/client/socket``: ``sync`` is ``grpc.server`` + a thread pool / a blocking
+channel with a request iterator; ``aio`` is ``grpc.aio``'s server / channel (``call.write``);
+``socket`` is ``tcp`` (127.0.0.1) or ``uds`` (a Unix domain socket). ``transport/transport/tcp``
+is kvnotes' own path instead (``GrpcTransport.send_kv`` into ``GrpcTransport``'s server: header,
+CRC-32C, inbox, pool), for comparison and for profilers (``perf record -- python -m
+bench.grpc_api --variants transport/transport/tcp --reps 40``). Every raw variant sends
+``--mib`` as ``--chunk-kib`` ``bytes`` messages (one copy each) that the server copies into one
+warm array; both processes get the transport's malloc setting. Each server runs in its own
+process; the client is this process; repetitions are interleaved across variants after one
+warm-up each; GB/s = 1e9 bytes over the time from the first message to the server's reply,
+median. ``bench.transfer``'s ``grpc-raw`` row is ``sync/sync/tcp`` between Ray actors.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import multiprocessing as mp
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+SERVICE, METHOD = "kvnotes.bench.Api", "/kvnotes.bench.Api/Push"
+SIDES, SOCKETS = ("sync", "aio"), ("tcp", "uds")
+
+
+def _options(chunk: int) -> list:
+    from kvtransport.grpc_transport import GrpcTransportConfig, tune_malloc
+    cfg = GrpcTransportConfig(chunk_bytes=chunk, max_message_bytes=max(8 << 20, chunk + (1 << 20)))
+    tune_malloc(cfg.malloc_keep_bytes)
+    return cfg.channel_options()
+
+
+def _serve(kind: str, target: str, chunk: int, total: int, ready, k: int = 0, stride: int = 1) -> None:
+    """Server process: report the address on ``ready``, then serve until killed. The transport
+    server claims (and drops) transfer ``api-{k}``, ``api-{k + stride}``, ... as they arrive."""
+    import grpc
+    opts = _options(chunk)
+    if kind == "transport":
+        from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
+        t = GrpcTransport(GrpcTransportConfig(chunk_bytes=chunk), model="bench")
+        ready.put(t.serve("127.0.0.1", 0))
+        for i in itertools.count():
+            t.receive(f"api-{i * stride + k}", timeout=3600)
+        return
+    dest = np.empty(total + chunk, np.uint8)
+    dest[:] = 0                                        # warm
+
+    def copy_in(m, got):
+        dest[got:got + len(m)] = np.frombuffer(m, np.uint8)
+        return got + len(m)
+
+    def push(requests, context):
+        got = 0
+        for m in requests:
+            got = copy_in(m, got)
+        return got.to_bytes(8, "little")
+
+    async def apush(requests, context):
+        got = 0
+        async for m in requests:
+            got = copy_in(m, got)
+        return got.to_bytes(8, "little")
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE, {"Push": grpc.stream_unary_rpc_method_handler(apush if kind == "aio" else push)})
+    if kind == "sync":
+        from concurrent import futures
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=opts)
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port(target)
+        server.start()
+        ready.put(target if target.startswith("unix:") else f"127.0.0.1:{port}")
+        server.wait_for_termination()
+        return
+
+    async def main():
+        server = grpc.aio.server(options=opts)
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port(target)
+        await server.start()
+        ready.put(target if target.startswith("unix:") else f"127.0.0.1:{port}")
+        await server.wait_for_termination()
+    asyncio.run(main())
+
+
+class Client:
+    """One variant's client side, in this process."""
+
+    def __init__(self, kind: str, address: str, chunk: int):
+        import grpc
+        self.kind, self.chunk, self.address = kind, chunk, address
+        opts = _options(chunk)
+        if kind == "sync":
+            self.call = grpc.insecure_channel(address, options=opts).stream_unary(METHOD)
+        elif kind == "aio":
+            self.loop = asyncio.new_event_loop()
+            self.channel = self.loop.run_until_complete(self._aio_channel(address, opts))
+        else:
+            from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
+            self.t = GrpcTransport(GrpcTransportConfig(chunk_bytes=chunk), model="bench")
+
+    @staticmethod
+    async def _aio_channel(address, opts):
+        import grpc
+        return grpc.aio.insecure_channel(address, options=opts)
+
+    def push(self, src: np.ndarray, i: int) -> None:
+        view, step = memoryview(src), self.chunk
+        if self.kind == "sync":
+            got = self.call(bytes(view[s:s + step]) for s in range(0, len(view), step))
+        elif self.kind == "aio":
+            got = self.loop.run_until_complete(self._apush(view, step))
+        else:
+            self.t.send_kv(self.address, *_block(src, f"api-{i}"), timeout=120)
+            return
+        if int.from_bytes(got, "little") != src.nbytes:
+            raise RuntimeError(f"server received {int.from_bytes(got, 'little')} of {src.nbytes} bytes")
+
+    async def _apush(self, view, step):
+        call = self.channel.stream_unary(METHOD)()
+        for s in range(0, len(view), step):
+            await call.write(bytes(view[s:s + step]))
+        await call.done_writing()
+        return await call
+
+
+def _block(src: np.ndarray, tid: str):
+    """``src`` as one KV block's header and payload (shape [1, 2, 1, tokens, 256] fp32: 2 KiB a
+    token, so any whole MiB fits), aliasing ``src``."""
+    import torch
+    from kvruntime.kv import KVCache
+    from kvtransport.blocks import block_header
+    n = src.nbytes // 2048
+    data = torch.from_numpy(src[:n * 2048].view(np.float32)).view(1, 2, 1, n, 256)
+    return block_header(tid, "bench", KVCache(data, torch.arange(n), torch.arange(n)))
+
+
+def _parse(variant: str) -> tuple[str, str, str]:
+    parts = variant.split("/")
+    if parts == ["transport", "transport", "tcp"]:
+        return "transport", "transport", "tcp"
+    if len(parts) != 3 or parts[0] not in SIDES or parts[1] not in SIDES or parts[2] not in SOCKETS:
+        raise ValueError(f"variant {variant!r}: expected server/client/socket with server and client in "
+                         f"{'|'.join(SIDES)}, socket in {'|'.join(SOCKETS)}, or transport/transport/tcp")
+    return parts[0], parts[1], parts[2]
+
+
+def run(variants: list[str], mib: int, chunk_kib: int, reps: int) -> list[dict]:
+    parsed = [_parse(v) for v in variants]
+    chunk, total = chunk_kib << 10, mib << 20
+    ctx = mp.get_context("spawn")
+    procs, clients, tmp = [], [], tempfile.mkdtemp(prefix="grpc_api_")
+    try:
+        for k, (server, client, sock) in enumerate(parsed):
+            target = f"unix:{tmp}/s{k}.sock" if sock == "uds" else "127.0.0.1:0"
+            ready = ctx.Queue()
+            p = ctx.Process(target=_serve, args=(server, target, chunk, total, ready, k, len(variants)), daemon=True)
+            p.start()
+            procs.append(p)
+            clients.append(Client(client, ready.get(timeout=120), chunk))
+        src = np.frombuffer(bytearray(np.random.default_rng(0).bytes(total)), np.uint8)   # writable: torch aliases it
+        times = [[] for _ in variants]
+        for i in range(reps + 1):
+            for k, (variant, c) in enumerate(zip(variants, clients)):
+                t = time.perf_counter()
+                c.push(src, i * len(variants) + k)
+                dt = time.perf_counter() - t
+                if i:
+                    times[k].append(dt)
+                    print(f"{variant} rep {i}: {total / dt / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+        return [{"variant": v, "mib": mib, "chunk_kib": chunk_kib, "reps": reps,
+                 "gbps": round(total / statistics.median(ts) / 1e9, 3)} for v, ts in zip(variants, times)]
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.grpc_api", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default="sync/sync/tcp,aio/aio/tcp,sync/aio/tcp,aio/sync/tcp,sync/sync/uds,"
+                                           "transport/transport/tcp")
+    ap.add_argument("--mib", type=int, default=180)
+    ap.add_argument("--chunk-kib", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    try:
+        for v in variants:
+            _parse(v)
+        if args.mib < 1 or args.chunk_kib < 1 or args.reps < 1:
+            raise ValueError("--mib, --chunk-kib and --reps must be >= 1")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    rows = run(variants, args.mib, args.chunk_kib, args.reps)
+    for r in rows:
+        print(json.dumps(r) if args.json else f"| {r['variant']} | {r['mib']} MiB | {r['gbps']:.2f} GB/s |")
+
+
+if __name__ == "__main__":
+    main()
