@@ -1,19 +1,22 @@
 """gRPC's Python API alone, between two plain processes: which shape of it moves bytes fastest here.
 
     python -m bench.grpc_api [--variants sync/sync/tcp,aio/aio/tcp,sync/sync/uds,...] [--mib 180]
-                             [--chunk-kib 1024] [--reps 7] [--json]
+                             [--chunk-kib 1024] [--reps 7] [--json] [--transport-config JSON ...]
 
 A variant is ``server/client/socket``: ``sync`` is ``grpc.server`` + a thread pool / a blocking
 channel with a request iterator; ``aio`` is ``grpc.aio``'s server / channel (``call.write``);
 ``socket`` is ``tcp`` (127.0.0.1) or ``uds`` (a Unix domain socket). ``transport/transport/tcp``
 is kvnotes' own path instead (``GrpcTransport.send_kv`` into ``GrpcTransport``'s server: header,
 CRC-32C, inbox, pool), for comparison and for profilers (``perf record -- python -m
-bench.grpc_api --variants transport/transport/tcp --reps 40``). Every raw variant sends
+bench.grpc_api --variants transport/transport/tcp --reps 40``); each ``--transport-config
+'{"field": value}'`` adds one more transport variant with those ``GrpcTransportConfig`` fields on
+both ends (A/B of its settings in one interleaved run). Every raw variant sends
 ``--mib`` as ``--chunk-kib`` ``bytes`` messages (one copy each) that the server copies into one
 warm array; both processes get the transport's malloc setting. Each server runs in its own
 process; the client is this process; repetitions are interleaved across variants after one
-warm-up each; GB/s = 1e9 bytes over the time from the first message to the server's reply,
-median. ``bench.transfer``'s ``grpc-raw`` row is ``sync/sync/tcp`` between Ray actors.
+warm-up each; GB/s = 1e9 bytes sent over the time from the first message to the server's reply,
+median (the transport sends the whole tokens of SmolLM2-135M-shaped fp32 KV that fit, 4096 at 180
+MiB). ``bench.transfer``'s ``grpc-raw`` row is ``sync/sync/tcp`` between Ray actors.
 """
 from __future__ import annotations
 
@@ -41,14 +44,15 @@ def _options(chunk: int) -> list:
     return cfg.channel_options()
 
 
-def _serve(kind: str, target: str, chunk: int, total: int, ready, k: int = 0, stride: int = 1) -> None:
+def _serve(kind: str, target: str, chunk: int, total: int, ready, k: int = 0, stride: int = 1,
+           config: dict | None = None) -> None:
     """Server process: report the address on ``ready``, then serve until killed. The transport
     server claims (and drops) transfer ``api-{k}``, ``api-{k + stride}``, ... as they arrive."""
     import grpc
     opts = _options(chunk)
     if kind == "transport":
         from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
-        t = GrpcTransport(GrpcTransportConfig(chunk_bytes=chunk), model="bench")
+        t = GrpcTransport(GrpcTransportConfig(**{"chunk_bytes": chunk, **(config or {})}), model="bench")
         ready.put(t.serve("127.0.0.1", 0))
         for i in itertools.count():
             t.receive(f"api-{i * stride + k}", timeout=3600)
@@ -97,7 +101,7 @@ def _serve(kind: str, target: str, chunk: int, total: int, ready, k: int = 0, st
 class Client:
     """One variant's client side, in this process."""
 
-    def __init__(self, kind: str, address: str, chunk: int):
+    def __init__(self, kind: str, address: str, chunk: int, config: dict | None = None):
         import grpc
         self.kind, self.chunk, self.address = kind, chunk, address
         opts = _options(chunk)
@@ -108,24 +112,25 @@ class Client:
             self.channel = self.loop.run_until_complete(self._aio_channel(address, opts))
         else:
             from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
-            self.t = GrpcTransport(GrpcTransportConfig(chunk_bytes=chunk), model="bench")
+            self.t = GrpcTransport(GrpcTransportConfig(**{"chunk_bytes": chunk, **(config or {})}), model="bench")
 
     @staticmethod
     async def _aio_channel(address, opts):
         import grpc
         return grpc.aio.insecure_channel(address, options=opts)
 
-    def push(self, src: np.ndarray, i: int) -> None:
+    def push(self, src: np.ndarray, i: int) -> int:
+        """Send ``src`` (the transport: its whole tokens, see :func:`_block`); returns the bytes sent."""
         view, step = memoryview(src), self.chunk
         if self.kind == "sync":
             got = self.call(bytes(view[s:s + step]) for s in range(0, len(view), step))
         elif self.kind == "aio":
             got = self.loop.run_until_complete(self._apush(view, step))
         else:
-            self.t.send_kv(self.address, *_block(src, f"api-{i}"), timeout=120)
-            return
+            return self.t.send_kv(self.address, *_block(src, f"api-{i}"), timeout=120).bytes_sent
         if int.from_bytes(got, "little") != src.nbytes:
             raise RuntimeError(f"server received {int.from_bytes(got, 'little')} of {src.nbytes} bytes")
+        return src.nbytes
 
     async def _apush(self, view, step):
         call = self.channel.stream_unary(METHOD)()
@@ -136,24 +141,39 @@ class Client:
 
 
 def _block(src: np.ndarray, tid: str):
-    """``src`` as one KV block's header and payload (shape [1, 2, 1, tokens, 256] fp32: 2 KiB a
-    token, so any whole MiB fits), aliasing ``src``."""
+    """The leading whole tokens of ``src`` as one KV block's header and payload, aliasing
+    ``src``: fp32 KV of SmolLM2-135M's shape, as ``bench.transfer`` (30 layers, 2, 3 KV heads,
+    tokens, head dim 64: 45 KiB a token, 4096 tokens in 180 MiB), so the header (positions and
+    token ids) weighs what it weighs in the cluster."""
     import torch
+    from bench.transfer import HEAD_DIM, KV_HEADS, LAYERS
     from kvruntime.kv import KVCache
     from kvtransport.blocks import block_header
-    n = src.nbytes // 2048
-    data = torch.from_numpy(src[:n * 2048].view(np.float32)).view(1, 2, 1, n, 256)
-    return block_header(tid, "bench", KVCache(data, torch.arange(n), torch.arange(n)))
+    per_token = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+    n = src.nbytes // per_token
+    data = torch.from_numpy(src[:n * per_token].view(np.float32)).view(LAYERS, 2, KV_HEADS, n, HEAD_DIM)
+    return block_header(tid, "bench", KVCache(data, torch.arange(n), torch.arange(100, 100 + n)))
 
 
-def _parse(variant: str) -> tuple[str, str, str]:
-    parts = variant.split("/")
+def _parse(variant: str) -> tuple[str, str, str, dict]:
+    """``server/client/socket`` -> its parts and, for ``transport/transport/tcp+{json}``, the
+    ``GrpcTransportConfig`` fields the JSON object overrides on both ends."""
+    base, _, extra = variant.partition("+")
+    parts = base.split("/")
     if parts == ["transport", "transport", "tcp"]:
-        return "transport", "transport", "tcp"
+        try:
+            config = json.loads(extra) if extra else {}
+            from kvtransport.grpc_transport import GrpcTransportConfig
+            GrpcTransportConfig(**config)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"variant {variant!r}: bad transport config: {exc}") from None
+        return "transport", "transport", "tcp", config
+    if extra:
+        raise ValueError(f"variant {variant!r}: only transport/transport/tcp takes a +{{config}}")
     if len(parts) != 3 or parts[0] not in SIDES or parts[1] not in SIDES or parts[2] not in SOCKETS:
         raise ValueError(f"variant {variant!r}: expected server/client/socket with server and client in "
                          f"{'|'.join(SIDES)}, socket in {'|'.join(SOCKETS)}, or transport/transport/tcp")
-    return parts[0], parts[1], parts[2]
+    return parts[0], parts[1], parts[2], {}
 
 
 def run(variants: list[str], mib: int, chunk_kib: int, reps: int) -> list[dict]:
@@ -162,25 +182,26 @@ def run(variants: list[str], mib: int, chunk_kib: int, reps: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     procs, clients, tmp = [], [], tempfile.mkdtemp(prefix="grpc_api_")
     try:
-        for k, (server, client, sock) in enumerate(parsed):
+        for k, (server, client, sock, config) in enumerate(parsed):
             target = f"unix:{tmp}/s{k}.sock" if sock == "uds" else "127.0.0.1:0"
             ready = ctx.Queue()
-            p = ctx.Process(target=_serve, args=(server, target, chunk, total, ready, k, len(variants)), daemon=True)
+            p = ctx.Process(target=_serve, args=(server, target, chunk, total, ready, k, len(variants), config),
+                            daemon=True)
             p.start()
             procs.append(p)
-            clients.append(Client(client, ready.get(timeout=120), chunk))
+            clients.append(Client(client, ready.get(timeout=120), chunk, config))
         src = np.frombuffer(bytearray(np.random.default_rng(0).bytes(total)), np.uint8)   # writable: torch aliases it
-        times = [[] for _ in variants]
+        rates = [[] for _ in variants]                  # bytes/s of each timed repetition
         for i in range(reps + 1):
             for k, (variant, c) in enumerate(zip(variants, clients)):
                 t = time.perf_counter()
-                c.push(src, i * len(variants) + k)
+                sent = c.push(src, i * len(variants) + k)
                 dt = time.perf_counter() - t
                 if i:
-                    times[k].append(dt)
-                    print(f"{variant} rep {i}: {total / dt / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+                    rates[k].append(sent / dt)
+                    print(f"{variant} rep {i}: {sent / dt / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
         return [{"variant": v, "mib": mib, "chunk_kib": chunk_kib, "reps": reps,
-                 "gbps": round(total / statistics.median(ts) / 1e9, 3)} for v, ts in zip(variants, times)]
+                 "gbps": round(statistics.median(rs) / 1e9, 3)} for v, rs in zip(variants, rates)]
     finally:
         for p in procs:
             p.kill()
@@ -192,12 +213,16 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.grpc_api", description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default="sync/sync/tcp,aio/aio/tcp,sync/aio/tcp,aio/sync/tcp,sync/sync/uds,"
                                            "transport/transport/tcp")
+    ap.add_argument("--transport-config", action="append", default=[], metavar="JSON",
+                    help="add a transport/transport/tcp variant with these GrpcTransportConfig fields "
+                         "(repeatable; for A/B runs of the transport's settings)")
     ap.add_argument("--mib", type=int, default=180)
     ap.add_argument("--chunk-kib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [v for v in args.variants.split(",") if v] + [f"transport/transport/tcp+{c}"
+                                                             for c in args.transport_config]
     try:
         for v in variants:
             _parse(v)

@@ -24,13 +24,16 @@ a cast to the engine's dtype, a partial send, a full pool): copied into the pool
 while the receiver READs. ``nixl-serial`` encodes into the registered pool first
 (``encode_block(..., into=transport.lease)``: copy + CRC in one pass), then sends;
 ``nixl-staged`` is the plain ``encode_block`` (send stages a copy). ``grpc`` is what the
-cluster's ``Sender`` runs over gRPC: ``encode_block`` (one CRC pass over the tensor) +
-``GrpcTransport.send``; ``grpc-stream`` is ``GrpcTransport.send_kv`` (each chunk CRC'd right
-after it is framed, while in cache, the CRC sent last; its encode column is only the header).
-``grpc-raw`` is the ceiling of gRPC's Python API here (:class:`RawGrpc`: the same bytes, no
-header, checksum, inbox or grant); the ``grpc`` rows carry ``of_grpc_raw``, their share of it
-measured in the same run. ``--grpc-config`` overrides ``GrpcTransportConfig`` fields of both
-gRPC ends (a JSON object; for A/B runs). As in the cluster, every transfer is authenticated: the
+cluster's ``Sender`` runs over gRPC (``block_header`` + ``GrpcTransport.send_kv``; its encode
+column is the header) under the config's checksum policy: by default ``auto``, so between these
+two actors of one host the block goes unchecked. ``grpc-crc`` is the same ``Sender`` with
+``checksum: always`` on both ends: each 1 MiB chunk CRC-32C'd right after it is framed, the CRC
+sent last and checked by the receiver, which is what every push between two hosts pays. Each
+gRPC row records ``checksum`` (``crc32c`` or ``none``: what the receiver saw). ``grpc-raw`` is
+the ceiling of gRPC's Python API here (:class:`RawGrpc`: the same bytes, no header, checksum,
+inbox or grant); the ``grpc`` rows carry ``of_grpc_raw``, their share of it measured in the same
+run. ``--grpc-config`` overrides ``GrpcTransportConfig`` fields of both gRPC ends (a JSON
+object; for A/B runs; ``grpc-crc`` keeps ``checksum: always``). As in the cluster, every transfer is authenticated: the
 driver gives the receiver a grant (``expect``) before the push and the block carries the
 transfer's credential (receivers run with ``require_grant``). ``send_gbps`` is the send alone;
 ``tx_cpu_ns_b`` / ``rx_cpu_ns_b`` are the CPU seconds (all threads) the sender / receiver actor
@@ -53,7 +56,7 @@ import torch
 
 LAYERS, KV_HEADS, HEAD_DIM, MODEL = 30, 3, 64, "smollm2-135m"
 NIXL_KINDS = ("nixl", "nixl-copy", "nixl-serial", "nixl-staged")
-GRPC_KINDS = ("grpc", "grpc-stream", "grpc-raw")
+GRPC_KINDS = ("grpc", "grpc-crc", "grpc-raw")
 RAW_METHOD = "/kvnotes.bench.Raw/Push"
 
 
@@ -138,8 +141,12 @@ class Endpoint:
             from kvtransport.grpc_transport import GrpcTransportConfig
             self.t = RawGrpc(GrpcTransportConfig(**(grpc_config or {})))
         elif kind in GRPC_KINDS:
+            from kvtransport.endpoints import Sender
             from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
-            self.t = GrpcTransport(GrpcTransportConfig(**{"require_grant": True, **(grpc_config or {})}), model=MODEL)
+            cfg = GrpcTransportConfig(**{"require_grant": True, **(grpc_config or {}),
+                                         **({"checksum": "always"} if kind == "grpc-crc" else {})})
+            self.s = Sender("grpc", grpc_cfg=cfg)                   # the cluster's prefill side
+            self.t = GrpcTransport(cfg, model=MODEL)               # the decode side
         elif kind in NIXL_KINDS:
             from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
             cfg = NixlTransportConfig(require_grant=True, ucx_error_handling=ucx_error_handling)
@@ -190,16 +197,18 @@ class Endpoint:
         return sum(os.times()[:2])
 
     def push(self, address: str, tid: str, credential: str) -> tuple[float, float]:
-        from kvtransport.blocks import block_header, encode_block
+        from kvtransport.blocks import encode_block
         t0 = time.perf_counter()
         if self.kind == "grpc-raw":
             self.t.send(address, tid, self.kv.data.numpy())
             return 0.0, time.perf_counter() - t0
-        if self.kind == "grpc-stream":
-            header, payload = block_header(tid, MODEL, self.kv, credential=credential)
-            t1 = time.perf_counter()
-            self.t.send_kv(address, header, payload, timeout=120)
-            return t1 - t0, time.perf_counter() - t1
+        if self.kind in ("grpc", "grpc-crc"):
+            from kvruntime.messages.transfer import KVEndpoint
+            _, used, stages, fallbacks = self.s.send(KVEndpoint("grpc", address, "float32"), tid, MODEL, self.kv,
+                                                     credential=credential, timeout=120)
+            if used != "grpc" or fallbacks:
+                raise RuntimeError(f"the Sender used {used!r} with fallbacks {fallbacks}")
+            return stages["serialise"], time.perf_counter() - t0 - stages["serialise"]
         if self.kind in ("nixl", "nixl-copy"):
             from kvruntime.messages.transfer import KVEndpoint
             staged = self.t.counters["staged_bytes"]
@@ -216,6 +225,14 @@ class Endpoint:
         self.t.send(address, block, timeout=120)
         return t1 - t0, time.perf_counter() - t1
 
+    def checksum(self) -> str | None:
+        """(Receiver) ``none`` if every block of a gRPC row arrived unchecked, ``crc32c`` if none
+        did, ``mixed`` otherwise; None for other rows."""
+        if self.kind not in ("grpc", "grpc-crc"):
+            return None
+        s = self.t.stats()
+        return "none" if s.unchecked == self.received else "crc32c" if not s.unchecked else "mixed"
+
     def copied_nothing(self) -> bool | None:
         """(Sender) whether the last push staged no bytes (None for rows without a Sender)."""
         return getattr(self, "zero_copy", None)
@@ -229,6 +246,7 @@ class Endpoint:
             return time.perf_counter() - t0
         kv = decode_block(self.t.receive(tid, timeout=120), model=MODEL)
         dt = time.perf_counter() - t0
+        self.received = getattr(self, "received", 0) + 1
         if kv.data.nbytes != expect_bytes:
             raise RuntimeError(f"received {kv.data.nbytes} bytes, expected {expect_bytes}")
         return dt
@@ -244,6 +262,8 @@ class Endpoint:
         return out
 
     def stop(self) -> None:
+        if self.kind in ("grpc", "grpc-crc"):
+            self.s.stop()
         if self.kind != "copy":
             self.t.stop()
 
@@ -306,10 +326,12 @@ def run(mibs: list[int], reps: int, transports: list[str], ucx_error_handling: s
                        "rx_cpu_ns_b": round(statistics.median(rx_cpu), 3)}
                 if (zero := ray.get(tx.copied_nothing.remote())) is not None:
                     row["zero_copy"] = zero
+                if (crc := ray.get(rx.checksum.remote())) is not None:
+                    row["checksum"] = crc
                 rows.append(row)
             raw = next((r["gbps"] for r in rows if r["transport"] == "grpc-raw" and r["mib"] == mib), None)
             for r in rows:
-                if raw and r["mib"] == mib and r["transport"] in ("grpc", "grpc-stream"):
+                if raw and r["mib"] == mib and r["transport"] in ("grpc", "grpc-crc"):
                     r["of_grpc_raw"] = round(r["gbps"] / raw, 3)        # share of gRPC's own ceiling
             rows.append({"transport": "copy", "mib": mib, "gbps": round(copy_gbps, 3),
                          "copy_gbps": round(copy_gbps, 3), "reps": reps})
@@ -326,8 +348,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", default="45,180,360", help="block sizes in MiB, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median)")
-    ap.add_argument("--transports", default="nixl,nixl-copy,nixl-serial,grpc",
-                    help="nixl, nixl-copy, nixl-serial, nixl-staged, grpc, grpc-stream and/or grpc-raw "
+    ap.add_argument("--transports", default="nixl,nixl-copy,nixl-serial,grpc,grpc-crc,grpc-raw",
+                    help="nixl, nixl-copy, nixl-serial, nixl-staged, grpc, grpc-crc and/or grpc-raw "
                          "(copy always runs)")
     ap.add_argument("--grpc-config", default="{}",
                     help="JSON object of GrpcTransportConfig fields for both gRPC ends (A/B runs)")

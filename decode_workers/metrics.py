@@ -28,6 +28,10 @@ class InboxCollector:
         for reason, n in sorted(s.refused.items()):
             refused.add_metric([w, reason], n)
         yield refused
+        unchecked = CounterMetricFamily("kvnotes_inbox_unchecked_blocks", "Blocks accepted without a checksum "
+                                        "(same-host gRPC pushes under checksum policy auto)", labels=["worker"])
+        unchecked.add_metric([w], s.unchecked)
+        yield unchecked
         expired = CounterMetricFamily("kvnotes_inbox_expired", "Received blocks or grants that expired unclaimed",
                                       labels=["worker", "what"])
         expired.add_metric([w, "block"], s.expired)

@@ -8,7 +8,9 @@ sends with, picked by config ``kv_transport: auto | nixl | grpc``.
   Its :attr:`Receiver.endpoint` (a :class:`~kvruntime.messages.transfer.KVEndpoint`, NIXL agent
   metadata included) travels to prefill workers through the Ray actors.
 - :class:`Sender` (prefill side): encodes the block in the decode engine's dtype, with the
-  transfer's credential in its header, and sends it; over NIXL pipelined
+  transfer's credential in its header, and sends it; over gRPC streamed
+  (``GrpcTransport.send_kv``: CRC-32C'd chunk by chunk, or unchecked to a decode worker on the
+  same host under ``checksum: auto``); over NIXL pipelined
   (``NixlTransport.send_kv``: the receiver READs the pieces already in registered memory while
   the next is prepared). KV the prefill built in the sender's registered pool (:meth:`Sender.alloc`,
   used when :meth:`Sender.builds_into_pool` says so) is sent without a copy; other KV is copied,
@@ -28,7 +30,7 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
-from kvtransport.blocks import DTYPES, KVBlock, encode_block, wire_header
+from kvtransport.blocks import DTYPES, KVBlock, block_header, wire_header
 from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransport.transport import Inbox, InboxStats, KVTransport, TransferError, TransferReceipt
 
@@ -145,9 +147,9 @@ class Sender:
                 _log_once("kv_transport_nixl_to_grpc", "NIXL send to %s failed (%s): sending over gRPC", peer, exc)
                 fallbacks.append("kv_transport_nixl_to_grpc")
         t = time.perf_counter()
-        block = encode_block(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
+        header, payload = block_header(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
         stages = {"serialise": time.perf_counter() - t}
-        receipt = self.grpc.send(ep.grpc_address, block, timeout=timeout)
+        receipt = self.grpc.send_kv(ep.grpc_address, header, payload, timeout=timeout)
         stages["transfer"] = receipt.seconds
         return receipt, "grpc", stages, fallbacks
 

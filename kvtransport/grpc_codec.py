@@ -9,7 +9,9 @@ the field prefix). Anything else falls back to the generated protobuf parser.
 Two stream shapes: :func:`block_to_messages` (an encoded block: its header carries the CRC-32C)
 and :func:`stream_messages` (a streaming sender: the header says ``checksum_last``, each chunk is
 CRC'd from the message just built, still in cache, on a :class:`CrcChain`, and the CRC travels
-in a final ``PushChunk(checksum=...)``; no separate pass over the payload before the send).
+in a final ``PushChunk(checksum=...)``; no separate pass over the payload before the send; or,
+without a chain, the header says ``unchecked`` and no CRC is computed or sent: a same-host push,
+see :mod:`kvtransport.same_host`).
 """
 from __future__ import annotations
 
@@ -28,9 +30,10 @@ _CHECKSUM_TAG = 0x1D                 # field 3 (checksum), wire type 5 (fixed32)
 
 class Opening(NamedTuple):
     """A stream's first message: the header, and whether the checksum comes last (then
-    ``header.checksum`` is 0 until the :class:`Trailer` arrives)."""
+    ``header.checksum`` is 0 until the :class:`Trailer` arrives) or never (``unchecked``)."""
     header: KVBlockHeader
     checksum_last: bool
+    unchecked: bool = False
 
 
 class Trailer(NamedTuple):
@@ -62,12 +65,13 @@ class CrcChain:
         return self.crc
 
 
-def header_to_pb(h: KVBlockHeader, chunk_bytes: int, checksum_last: bool = False) -> pb.BlockHeader:
+def header_to_pb(h: KVBlockHeader, chunk_bytes: int, checksum_last: bool = False,
+                 unchecked: bool = False) -> pb.BlockHeader:
     return pb.BlockHeader(transfer_id=h.transfer_id, model=h.model, num_layers=h.num_layers, kv_heads=h.kv_heads,
                           head_dim=h.head_dim, dtype=h.dtype, positions=list(h.positions),
                           token_ids=list(h.token_ids), payload_bytes=h.payload_bytes,
-                          checksum=0 if checksum_last else h.checksum, chunk_bytes=chunk_bytes,
-                          credential=h.credential, checksum_last=checksum_last)
+                          checksum=0 if checksum_last or unchecked else h.checksum, chunk_bytes=chunk_bytes,
+                          credential=h.credential, checksum_last=checksum_last, unchecked=unchecked)
 
 
 def header_from_pb(m: pb.BlockHeader) -> KVBlockHeader:
@@ -109,20 +113,24 @@ def block_to_messages(block: KVBlock, chunk_bytes: int) -> Iterator[bytes]:
         yield b"".join((bytes((_PAYLOAD_TAG,)), _varint(len(piece)), piece))
 
 
-def stream_messages(header: KVBlockHeader, payload, chunk_bytes: int, chain: CrcChain) -> Iterator[bytes]:
+def stream_messages(header: KVBlockHeader, payload, chunk_bytes: int, chain: CrcChain | None) -> Iterator[bytes]:
     """Serialized ``PushChunk`` messages for a streaming sender: the header (``checksum_last``;
     its own checksum is ignored), the payload in pieces of at most ``chunk_bytes`` (one copy
     each, as :func:`block_to_messages`), each piece CRC'd on ``chain`` from the message just
-    built, then the CRC-32C of the payload."""
-    yield pb.PushChunk(header=header_to_pb(header, chunk_bytes, checksum_last=True)).SerializeToString()
+    built, then the CRC-32C of the payload. ``chain`` None: the header says ``unchecked`` and
+    neither a CRC pass nor a checksum message follows (a same-host push)."""
+    yield pb.PushChunk(header=header_to_pb(header, chunk_bytes, checksum_last=chain is not None,
+                                           unchecked=chain is None)).SerializeToString()
     view = memoryview(payload).cast("B")
     for s in range(0, len(view), chunk_bytes):
         piece = view[s:s + chunk_bytes]
         prefix = bytes((_PAYLOAD_TAG,)) + _varint(len(piece))
         msg = b"".join((prefix, piece))
-        chain.add(np.frombuffer(msg, dtype=np.uint8, offset=len(prefix)))
+        if chain is not None:
+            chain.add(np.frombuffer(msg, dtype=np.uint8, offset=len(prefix)))
         yield msg
-    yield bytes((_CHECKSUM_TAG,)) + chain.result().to_bytes(4, "little")
+    if chain is not None:
+        yield bytes((_CHECKSUM_TAG,)) + chain.result().to_bytes(4, "little")
 
 
 def block_to_chunks(block: KVBlock, chunk_bytes: int) -> Iterator[pb.PushChunk]:
@@ -154,7 +162,7 @@ def parse_message(data: bytes) -> Opening | memoryview | Trailer | None:
         raise ValueError(f"not a PushChunk message: {exc}") from None
     kind = msg.WhichOneof("item")
     if kind == "header":
-        return Opening(header_from_pb(msg.header), msg.header.checksum_last)
+        return Opening(header_from_pb(msg.header), msg.header.checksum_last, msg.header.unchecked)
     if kind == "payload":
         return memoryview(msg.payload)
     if kind == "checksum":

@@ -13,9 +13,15 @@ Copies per block (the portable path; NIXL is the fast one):
   (warm pages: a fresh 360 MiB allocation page-faults at 0.6-3 GB/s on the dev machine), and
   CRC-32C'd while in cache. A pool that cannot fit the block falls back to fresh memory
   (counted in ``pool_misses``, logged once).
-Integrity: TCP's 16-bit checksum is too weak for 100s of MiB, so the payload's CRC-32C (header,
-or the stream's last message) is checked before a block becomes visible; ``decode_block`` checks
-it again on the claimer unless the transport did.
+Integrity: TCP's 16-bit checksum is too weak for 100s of MiB across hosts, so the payload's
+CRC-32C (header, or the stream's last message) is checked before a block becomes visible;
+``decode_block`` checks it again on the claimer unless the transport did. Between two processes
+of one host nothing but the kernel's memory copies lies on the path, so under ``checksum:
+"auto"`` (the default) :meth:`GrpcTransport.send_kv` to a same-host address sends the block
+``unchecked`` (no CRC pass on either side: the two passes were the whole gap to bare gRPC,
+docs/benchmarks.md), and the receiver accepts an unchecked block only from a peer on its own
+host (:mod:`kvtransport.same_host`; counted in ``InboxStats.unchecked``). ``"always"`` checks
+every block.
 
 Safety: max message size (chunk + header headroom), a deadline per push, a bounded inbox
 (bytes) that refuses new pushes with RESOURCE_EXHAUSTED when full (backpressure towards the
@@ -38,6 +44,7 @@ import numpy as np
 from kvtransport.blocks import BlockError, KVBlock, KVBlockHeader, Payload, as_bytes_array
 from kvtransport.grpc_codec import CrcChain, Opening, Trailer, ack, block_to_messages, parse_message, stream_messages
 from kvtransport.proto import kvtransfer_pb2 as pb
+from kvtransport.same_host import address_host, is_local_host, peer_host
 from kvtransport.transport import BufferPool, Inbox, InboxStats, KVTransport, TransferError, TransferReceipt, \
     TransferState
 
@@ -80,8 +87,13 @@ class GrpcTransportConfig:
     # HTTP/2 stream flow-control lookahead (grpc.http2.lookahead_bytes: how far a sender may run
     # ahead of the receiver's reads; 0: gRPC's default, 64 KiB, grown by BDP probing)
     http2_lookahead_bytes: int = 0
+    # "auto": no CRC-32C for a same-host peer (send_kv sends such blocks unchecked; the receiver
+    # takes unchecked blocks only from its own host); "always": every block is CRC-checked
+    checksum: str = "auto"
 
     def __post_init__(self):
+        if self.checksum not in ("auto", "always"):
+            raise ValueError(f"checksum must be 'auto' or 'always', got {self.checksum!r}")
         if self.chunk_bytes <= 0 or self.max_message_bytes < self.chunk_bytes + (1 << 20):
             raise ValueError("max_message_bytes must exceed chunk_bytes by at least 1 MiB of header room")
         if self.pool_bytes < 0 or self.malloc_keep_bytes < 0:
@@ -130,8 +142,8 @@ def tune_malloc(keep_bytes: int) -> bool:
 class _Servicer(grpc.GenericRpcHandler):
     """The Push handler on raw bytes (see grpc_codec). Mutates the inbox and the pool."""
 
-    def __init__(self, inbox: Inbox, pool: BufferPool | None, model: str | None, crc_pool):
-        self.inbox, self.pool, self.model, self.crc_pool = inbox, pool, model, crc_pool
+    def __init__(self, inbox: Inbox, pool: BufferPool | None, model: str | None, crc_pool, checksum: str = "auto"):
+        self.inbox, self.pool, self.model, self.crc_pool, self.checksum = inbox, pool, model, crc_pool, checksum
         self.pool_misses = 0
         self._lock = threading.Lock()
 
@@ -158,7 +170,7 @@ class _Servicer(grpc.GenericRpcHandler):
         opening = parse_message(first) if first is not None else None
         if not isinstance(opening, Opening):
             return ack("", False, "stream must start with a header")
-        header, checksum_last = opening
+        header, checksum_last, unchecked = opening
         tid = header.transfer_id
         try:
             self.inbox.begin(tid, header.payload_bytes, header)
@@ -170,8 +182,14 @@ class _Servicer(grpc.GenericRpcHandler):
             log.warning("rejected KV block %s before its payload: %s", tid, exc)
             self.inbox.finish(tid, None, str(exc))
             return ack(tid, False, str(exc))
+        if unchecked and not self._takes_unchecked(context.peer()):
+            error = (f"block without a checksum from {context.peer()}: this receiver takes unchecked blocks only "
+                     f"from its own host under checksum policy 'auto' (its policy: {self.checksum!r})")
+            log.warning("rejected KV block %s before its payload: %s", tid, error)
+            self.inbox.finish(tid, None, error)
+            return ack(tid, False, error)
         got, error, claimed = 0, "", None if checksum_last else header.checksum
-        chain = CrcChain(self.crc_pool)
+        chain = None if unchecked else CrcChain(self.crc_pool)
         try:
             dest = self._destination(header.payload_bytes)
             for data in request_iterator:
@@ -189,16 +207,17 @@ class _Servicer(grpc.GenericRpcHandler):
                     error, got = "payload longer than announced", got + n
                     break
                 dest[got:got + n] = as_bytes_array(piece)
-                chain.add(dest[got:got + n])
+                if chain is not None:
+                    chain.add(dest[got:got + n])
                 got += n
         except Exception as exc:  # a broken stream (client cancelled, deadline): the transfer fails, logged
             error = f"stream broken after {got} bytes: {type(exc).__name__}: {exc}"
         if not error and got != header.payload_bytes:
             error = f"payload is {got} bytes, header says {header.payload_bytes}"
-        if not error and claimed is None:
+        if not error and claimed is None and not unchecked:
             error = "stream ended without its checksum"
-        crc = chain.result() if not error else 0
-        if not error and crc != claimed:
+        crc = chain.result() if not error and chain is not None else 0
+        if not error and not unchecked and crc != claimed:
             error = f"checksum mismatch: header {claimed:#010x}, payload {crc:#010x}"
         if error:
             log.warning("rejected KV block %s: %s", tid, error)
@@ -206,8 +225,13 @@ class _Servicer(grpc.GenericRpcHandler):
             return ack(tid, False, error, got)
         if checksum_last:
             header = dataclasses.replace(header, checksum=crc)
-        self.inbox.finish(tid, KVBlock.verified(header, memoryview(dest)))
+        self.inbox.finish(tid, KVBlock.verified(header, memoryview(dest)), unchecked=unchecked)
         return ack(tid, True, "", got)
+
+    def _takes_unchecked(self, peer: str) -> bool:
+        """An unchecked block is taken under policy ``auto`` from a peer on this host only."""
+        host = peer_host(peer)
+        return self.checksum == "auto" and host is not None and is_local_host(host)
 
 
 class GrpcTransport(KVTransport):
@@ -237,7 +261,7 @@ class GrpcTransport(KVTransport):
         (``0.0.0.0``: all interfaces); returns the ``advertise:port`` address senders use
         (``advertise`` defaults to ``host``). Raises RuntimeError if it cannot be bound."""
         pool = BufferPool(self.cfg.pool_bytes) if self.cfg.pool_bytes else None
-        self._servicer = _Servicer(self._inbox, pool, self.model, self._crc_pool)
+        self._servicer = _Servicer(self._inbox, pool, self.model, self._crc_pool, self.cfg.checksum)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.workers), options=self._options())
         server.add_generic_rpc_handlers((self._servicer,))
         self.port = server.add_insecure_port(f"{host}:{port}")
@@ -276,10 +300,17 @@ class GrpcTransport(KVTransport):
         """Stream ``payload`` (e.g. from :func:`~kvtransport.blocks.block_header`: it aliases the KV
         tensor, which must not change until this returns) under ``header`` (its checksum is
         ignored): each chunk is CRC'd as it is framed and the CRC-32C is sent last, so no CRC pass
-        precedes the first byte. Otherwise as :meth:`send` (same errors, same verification)."""
-        chain = CrcChain(self._crc_pool)
+        precedes the first byte; to a same-host ``address`` under ``checksum: "auto"``, no CRC at
+        all (:meth:`checks`). Otherwise as :meth:`send` (same errors, same verification)."""
+        chain = CrcChain(self._crc_pool) if self.checks(address) else None
         return self._call(address, header.transfer_id, stream_messages(header, payload, self.cfg.chunk_bytes, chain),
                           timeout)
+
+    def checks(self, address: str) -> bool:
+        """Whether :meth:`send_kv` to ``address`` CRCs the block: always under ``checksum:
+        "always"``, else unless ``address`` is on this host. Raises ``ValueError`` for an address
+        that is not ``host:port``."""
+        return self.cfg.checksum == "always" or not is_local_host(address_host(address))
 
     def _call(self, address: str, tid: str, messages, timeout: float) -> TransferReceipt:
         t = time.perf_counter()

@@ -141,6 +141,7 @@ class InboxStats:
     rejected: int              # transfers that failed verification or were cancelled (since start)
     grants: int = 0            # transfers announced by the router and not pushed yet
     grants_expired: int = 0    # grants no push claimed within the TTL (since start)
+    unchecked: int = 0         # blocks accepted without a checksum: same-host gRPC pushes (since start)
 
 
 class Inbox:
@@ -172,7 +173,7 @@ class Inbox:
         self._claimed: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent claims
         self._remember = remember
         self._held = 0
-        self._expired = self._rejected = 0
+        self._expired = self._rejected = self._unchecked = 0
         self._refused: collections.Counter[str] = collections.Counter()
 
     def expect(self, grant: TransferGrant) -> None:
@@ -223,9 +224,10 @@ class Inbox:
             self._held += nbytes
             self._state[tid] = (TransferState.TRANSFERRING, "", nbytes, time.monotonic())
 
-    def finish(self, tid: str, block: KVBlock | None, error: str = "") -> None:
+    def finish(self, tid: str, block: KVBlock | None, error: str = "", *, unchecked: bool = False) -> None:
         """Complete ``tid`` begun by :meth:`begin`: DONE with ``block`` (keeps its reservation
-        until claimed) or FAILED with ``error`` (reservation released). Wakes waiting claims."""
+        until claimed) or FAILED with ``error`` (reservation released). Wakes waiting claims.
+        ``unchecked``: the block arrived without a checksum (a same-host gRPC push, counted)."""
         with self._cv:
             state = self._state.get(tid)
             if state is None or state[0] is not TransferState.TRANSFERRING:
@@ -237,6 +239,7 @@ class Inbox:
                 self._state[tid] = (TransferState.FAILED, error, 0, time.monotonic())
             else:
                 self._blocks[tid] = block
+                self._unchecked += unchecked
                 self._state[tid] = (TransferState.DONE, "", state[2], time.monotonic())
             self._cv.notify_all()
 
@@ -282,7 +285,7 @@ class Inbox:
             self._expire()
             pending = sum(1 for s in self._state.values() if s[0] is TransferState.TRANSFERRING)
             return InboxStats(self._held, len(self._blocks), pending, self._expired, dict(self._refused),
-                              self._rejected, len(self._grants), self._grants_expired)
+                              self._rejected, len(self._grants), self._grants_expired, self._unchecked)
 
     def _remember_claim(self, tid: str) -> None:
         self._claimed[tid] = None

@@ -1,6 +1,7 @@
 """``python -m bench.transfer`` end to end at a tiny size: every transport row at once (ten Ray
 actors must all be placed: a CPU share too large once left the fifth pair pending forever), real
-NIXL and gRPC, the ``grpc-raw`` ceiling and the ``of_grpc_raw`` ratios. Numbers are not checked
+NIXL and gRPC (unchecked on this host, and with ``checksum: always``), the ``grpc-raw`` ceiling
+and the ``of_grpc_raw`` ratios. Numbers are not checked
 (speed lives in the benchmark's own runs); that each row measured real bytes is."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ["nixl", "nixl-copy", "grpc", "grpc-stream", "grpc-raw"]
+KINDS = ["nixl", "nixl-copy", "grpc", "grpc-crc", "grpc-raw"]
 
 
 def _stop_tree(proc: subprocess.Popen) -> None:
@@ -51,8 +52,11 @@ def test_every_row_in_one_run():
     for kind in KINDS:
         assert rows[kind]["mib"] == 2 and rows[kind]["gbps"] > 0 and rows[kind]["reps"] == 1
     assert rows["nixl"]["zero_copy"] is True and rows["nixl-copy"]["zero_copy"] is False
-    for kind in ("grpc", "grpc-stream"):       # the share of gRPC's own ceiling, from the same run
+    for kind in ("grpc", "grpc-crc"):          # the share of gRPC's own ceiling, from the same run
         assert rows[kind]["of_grpc_raw"] == round(rows[kind]["gbps"] / rows["grpc-raw"]["gbps"], 3)
+    # both actors are on this host: checksum auto sends unchecked, grpc-crc checks every block
+    assert rows["grpc"]["checksum"] == "none" and rows["grpc-crc"]["checksum"] == "crc32c"
+    assert "checksum" not in rows["nixl"] and "checksum" not in rows["grpc-raw"]
     assert "of_grpc_raw" not in rows["grpc-raw"] and "of_grpc_raw" not in rows["nixl"]
 
 

@@ -126,7 +126,8 @@ from kvtransport.proto import kvtransfer_pb2 as pb  # noqa: E402
 
 @pytest.mark.parametrize("crc_thread", [False, True])
 def test_send_kv_round_trip_carries_the_real_checksum(crc_thread):
-    cfg = GrpcTransportConfig(chunk_bytes=64 << 10, max_message_bytes=2 << 20, crc_thread=crc_thread)
+    cfg = GrpcTransportConfig(chunk_bytes=64 << 10, max_message_bytes=2 << 20, crc_thread=crc_thread,
+                              checksum="always")
     rx, tx = GrpcTransport(cfg, model="m"), GrpcTransport(cfg)
     try:
         addr = rx.serve()
@@ -142,6 +143,60 @@ def test_send_kv_round_trip_carries_the_real_checksum(crc_thread):
     finally:
         tx.stop()
         rx.stop()
+
+
+def test_same_host_send_kv_skips_the_checksum_under_auto_and_is_counted():
+    cfg = GrpcTransportConfig(chunk_bytes=64 << 10, max_message_bytes=2 << 20)
+    assert cfg.checksum == "auto"
+    rx, tx = GrpcTransport(cfg, model="m"), GrpcTransport(cfg)
+    try:
+        addr = rx.serve()
+        assert not tx.checks(addr) and tx.checks("203.0.113.5:50051")      # TEST-NET-3: never this host
+        kv = _kv(300)
+        header, payload = block_header("u-1", "m", kv)
+        assert tx.send_kv(addr, header, payload, timeout=10).bytes_sent == payload.nbytes > 64 << 10
+        block = rx.receive("u-1", timeout=1)
+        assert block.header.checksum == 0 and rx.stats().unchecked == 1
+        assert torch.equal(decode_block(block, model="m").data, kv.data)  # the transport vouches for it
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def test_a_receiver_that_always_checks_refuses_an_unchecked_block():
+    rx = GrpcTransport(GrpcTransportConfig(chunk_bytes=64 << 10, max_message_bytes=2 << 20, checksum="always"),
+                       model="m")
+    tx = GrpcTransport(GrpcTransportConfig(chunk_bytes=64 << 10, max_message_bytes=2 << 20))
+    try:
+        addr = rx.serve()
+        header, payload = block_header("u-2", "m", _kv(300))
+        with pytest.raises(TransferError, match="without a checksum") as info:
+            tx.send_kv(addr, header, payload, timeout=10)                    # auto + same host: unchecked
+        assert info.value.reason == "rejected"
+        assert rx.state("u-2") is TransferState.FAILED
+        s = rx.stats()
+        assert s.held_bytes == 0 and s.blocks == 0 and s.unchecked == 0 and s.rejected == 1
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def test_unchecked_blocks_are_taken_only_from_this_host():
+    from kvtransport.grpc_transport import _Servicer
+    from kvtransport.same_host import address_host, is_local_host, peer_host
+    auto = _Servicer(None, None, "m", None, "auto")
+    assert auto._takes_unchecked("ipv4:127.0.0.1:40000") and auto._takes_unchecked("ipv6:[::1]:40000")
+    assert auto._takes_unchecked("unix:/tmp/s.sock")
+    assert not auto._takes_unchecked("ipv4:203.0.113.5:40000")               # another host
+    assert not auto._takes_unchecked("something-else")
+    assert not _Servicer(None, None, "m", None, "always")._takes_unchecked("ipv4:127.0.0.1:40000")
+    assert is_local_host("localhost") and is_local_host("127.0.0.2") and not is_local_host("0.0.0.0")
+    assert not is_local_host("no-such-host.invalid") and not is_local_host("")
+    assert address_host("[::1]:5") == "[::1]" and peer_host("ipv6:[::1]:5") == "[::1]"
+    with pytest.raises(ValueError, match="host:port"):
+        address_host("nohostport")
+    with pytest.raises(ValueError, match="checksum"):
+        GrpcTransportConfig(checksum="never")
 
 
 def _raw_push(tx, addr, messages):

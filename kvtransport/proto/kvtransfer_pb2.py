@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"kvtransport/proto/kvtransfer.proto\x12\x15kvnotes.kvtransfer.v1\"\x87\x02\n\x0b\x42lockHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x10\n\x08kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x11\n\tpositions\x18\x07 \x03(\x03\x12\x11\n\ttoken_ids\x18\x08 \x03(\x03\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\x10\n\x08\x63hecksum\x18\n \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x0b \x01(\r\x12\x12\n\ncredential\x18\x0c \x01(\t\x12\x15\n\rchecksum_last\x18\r \x01(\x08\"p\n\tPushChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".kvnotes.kvtransfer.v1.BlockHeaderH\x00\x12\x11\n\x07payload\x18\x02 \x01(\x0cH\x00\x12\x12\n\x08\x63hecksum\x18\x03 \x01(\x07H\x00\x42\x06\n\x04item\"Q\n\x07PushAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x32X\n\nKVTransfer\x12J\n\x04Push\x12 .kvnotes.kvtransfer.v1.PushChunk\x1a\x1e.kvnotes.kvtransfer.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"kvtransport/proto/kvtransfer.proto\x12\x15kvnotes.kvtransfer.v1\"\x9a\x02\n\x0b\x42lockHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x10\n\x08kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x11\n\tpositions\x18\x07 \x03(\x03\x12\x11\n\ttoken_ids\x18\x08 \x03(\x03\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\x10\n\x08\x63hecksum\x18\n \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x0b \x01(\r\x12\x12\n\ncredential\x18\x0c \x01(\t\x12\x15\n\rchecksum_last\x18\r \x01(\x08\x12\x11\n\tunchecked\x18\x0e \x01(\x08\"p\n\tPushChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".kvnotes.kvtransfer.v1.BlockHeaderH\x00\x12\x11\n\x07payload\x18\x02 \x01(\x0cH\x00\x12\x12\n\x08\x63hecksum\x18\x03 \x01(\x07H\x00\x42\x06\n\x04item\"Q\n\x07PushAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x32X\n\nKVTransfer\x12J\n\x04Push\x12 .kvnotes.kvtransfer.v1.PushChunk\x1a\x1e.kvnotes.kvtransfer.v1.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtransport.proto.kvtransfe
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BLOCKHEADER']._serialized_start=62
-  _globals['_BLOCKHEADER']._serialized_end=325
-  _globals['_PUSHCHUNK']._serialized_start=327
-  _globals['_PUSHCHUNK']._serialized_end=439
-  _globals['_PUSHACK']._serialized_start=441
-  _globals['_PUSHACK']._serialized_end=522
-  _globals['_KVTRANSFER']._serialized_start=524
-  _globals['_KVTRANSFER']._serialized_end=612
+  _globals['_BLOCKHEADER']._serialized_end=344
+  _globals['_PUSHCHUNK']._serialized_start=346
+  _globals['_PUSHCHUNK']._serialized_end=458
+  _globals['_PUSHACK']._serialized_start=460
+  _globals['_PUSHACK']._serialized_end=541
+  _globals['_KVTRANSFER']._serialized_start=543
+  _globals['_KVTRANSFER']._serialized_end=631
 # @@protoc_insertion_point(module_scope)
