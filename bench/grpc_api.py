@@ -7,7 +7,9 @@ A variant is ``server/client/socket``: ``sync`` is ``grpc.server`` + a thread po
 channel with a request iterator; ``aio`` is ``grpc.aio``'s server / channel (``call.write``);
 ``socket`` is ``tcp`` (127.0.0.1) or ``uds`` (a Unix domain socket). ``transport/transport/tcp``
 is kvnotes' own path instead (``GrpcTransport.send_kv`` into ``GrpcTransport``'s server: header,
-CRC-32C, inbox, pool), for comparison and for profilers (``perf record -- python -m
+inbox, pool; no CRC-32C between these two processes of one host under the default ``checksum:
+auto``, so ``--transport-config '{"checksum": "always"}'`` is what a push between hosts pays),
+for comparison and for profilers (``perf record -- python -m
 bench.grpc_api --variants transport/transport/tcp --reps 40``); each ``--transport-config
 '{"field": value}'`` adds one more transport variant with those ``GrpcTransportConfig`` fields on
 both ends (A/B of its settings in one interleaved run). Every raw variant sends

@@ -30,7 +30,7 @@ _STATUS_BY_CODE = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413:
 KNOWN_FALLBACKS = (
     "session_context_evicted", "tier_lookup_worker_lost", "tier_remote_down", "tier_store_failed",
     "kv_load_failed", "kv_mismatch", "kv_block_invalid", "kv_held_missing", "reposition_disabled",
-    "kv_transport_nixl_unavailable", "kv_transport_nixl_to_grpc", "kv_send_pool_full",
+    "kv_transport_nixl_unavailable", "kv_transport_nixl_to_grpc", "kv_send_pool_full", "kv_grpc_checksum_required",
     *(f"kv_transfer_{r}" for r in ("timeout", "rejected", "duplicate", "backpressure", "too_large", "unavailable",
                                    "unknown_peer", "unsupported", "unknown_transfer", "bad_credential",
                                    "wrong_model", "wrong_dtype", "wrong_length", "wrong_tokens")),

@@ -20,8 +20,10 @@ of one host nothing but the kernel's memory copies lies on the path, so under ``
 "auto"`` (the default) :meth:`GrpcTransport.send_kv` to a same-host address sends the block
 ``unchecked`` (no CRC pass on either side: the two passes were the whole gap to bare gRPC,
 docs/benchmarks.md), and the receiver accepts an unchecked block only from a peer on its own
-host (:mod:`kvtransport.same_host`; counted in ``InboxStats.unchecked``). ``"always"`` checks
-every block.
+host (:mod:`kvtransport.same_host`; counted in ``InboxStats.unchecked``), refusing any other
+before a byte is reserved (reason ``checksum_required``; the sender then sends that block and
+every later one to that address CRC'd, reported as fallback ``kv_grpc_checksum_required``).
+``"always"`` checks every block.
 
 Safety: max message size (chunk + header headroom), a deadline per push, a bounded inbox
 (bytes) that refuses new pushes with RESOURCE_EXHAUSTED when full (backpressure towards the
@@ -172,6 +174,11 @@ class _Servicer(grpc.GenericRpcHandler):
             return ack("", False, "stream must start with a header")
         header, checksum_last, unchecked = opening
         tid = header.transfer_id
+        if unchecked and not self._takes_unchecked(context.peer()):
+            msg = (f"block without a checksum from {context.peer()}: this receiver takes unchecked blocks only from "
+                   f"its own host under checksum policy 'auto' (its policy: {self.checksum!r})")
+            self.inbox.refuse(tid, "checksum_required", msg)       # before begin: the grant stays for the retry
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"[checksum_required] {msg}")
         try:
             self.inbox.begin(tid, header.payload_bytes, header)
         except TransferError as exc:
@@ -182,12 +189,6 @@ class _Servicer(grpc.GenericRpcHandler):
             log.warning("rejected KV block %s before its payload: %s", tid, exc)
             self.inbox.finish(tid, None, str(exc))
             return ack(tid, False, str(exc))
-        if unchecked and not self._takes_unchecked(context.peer()):
-            error = (f"block without a checksum from {context.peer()}: this receiver takes unchecked blocks only "
-                     f"from its own host under checksum policy 'auto' (its policy: {self.checksum!r})")
-            log.warning("rejected KV block %s before its payload: %s", tid, error)
-            self.inbox.finish(tid, None, error)
-            return ack(tid, False, error)
         got, error, claimed = 0, "", None if checksum_last else header.checksum
         chain = None if unchecked else CrcChain(self.crc_pool)
         try:
@@ -248,6 +249,7 @@ class GrpcTransport(KVTransport):
         self._servicer: _Servicer | None = None
         self._server: grpc.Server | None = None
         self._channels: dict[str, grpc.Channel] = {}
+        self._checked_addresses: set[str] = set()       # receivers that refused an unchecked block
         self._lock = threading.Lock()
         # one CRC thread, in order, shared by this transport's sends and receives (cfg.crc_thread)
         self._crc_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="grpc-crc") if cfg.crc_thread else None
@@ -302,15 +304,30 @@ class GrpcTransport(KVTransport):
         ignored): each chunk is CRC'd as it is framed and the CRC-32C is sent last, so no CRC pass
         precedes the first byte; to a same-host ``address`` under ``checksum: "auto"``, no CRC at
         all (:meth:`checks`). Otherwise as :meth:`send` (same errors, same verification)."""
-        chain = CrcChain(self._crc_pool) if self.checks(address) else None
-        return self._call(address, header.transfer_id, stream_messages(header, payload, self.cfg.chunk_bytes, chain),
-                          timeout)
+        if self.checks(address):
+            return self._call(address, header.transfer_id,
+                              stream_messages(header, payload, self.cfg.chunk_bytes, CrcChain(self._crc_pool)), timeout)
+        try:
+            return self._call(address, header.transfer_id, stream_messages(header, payload, self.cfg.chunk_bytes, None),
+                              timeout)
+        except TransferError as exc:
+            if exc.reason != "checksum_required":
+                raise
+        # the receiver does not count us as its own host (or checks every block): CRC from now on
+        with self._lock:
+            self._checked_addresses.add(address)
+        log.warning("KV receiver %s refused an unchecked block: sending it CRC-32C'd, and every later block to it "
+                    "(counted as fallback kv_grpc_checksum_required)", address)
+        receipt = self._call(address, header.transfer_id,
+                             stream_messages(header, payload, self.cfg.chunk_bytes, CrcChain(self._crc_pool)), timeout)
+        return dataclasses.replace(receipt, fallback="kv_grpc_checksum_required")
 
     def checks(self, address: str) -> bool:
         """Whether :meth:`send_kv` to ``address`` CRCs the block: always under ``checksum:
         "always"``, else unless ``address`` is on this host. Raises ``ValueError`` for an address
         that is not ``host:port``."""
-        return self.cfg.checksum == "always" or not is_local_host(address_host(address))
+        return (self.cfg.checksum == "always" or address in self._checked_addresses
+                or not is_local_host(address_host(address)))
 
     def _call(self, address: str, tid: str, messages, timeout: float) -> TransferReceipt:
         t = time.perf_counter()

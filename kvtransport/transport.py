@@ -49,6 +49,7 @@ class TransferReceipt:
     transfer_id: str
     bytes_sent: int
     seconds: float
+    fallback: str = ""          # a fallback the transport took to deliver it (the caller counts it), or ""
 
 
 class KVTransport(ABC):
@@ -275,6 +276,13 @@ class Inbox:
                 if left <= 0:
                     raise TransferError("timeout", f"transfer {tid} not received within {timeout:.1f} s")
                 self._cv.wait(left)
+
+    def refuse(self, tid: str, reason: str, msg: str) -> None:
+        """Count and log a push of ``tid`` refused before :meth:`begin` by its transport (e.g.
+        ``checksum_required``); nothing is reserved and the grant stays for a proper retry."""
+        with self._cv:
+            self._refused[reason] += 1
+        log.warning("refused KV transfer %s: %s", tid, msg)
 
     def state(self, tid: str) -> TransferState:
         with self._cv:

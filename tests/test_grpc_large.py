@@ -27,10 +27,11 @@ def _kv(tokens=50):
     return KVCache(torch.randn(4, 2, 3, tokens, 64, generator=g), torch.arange(tokens), torch.arange(tokens))
 
 
-def _push_big(addr, q, streamed=False):
+def _push_big(addr, q, streamed=False, checksum="auto"):
     try:
-        if streamed:                   # the streaming sender: CRC while framing, sent last
-            receipt = GrpcTransport().send_kv(addr, *block_header("big", "m", _big_kv()), timeout=120)
+        if streamed:                   # the streaming sender: CRC while framing, sent last (or none: same host)
+            receipt = GrpcTransport(GrpcTransportConfig(checksum=checksum)).send_kv(
+                addr, *block_header("big", "m", _big_kv()), timeout=120)
         else:
             receipt = GrpcTransport().send(addr, encode_block("big", "m", _big_kv()), timeout=120)
         q.put(("ok", receipt.bytes_sent))
@@ -38,13 +39,14 @@ def _push_big(addr, q, streamed=False):
         q.put(("error", repr(exc)))
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["send", "send_kv"])
-def test_180_mib_round_trip_across_processes_is_bit_exact(streamed):
-    rx = GrpcTransport(model="m")
+@pytest.mark.parametrize("streamed,checksum", [(False, "always"), (True, "always"), (True, "auto")],
+                         ids=["send", "send_kv", "send_kv_same_host_unchecked"])
+def test_180_mib_round_trip_across_processes_is_bit_exact(streamed, checksum):
+    rx = GrpcTransport(GrpcTransportConfig(checksum=checksum), model="m")
     addr = rx.serve()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_push_big, args=(addr, q, streamed), daemon=True)
+    p = ctx.Process(target=_push_big, args=(addr, q, streamed, checksum), daemon=True)
     p.start()
     try:
         status, sent = q.get(timeout=300)
@@ -52,7 +54,9 @@ def test_180_mib_round_trip_across_processes_is_bit_exact(streamed):
         want = _big_kv()
         assert sent == want.data.nbytes == 180 * 2**20
         block = rx.receive("big", timeout=10)
-        assert block.header.checksum == encode_block("big", "m", want).header.checksum
+        unchecked = streamed and checksum == "auto"                 # another process of this host
+        assert rx.stats().unchecked == unchecked
+        assert block.header.checksum == (0 if unchecked else encode_block("big", "m", want).header.checksum)
         kv = decode_block(block, model="m")
         del block
         assert torch.equal(kv.data, want.data)

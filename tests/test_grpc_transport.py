@@ -163,19 +163,47 @@ def test_same_host_send_kv_skips_the_checksum_under_auto_and_is_counted():
         rx.stop()
 
 
-def test_a_receiver_that_always_checks_refuses_an_unchecked_block():
-    rx = GrpcTransport(GrpcTransportConfig(chunk_bytes=64 << 10, max_message_bytes=2 << 20, checksum="always"),
-                       model="m")
-    tx = GrpcTransport(GrpcTransportConfig(chunk_bytes=64 << 10, max_message_bytes=2 << 20))
+def test_a_receiver_that_refuses_unchecked_blocks_gets_them_checked_and_the_retry_is_reported():
+    cfg = GrpcTransportConfig(chunk_bytes=64 << 10, max_message_bytes=2 << 20)
+    rx = GrpcTransport(dataclasses.replace(cfg, checksum="always", require_grant=True), model="m")
+    tx = GrpcTransport(cfg)                                                   # auto: same host, so unchecked first
+    from kvruntime.messages.transfer import TransferGrant
     try:
         addr = rx.serve()
-        header, payload = block_header("u-2", "m", _kv(300))
-        with pytest.raises(TransferError, match="without a checksum") as info:
-            tx.send_kv(addr, header, payload, timeout=10)                    # auto + same host: unchecked
-        assert info.value.reason == "rejected"
-        assert rx.state("u-2") is TransferState.FAILED
+        kv = _kv(300)
+        grant, cred = TransferGrant.issue("u-2", "m", "float32", kv.token_ids.tolist(), first_position=5)
+        rx.expect(grant)
+        header, payload = block_header("u-2", "m", kv, credential=cred)
+        assert not tx.checks(addr)
+        receipt = tx.send_kv(addr, header, payload, timeout=10)             # refused before begin, sent again CRC'd
+        assert receipt.fallback == "kv_grpc_checksum_required" and receipt.bytes_sent == payload.nbytes
+        block = rx.receive("u-2", timeout=1)
+        assert block.header.checksum == checksum(kv.data.numpy().tobytes()) != 0
+        assert torch.equal(decode_block(block, model="m").data, kv.data)
         s = rx.stats()
-        assert s.held_bytes == 0 and s.blocks == 0 and s.unchecked == 0 and s.rejected == 1
+        assert s.refused == {"checksum_required": 1} and s.unchecked == 0 and s.rejected == 0 and s.held_bytes == 0
+        assert tx.checks(addr)                                               # later blocks to it: CRC'd first time
+        grant, cred = TransferGrant.issue("u-3", "m", "float32", kv.token_ids.tolist(), first_position=5)
+        rx.expect(grant)
+        receipt = tx.send_kv(addr, *block_header("u-3", "m", kv, credential=cred), timeout=10)
+        assert receipt.fallback == "" and rx.stats().refused == {"checksum_required": 1}
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def test_an_unchecked_stream_is_refused_before_anything_is_reserved():
+    rx = GrpcTransport(GrpcTransportConfig(checksum="always"), model="m")
+    tx = GrpcTransport()
+    try:
+        addr = rx.serve()
+        header, payload = block_header("u-4", "m", _kv(40))
+        with pytest.raises(Exception) as info:
+            _raw_push(tx, addr, list(stream_messages(header, payload, 64 << 10, None)))
+        assert "[checksum_required]" in info.value.details() and "without a checksum" in info.value.details()
+        s = rx.stats()
+        assert s.refused == {"checksum_required": 1} and s.held_bytes == 0 and s.pending == 0 and s.blocks == 0
+        assert rx.state("u-4") is TransferState.PENDING                      # never begun
     finally:
         tx.stop()
         rx.stop()

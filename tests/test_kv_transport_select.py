@@ -65,6 +65,31 @@ def test_grpc_is_chosen_without_fallback_and_blocks_travel_in_the_engine_dtype()
         rx.stop()
 
 
+def test_a_decode_worker_that_checks_every_block_gets_a_crc_and_the_sender_reports_it():
+    from kvtransport.grpc_transport import GrpcTransportConfig
+    rx = Receiver("grpc", "m", "float32", bind="127.0.0.1",
+                  grpc_cfg=GrpcTransportConfig(require_grant=True, checksum="always"))
+    tx = Sender("grpc")                                               # checksum auto: same host, unchecked first
+    try:
+        kv = _kv()
+        got, used, _, fallbacks, _ = _ship(rx, tx, kv, "c1")
+        assert torch.equal(got.data, kv.data) and used == "grpc"
+        assert fallbacks == ["kv_grpc_checksum_required"]             # the router counts it
+        assert rx.stats().refused == {"checksum_required": 1} and rx.stats().unchecked == 0
+        _, _, _, fallbacks, _ = _ship(rx, tx, kv, "c2")
+        assert fallbacks == [] and rx.stats().refused == {"checksum_required": 1}   # CRC'd from the start now
+    finally:
+        tx.stop()
+        rx.stop()
+    rx, tx = Receiver("grpc", "m", "float32", bind="127.0.0.1"), Sender("grpc")   # both auto: nothing to retry
+    try:
+        got, _, _, fallbacks, _ = _ship(rx, tx, kv, "c3")
+        assert fallbacks == [] and rx.stats().unchecked == 1 and torch.equal(got.data, kv.data)
+    finally:
+        tx.stop()
+        rx.stop()
+
+
 def test_a_nixl_peer_that_cannot_be_loaded_falls_back_to_grpc():
     import dataclasses
     rx = Receiver("grpc", "m", "float32", bind="127.0.0.1")
