@@ -18,7 +18,7 @@ CRC-32C (header, or the stream's last message) is checked before a block becomes
 ``decode_block`` checks it again on the claimer unless the transport did. Between two processes
 of one host nothing but the kernel's memory copies lies on the path, so under ``checksum:
 "auto"`` (the default) :meth:`GrpcTransport.send_kv` to a same-host address sends the block
-``unchecked`` (no CRC pass on either side: the two passes were the whole gap to bare gRPC,
+``unchecked`` (no CRC pass on either side: the two passes were most of the gap to bare gRPC,
 docs/benchmarks.md), and the receiver accepts an unchecked block only from a peer on its own
 host (:mod:`kvtransport.same_host`; counted in ``InboxStats.unchecked``), refusing any other
 before a byte is reserved (reason ``checksum_required``; the sender then sends that block and
@@ -324,10 +324,14 @@ class GrpcTransport(KVTransport):
 
     def checks(self, address: str) -> bool:
         """Whether :meth:`send_kv` to ``address`` CRCs the block: always under ``checksum:
-        "always"``, else unless ``address`` is on this host. Raises ``ValueError`` for an address
-        that is not ``host:port``."""
-        return (self.cfg.checksum == "always" or address in self._checked_addresses
-                or not is_local_host(address_host(address)))
+        "always"``, else unless ``address`` is on this host (an address that is not ``host:port``
+        is not provably local: checked, and the push then fails as gRPC reports it)."""
+        if self.cfg.checksum == "always" or address in self._checked_addresses:
+            return True
+        try:
+            return not is_local_host(address_host(address))
+        except ValueError:
+            return True
 
     def _call(self, address: str, tid: str, messages, timeout: float) -> TransferReceipt:
         t = time.perf_counter()

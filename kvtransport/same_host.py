@@ -10,6 +10,8 @@ receiver from the connection's peer address, so an unchecked push from another h
 
 "Local" means a loopback address or an address a socket of this host can bind (any of its
 interfaces); a name is resolved first and is local only if every address it resolves to is.
+A tunnel that makes both ends see a local peer (``ssh -L``, ``kubectl port-forward``, a VPN)
+carries its own integrity check; ``checksum: "always"`` is for setups where that is not so.
 Results are cached per host string (addresses do not move between a process's pushes; a stale
 answer errs towards checking: an address that stops being local fails the bind next process).
 """

@@ -35,6 +35,8 @@ def test_yaml_mappings_become_the_transports_configs():
                                                                   "pool_bytes": 64 << 20}}))
     d = ClusterConfig()
     assert grpc_config(d).inbox_bytes == 4 << 30 and grpc_config(d).require_grant    # defaults: the classes'
+    assert grpc_config(d).checksum == "auto"
+    assert grpc_config(ClusterConfig.from_dict({"kv_grpc": {"checksum": "always"}})).checksum == "always"
 
 
 @pytest.mark.parametrize("section, options, message", [
@@ -42,6 +44,7 @@ def test_yaml_mappings_become_the_transports_configs():
     ("kv_nixl", {"ucx_error_handling": "bogus"}, "kv_nixl: "),
     ("kv_grpc", {"chunk_bytes": 64 << 20}, "kv_grpc: max_message_bytes must exceed chunk_bytes"),
     ("kv_grpc", {"require_grant": False}, "kv_grpc: require_grant is not a setting"),
+    ("kv_grpc", {"checksum": "never"}, "kv_grpc: checksum must be 'auto' or 'always', got 'never'"),
     ("kv_nixl", {"require_grant": False}, "kv_nixl: require_grant is not a setting"),
 ])
 def test_bad_options_are_one_clear_error(section, options, message):
