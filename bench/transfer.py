@@ -33,8 +33,8 @@ gRPC row records ``checksum`` (``crc32c`` or ``none``: what the receiver saw). `
 the ceiling of gRPC's Python API here (:class:`RawGrpc`: the same bytes, no header, checksum,
 inbox or grant); the ``grpc`` rows carry ``of_grpc_raw``, their share of it measured in the same
 run. ``--grpc-config`` overrides ``GrpcTransportConfig`` fields of both gRPC ends (a JSON
-object; for A/B runs; ``grpc-crc`` keeps ``checksum: always``). As in the cluster, every transfer is authenticated: the
-driver gives the receiver a grant (``expect``) before the push and the block carries the
+object; for A/B runs; ``grpc-crc`` keeps ``checksum: always``). As in the cluster, every
+transfer is authenticated: the driver gives the receiver a grant (``expect``) before the push and the block carries the
 transfer's credential (receivers run with ``require_grant``). ``send_gbps`` is the send alone;
 ``tx_cpu_ns_b`` / ``rx_cpu_ns_b`` are the CPU seconds (all threads) the sender / receiver actor
 spent per byte over one measurement, median (CPU is the scarce thing on a small box, and it is
@@ -136,7 +136,7 @@ class Endpoint:
     def __init__(self, kind: str, ucx_error_handling: str = "peer", grpc_config: dict | None = None):
         import logging
         logging.getLogger("nixl").setLevel(logging.WARNING)
-        self.kind, self.kv = kind, None
+        self.kind, self.kv, self.received = kind, None, 0
         if kind == "grpc-raw":
             from kvtransport.grpc_transport import GrpcTransportConfig
             self.t = RawGrpc(GrpcTransportConfig(**(grpc_config or {})))
@@ -246,7 +246,7 @@ class Endpoint:
             return time.perf_counter() - t0
         kv = decode_block(self.t.receive(tid, timeout=120), model=MODEL)
         dt = time.perf_counter() - t0
-        self.received = getattr(self, "received", 0) + 1
+        self.received += 1
         if kv.data.nbytes != expect_bytes:
             raise RuntimeError(f"received {kv.data.nbytes} bytes, expected {expect_bytes}")
         return dt

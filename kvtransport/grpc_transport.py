@@ -304,12 +304,14 @@ class GrpcTransport(KVTransport):
         ignored): each chunk is CRC'd as it is framed and the CRC-32C is sent last, so no CRC pass
         precedes the first byte; to a same-host ``address`` under ``checksum: "auto"``, no CRC at
         all (:meth:`checks`). Otherwise as :meth:`send` (same errors, same verification)."""
-        if self.checks(address):
+        def push(chain):
             return self._call(address, header.transfer_id,
-                              stream_messages(header, payload, self.cfg.chunk_bytes, CrcChain(self._crc_pool)), timeout)
+                              stream_messages(header, payload, self.cfg.chunk_bytes, chain), timeout)
+
+        if self.checks(address):
+            return push(CrcChain(self._crc_pool))
         try:
-            return self._call(address, header.transfer_id, stream_messages(header, payload, self.cfg.chunk_bytes, None),
-                              timeout)
+            return push(None)
         except TransferError as exc:
             if exc.reason != "checksum_required":
                 raise
@@ -318,9 +320,7 @@ class GrpcTransport(KVTransport):
             self._checked_addresses.add(address)
         log.warning("KV receiver %s refused an unchecked block: sending it CRC-32C'd, and every later block to it "
                     "(counted as fallback kv_grpc_checksum_required)", address)
-        receipt = self._call(address, header.transfer_id,
-                             stream_messages(header, payload, self.cfg.chunk_bytes, CrcChain(self._crc_pool)), timeout)
-        return dataclasses.replace(receipt, fallback="kv_grpc_checksum_required")
+        return dataclasses.replace(push(CrcChain(self._crc_pool)), fallback="kv_grpc_checksum_required")
 
     def checks(self, address: str) -> bool:
         """Whether :meth:`send_kv` to ``address`` CRCs the block: always under ``checksum:

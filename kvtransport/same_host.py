@@ -13,7 +13,8 @@ interfaces); a name is resolved first and is local only if every address it reso
 A tunnel that makes both ends see a local peer (``ssh -L``, ``kubectl port-forward``, a VPN)
 carries its own integrity check; ``checksum: "always"`` is for setups where that is not so.
 Results are cached per host string (addresses do not move between a process's pushes; a stale
-answer errs towards checking: an address that stops being local fails the bind next process).
+"local" costs one refused push: the receiver refuses an unchecked block from another host and
+the sender re-sends it CRC'd, counted).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ import socket
 def is_local_host(host: str) -> bool:
     """Whether ``host`` (an IP literal, optionally ``[bracketed]``, or a name) is this host."""
     host = host.strip("[]")
-    if host in ("localhost", ""):
-        return host == "localhost"
+    if not host or host == "localhost":
+        return bool(host)
     try:
         ips = [ipaddress.ip_address(host.split("%", 1)[0])]
     except ValueError:
