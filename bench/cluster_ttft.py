@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     if args.start:
         import socket
         from kvruntime.messages.config import ClusterConfig
-        from cluster.launcher import start
+        from cluster.ops.launcher import start
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     finally:
         client.close()
         if cfg is not None:
-            from cluster.launcher import stop
+            from cluster.ops.launcher import stop
             stop(cfg)
     return 0
 

@@ -12,7 +12,7 @@ Starts, in this order, and stops by PID / Ray shutdown on exit, Ctrl-C or error 
 * **plain vLLM**: ``python -m vllm.entrypoints.openai.api_server`` (a child process group) on the
   same converted checkpoint and dtype as the cluster's vLLM decode engine, eager, automatic prefix
   caching on, the same KV space (``VLLM_CPU_KVCACHE_SPACE``) and max length, 1 OpenMP thread.
-* **the kvnotes cluster**: ``cluster.launcher.start`` with ``decode_engine: vllm`` (Ray actors:
+* **the kvnotes cluster**: ``cluster.ops.launcher.start`` with ``decode_engine: vllm`` (Ray actors:
   one prefill actor with the LMCache tier, one decode actor running vLLM + the kvnotes KV
   connector; the transport ``auto`` picks; the Serve router over HTTP with its API key; shadow
   checks off so no background recompute competes).
@@ -51,6 +51,7 @@ from types import SimpleNamespace
 
 import httpx
 
+from bench.cluster_vs_vllm_load import STATUSES, cold_ids, edit_turn, mixed_load, register_template
 from bench.cluster_vs_vllm_report import markdown
 from bench.progress import progress as _progress
 from decode_workers.vllm_shm import psm_names, remove_leaked, wait_group_exit
@@ -100,7 +101,7 @@ class Systems:
         from kvruntime.checkpoint import ensure_checkpoint
         from kvruntime.models import get_model_spec
         import transformers
-        from cluster.render import Renderer
+        from cluster.control.render import Renderer
         self.spec = get_model_spec(model)
         self.ckpt = ensure_checkpoint(self.spec)
         tok = transformers.AutoTokenizer.from_pretrained(self.ckpt)
@@ -113,7 +114,7 @@ class Systems:
                                                          self.dtype, self.ckpt)
         # 1. the cluster
         from kvruntime.messages.config import ClusterConfig
-        from cluster.launcher import start
+        from cluster.ops.launcher import start
         self.cfg = ClusterConfig(port=_port(), model=model, dtype=dtype, decode_engine="vllm", vllm_kv_cache_gib=kv_gib,
                                  vllm_max_model_len=8192, tier_cpu_bytes=int(tier_gib * 2**30), shadow_fraction=0.0,
                                  data_dir=str(workdir / "state"))
@@ -162,7 +163,7 @@ class Systems:
             wait_group_exit(self.proc.pid)
             remove_leaked(self.shm_before)                  # the psm_* segments SIGKILL left in /dev/shm (logged)
         if self.cfg is not None:
-            from cluster.launcher import stop
+            from cluster.ops.launcher import stop
             stop(self.cfg)                                # Serve, the actors, then ray.shutdown()
 
     # ---- one request on each system ------------------------------------------------------------
@@ -229,46 +230,21 @@ def _compose(s: Systems, size: int, reps: int, n: int, tag: str) -> tuple[dict, 
     return out, chunks
 
 
-def _cold_ids(s: Systems, size: int, rep: int) -> list[int]:
-    q = s.question(" What does the note say first?")
-    text = f"Note {uuid.uuid4().hex}. " + s.text(7919 * (rep + 1), size - len(q) - len(s.render.frame()) - 24)
-    return list(s.render.frame()) + s.render.encode(text) + q
-
-
 def _cold(s: Systems, size: int, reps: int, n: int) -> dict:
     out = {"kvnotes": [], "vllm": []}
     for rep in range(reps):
-        ids = _cold_ids(s, size, rep)
+        ids = cold_ids(s, size, rep)
         out["kvnotes"].append(s.kv_ids(ids, n))
         out["vllm"].append(s.vllm_ids(ids, uuid.uuid4().hex, n))
     return out
 
 
-STATUSES = ["PENDING", "SHIPPED", "DELAYED", "DELIVERED", "RETURNED", "LOST", "HELD", "CANCELLED"]
-EDIT_Q = "What is the order status now? One word."
-
-
-def _template(s: Systems, size: int, tag: str) -> tuple[str, str]:
-    name = f"{tag}-booking-{size}"
-    text = "Booking record. Current order status: {status}. Notes follow.\n" + s.text(3 * size, size - 80)
-    r = s.kv.post("/v1/templates", json={"name": name, "text": text, "labels": {"status": "order status"}})
-    if r.status_code != 201:
-        raise RuntimeError(f"registering template: HTTP {r.status_code} {r.text[:200]}")
-    return name, text
-
-
-def _edit_turn(s: Systems, name: str, text: str, session: str, salt: str, value: str, n: int) -> tuple[dict, dict]:
-    kv = s.kv_native({"session": session, "kv_policy": "fast", "edit_strategy": "auto",
-                      "segments": [{"template": name, "fields": {"status": value}}, {"text": EDIT_Q}]}, n)
-    return kv, s.vllm_ids(s.template_ids(text, value) + s.question(EDIT_Q), salt, n)
-
-
 def _edit(s: Systems, size: int, turns: int, n: int, tag: str) -> dict:
-    name, text = _template(s, size, tag)
+    name, text = register_template(s, size, tag)
     session, salt = f"{tag}-{size}-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
     out = {"kvnotes": [], "vllm": []}
     for turn in range(turns + 1):                 # turn 0 fills both caches (not counted)
-        kv, v = _edit_turn(s, name, text, session, salt, STATUSES[turn % len(STATUSES)], n)
+        kv, v = edit_turn(s, name, text, session, salt, STATUSES[turn % len(STATUSES)], n)
         if turn:
             out["kvnotes"].append(kv)
             out["vllm"].append(v)
@@ -362,7 +338,6 @@ def main(argv=None) -> int:
             w["edit"] = _edit(s, size, pick(args.turns, i), args.max_tokens, tag)
             r["sizes"][str(size)] = w
             _save(r, args.json)                      # a run cut short keeps what it measured
-        from bench.cluster_vs_vllm_load import mixed_load
         for rate in _progress(args.rates, "mixed load rates"):
             r["load"] += mixed_load(s, rate, args.load_requests, args.load_size, args.max_tokens, 7, tag)
     except BaseException as exc:                     # Ctrl-C, SIGTERM, an error: save, report, stop

@@ -8,7 +8,31 @@ import threading
 import time
 import uuid
 
-from bench.cluster_vs_vllm import EDIT_Q, STATUSES, _cold_ids, _edit_turn, _template
+
+
+def cold_ids(s, size: int, rep: int) -> list[int]:
+    q = s.question(" What does the note say first?")
+    text = f"Note {uuid.uuid4().hex}. " + s.text(7919 * (rep + 1), size - len(q) - len(s.render.frame()) - 24)
+    return list(s.render.frame()) + s.render.encode(text) + q
+
+
+STATUSES = ["PENDING", "SHIPPED", "DELAYED", "DELIVERED", "RETURNED", "LOST", "HELD", "CANCELLED"]
+EDIT_Q = "What is the order status now? One word."
+
+
+def register_template(s, size: int, tag: str) -> tuple[str, str]:
+    name = f"{tag}-booking-{size}"
+    text = "Booking record. Current order status: {status}. Notes follow.\n" + s.text(3 * size, size - 80)
+    r = s.kv.post("/v1/templates", json={"name": name, "text": text, "labels": {"status": "order status"}})
+    if r.status_code != 201:
+        raise RuntimeError(f"registering template: HTTP {r.status_code} {r.text[:200]}")
+    return name, text
+
+
+def edit_turn(s, name: str, text: str, session: str, salt: str, value: str, n: int) -> tuple[dict, dict]:
+    kv = s.kv_native({"session": session, "kv_policy": "fast", "edit_strategy": "auto",
+                      "segments": [{"template": name, "fields": {"status": value}}, {"text": EDIT_Q}]}, n)
+    return kv, s.vllm_ids(s.template_ids(text, value) + s.question(EDIT_Q), salt, n)
 
 
 def mixed_load(s, rate: float, count: int, size: int, n: int, seed: int, tag: str) -> list[dict]:
@@ -21,12 +45,12 @@ def mixed_load(s, rate: float, count: int, size: int, n: int, seed: int, tag: st
         if s.kv.post("/v1/skills", json={"name": nm, "text": text}).status_code != 201:
             raise RuntimeError(f"registering {nm} failed")
         chunks.append(list(s.render.chunk_ids(text)))
-    tname, ttext = _template(s, size, f"{tag}-load")
+    tname, ttext = register_template(s, size, f"{tag}-load")
     n_edit = len(range(2, count, 3))
     sessions = [f"{tag}-load-{j}-{uuid.uuid4().hex[:6]}" for j in range(n_edit)]
     vsalt = uuid.uuid4().hex                       # plain vLLM: one salt, its prefix cache on as deployed
     for sess in sessions:                          # turn 0 of every session on both (warm, not timed)
-        _edit_turn(s, tname, ttext, sess, vsalt, STATUSES[0], n)
+        edit_turn(s, tname, ttext, sess, vsalt, STATUSES[0], n)
     rng = random.Random(seed)
     gaps = [rng.expovariate(rate) for _ in range(count)]
     runs = []
@@ -46,7 +70,7 @@ def mixed_load(s, rate: float, count: int, size: int, n: int, seed: int, tag: st
                     ids = list(s.render.frame()) + [t for j in order for t in chunks[j]] + s.question(q)
                     r = s.vllm_ids(ids, vsalt, n)
             elif kind == "cold":
-                ids = _cold_ids(s, size, 1000 + i)
+                ids = cold_ids(s, size, 1000 + i)
                 r = s.kv_ids(ids, n) if system == "kvnotes" else s.vllm_ids(ids, vsalt, n)
             else:
                 value, sess = STATUSES[1 + i % (len(STATUSES) - 1)], sessions[i // 3]

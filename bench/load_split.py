@@ -29,7 +29,7 @@ def run_layout(n_prefill: int, n_decode: int, requests: int, concurrency: int, m
 
     import tempfile
 
-    from cluster.launcher import start, stop
+    from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
     from kvtransport.tier_server import free_port
 

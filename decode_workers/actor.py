@@ -8,7 +8,7 @@ and/or gRPC into one inbox that accepts only transfers the router announced with
 reports it, so prefill actors on other nodes reach it; :meth:`DecodeWorker.endpoint` (NIXL agent
 metadata included) is what the router hands to prefill actors. ``generate`` is a generator
 method: the router calls it with ``num_returns="streaming"`` and forwards each token.
-Plain class; ``cluster.ray_backends`` applies ``ray.remote`` with resources from config.
+Plain class; ``cluster.control.ray_backends`` applies ``ray.remote`` with resources from config.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The prefill worker as a Ray actor: a reference engine, the LMCache tier and the KV sender
 (``kvtransport.endpoints.Sender``: NIXL or gRPC by ``kv_transport``).
 
-Plain class; ``cluster.ray_backends`` wraps it with ``ray.remote`` and the resources from
+Plain class; ``cluster.control.ray_backends`` wraps it with ``ray.remote`` and the resources from
 config (so importing this module needs no Ray). One actor executes one plan at a time. It keeps
 no name map: plans name KV by content (``prefill_workers.tier``), so a restarted or a second
 actor finds what the shared or persistent tiers hold.

@@ -39,7 +39,7 @@ class DictSource:
 
 
 def api_key(cfg) -> str:
-    """The key the embedded default created on its first start (``cluster.launcher.start``)."""
+    """The key the embedded default created on its first start (``cluster.ops.launcher.start``)."""
     return cfg.api_key_file.read_text().strip()
 
 

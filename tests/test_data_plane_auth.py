@@ -252,7 +252,7 @@ def test_router_counts_a_bad_block_as_a_fallback_and_completes(smol, tmp_path, c
         want, fin_ok = asyncio.run(_complete(good, segs, "exact"))
         got, fin = asyncio.run(_complete(bad, segs, "exact"))
         assert fin_ok.fallbacks == () and fin_ok.transport == "grpc" and dict(fin_ok.stages)["transfer"] > 0
-        from cluster.api import _kvnotes
+        from cluster.http.api import _kvnotes
         explained = _kvnotes(fin_ok, True)["explain"]                 # what "explain": true returns
         assert explained["transport"] == "grpc" and {"serialise", "transfer", "receive", "load",
                                                      "first_token"} <= set(explained["stages"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from cluster.planner import RenderedRequest, TierView, plan_request
+from cluster.control.planner import RenderedRequest, TierView, plan_request
 from decode_workers.executor import DecodeExecutor
 from decode_workers.held_kv import HeldPrefixes
 from decode_workers.metrics import HeldCollector

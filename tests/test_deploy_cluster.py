@@ -26,7 +26,7 @@ from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_YAML = ROOT / "deploy" / "cluster.yaml"
-KVNOTES = [sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())"]
+KVNOTES = [sys.executable, "-c", "import sys; from cluster.ops.cli import main; sys.exit(main())"]
 
 
 def _cluster() -> dict:
@@ -49,7 +49,7 @@ def test_cluster_yaml_passes_rays_validator():
 
 
 def test_node_types_carry_exactly_what_the_actors_request():
-    from cluster.ray_backends import worker_resources
+    from cluster.control.ray_backends import worker_resources
     from kvruntime.messages.config import ClusterConfig
 
     cfg = ClusterConfig.from_file(ROOT / "deploy" / "kvnotes.yaml")

@@ -24,7 +24,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from kvruntime.messages.config import ClusterConfig
-    from cluster.launcher import start, stop
+    from cluster.ops.launcher import start, stop
 
     cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
@@ -120,7 +120,7 @@ def test_session_field_edit_follows_the_fidelity_table(cluster):
     """Without a caller preference the planner picks what the model's fidelity table trusts
     (SmolLM2: field + top-16 recompute agreed with recompute far more often than any erratum)."""
     from kvruntime.fidelity.report import load_summary
-    from cluster.planner import choose_edit_kind
+    from cluster.control.planner import choose_edit_kind
 
     base, http = cluster
     want = choose_edit_kind(load_summary("smollm2-135m")).kind.value

@@ -19,7 +19,7 @@ QUESTION = "What does item 3 cost?"
 
 @pytest.fixture(scope="module")
 def held_cluster(tmp_path_factory):
-    from cluster.launcher import start, stop
+    from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("held")
@@ -29,7 +29,7 @@ def held_cluster(tmp_path_factory):
     base = f"http://127.0.0.1:{cfg.port}"
     clients = []
     try:
-        out = subprocess.run([sys.executable, "-m", "cluster.cli", "keys", "create", "--tenant", "globex",
+        out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "keys", "create", "--tenant", "globex",
                               "--config", str(root / "c.json")], capture_output=True, text=True, timeout=120, check=True)
         for key in (api_key(cfg), out.stdout.strip().splitlines()[-1]):
             clients.append(httpx.Client(base_url=base, timeout=300, headers={"authorization": f"Bearer {key}"}))

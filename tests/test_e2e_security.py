@@ -24,7 +24,7 @@ TEMPLATE = "Booking {ref} for {passenger}. Status: {status}.\n"
 
 @pytest.fixture(scope="module")
 def sec(tmp_path_factory):
-    from cluster.launcher import start, stop
+    from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("sec")
@@ -34,7 +34,7 @@ def sec(tmp_path_factory):
     start(cfg, local_cpus=4)
     base = f"http://127.0.0.1:{cfg.port}"
     # a second tenant's key through the CLI: the key is the last line it prints
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "keys", "create", "--tenant", "globex", "--config",
+    out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "keys", "create", "--tenant", "globex", "--config",
                           str(root / "c.json")], capture_output=True, text=True, timeout=120, check=True)
     keys = {"acme": api_key(cfg), "globex": out.stdout.strip().splitlines()[-1]}
     clients = {t: httpx.Client(base_url=base, timeout=300, headers={"authorization": f"Bearer {k}"})
@@ -200,7 +200,7 @@ BAD = [
 
 
 def _snapshot(cfg, clients) -> tuple:
-    from cluster.state import open_state
+    from cluster.control.state import open_state
     s = open_state(cfg.resolved_state_url)
     try:
         sizes = s.sizes(time.time())

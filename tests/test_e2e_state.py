@@ -34,7 +34,7 @@ def _turn(http, session, status, policy="fast", segments_extra=(), **kw):
 
 @pytest.fixture(scope="module")
 def state_cluster(tmp_path_factory):
-    from cluster.launcher import start, stop
+    from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("kvstate")
@@ -159,7 +159,7 @@ def test_a_reregistered_template_is_used_by_the_next_turn(state_cluster):
 
 
 def test_whole_cluster_restart_finds_skills_in_the_fs_tier(state_cluster):
-    from cluster.launcher import start, stop
+    from cluster.ops.launcher import start, stop
 
     cfg, http = state_cluster
     stop(cfg)                                                         # every process of the cluster is gone

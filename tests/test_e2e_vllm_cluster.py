@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def vcluster(tmp_path_factory):
     from kvruntime.messages.config import ClusterConfig
-    from cluster.launcher import start, stop
+    from cluster.ops.launcher import start, stop
 
     cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",
                         vllm_kv_cache_gib=1, vllm_max_model_len=4096, data_dir=str(tmp_path_factory.mktemp("state")))
@@ -81,7 +81,7 @@ def test_vllm_engine_metrics_reach_prometheus(vcluster, tmp_path):
     through the router, and every query of the dashboard's vLLM row returns series."""
     import time
 
-    from cluster.dashboard import ROWS
+    from cluster.ops.dashboard import ROWS
     from tests.conftest import prom_query, prometheus_server, sd_prometheus_config
 
     http = vcluster

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvruntime.messages.plan import KVRef, PlanKind, Policy
-from cluster.planner import RenderedRequest, RenderedSegment, SessionContext, TierView, plan_request
+from cluster.control.planner import RenderedRequest, RenderedSegment, SessionContext, TierView, plan_request
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import precompile_chunk, recompute
@@ -147,7 +147,7 @@ def test_corrupted_block_is_recomputed_by_decode(wired):
 def test_reposition_plan_executes_the_planned_recompute_ratio(wired, ratio):
     """The executor carries out the plan's r: its KV is what ops.compose(recompute_ratio=r) builds
     (r = 1: a full recompute), and the stats count the selectively recomputed tokens."""
-    from cluster.planner import ComposeChoice, PlannerConfig, compose_op_key
+    from cluster.control.planner import ComposeChoice, PlannerConfig, compose_op_key
     from kvruntime.ops import ChunkSegment, TextSegment, blend_count, compose
     e, src, pre, dec, addr = wired
     frame, skill, q = _segments(e)

@@ -41,7 +41,7 @@ def _wait(pred, timeout_s: float, what: str, every: float = 0.5):
 
 @pytest.fixture(scope="module")
 def fault_cluster(tmp_path_factory):
-    from cluster.launcher import start, stop
+    from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
     from kvtransport.tier_server import start_tier_server, stop_tier_server
 

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from cluster.errors import RequestError
-from cluster.metrics import Metrics
-from cluster.routing import NoLiveWorker, WorkerLost, WorkerView
+from cluster.control.errors import RequestError
+from cluster.control.metrics import Metrics
+from cluster.control.routing import NoLiveWorker, WorkerLost, WorkerView
 from kvruntime.messages.decode import SamplingParams, TokenEvent
 from kvtransport.grpc_transport import GrpcTransport
 from tests.conftest import metric
@@ -89,7 +89,7 @@ async def _run(router, max_tokens=6, **kw):
 
 
 def _router(smol, tmp_path, backends):
-    from cluster.state import open_state
+    from cluster.control.state import open_state
     return make_router(smol, backends, open_state(f"sqlite:///{tmp_path}/s-{id(backends)}.db"))
 
 
@@ -143,7 +143,7 @@ def test_deadline_stops_the_decode_worker_and_answers_504(smol, tmp_path):
 
 
 def test_fault_settings_are_validated_and_auth_mode_follows_the_token_file(tmp_path, monkeypatch):
-    from cluster.launcher import ray_auth_mode
+    from cluster.ops.launcher import ray_auth_mode
     from kvruntime.messages.config import ClusterConfig
 
     for bad in ({"worker_max_restarts": -2}, {"request_retries": -1}, {"health_period_s": 0},

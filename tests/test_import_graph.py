@@ -1,5 +1,7 @@
-"""The boxes of the flow form a ladder: no import cycle between top-level packages, and the
-message module at the bottom imports no model runtime (torch, transformers, Ray)."""
+"""The boxes of the flow form a ladder: no import cycle between top-level packages, none between
+modules (any import counts: top-level, inside a function, or under ``TYPE_CHECKING``), the
+control plane's three boxes import one way (http -> control; ops above both), and the message
+module at the bottom imports no model runtime (torch, transformers, Ray)."""
 from __future__ import annotations
 
 import ast
@@ -11,37 +13,139 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()} - {"tests"}
 
 
-def _edges() -> dict[str, set[str]]:
+def _module_name(f: pathlib.Path) -> str:
+    parts = list(f.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(f): f for p in PACKAGES for f in (ROOT / p).rglob("*.py")}
+
+
+def _imported(node: ast.AST, here: str, is_pkg: bool, mods: dict) -> set[str]:
+    """The repository modules one import statement names (``from a import b`` names ``a.b`` when
+    ``b`` is a module, else ``a``); relative imports are resolved against ``here``."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            pkg = here.split(".") if is_pkg else here.split(".")[:-1]
+            pkg = pkg[:len(pkg) - (node.level - 1)]
+            base = ".".join(pkg + ([base] if base else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+    else:
+        return set()
+    out = set()
+    for n in names:
+        while n and n not in mods:          # `import a.b.c` of a package: the deepest module named
+            n = n.rpartition(".")[0]
+        if n:
+            out.add(n)
+    return out
+
+
+def module_edges() -> dict[str, set[str]]:
+    mods = _modules()
+    edges = {}
+    for name, f in mods.items():
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        edges[name] = set().union(*(_imported(n, name, f.name == "__init__.py", mods) for n in ast.walk(tree))) - {name}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter[0]; counter[0] += 1
+        stack.append(root); on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in edges:
+                    continue
+                if w not in index:
+                    index[w] = low[w] = counter[0]; counter[0] += 1
+                    stack.append(w); on.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop(); on.discard(w); comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def _package_edges() -> dict[str, set[str]]:
     edges = {p: set() for p in PACKAGES}
-    for p in PACKAGES:
-        for f in (ROOT / p).rglob("*.py"):
-            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
-                edges[p] |= {n.split(".")[0] for n in names if n.split(".")[0] in PACKAGES} - {p}
+    for a, bs in module_edges().items():
+        edges[a.split(".")[0]] |= {b.split(".")[0] for b in bs} - {a.split(".")[0]}
     return edges
 
 
 def test_no_cycle_between_top_level_packages():
-    edges = _edges()
-
-    def reach(a):
-        seen, stack = set(), [a]
-        while stack:
-            for b in edges[stack.pop()]:
-                if b not in seen:
-                    seen.add(b)
-                    stack.append(b)
-        return seen
-    cycles = sorted({tuple(sorted((a, b))) for a in PACKAGES for b in reach(a) if a in reach(b)})
-    assert cycles == [], f"packages importing each other: {cycles} (edges: {edges})"
+    edges = _package_edges()
+    assert cycles(edges) == [], f"packages importing each other: {cycles(edges)} (edges: {edges})"
     for p in ("prefill_workers", "decode_workers", "kvtransport", "kvruntime"):
         assert "cluster" not in edges[p], f"{p} imports the control plane"
 
 
+def test_no_cycle_between_modules():
+    found = cycles(module_edges())
+    assert found == [], f"modules importing each other (directly or round a loop): {found}"
+
+
+def test_cycle_finder_sees_direct_and_indirect_cycles():
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_import_finder_sees_lazy_and_relative_imports(tmp_path):
+    mods = {"pkg": None, "pkg.a": None, "pkg.b": None, "pkg.sub": None, "pkg.sub.c": None}
+    src = ("import pkg.sub.c\nfrom pkg import b\nfrom . import a\nfrom .sub import c as cc\n"
+           "def f():\n    from pkg.sub.c import thing\n")
+    tree = ast.parse(src)
+    found = set().union(*(_imported(n, "pkg.a", False, mods) for n in ast.walk(tree)))
+    assert found == {"pkg.sub.c", "pkg.b", "pkg.a", "pkg.sub.c"}
+
+
+def test_the_control_plane_boxes_import_one_way():
+    """http -> control; ops may import both; control imports neither; nothing imports ops."""
+    def box(m):
+        parts = m.split(".")
+        return parts[1] if parts[0] == "cluster" and len(parts) >= 2 else None
+    bad = []
+    for a, bs in module_edges().items():
+        for b in bs:
+            ba, bb = box(a), box(b)
+            if bb is None or ba == bb:
+                continue
+            if (ba, bb) not in {("http", "control"), ("ops", "http"), ("ops", "control")} and \
+                    not (ba is None and bb in {"ops", "http", "control"} and not a.startswith("cluster")):
+                bad.append(f"{a} -> {b}")
+    assert bad == [], f"imports against the direction http -> control, ops -> both: {bad}"
+    boxes = {m.split(".")[1] for m in _modules() if m.startswith("cluster.") and m.count(".") >= 1}
+    assert {"http", "control", "ops"} <= boxes
+
+
 def test_the_message_module_is_torch_free():
     code = ("import sys; import kvruntime.messages.plan, kvruntime.messages.keys, kvruntime.messages.decode, "
-            "kvruntime.messages.prefill, kvruntime.messages.config, cluster.state, cluster.planner; "
+            "kvruntime.messages.prefill, kvruntime.messages.config, cluster.control.state, cluster.control.planner; "
             "bad = [m for m in ('torch', 'transformers', 'ray', 'numpy') if m in sys.modules]; "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -47,12 +47,12 @@ def fresh_ray():
 
 
 def test_a_raylet_that_never_registers_is_cleaned_up_and_ray_started_again(fresh_ray, monkeypatch, caplog):
-    from cluster.launcher import start_local_ray
+    from cluster.ops.launcher import start_local_ray
 
     fake = _FailingFirst(fresh_ray.init, fails=1)
     monkeypatch.setattr(fresh_ray, "init", fake)
     try:
-        with caplog.at_level(logging.WARNING, logger="cluster.launcher"):
+        with caplog.at_level(logging.WARNING, logger="cluster.ops.launcher"):
             retries = start_local_ray(ClusterConfig(ray_start_attempts=2), local_cpus=1)
         assert retries == 1
         assert fresh_ray.is_initialized() and fresh_ray.cluster_resources().get("CPU") == 1.0
@@ -66,7 +66,7 @@ def test_a_raylet_that_never_registers_is_cleaned_up_and_ray_started_again(fresh
 
 
 def test_the_last_attempt_raises_rays_error_and_leaves_nothing_running(fresh_ray, monkeypatch):
-    from cluster.launcher import start_local_ray
+    from cluster.ops.launcher import start_local_ray
 
     fake = _FailingFirst(fresh_ray.init, fails=2)
     monkeypatch.setattr(fresh_ray, "init", fake)
@@ -82,7 +82,7 @@ def test_the_last_attempt_raises_rays_error_and_leaves_nothing_running(fresh_ray
 
 
 def test_a_bad_argument_is_not_retried(fresh_ray, monkeypatch):
-    from cluster.launcher import start_local_ray
+    from cluster.ops.launcher import start_local_ray
 
     calls = []
 

@@ -38,7 +38,7 @@ def _start_cluster():
 def multinode(tmp_path_factory):
     import ray
 
-    from cluster.ray_backends import RayBackends, start_workers, stop_workers
+    from cluster.control.ray_backends import RayBackends, start_workers, stop_workers
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
 
     assert not ray.is_initialized()
@@ -68,11 +68,12 @@ def multinode(tmp_path_factory):
 def test_composed_request_crosses_nodes_over_nixl_without_fallback(multinode, smol, tmp_path):
     import ray
 
-    from cluster.metrics import Metrics
-    from cluster.registry import Registry
-    from cluster.render import Renderer
-    from cluster.router import Finished, Router
-    from cluster.state import open_state
+    from cluster.control.metrics import Metrics
+    from cluster.control.registry import Registry
+    from cluster.control.render import Renderer
+    from cluster.control.lifecycle import Finished
+    from cluster.control.router import Router
+    from cluster.control.state import open_state
     from kvruntime.messages.decode import SamplingParams, TokenEvent
 
     cfg, backends = multinode

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.dashboard import dashboard, panel_queries
+from cluster.ops.dashboard import dashboard, panel_queries
 from tests.conftest import free_port, metric, prom_query, prometheus_server, sd_prometheus_config
 
 pytestmark = pytest.mark.slow
@@ -48,13 +48,13 @@ def _auth(cfg) -> dict:
 
 
 def _cli(*args, timeout=600, env=None):
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cluster.ops.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from cluster.launcher import start, stop
+    from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig
     from kvtransport.tier_server import start_tier_server, stop_tier_server
 
@@ -132,8 +132,8 @@ def workload(cluster, prometheus, tmp_path_factory):
         old = TIER["server"]
         stop_tier_server(old)
 
-        from cluster.sessions import SessionStore
-        from cluster.state import StoreLimits, open_state
+        from cluster.control.sessions import SessionStore
+        from cluster.control.state import StoreLimits, open_state
         state = open_state(cfg.resolved_state_url, StoreLimits(cfg.session_ttl_s, cfg.session_max,
                                                                cfg.prompt_index_ttl_s, cfg.prompt_index_max))
         ctx = SessionStore(state).get(cfg.tenant, "s1").context

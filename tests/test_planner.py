@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from kvruntime.messages.plan import KVRef, PlanKind, Policy
-from cluster.planner import (EditChoice, PlannerConfig, RenderedRequest, RenderedSegment, SessionContext,
+from cluster.control.planner import (EditChoice, PlannerConfig, RenderedRequest, RenderedSegment, SessionContext,
                              TierView, choose_edit_kind, plan_request)
 
 
@@ -172,7 +172,7 @@ def test_choose_edit_kind_reads_the_fidelity_table():
 
 
 # ---- fidelity-targeted composition --------------------------------------------------------------
-from cluster.planner import ComposeChoice, FidelityTarget, choose_compose, compose_op_key  # noqa: E402
+from cluster.control.planner import ComposeChoice, FidelityTarget, choose_compose, compose_op_key  # noqa: E402
 
 
 def _row(top1, n=12, seam=1, r=0.0, rotate=True, **extra):

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from cluster.planner import RenderedRequest, RenderedSegment, TierView, plan_request
+from cluster.control.planner import RenderedRequest, RenderedSegment, TierView, plan_request
 from kvruntime.messages.plan import KVRef, PlanKind, Policy
 from kvruntime.messages.transfer import TransferGrant
 from kvruntime.ops import precompile_chunk

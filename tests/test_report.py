@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from cluster.dashboard import ROWS
+from cluster.ops.dashboard import ROWS
 from tests.conftest import free_port, prom_query, prometheus_server
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def scraped(tmp_path_factory):
     """kvnotes' Metrics registry served over HTTP, scraped every second by a real Prometheus."""
     from prometheus_client import start_http_server
 
-    from cluster.metrics import Metrics
+    from cluster.control.metrics import Metrics
 
     m = Metrics()
     port = free_port()
@@ -44,7 +44,7 @@ def scraped(tmp_path_factory):
 
 
 def _kvnotes(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cluster.ops.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -6,11 +6,12 @@ import dataclasses
 
 import pytest
 
-from cluster.metrics import Metrics
-from cluster.registry import Registry
-from cluster.render import Renderer
-from cluster.state import open_state
-from cluster.router import Finished, Router
+from cluster.control.metrics import Metrics
+from cluster.control.registry import Registry
+from cluster.control.render import Renderer
+from cluster.control.state import open_state
+from cluster.control.lifecycle import Finished
+from cluster.control.router import Router
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import SamplingParams, TokenEvent
 from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
@@ -31,7 +32,7 @@ class CorruptingTransport(GrpcTransport):
 
 
 class LocalBackends:
-    """Backends in one process (the router's seam); the shipped one is cluster.ray_backends."""
+    """Backends in one process (the router's seam); the shipped one is cluster.control.ray_backends."""
 
     def __init__(self, engine, sender):
         self.num_prefill = self.num_decode = 1

@@ -78,8 +78,8 @@ def test_sampler_bias_penalties_logprobs_and_seeds():
 
 
 def test_unseeded_sampled_requests_get_distinct_random_seeds():
-    from cluster.limits import RequestLimits
-    from cluster.validate import sampling_from
+    from cluster.control.limits import RequestLimits
+    from cluster.http.validate import sampling_from
 
     lim = RequestLimits()
     seeds = {sampling_from({"temperature": 0.8}, default_max_tokens=8, limits=lim, vocab=100).seed for _ in range(8)}
@@ -89,7 +89,7 @@ def test_unseeded_sampled_requests_get_distinct_random_seeds():
 
 
 def test_user_text_never_becomes_special_tokens(tok):
-    from cluster.render import Renderer
+    from cluster.control.render import Renderer
     from kvruntime.models import get_model_spec
 
     r = Renderer(tok, get_model_spec("smollm2-135m"), None, tok.bos_token_id)
@@ -122,7 +122,7 @@ def test_decode_executor_streams_utf8_whole_and_trims_stop(smol, one_torch_threa
 
 
 def test_native_suffix_keeps_the_model_markup_special(tok):
-    from cluster.render import Renderer
+    from cluster.control.render import Renderer
     from kvruntime.models import get_model_spec
 
     spec = get_model_spec("smollm2-135m")

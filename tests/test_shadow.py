@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from cluster.metrics import Metrics
-from cluster.planner import FidelityTarget, PlannerConfig, compose_op_key
-from cluster.shadow import FidelityGuard, FidelityMonitor, ShadowConfig, sampled
+from cluster.control.metrics import Metrics
+from cluster.control.planner import FidelityTarget, PlannerConfig, compose_op_key
+from cluster.control.shadow import FidelityGuard, FidelityMonitor, ShadowConfig, sampled
 from kvruntime.messages.decode import SamplingParams
 from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
@@ -114,10 +114,10 @@ def test_guard_bounds_checks_in_flight_counts_drops_and_skips_opted_out_tenants(
 def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
     import torch
 
-    from cluster.registry import Registry
-    from cluster.render import Renderer
-    from cluster.router import Router
-    from cluster.state import open_state
+    from cluster.control.registry import Registry
+    from cluster.control.render import Renderer
+    from cluster.control.router import Router
+    from cluster.control.state import open_state
     from kvtransport.grpc_transport import GrpcTransport
     from prefill_workers.executor import PrefillExecutor
     from tests.test_router_fallback import LocalBackends

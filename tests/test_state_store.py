@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from cluster.state import Registration, StoreLimits, TemplateRecord, open_state
+from cluster.control.state import Registration, StoreLimits, TemplateRecord, open_state
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -162,8 +162,8 @@ def test_bad_urls_are_clear_errors(tmp_path):
 
 
 def test_api_keys_are_stored_by_hash_listed_and_revoked(store_url):
-    from cluster.auth import Authenticator, create_key, hash_key
-    from cluster.errors import RequestError
+    from cluster.http.auth import Authenticator, create_key, hash_key
+    from cluster.control.errors import RequestError
 
     s = open_state(store_url)
     key_a, rec_a = create_key(s, "acme")
@@ -196,7 +196,7 @@ def test_api_keys_are_stored_by_hash_listed_and_revoked(store_url):
 def test_embedded_default_key_is_created_once_and_private(tmp_path):
     import stat
 
-    from cluster.auth import ensure_default_key
+    from cluster.http.auth import ensure_default_key
 
     s = open_state(f"sqlite:///{tmp_path}/state.db")
     path = tmp_path / "api_key"
@@ -222,7 +222,7 @@ def test_auth_off_only_on_loopback():
 def test_keys_cli_create_list_revoke(tmp_path, capsys):
     import json as _json
 
-    from cluster.cli import main
+    from cluster.ops.cli import main
 
     cfg = tmp_path / "c.json"
     cfg.write_text(_json.dumps({"data_dir": str(tmp_path)}))

@@ -62,10 +62,10 @@ class ClusterConfig:
     prompt_index_ttl_s: float = 3600.0         # plain-prompt prefix index entries expire after this
     prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
     tenant: str = "default"                    # tenant of the key the embedded default creates (and of every request when auth is off)
-    # who may do what (cluster.auth): API keys map to tenants in the state store (`kvnotes keys ...`)
+    # who may do what (cluster.http.auth): API keys map to tenants in the state store (`kvnotes keys ...`)
     auth: bool = True                          # False only allowed with a loopback host
     trusted_proxies: tuple[str, ...] = ()      # client IPs whose x-kvnotes-tenant header is honoured (after their own key)
-    # request limits (cluster.limits): 413 / 400 / 429
+    # request limits (cluster.http.body): 413 / 400 / 429
     max_body_bytes: int = 8 << 20              # largest request body (bytes) -> 413
     max_text_chars: int = 400_000              # per text field: segment text, prompt, message content, registration
     max_segments: int = 256                    # segments (native) or messages (chat) per request
@@ -77,7 +77,7 @@ class ClusterConfig:
     metrics_tenants: tuple[str, ...] = ()      # tenants with their own label on kvnotes_requests_total (others: "other")
     ray_address: str | None = None             # None: start/attach local Ray; "auto" or host:port: join a cluster
     ray_auth_mode: str | None = None           # token | disabled; None: token if ~/.ray/auth_token exists (Ray 2.60)
-    # fault handling and routing (cluster.health, cluster.routing)
+    # fault handling and routing (cluster.control.health, cluster.control.routing)
     worker_max_restarts: int = 5               # Ray restarts a dead worker actor this often (-1: forever)
     health_period_s: float = 1.0               # each router replica calls health() on every worker this often
     health_timeout_s: float = 5.0              # a worker that does not answer within this is marked down
@@ -86,10 +86,10 @@ class ClusterConfig:
     request_deadline_s: float = 600.0          # default per-request deadline (a request may ask for less: deadline_s)
     start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
     ray_start_attempts: int = 2                # a local Ray whose raylet does not come up is shut down and started again, logged
-    # fidelity targets (cluster.planner.choose_compose reads the model's measured profile)
+    # fidelity targets (cluster.control.planner.choose_compose reads the model's measured profile)
     balanced_min_top1: float = 0.97            # balanced: cheapest compose op whose profile top-1 >= this
     fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target
-    # online shadow checks (cluster.shadow): recompute a sample of approximate requests after the response
+    # online shadow checks (cluster.control.shadow): recompute a sample of approximate requests after the response
     shadow_fraction: float = 0.01              # share of approximate requests checked (0 = off)
     shadow_opt_out_tenants: tuple = ()         # tenants never checked
     shadow_max_in_flight: int = 2              # checks pending at once; more are dropped (counted)

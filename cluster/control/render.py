@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import string
 
-from cluster.errors import RequestError
-from cluster.planner import RenderedRequest, RenderedSegment
-from cluster.registry import Registry
-from cluster.state import TemplateRecord
+from cluster.control.errors import RequestError
+from cluster.control.planner import RenderedRequest, RenderedSegment
+from cluster.control.registry import Registry
+from cluster.control.state import TemplateRecord
 from kvruntime.messages.plan import KVRef, Policy
 
 class Renderer:

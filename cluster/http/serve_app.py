@@ -1,9 +1,9 @@
 """The router as a Ray Serve application with a FastAPI ingress. Replicas are stateless
 (``router_replicas`` in config): registrations, templates, sessions and the prompt index live in
 the state store every replica opens. Routes are thin: :meth:`RouterIngress._call` gives each
-request an id, authenticates it (``cluster.auth``: the tenant comes from the API key), reads the
-body within the limits (``cluster.limits``), holds a per-tenant in-flight slot, and hands parsed
-JSON to ``cluster.api``. ``/health``, ``/ready`` and ``/metrics`` need no key.
+request an id, authenticates it (``cluster.http.auth``: the tenant comes from the API key), reads the
+body within the limits (``cluster.http.body``), holds a per-tenant in-flight slot, and hands parsed
+JSON to ``cluster.http.api``. ``/health``, ``/ready`` and ``/metrics`` need no key.
 """
 
 import asyncio
@@ -17,10 +17,12 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster import api
-from cluster.errors import RequestError, error_response
-from cluster.limits import RequestLimits, read_json
-from cluster import metrics as request_metrics      # a module reference: Serve pickles this app
+from cluster.http import api
+from cluster.control.errors import RequestError
+from cluster.http.errors import error_response
+from cluster.control.limits import RequestLimits
+from cluster.http.body import read_json
+from cluster.control import metrics as request_metrics      # a module reference: Serve pickles this app
 from kvruntime.messages.config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -73,12 +75,12 @@ def _new_rid() -> str:
 @serve.ingress(app)
 class RouterIngress:
     def __init__(self, cfg: ClusterConfig):
-        from cluster.ray_backends import RayBackends
-        from cluster.registry import Registry
-        from cluster.render import Renderer
-        from cluster.router import Router
-        from cluster.shadow import ShadowConfig
-        from cluster.state import StoreLimits, open_state
+        from cluster.control.ray_backends import RayBackends
+        from cluster.control.registry import Registry
+        from cluster.control.render import Renderer
+        from cluster.control.router import Router
+        from cluster.control.shadow import ShadowConfig
+        from cluster.control.state import StoreLimits, open_state
         from kvruntime.checkpoint import ensure_checkpoint
         from kvruntime.fidelity.report import load_summary
         from kvruntime.models import get_model_spec
@@ -102,8 +104,8 @@ class RouterIngress:
                                                  cfg.shadow_min_samples, cfg.shadow_demote_s),
                              # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
                              decode_computes_cold=cfg.decode_engine == "vllm")
-        from cluster.auth import Authenticator
-        from cluster.limits import InflightLimiter
+        from cluster.http.auth import Authenticator
+        from cluster.http.body import InflightLimiter
         self.auth = Authenticator(self.state, enabled=cfg.auth, default_tenant=cfg.tenant,
                                   trusted_proxies=cfg.trusted_proxies)
         self.limits = RequestLimits.from_config(cfg)

@@ -1,15 +1,15 @@
 """Per-session memory of the last cached context, kept in the state store so that any router
 replica (and a restarted one) plans the next turn as an erratum or an edit. Bounded by the
 store (TTL + LRU); a dropped session just plans from scratch. This module owns the JSON codec
-of :class:`~cluster.planner.SessionContext`."""
+of :class:`~cluster.control.planner.SessionContext`."""
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import asdict
 
-from cluster.planner import RenderedSegment, SessionContext
-from cluster.state import StateStore
+from cluster.control.planner import RenderedSegment, SessionContext
+from cluster.control.state import StateStore
 from kvruntime.messages.plan import KVRef
 
 

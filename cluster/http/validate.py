@@ -1,6 +1,6 @@
 """Validation of request bodies: every caller mistake becomes a RequestError (HTTP 4xx) whose
-message names the parameter; sizes come from :class:`~cluster.limits.RequestLimits`. Nothing
-here touches the model or the tier. Bodies are already JSON objects (``cluster.limits.parse_json``).
+message names the parameter; sizes come from :class:`~cluster.control.limits.RequestLimits`. Nothing
+here touches the model or the tier. Bodies are already JSON objects (``cluster.http.body.parse_json``).
 
 OpenAI fields accepted: the sampling ones (``temperature``, ``top_p``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
@@ -10,11 +10,10 @@ OpenAI fields accepted: the sampling ones (``temperature``, ``top_p``, ``max_tok
 from __future__ import annotations
 
 import math
-import re
 import secrets
 
-from cluster.errors import RequestError
-from cluster.limits import RequestLimits
+from cluster.control.errors import RequestError
+from cluster.control.limits import RequestLimits, check_name, check_text
 from kvruntime.messages.decode import MAX_TOP_LOGPROBS, SEED_MAX, SamplingParams
 
 POLICIES = ("exact", "balanced", "fast")
@@ -26,26 +25,7 @@ _NATIVE_KEYS = _SAMPLING | {"model", "session", "segments", "stream", "kv_policy
 _OPENAI_COMMON = _SAMPLING | {"model", "stream", "user", "n", "kv_policy", "explain", "stream_options", "deadline_s",
                               "max_completion_tokens", "metadata", "store", "response_format", "tools",
                               "tool_choice", "logprobs"}
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-
-
-def check_name(name, limits: RequestLimits | None = None, *, what: str = "name") -> str:
-    """Names of skills, memories, templates and sessions: letters, digits and ``. _ : -``,
-    starting with a letter or digit, at most ``max_name_chars``."""
-    n = (limits or RequestLimits()).max_name_chars
-    if not isinstance(name, str) or len(name) > n or not _NAME_RE.fullmatch(name):
-        raise RequestError(400, f"{what} must be 1-{n} characters of A-Z a-z 0-9 . _ : - starting with a letter "
-                                f"or digit", param=what)
-    return name
-
-
-def check_text(v, limits: RequestLimits, what: str) -> str:
-    if not isinstance(v, str) or not v.strip():
-        raise RequestError(400, f"{what} must be a non-empty string", param=what)
-    if len(v) > limits.max_text_chars:
-        raise RequestError(400, f"{what} is {len(v)} characters; the limit is {limits.max_text_chars}", param=what)
-    return v
 
 
 def _num(body, key, default, lo, hi, *, integer=False):

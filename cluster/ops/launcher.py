@@ -82,8 +82,8 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
             connect(cfg)
         else:
             start_local_ray(cfg, local_cpus)
-    from cluster.ray_backends import start_workers
-    from cluster.serve_app import RouterIngress
+    from cluster.control.ray_backends import start_workers
+    from cluster.http.serve_app import RouterIngress
 
     ensure_api_key(cfg)
     t = time.monotonic()
@@ -148,8 +148,8 @@ def ensure_api_key(cfg: ClusterConfig) -> str | None:
     first start when the state store holds no key); None when auth is off or other keys exist."""
     if not cfg.auth:
         return None
-    from cluster.auth import ensure_default_key
-    from cluster.state import open_state
+    from cluster.http.auth import ensure_default_key
+    from cluster.control.state import open_state
     state = open_state(cfg.resolved_state_url)
     try:
         return ensure_default_key(state, cfg.tenant, cfg.api_key_file)
@@ -161,7 +161,7 @@ def stop(cfg: ClusterConfig) -> None:
     import ray
     from ray import serve
 
-    from cluster.ray_backends import stop_workers
+    from cluster.control.ray_backends import stop_workers
     if not ray.is_initialized():
         return            # never connected: nothing to stop (serve.shutdown() would start a local Ray)
     try:

@@ -1,12 +1,12 @@
 """The router's health thread: every ``health_period_s`` it calls each worker's cheap
 ``health()`` (in the actor's "health" concurrency group, so a long decode does not delay it)
-and updates the :class:`~cluster.routing.WorkerView` the router routes by: a worker that does
+and updates the :class:`~cluster.control.routing.WorkerView` the router routes by: a worker that does
 not answer within ``health_timeout_s`` (dead, restarting, hung) is marked down and skipped; one
 that answers again is brought back. It also refreshes what changes on a restart (a decode
 worker's KV endpoint: gRPC address and NIXL agent metadata), the gauges
 ``kvnotes_workers_alive{role}`` and ``kvnotes_tier_remote_up``, and counts the recomputes a down
 remote tier caused (``kvnotes_fallbacks_total{reason="tier_remote_down"}``). Errors the router
-sees on requests mark workers down at once (``cluster.ray_backends``); only this thread brings
+sees on requests mark workers down at once (``cluster.control.ray_backends``); only this thread brings
 them back.
 """
 from __future__ import annotations
@@ -16,9 +16,12 @@ import threading
 
 import ray
 
-from cluster.routing import ROLES
+from cluster.control.routing import ROLES
 
 log = logging.getLogger(__name__)
+HEALTH_GROUP = "health"          # a second thread in each actor: health() and cancel() run beside work
+# Ray errors that mean "this actor is gone or restarting" (the call may not have run)
+ACTOR_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError)
 
 
 class HealthMonitor(threading.Thread):
@@ -53,8 +56,6 @@ class HealthMonitor(threading.Thread):
 
     def sweep(self) -> None:
         """One round: ask every worker, wait at most ``timeout_s`` for all answers."""
-        from cluster.ray_backends import ACTOR_LOST, HEALTH_GROUP
-
         b = self.backends
         calls = {}
         for role in ROLES:

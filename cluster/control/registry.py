@@ -8,10 +8,10 @@ import re
 import string
 import time
 
-from cluster.errors import RequestError
-from cluster.limits import RequestLimits
-from cluster.state import Registration, StateStore, TemplateRecord
-from cluster.validate import check_name, check_text
+from cluster.control.errors import RequestError
+from cluster.control.limits import RequestLimits
+from cluster.control.state import Registration, StateStore, TemplateRecord
+from cluster.control.limits import check_name, check_text
 
 _FIELD_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 _LABEL_RE = re.compile(r"[^\x00-\x1f{}\x7f]+")

@@ -23,8 +23,8 @@ import secrets
 import time
 from pathlib import Path
 
-from cluster.errors import RequestError
-from cluster.state import ApiKeyRecord, StateStore
+from cluster.control.errors import RequestError
+from cluster.control.state import ApiKeyRecord, StateStore
 
 log = logging.getLogger(__name__)
 

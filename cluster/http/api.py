@@ -1,8 +1,8 @@
-"""HTTP handlers over a :class:`~cluster.router.Router`: OpenAI-compatible completions and chat
+"""HTTP handlers over a :class:`~cluster.control.router.Router`: OpenAI-compatible completions and chat
 completions (SSE streaming too), the native ``/v1/notes/completions``, and registration of
 skills, memories and templates. Framework glue (Ray Serve + FastAPI, auth, body limits) lives
-in ``cluster.serve_app``; these functions take a parsed JSON object and the caller's tenant,
-raise :class:`~cluster.errors.RequestError` for the caller's mistakes, and return Starlette
+in ``cluster.http.serve_app``; these functions take a parsed JSON object and the caller's tenant,
+raise :class:`~cluster.http.errors.RequestError` for the caller's mistakes, and return Starlette
 responses. Tokenization runs in a worker thread, never on the event loop.
 """
 from __future__ import annotations
@@ -15,13 +15,14 @@ import uuid
 import anyio
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.errors import RequestError, internal_error_json
-from cluster.routing import WorkerLost
-from cluster.limits import RequestLimits
-from cluster.router import Finished, Router
-from cluster.validate import (chat_messages, check_name, check_text, common_options, completions_prompt, deadline_s,
-                              edit_strategy,
-                              native_body, openai_extras, sampling_from)
+from cluster.control.errors import RequestError
+from cluster.http.errors import internal_error_json
+from cluster.control.routing import WorkerLost
+from cluster.control.limits import RequestLimits
+from cluster.control.lifecycle import Finished
+from cluster.control.router import Router
+from cluster.control.limits import check_name, check_text
+from cluster.http.validate import chat_messages, common_options, completions_prompt, deadline_s, edit_strategy, native_body, openai_extras, sampling_from
 from kvruntime.messages.decode import TokenEvent
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 
-from cluster.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord
+from cluster.control.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord
 
 P = "kvn:"
 

@@ -1,35 +1,18 @@
-"""Request limits, all from config: body size (413), field sizes (400, checked in
-``cluster.validate``), requests in flight per tenant (429). Reading and parsing a body never
-blocks the event loop: a large body is parsed in a worker thread."""
+"""The request body at the HTTP edge: its size (413, from ``RequestLimits.max_body_bytes``) and
+nesting, read and parsed without blocking the event loop (a large body is parsed in a worker
+thread); requests in flight per tenant (429). Field checks are in ``cluster.http.validate``."""
 from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
 
 import anyio
 
-from cluster.errors import RequestError
+from cluster.control.errors import RequestError
+from cluster.control.limits import RequestLimits
 
 _THREAD_PARSE_BYTES = 64 << 10      # bodies larger than this are parsed off the event loop
 _MAX_DEPTH = 32                     # nesting of objects / arrays in a request body
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_body_bytes: int = 8 << 20
-    max_text_chars: int = 400_000
-    max_segments: int = 256
-    max_template_fields: int = 64
-    max_name_chars: int = 128
-    max_stop: int = 4
-    max_stop_chars: int = 128
-    max_tokens: int = 2048
-
-    @staticmethod
-    def from_config(cfg) -> "RequestLimits":
-        return RequestLimits(cfg.max_body_bytes, cfg.max_text_chars, cfg.max_segments, cfg.max_template_fields,
-                             cfg.max_name_chars, cfg.max_stop, cfg.max_stop_chars, cfg.max_tokens_limit)
 
 
 def parse_json(raw: bytes):

@@ -1,11 +1,11 @@
 """One request's execution after planning: prefill on a prefill worker, the KV pushed to a
 decode worker, tokens streamed back; retried once elsewhere when a worker is lost before the
 first token, cut at the deadline, and accounted (TTFT and requests by what *executed*, prompt
-tokens by source, transfer bytes, stage seconds, fallbacks) in :class:`~cluster.metrics.Metrics`.
+tokens by source, transfer bytes, stage seconds, fallbacks) in :class:`~cluster.control.metrics.Metrics`.
 
-The router plans (:mod:`cluster.planner`); :class:`RequestRunner` executes the plan it is given
+The router plans (:mod:`cluster.control.planner`); :class:`RequestRunner` executes the plan it is given
 and never re-plans: a lost or refused block becomes the decode worker's counted recompute, not a
-new plan. It talks to workers only through the router's ``Backends`` protocol.
+new plan. It talks to workers only through the ``Backends`` protocol (:mod:`cluster.control.backends`).
 """
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
-from cluster.errors import RequestError
-from cluster.metrics import Metrics, note_plan
-from cluster.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
+from cluster.control.errors import RequestError
+from cluster.control.metrics import Metrics, note_plan
+from cluster.control.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.messages.plan import KVRef, RequestPlan
 from kvruntime.messages.prefill import PrefillResult
 from kvruntime.messages.transfer import STAGES, TransferGrant
 
 if TYPE_CHECKING:
-    from cluster.router import Backends
-    from cluster.shadow import FidelityGuard
+    from cluster.control.backends import Backends
+    from cluster.control.shadow import FidelityGuard
 
 log = logging.getLogger(__name__)
 # Fallbacks after which the request still executed as planned: only storing its KV failed, the KV

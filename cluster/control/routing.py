@@ -2,7 +2,7 @@
 
 Pure bookkeeping (no Ray, no I/O): :class:`WorkerView` holds, per role (``prefill`` /
 ``decode``), whether each worker is alive and how much work the router has in flight on it. The
-health monitor (``cluster.health``) and the errors the router sees mark workers down and up;
+health monitor (``cluster.control.health``) and the errors the router sees mark workers down and up;
 requests ``begin`` / ``end`` their load. Policies (settings in ``ClusterConfig``):
 
 - decode: least outstanding tokens (``max_tokens`` of requests in flight), ties by rotation;
@@ -41,7 +41,7 @@ class DeadlineExceeded(Exception):
 
 class WorkerLost(RuntimeError):
     """A worker died (or became unreachable) while serving a call. Raised by the backends
-    (``cluster.ray_backends`` translates Ray's actor errors) so the router can retry elsewhere."""
+    (``cluster.control.ray_backends`` translates Ray's actor errors) so the router can retry elsewhere."""
 
     def __init__(self, role: str, index: int, reason: str):
         super().__init__(f"{role} worker {role}-{index} was lost: {reason}")

@@ -1,11 +1,11 @@
 """The router: render -> plan -> prefill (on a prefill worker) -> decode (streamed from a
-decode worker), recording every measurement in :class:`~cluster.metrics.Metrics`.
+decode worker), recording every measurement in :class:`~cluster.control.metrics.Metrics`.
 
 Stateless: registrations, templates, sessions, the prompt-prefix index and the cluster secret
-live in the state store (``cluster.state``); any number of replicas serve the same cluster and a
-restarted one loses nothing. It talks to workers only through :class:`Backends` (Ray actor
-handles in production, see ``cluster.ray_backends``); this file renders, plans and keeps
-registrations and sessions, and :mod:`cluster.lifecycle` executes each plan (prefill, push,
+live in the state store (``cluster.control.state``); any number of replicas serve the same cluster and a
+restarted one loses nothing. It talks to workers only through :class:`~cluster.control.backends.Backends` (Ray actor
+handles in production, see ``cluster.control.ray_backends``); this file renders, plans and keeps
+registrations and sessions, and :mod:`cluster.control.lifecycle` executes each plan (prefill, push,
 decode, retry, deadline, accounting). Nothing here knows about Ray. KV is named by content (:class:`KVRef`): any prefill worker finds what its
 tiers hold without a name map.
 """
@@ -17,48 +17,29 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator
 
-from cluster.errors import RequestError
-from cluster.lifecycle import Finished, RequestRunner  # noqa: F401 (Finished: re-exported for the API layer)
-from cluster.metrics import Metrics
-from cluster.planner import (FidelityTarget, PlannerConfig, RenderedRequest, SessionContext, TierView, choose_edit_kind,
-                             plan_request)
-from cluster.shadow import FidelityGuard, ShadowConfig
-from cluster.registry import Registry
-from cluster.render import Renderer
-from cluster.routing import FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
-from cluster.sessions import SessionStore
-from cluster.state import Registration, StateStore
-from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
+from cluster.control.errors import RequestError
+from cluster.control.backends import Backends
+from cluster.control.lifecycle import Finished, RequestRunner
+from cluster.control.metrics import Metrics
+from cluster.control.planner import (FidelityTarget, PlannerConfig, RenderedRequest, SessionContext, TierView,
+                                     choose_edit_kind, plan_request)
+from cluster.control.shadow import FidelityGuard, ShadowConfig
+from cluster.control.registry import Registry
+from cluster.control.render import Renderer
+from cluster.control.routing import FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
+from cluster.control.sessions import SessionStore
+from cluster.control.state import Registration, StateStore
+from kvruntime.messages.decode import SamplingParams, TokenEvent
 from kvruntime.messages.keys import tenant_salt, token_hash
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan
-from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
-from kvruntime.messages.transfer import TransferGrant
 
 log = logging.getLogger(__name__)
 # Plain-prompt prefix reuse granularity (tokens). Equal to the tier's LMCache piece size
 # (kvtransport.lmcache_store.TierConfig.chunk_size): a stored prompt serves every prefix of it that
 # ends on a piece boundary, so the index records exactly those boundaries (and the whole prefix).
 PROMPT_BLOCK = 256
-
-
-class Backends(Protocol):
-    num_prefill: int
-    num_decode: int
-
-    async def contains(self, refs: list[KVRef], index: int = 0) -> list[bool]: ...
-    async def precompile(self, ref: KVRef, index: int = 0) -> PrecompileInfo: ...
-    async def evict(self, ref: KVRef) -> bool: ...
-    async def expect(self, decode_index: int, grant: TransferGrant, prefix: tuple[int, ...], salt: str) -> int: ...
-    async def prefill(self, index: int, plan: RequestPlan, decode_index: int, transfer_id: str,
-                      store_as: KVRef | None, *, credential: str, send_from: int = 0) -> PrefillResult: ...
-    async def shadow(self, index: int, plan: RequestPlan): ...   # -> messages.fidelity.ShadowResult
-    def decode(self, index: int, transfer_id: str | None, prefix: tuple[int, ...], suffix: tuple[int, ...],
-               sampling: SamplingParams, salt: str) -> AsyncIterator[TokenEvent | DecodeSummary]: ...
-    # Optional (cluster.ray_backends): ``view`` (routing.WorkerView), ``fault_policy``
-    # (routing.FaultPolicy), ``start_health(metrics)``, and ``cancel(index, key)`` with
-    # ``decode(..., cancel_key=key)``. Worker deaths are raised as routing.WorkerLost.
 
 
 class Router:
@@ -259,7 +240,7 @@ class Router:
     # ---- lifecycle --------------------------------------------------------------------------
     def _pick_prefill(self, sticky: str | None, leases: list) -> int:
         """Sessions and prompt prefixes prefer one prefill actor (its local tier holds their KV;
-        with a shared tier any actor would find them), within a load cap (``cluster.routing``)."""
+        with a shared tier any actor would find them), within a load cap (``cluster.control.routing``)."""
         try:
             i = self.view.pick_prefill(sticky or None)
         except NoLiveWorker as exc:

@@ -5,7 +5,7 @@ in full by a prefill actor AFTER the response was sent (fire and forget, a bound
 flight; a check that finds the queue full is dropped and counted). Each result (first-token KL,
 top-1 and greedy-16 agreement) is recorded per operation in a sliding window; an operation whose
 windowed agreement falls below its policy's target is *demoted*: the router re-plans with it
-skipped (``cluster.planner.choose_compose(demoted=...)``) until a cool-down passes, after which it
+skipped (``cluster.control.planner.choose_compose(demoted=...)``) until a cool-down passes, after which it
 is admitted again on probation (fresh window) and stays only if it now meets the target.
 
 Everything here is pure (no Ray, no I/O, an injectable clock) except :class:`ShadowRunner`, a
@@ -169,7 +169,7 @@ class ShadowRunner:
 def plan_op(plan) -> str:
     """The operation a shadow result is booked under: the compose key of its repositioned chunks
     (what the planner chose by target and may demote), else the plan kind."""
-    from cluster.planner import compose_op_key
+    from cluster.control.planner import compose_op_key
     from kvruntime.messages.plan import PlanKind
     for s in plan.steps:
         if s.kind is PlanKind.REPOSITION:
@@ -191,7 +191,7 @@ class FidelityGuard:
 
     def _choose(self):
         from dataclasses import replace
-        from cluster.planner import choose_compose
+        from cluster.control.planner import choose_compose
         from kvruntime.messages.plan import Policy
         model = ((self.summary or {}).get("meta") or {}).get("model", "")
         ch = {p: choose_compose(self.summary, t, demoted=self.monitor.demoted, model=model)

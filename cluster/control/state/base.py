@@ -124,7 +124,7 @@ class StateStore(ABC):
     # ---- sessions (bounded) -------------------------------------------------------------------
     @abstractmethod
     def put_session(self, tenant: str, session: str, data: str, now: float) -> None:
-        """Store a session's context (an opaque JSON string, see ``cluster.sessions``)."""
+        """Store a session's context (an opaque JSON string, see ``cluster.control.sessions``)."""
 
     @abstractmethod
     def get_session(self, tenant: str, session: str, now: float) -> str | None: ...
@@ -144,7 +144,7 @@ class StateStore(ABC):
     # ---- API keys (hashed) ----------------------------------------------------------------------
     @abstractmethod
     def put_api_key(self, key_hash: str, rec: ApiKeyRecord) -> None:
-        """Store a key by its SHA-256 hex digest (``cluster.auth.hash_key``)."""
+        """Store a key by its SHA-256 hex digest (``cluster.http.auth.hash_key``)."""
 
     @abstractmethod
     def api_key(self, key_hash: str) -> ApiKeyRecord | None:

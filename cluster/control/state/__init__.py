@@ -15,7 +15,7 @@ first), with their sizes exported as gauges.
 """
 from __future__ import annotations
 
-from cluster.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord  # noqa: F401
+from cluster.control.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord  # noqa: F401
 
 
 def open_state(url: str, limits: "StoreLimits | None" = None) -> StateStore:
@@ -23,9 +23,9 @@ def open_state(url: str, limits: "StoreLimits | None" = None) -> StateStore:
     Raises ``ValueError`` for an unknown scheme, ``ConnectionError`` when Redis does not answer."""
     limits = limits or StoreLimits()
     if url.startswith("sqlite:///"):
-        from cluster.state.sqlite import SqliteState
+        from cluster.control.state.sqlite import SqliteState
         return SqliteState(url[len("sqlite:///"):], limits)
     if url.startswith("redis://"):
-        from cluster.state.redis_state import RedisState
+        from cluster.control.state.redis_state import RedisState
         return RedisState(url, limits)
     raise ValueError(f"state_url must start with sqlite:/// or redis://, got {url!r}")

@@ -1,5 +1,5 @@
 """Ray wiring: create the prefill and decode actors from config and expose them to the router
-as :class:`~cluster.router.Backends`.
+as :class:`~cluster.control.backends.Backends`.
 
 Topology: HTTP -> Serve ingress (router, ``router_replicas`` stateless replicas) -> prefill actor (plan execution, LMCache
 tier) --KV block (NIXL or gRPC, granted per transfer)--> decode actor (suffix prefill, decode) -> tokens streamed back to the
@@ -14,16 +14,14 @@ import logging
 
 import ray
 
-from cluster.routing import FaultPolicy, WorkerLost, WorkerView
+from cluster.control.health import ACTOR_LOST, HEALTH_GROUP, HealthMonitor
+from cluster.control.routing import FaultPolicy, WorkerLost, WorkerView
 from kvruntime.messages.config import ClusterConfig, WorkerConfig
 from decode_workers.actor import DecodeWorker
 from prefill_workers.actor import PrefillWorker
 
 log = logging.getLogger(__name__)
 NAMESPACE = "kvnotes"
-HEALTH_GROUP = "health"          # a second thread in each actor: health() and cancel() run beside work
-# Ray errors that mean "this actor is gone or restarting" (the call may not have run)
-ACTOR_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError)
 
 
 def _options(cfg: ClusterConfig, w: WorkerConfig, kind: str, name: str) -> dict:
@@ -106,8 +104,8 @@ def stop_workers(cfg: ClusterConfig) -> None:
 
 
 class RayBackends:
-    """:class:`~cluster.router.Backends` over actor handles. Ray's actor errors become
-    :class:`~cluster.routing.WorkerLost` (and mark the worker down in :attr:`view`), so the
+    """:class:`~cluster.control.router.Backends` over actor handles. Ray's actor errors become
+    :class:`~cluster.control.routing.WorkerLost` (and mark the worker down in :attr:`view`), so the
     router retries without knowing Ray."""
 
     def __init__(self, prefill: list, decode: list, cfg: ClusterConfig | None = None):
@@ -137,7 +135,6 @@ class RayBackends:
 
     def start_health(self, metrics) -> None:
         """Start the health thread (once): it keeps :attr:`view` and the metrics current."""
-        from cluster.health import HealthMonitor
         if self._monitor is None:
             self._monitor = HealthMonitor(self, metrics, self.cfg.health_period_s, self.cfg.health_timeout_s)
             self._monitor.start()

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd in ("run", "serve"):
             from kvruntime.messages.config import ClusterConfig
-            from cluster.launcher import run_forever
+            from cluster.ops.launcher import run_forever
             cfg = (ClusterConfig(model=args.model, port=args.port, decode_engine=args.decode_engine)
                    if args.cmd == "run"
                    else ClusterConfig.from_file(args.config))
@@ -113,16 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "keys":
             return _keys(args)
         if args.cmd == "demo":
-            from cluster.demo import run_demo
+            from cluster.ops.demo import run_demo
             return run_demo(args.model, threads=args.threads)
         if args.cmd == "eval" and args.what == "fidelity":
             from kvruntime.fidelity.cli import eval_fidelity
             return eval_fidelity(args, argv if argv is not None else sys.argv[1:])
         if args.cmd == "report":
-            from cluster.report import run as report
+            from cluster.ops.report import run as report
             return report(args.prometheus, args.out, since=args.since, step=args.step)
         if args.cmd in ("status", "skills", "memories", "templates"):
-            from cluster import admin
+            from cluster.ops import admin
             t = admin.resolve_target(args.url, args.key, args.config)
             if args.cmd == "status":
                 return admin.status(t)
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 def _keys(args) -> int:
     import datetime
 
-    from cluster.auth import check_tenant, create_key
-    from cluster.state import open_state
+    from cluster.http.auth import check_tenant, create_key
+    from cluster.control.state import open_state
     from kvruntime.messages.config import ClusterConfig
 
     cfg = ClusterConfig.from_file(args.config) if args.config else ClusterConfig()

@@ -8,7 +8,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from cluster.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord
+from cluster.control.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord
 
 _TRIM_EVERY = 64
 _SCHEMA = """
