@@ -248,7 +248,7 @@ class LMCacheStore(KVStore):
             if self._remote is not None:
                 self._bump("remote_evict_unsupported")
                 self._warn_once("evict:remote", "the lm:// server has no delete: evicted chunks stay "
-                                "there until it restarts (%s)", self.config.remote_url)
+                                "there until its LRU drops them or it restarts (%s)", self.config.remote_url)
             self._bump("evictions", int(removed))
             return removed
 
