@@ -17,6 +17,7 @@ and ``copy_()`` into a warm tensor.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +41,9 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+KEY = os.urandom(32)     # the lm:// tier key of this run (the server refuses anonymous clients)
+
+
 def _tier_config(tier: str, tmp: Path, url: str | None, gb: float) -> TierConfig:
     if tier == "cpu":
         return TierConfig(local_cpu_gb=gb)
@@ -48,7 +52,7 @@ def _tier_config(tier: str, tmp: Path, url: str | None, gb: float) -> TierConfig
     if tier == "fs":
         return TierConfig(local_cpu=False, local_cpu_gb=gb, persist_dir=str(tmp / "fs"))
     if tier == "remote":
-        return TierConfig(local_cpu=False, local_cpu_gb=gb, remote_url=url, remote_timeout_s=30)
+        return TierConfig(local_cpu=False, local_cpu_gb=gb, remote_url=url, remote_key=KEY, remote_timeout_s=30)
     raise ValueError(f"unknown tier {tier!r}; choose from cpu, disk, fs, remote")
 
 
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvnotes-tier-bench-") as tmp:
-        server = start_tier_server("127.0.0.1", 0, log_path=Path(tmp) / "server.log") if "remote" in tiers else None
+        server = start_tier_server("127.0.0.1", 0, key=KEY, log_path=Path(tmp) / "server.log") if "remote" in tiers else None
         try:
             for tier in tiers:
                 rows += measure(tier, tokens, args.repeats, Path(tmp), server.url if server else None)

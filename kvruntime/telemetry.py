@@ -27,8 +27,8 @@ def node_ip() -> str:
     return "127.0.0.1"
 
 
-def start_exporter(registry=None, host: str = "127.0.0.1") -> str:
-    """Serve ``registry`` (default: the process-wide one) on ``host`` at a free port; returns
+def start_exporter(registry=None, host: str = "127.0.0.1", port: int = 0) -> str:
+    """Serve ``registry`` (default: the process-wide one) on ``host`` at ``port`` (0: a free one); returns
     ``"host:port"`` as a Prometheus target. Raises OSError when the port cannot be bound.
 
     Always the classic text format (0.0.4), whatever the scraper accepts: ``prometheus_client``'s
@@ -62,7 +62,7 @@ def start_exporter(registry=None, host: str = "127.0.0.1") -> str:
         def log_message(self, *args):    # scrapes every few seconds: not worth a log line each
             pass
 
-    server = ThreadingHTTPServer((host, 0), Handler)
+    server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="kvnotes-metrics", daemon=True).start()
     target = f"{host}:{server.server_address[1]}"

@@ -7,9 +7,10 @@ The KV tier (prefill workers put and get whole chunks; LMCache is imported lazil
 - ``lmcache_store``: ``LMCacheStore`` + ``TierConfig``: local CPU, local disk, ``fs://``
   persistence, ``lm://`` remote; 256-token pieces with the tail piece stored.
 - ``lmcache_connector``: copies between our dense KV layout and LMCache memory objects.
-- ``lmcache_remote``: the ``lm://`` tier bounded by timeouts, counted when down, reconnecting.
+- ``lmcache_remote``: the ``lm://`` tier bounded by timeouts, counted when down, reconnecting, probed.
 - ``lmcache_env``: LMCache's process-wide settings (telemetry off) and the globals it touches.
-- ``tier_server``: start/stop ``lmcache_server`` by PID.
+- ``tier_server``: start/stop the ``lm://`` tier server by PID (LMCache's, authenticated, LRU);
+  ``tier_auth``: its tier-key challenge-response; ``tier_lru``: what it holds, and its metrics.
 
 The transfer (prefill worker -> decode worker, one block per request):
 - ``blocks``: ``KVBlock`` (header + one contiguous payload), the one codec (zero-copy encode and

@@ -1,17 +1,26 @@
-"""The ``lm://`` remote tier inside an LMCache engine: bounded, observed, reconnecting.
+"""The ``lm://`` remote tier inside an LMCache engine: authenticated, bounded, observed,
+reconnecting, probed.
 
 LMCache 0.5.6's ``lm://`` client (``LMCServerConnector``) uses a blocking socket with no timeout
 (a hung server blocks ``contains`` forever), swallows errors into misses, and never replaces a
-broken socket by itself (only after its connection was never made). :class:`RemoteTier` owns that backend for an :class:`LMCacheStore`:
+broken socket by itself (only after its connection was never made). :class:`RemoteTier` owns that
+backend for an :class:`LMCacheStore`:
 
-1. attach: probe the server (connect + HEALTH, bounded), then build LMCache's own
-   ``RemoteBackend`` for the URL, bound its socket with ``timeout_s`` and wrap its connector in
-   a tap that records every failure (exceptions, timeouts, cancellations);
+1. attach: probe the server (connect, answer its tier-key challenge, HEALTH; bounded), then build
+   LMCache's own ``RemoteBackend`` for the URL, answer the challenge on its fresh socket
+   (``kvtransport.tier_auth``), bound the socket with ``timeout_s`` and wrap its connector in a
+   tap that records every failure (exceptions, timeouts, cancellations);
 2. after each store operation, :meth:`after_op` reports whether the remote failed; a failure
    marks the tier *down*: LMCache bypasses it (requests use the local tiers and miss otherwise);
-3. while down, :meth:`before_op` retries the attach at most every ``retry_s`` seconds.
+3. while down, :meth:`before_op` retries the attach at most every ``retry_s`` seconds;
+4. with ``probe_s``, a thread probes the server every ``probe_s`` seconds, traffic or not: a
+   failed probe (or the server closing our connection: it restarted) marks the tier down, a
+   good one while down re-attaches. So :attr:`up` (``kvnotes_tier_remote_up``) follows the
+   server within ``probe_s + timeout_s``.
 States: up (attached, in use) -> down (bypassed) -> up (re-attached). Each transition is logged
-once; counters are read by the store's stats. Not thread-safe: the store's lock serialises use.
+once; a refused tier key is logged as an error naming the cause and counted (``auth_refusals``).
+Not thread-safe by itself: every method runs under the store's lock (the probe thread takes it
+only to apply a result, never across a network round trip of its own).
 """
 from __future__ import annotations
 
@@ -39,10 +48,13 @@ def parse_lm_url(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def probe_lm_server(host: str, port: int, timeout_s: float) -> bool:
-    """True if an ``lmcache_server`` answers HEALTH within ``timeout_s`` (connect + one round
-    trip on a fresh socket). Never raises for network errors."""
+def lm_server_status(host: str, port: int, timeout_s: float, key: bytes) -> str | None:
+    """None if the tier server proves reachable: connect, answer its challenge with ``key``
+    (``kvtransport.tier_auth``), one HEALTH round trip, each bounded by ``timeout_s`` on a fresh
+    socket. Else why not, in one line (``"refused: ..."`` when the server refused the key). Never
+    raises for network errors."""
     from kvtransport import lmcache_env
+    from kvtransport.tier_auth import TierAuthError, client_handshake
     lmcache_env.prepare()
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.memory_management import MemoryFormat
@@ -53,16 +65,26 @@ def probe_lm_server(host: str, port: int, timeout_s: float) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as s:
             s.settimeout(timeout_s)
+            client_handshake(s, key, f"{host}:{port}")
             s.sendall(msg)
             want, buf = ServerMetaMessage.packlength(), b""
             while len(buf) < want:
                 part = s.recv(want - len(buf))
                 if not part:
-                    return False
+                    return f"{host}:{port} closed the connection during HEALTH"
                 buf += part
-        return ServerMetaMessage.deserialize(buf).code == ServerReturnCode.SUCCESS
-    except (OSError, ValueError):
-        return False
+        if ServerMetaMessage.deserialize(buf).code != ServerReturnCode.SUCCESS:
+            return f"{host}:{port} answered HEALTH with a failure"
+        return None
+    except TierAuthError as exc:
+        return f"refused: {exc}"
+    except (OSError, ValueError) as exc:
+        return f"no answer from {host}:{port} within {timeout_s}s ({type(exc).__name__}: {exc})"
+
+
+def probe_lm_server(host: str, port: int, timeout_s: float, key: bytes) -> bool:
+    """True if the tier server answers an authenticated HEALTH within ``timeout_s``."""
+    return lm_server_status(host, port, timeout_s, key) is None
 
 
 class _FailureTap:
@@ -111,22 +133,36 @@ def _client_socket(connection: Any) -> socket.socket:
 class RemoteTier:
     """Owns the ``lm://`` backend of one LMCache engine (see the module doc for the states)."""
 
-    def __init__(self, url: str, engine: Any, timeout_s: float, retry_s: float):
+    def __init__(self, url: str, engine: Any, timeout_s: float, retry_s: float, key: bytes,
+                 lock: threading.RLock, probe_s: float | None = None):
+        from kvtransport.tier_auth import check_key
         self.url = url
         self.host, self.port = parse_lm_url(url)
         self._engine = engine          # lmcache LMCacheEngine (post-initialised)
         self.timeout_s = timeout_s
         self.retry_s = retry_s
+        self._key = check_key(key)
+        self._lock = lock              # the store's: serialises ops, attaches and probe results
         self.up = False
         self.errors = 0                # failed remote operations (exceptions, timeouts)
         self.reconnects = 0            # successful attaches after the first
+        self.auth_refusals = 0         # attaches or probes the server refused (wrong tier key)
+        self.probes = 0                # periodic probes made
+        self.last_error = ""           # why the tier went down last (one line)
         self._attached_once = False
         self._next_try = 0.0           # monotonic time of the next attach attempt while down
         self._failed = threading.Event()   # set by the tap (LMCache's event-loop thread)
-        self._last_error = ""
+        self._last_op_error = ""
         self._down_logged = False      # one warning per outage
         self._backend: Any = None
-        self._try_attach()
+        self._stop = threading.Event()
+        with lock:
+            self._try_attach()
+        self._prober = None
+        if probe_s is not None:
+            self._prober = threading.Thread(target=self._probe_loop, args=(probe_s,), daemon=True,
+                                            name=f"kvnotes-tier-probe-{self.port}")
+            self._prober.start()
 
     # ---- per-operation hooks ---------------------------------------------------------------
     def before_op(self) -> bool:
@@ -142,26 +178,66 @@ class RemoteTier:
         self._failed.clear()
         be = self._backend
         if self.up and (failed or be is None or be.connection is None):
-            self._mark_down(self._last_error or "connection lost")
+            self._mark_down(self._last_op_error or "connection lost")
         return not self.up or failed
 
+    def stop_probe(self) -> None:
+        """Stop the probe thread (call without holding the store's lock); waits for it, bounded."""
+        self._stop.set()
+        if self._prober is not None and self._prober is not threading.current_thread():
+            self._prober.join(timeout=self.timeout_s + 2.0)
+
     def close(self) -> None:
+        self._stop.set()
         self._close_socket(self._backend)
         self._backend = None
         self.up = False
 
     # ---- internals ---------------------------------------------------------------------------
+    def _probe_loop(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            why = lm_server_status(self.host, self.port, self.timeout_s, self._key)   # outside the lock
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                self.probes += 1
+                if why is not None:
+                    if why.startswith("refused"):
+                        self.auth_refusals += 1
+                    if self.up:
+                        self._mark_down(f"probe: {why}")
+                elif self.up and self._peer_closed():
+                    self._mark_down("the server closed our connection (restarted?)")
+                    self._try_attach()
+                elif not self.up:
+                    self._try_attach()
+
+    def _peer_closed(self) -> bool:
+        """True if the server closed the attached socket (read without consuming, non-blocking)."""
+        try:
+            sock = _client_socket(self._backend.connection.inner)
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False           # open, nothing to read: healthy
+        except (OSError, RuntimeError, AttributeError):
+            return True
+
     def _record(self, op: str, exc: BaseException) -> None:
         self.errors += 1
-        self._last_error = f"{op}: {type(exc).__name__}: {exc}"
+        self._last_op_error = f"{op}: {type(exc).__name__}: {exc}"
         self._failed.set()
 
     def _try_attach(self) -> None:
         from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
+        from kvtransport.tier_auth import TierAuthError, client_handshake
+
         self._next_try = time.monotonic() + self.retry_s
-        if not probe_lm_server(self.host, self.port, self.timeout_s):
-            self._mark_down(f"no answer from {self.host}:{self.port} within {self.timeout_s}s")
+        why = lm_server_status(self.host, self.port, self.timeout_s, self._key)
+        if why is not None:
+            if why.startswith("refused"):
+                self.auth_refusals += 1
+            self._mark_down(why)
             return
         sm = self._engine.storage_manager
         be = RemoteBackend(self._engine.config, self._engine.metadata, sm.loop, sm.local_cpu_backend,
@@ -169,7 +245,16 @@ class RemoteTier:
         if be.connection is None:
             self._mark_down("LMCache could not connect")
             return
-        _client_socket(be.connection).settimeout(self.timeout_s)
+        sock = _client_socket(be.connection)
+        sock.settimeout(self.timeout_s)
+        try:
+            client_handshake(sock, self._key, f"{self.host}:{self.port}")
+        except (TierAuthError, OSError) as exc:
+            self._close_socket(be)
+            if isinstance(exc, TierAuthError):
+                self.auth_refusals += 1
+            self._mark_down(f"{'refused: ' if isinstance(exc, TierAuthError) else ''}{exc}")
+            return
         be.connection = _FailureTap(be.connection, self._record)
         with sm.manager_lock:
             old = sm.storage_backends.pop(BACKEND, None)
@@ -190,9 +275,14 @@ class RemoteTier:
         sm = self._engine.storage_manager
         if BACKEND in sm.storage_backends:
             sm.set_backend_bypass(BACKEND, True)
+        self.last_error = reason
         if not self._down_logged:
-            log.warning("remote KV tier %s is down (%s): lookups miss and callers recompute; "
-                        "retrying every %.1fs", self.url, reason, self.retry_s)
+            if reason.startswith("refused"):
+                log.error("remote KV tier %s refused this worker (%s): lookups miss and callers recompute; "
+                          "retrying every %.1fs", self.url, reason, self.retry_s)
+            else:
+                log.warning("remote KV tier %s is down (%s): lookups miss and callers recompute; "
+                            "retrying every %.1fs", self.url, reason, self.retry_s)
             self._down_logged = True
         self.up = False
         self._next_try = time.monotonic() + self.retry_s

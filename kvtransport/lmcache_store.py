@@ -18,8 +18,8 @@ How a chunk maps onto LMCache:
 Tiers, fastest first (LMCache's lookup order): cpu -> disk -> fs -> remote. The local CPU buffer
 (``local_cpu_gb``) always exists: it stages every transfer even when ``local_cpu`` is False.
 Persistence: ``fs://`` survives restarts; the ``lm://`` server survives client restarts (not its
-own: it holds everything in memory, with no eviction and no delete); ``local_disk`` keeps its
-index in memory, so it does *not* persist.
+own: it holds everything in memory, least recently used evicted beyond its capacity, no delete);
+``local_disk`` keeps its index in memory, so it does *not* persist.
 Thread safety: one lock serialises all operations of a store.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +57,12 @@ class TierConfig:
     local_disk_dir: str | None = None  # LMCache local disk tier (not persistent: in-memory index)
     local_disk_gb: float = 0.0         # its capacity; > 0 when local_disk_dir is set
     persist_dir: str | None = None     # fs:// tier directory: one file per 256-token piece, survives restarts
-    remote_url: str | None = None      # "lm://host:port" of an lmcache_server
+    remote_url: str | None = None      # "lm://host:port" of a kvnotes tier server (kvtransport.tier_server)
+    # its 32-byte key: kvtransport.tier_auth.tier_key(cluster secret); required with remote_url
+    remote_key: bytes | None = field(default=None, repr=False)
     remote_timeout_s: float = 1.0      # bound on each remote round trip (probe, lookup, get, put)
-    remote_retry_s: float = 5.0        # while the remote is down, re-probe at most this often
+    remote_retry_s: float = 5.0        # while the remote is down, an operation re-attaches at most this often
+    remote_probe_s: float | None = 2.0  # probe the server this often, traffic or not (None: only on operations)
     confirm_timeout_s: float = 30.0    # put() waits this long for async tiers to confirm
     chunk_size: int = 256              # LMCache piece size (tokens)
     connector: str = "cpu"             # "cpu" | "cuda" (see lmcache_connector.make_connector)
@@ -72,6 +75,13 @@ class TierConfig:
         if self.remote_url is not None:
             from kvtransport.lmcache_remote import parse_lm_url
             parse_lm_url(self.remote_url)
+            from kvtransport.tier_auth import check_key
+            if self.remote_key is None:
+                raise ValueError("remote_url needs remote_key: the tier server refuses anonymous clients "
+                                 "(kvtransport.tier_auth.tier_key of the cluster secret)")
+            check_key(self.remote_key)
+        if self.remote_probe_s is not None and not 0 < self.remote_probe_s <= 3600:
+            raise ValueError(f"remote_probe_s must be in (0, 3600] or None, got {self.remote_probe_s}")
         if not (0 < self.remote_timeout_s <= 60 and 0 < self.remote_retry_s and 0 < self.confirm_timeout_s):
             raise ValueError("remote_timeout_s must be in (0, 60]; remote_retry_s and confirm_timeout_s > 0")
         if self.chunk_size <= 0 or self.chunk_size % 16:
@@ -143,7 +153,7 @@ class LMCacheStore(KVStore):
             from kvtransport.lmcache_remote import RemoteTier
             cfg.remote_url = config.remote_url    # read by LMCache's RemoteBackend, built by RemoteTier
             self._remote = RemoteTier(config.remote_url, self._engine, config.remote_timeout_s,
-                                      config.remote_retry_s)
+                                      config.remote_retry_s, config.remote_key, self._lock, config.remote_probe_s)
         self._closed = False
 
     @classmethod
@@ -238,7 +248,7 @@ class LMCacheStore(KVStore):
             if self._remote is not None:
                 self._bump("remote_evict_unsupported")
                 self._warn_once("evict:remote", "the lm:// server has no delete: evicted chunks stay "
-                                "there until it restarts (%s)", self.config.remote_url)
+                                "there until its LRU drops them or it restarts (%s)", self.config.remote_url)
             self._bump("evictions", int(removed))
             return removed
 
@@ -254,6 +264,8 @@ class LMCacheStore(KVStore):
             put_tier_failures=pick("put_fail:"),
             remote_errors=self._remote.errors if self._remote else 0,
             remote_reconnects=self._remote.reconnects if self._remote else 0,
+            remote_auth_refusals=self._remote.auth_refusals if self._remote else 0,
+            remote_last_error=self._remote.last_error if self._remote else "",
             remote_up=bool(self._remote and self._remote.up), evictions=c["evictions"],
             remote_evict_unsupported=c["remote_evict_unsupported"])
 
@@ -281,6 +293,8 @@ class LMCacheStore(KVStore):
 
     def close(self) -> None:
         """Destroy the LMCache engine (threads, buffers) and close the remote socket."""
+        if self._remote is not None:
+            self._remote.stop_probe()      # before the lock: the probe thread may be waiting for it
         with self._lock:
             if self._closed:
                 return

@@ -75,6 +75,8 @@ class StoreStats:
     remote_errors: int = 0            # failed or timed-out remote operations
     remote_reconnects: int = 0        # times the remote tier came back
     remote_up: bool = False           # remote tier configured and in use right now
+    remote_auth_refusals: int = 0     # attaches or probes the tier server refused (wrong tier key)
+    remote_last_error: str = ""       # why the remote tier last went down (one line)
     evictions: int = 0                # evict() calls that removed the chunk from some tier
     remote_evict_unsupported: int = 0  # evictions the remote tier could not do (no delete)
 

@@ -1,14 +1,23 @@
-"""Start and stop LMCache's ``lmcache_server`` (the ``lm://`` remote KV tier) by PID.
+"""Start and stop the ``lm://`` remote KV tier server by PID: LMCache's ``LMCacheServer`` (what
+the ``lmcache_server`` console script runs) with three changes:
 
-The server is LMCache's own ``LMCacheServer`` (what the ``lmcache_server`` console script runs),
-with one change: its listening socket sets ``SO_REUSEADDR``, so a server restarted after a crash
-can bind its port again at once (the stock one fails with EADDRINUSE for ~60 s while the old
-connections sit in TIME_WAIT). It keeps every entry in its own memory (no eviction, no delete,
-no auth): run it on a trusted network. ``start_tier_server`` returns once the server answers a
-health probe (and, by default, makes it exit when the starting process dies: no orphans);
-``stop_tier_server`` sends SIGTERM, then SIGKILL after a grace period, to that PID.
+- every connection must first prove the cluster's tier key (``kvtransport.tier_auth``: a
+  challenge-response, the key never crosses the wire); anonymous or wrong-key connections are
+  refused before any command and counted (``kvnotes_tier_server_refused_connections_total``);
+- it holds at most ``capacity_bytes`` and evicts the least recently used pieces beyond it
+  (``kvtransport.tier_lru``, counted in ``kvnotes_tier_server_evictions_total``);
+- its listening socket sets ``SO_REUSEADDR``, so a server restarted after a crash binds its port
+  again at once (the stock one fails with EADDRINUSE for ~60 s while old connections sit in
+  TIME_WAIT).
+Still no delete and no persistence: entries live in the server's memory until evicted or the
+server stops. ``start_tier_server`` returns once the server answers an authenticated health
+probe (and, by default, makes it exit when the starting process dies: no orphans);
+``stop_tier_server`` sends SIGTERM, then SIGKILL after a grace period, to that PID. With a
+metrics port the server exports its series on ``http://host:metrics_port/metrics``.
 
-Run in the foreground (telemetry off): ``python -m kvtransport.tier_server --port 65432``.
+Foreground (telemetry off), the key in a file (32 raw bytes or 64 hex characters):
+``python -m kvtransport.tier_server --port 65432 --key-file KEY --capacity-bytes 4294967296``;
+``kvnotes tier-server --config FILE`` derives the key from the cluster's state store instead.
 """
 from __future__ import annotations
 
@@ -20,12 +29,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtransport import lmcache_env
 from kvtransport.lmcache_remote import probe_lm_server
+from kvtransport.tier_auth import KEY_ENV, check_key
 
+DEFAULT_CAPACITY_BYTES = 4 << 30
+AUTH_TIMEOUT_S = 5.0             # a connection must prove the key within this, else refused (no_proof)
 
 
 @dataclass(frozen=True)
@@ -35,10 +48,15 @@ class TierServer:
     pid: int
     log_path: str | None                                   # server stdout+stderr, if captured
     proc: subprocess.Popen | None = field(default=None, compare=False, repr=False)  # set when we started it
+    metrics_port: int | None = None                        # its Prometheus endpoint, if exported
 
     @property
     def url(self) -> str:
         return f"lm://{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        return None if self.metrics_port is None else f"http://{self.host}:{self.metrics_port}/metrics"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -48,37 +66,46 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start_tier_server(host: str = "127.0.0.1", port: int = 0, *, log_path: str | Path | None = None,
-                      ready_timeout_s: float = 30.0, exit_with_parent: bool = True) -> TierServer:
-    """Spawn the server in its own session; wait until it answers. ``port=0`` picks a free
-    port. With ``exit_with_parent`` the server also exits (within ~1 s) when this process dies
-    without stopping it. Raises ``RuntimeError`` (with the log tail) if it exits or does not
-    answer within ``ready_timeout_s``."""
-    if not 0 <= port < 65536:
-        raise ValueError(f"port must be in [0, 65536), got {port}")
+def start_tier_server(host: str = "127.0.0.1", port: int = 0, *, key: bytes,
+                      capacity_bytes: int = DEFAULT_CAPACITY_BYTES, metrics_port: int | None = 0,
+                      log_path: str | Path | None = None, ready_timeout_s: float = 30.0,
+                      exit_with_parent: bool = True) -> TierServer:
+    """Spawn the server in its own session; wait until it answers a health probe made with
+    ``key`` (the tier key, ``kvtransport.tier_auth.tier_key`` of the cluster secret; handed to the
+    child in its environment, never on its command line). ``port=0`` / ``metrics_port=0`` pick
+    free ports; ``metrics_port=None`` exports nothing. With ``exit_with_parent`` the server also
+    exits (within ~1 s) when this process dies without stopping it. Raises ``RuntimeError`` (with
+    the log tail) if it exits or does not answer within ``ready_timeout_s``."""
+    check_key(key)
+    if not 0 <= port < 65536 or (metrics_port is not None and not 0 <= metrics_port < 65536):
+        raise ValueError(f"ports must be in [0, 65536), got {port} and {metrics_port}")
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "kvtransport.tier_server", "--host", host, "--port", str(port)]
+    cmd = [sys.executable, "-m", "kvtransport.tier_server", "--host", host, "--port", str(port),
+           "--capacity-bytes", str(capacity_bytes)]
+    if metrics_port is not None:
+        metrics_port = metrics_port or free_port(host)
+        cmd += ["--metrics-port", str(metrics_port)]
     if exit_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(cmd,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=lmcache_env.child_env(), start_new_session=True)
+                                env={**lmcache_env.child_env(), KEY_ENV: key.hex()}, start_new_session=True)
     finally:
         if log_path:
             out.close()
-    server = TierServer(host, port, proc.pid, str(log_path) if log_path else None, proc)
+    server = TierServer(host, port, proc.pid, str(log_path) if log_path else None, proc, metrics_port)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"lmcache_server exited with {proc.returncode} on {host}:{port}"
+            raise RuntimeError(f"lm:// tier server exited with {proc.returncode} on {host}:{port}"
                                f"{_tail(log_path)}")
-        if probe_lm_server(host, port, 0.5):
+        if probe_lm_server(host, port, 0.5, key):
             return server
         time.sleep(0.1)
     stop_tier_server(server)
-    raise RuntimeError(f"lmcache_server did not answer on {host}:{port} within {ready_timeout_s}s{_tail(log_path)}")
+    raise RuntimeError(f"lm:// tier server did not answer on {host}:{port} within {ready_timeout_s}s{_tail(log_path)}")
 
 
 def stop_tier_server(server: TierServer | int, grace_s: float = 5.0) -> None:
@@ -118,9 +145,11 @@ def _tail(log_path: str | Path | None, n: int = 2000) -> str:
     return "\n--- server log tail ---\n" + Path(log_path).read_bytes()[-n:].decode(errors="replace")
 
 
-def serve(host: str, port: int, parent_pid: int | None = None) -> None:
-    """Run LMCache's server in this process until killed (blocks); with ``parent_pid``, also
-    until that process is gone (checked every second)."""
+def serve(host: str, port: int, key: bytes, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, *,
+          parent_pid: int | None = None, metrics_port: int | None = None) -> None:
+    """Run the server in this process until killed (blocks); with ``parent_pid``, also until that
+    process is gone (checked every second). ``metrics_port``: export the server's series there."""
+    check_key(key)
     lmcache_env.prepare()
     if parent_pid is not None:
         def watch() -> None:
@@ -128,28 +157,89 @@ def serve(host: str, port: int, parent_pid: int | None = None) -> None:
                 time.sleep(1.0)
             os._exit(0)
         threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-    from lmcache.v1.server.__main__ import LMCacheServer
-    from lmcache.v1.server.storage_backend import CreateStorageBackend
+    import logging
 
-    class _ReusableServer(LMCacheServer):
-        def __init__(self, host: str, port: int, device: str):  # LMCacheServer.__init__ + SO_REUSEADDR
-            self.host, self.port = host, port
-            self.data_store = CreateStorageBackend(device)
+    from lmcache.v1.server.__main__ import LMCacheServer
+
+    from kvtransport.tier_auth import server_handshake
+    from kvtransport.tier_lru import LRUPieceStore, TierServerCollector
+
+    log = logging.getLogger("kvtransport.tier_server")
+    store = LRUPieceStore(capacity_bytes)
+    connections: Counter[str] = Counter()   # accepted | bad_proof | no_proof (under count_lock)
+    count_lock = threading.Lock()
+
+    class _Server(LMCacheServer):
+        def __init__(self):  # LMCacheServer.__init__ with our store and SO_REUSEADDR
+            self.host, self.port, self.data_store = host, port, store
             self.server_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self.server_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.server_socket.bind((host, port))
             self.server_socket.listen()
 
-    _ReusableServer(host, port, "cpu").run()
+        def _serve_one(self, sock: socket.socket, addr) -> None:
+            refused = server_handshake(sock, key, AUTH_TIMEOUT_S)
+            with count_lock:
+                connections[refused or "accepted"] += 1
+                n = connections[refused or "accepted"]
+            if refused is not None:
+                if n in (1, 10, 100) or n % 1000 == 0:     # logged, not flooded: the counter has them all
+                    log.warning("refused a connection from %s: %s (%d so far)", addr[0], refused, n)
+                sock.close()
+                return
+            self.handle_client(sock)
+
+        def run(self) -> None:
+            log.warning("lm:// tier server on %s:%s, capacity %d bytes, tier key required", host, port,
+                        capacity_bytes)
+            try:
+                while True:
+                    sock, addr = self.server_socket.accept()
+                    threading.Thread(target=self._serve_one, args=(sock, addr), daemon=True).start()
+            finally:
+                self.server_socket.close()
+
+    server = _Server()
+    if metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from kvruntime.telemetry import start_exporter
+        reg = CollectorRegistry()
+        reg.register(TierServerCollector(store, connections))
+        start_exporter(reg, host=host, port=metrics_port)
+    server.run()
+
+
+def _read_key(path: str | None) -> bytes:
+    """The tier key from ``--key-file`` (32 raw bytes or 64 hex characters) or ``$KVNOTES_TIER_KEY``."""
+    raw = Path(path).read_bytes().strip() if path else os.environ.pop(KEY_ENV, "").encode()
+    if len(raw) == 64:
+        try:
+            raw = bytes.fromhex(raw.decode())
+        except ValueError:
+            pass
+    return check_key(raw)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Run lmcache_server (the lm:// KV tier) in the foreground.")
+    ap = argparse.ArgumentParser(description="Run the lm:// KV tier server (LMCache's, authenticated, LRU) "
+                                             "in the foreground.")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=65432)
+    ap.add_argument("--key-file", default=None, help=f"the tier key (32 bytes or 64 hex); default ${KEY_ENV}")
+    ap.add_argument("--capacity-bytes", type=int, default=DEFAULT_CAPACITY_BYTES,
+                    help="least recently used pieces are evicted beyond this")
+    ap.add_argument("--metrics-port", type=int, default=None, help="export Prometheus series on this port")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
     args = ap.parse_args(argv)
-    serve(args.host, args.port, args.parent_pid)
+    try:
+        key = _read_key(args.key_file)
+        if args.capacity_bytes <= 0:
+            raise ValueError(f"--capacity-bytes must be > 0, got {args.capacity_bytes}")
+    except (OSError, ValueError) as exc:
+        sys.exit(f"tier_server: {exc}")
+    serve(args.host, args.port, key, args.capacity_bytes, parent_pid=args.parent_pid,
+          metrics_port=args.metrics_port)
 
 
 if __name__ == "__main__":

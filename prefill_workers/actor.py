@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class PrefillWorker:
-    def __init__(self, cfg: ClusterConfig, index: int):
+    def __init__(self, cfg: ClusterConfig, index: int, tier_key: bytes | None = None):
+        """``tier_key``: the ``lm://`` tier's key (``kvtransport.tier_auth.tier_key`` of the cluster
+        secret), required when ``cfg.tier_remote_url`` is set; the launcher reads it from the state store."""
         os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
         from kvruntime.engine import ReferenceEngine
         from kvtransport.endpoints import Sender
@@ -35,7 +37,9 @@ class PrefillWorker:
         self.engine = ReferenceEngine(cfg.model, dtype=cfg.dtype, device=device, threads=cfg.prefill.threads)
         tier = TierConfig(local_cpu_gb=max(cfg.tier_cpu_bytes / 2**30, 0.05),
                           local_disk_dir=cfg.tier_disk_path, local_disk_gb=1.0 if cfg.tier_disk_path else 0.0,
-                          persist_dir=cfg.tier_persist_dir, remote_url=cfg.tier_remote_url)
+                          persist_dir=cfg.tier_persist_dir, remote_url=cfg.tier_remote_url,
+                          remote_key=tier_key if cfg.tier_remote_url else None,
+                          remote_probe_s=cfg.tier_remote_probe_s)
         self.store = LMCacheStore.for_engine(self.engine, tier)
         self.tier = PrefillTier(self.store, self.engine, worker=f"prefill-{index}")
         self.sender = Sender(cfg.kv_transport, nixl_cfg=nixl_config(cfg), grpc_cfg=grpc_config(cfg))
@@ -60,6 +64,7 @@ class PrefillWorker:
         st = self.store.stats
         return {"worker": f"prefill-{self.index}", "pid": os.getpid(), "metrics": self.metrics_target,
                 "remote_up": st.remote_up if self.cfg.tier_remote_url else None,
+                "remote_error": st.remote_last_error if self.cfg.tier_remote_url and not st.remote_up else "",
                 "remote_down_misses": st.remote_down_misses}
 
     def contains(self, refs: list[KVRef]) -> list[bool]:

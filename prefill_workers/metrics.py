@@ -44,7 +44,8 @@ class TierCollector:
             pf.add_metric([w, tier], n)
         yield pf
         if self.remote:
-            up = GaugeMetricFamily("kvnotes_tier_remote_up", "1 when this process reaches the remote KV tier",
+            up = GaugeMetricFamily("kvnotes_tier_remote_up", "1 when this process reaches the remote KV tier "
+                                   "(its last probe or operation succeeded; probed every tier_remote_probe_s)",
                                    labels=["worker"])
             up.add_metric([w], 1 if s.remote_up else 0)
             yield up
@@ -52,6 +53,17 @@ class TierCollector:
                                       "operations", labels=["worker"])
             err.add_metric([w], s.remote_errors)
             yield err
+            ref = CounterMetricFamily("kvnotes_worker_tier_remote_auth_refusals", "Attaches or probes the "
+                                      "tier server refused (this worker's tier key differs from the server's)",
+                                      labels=["worker"])
+            ref.add_metric([w], s.remote_auth_refusals)
+            yield ref
+            # counted here, once, where the miss happened (not by every router replica that sees it)
+            fb = CounterMetricFamily("kvnotes_fallbacks", "Fallbacks taken, by reason (a prefill worker's: "
+                                     "lookups and gets that missed because the remote tier was down; the "
+                                     "caller recomputes)", labels=["reason", "worker"])
+            fb.add_metric(["tier_remote_down", w], s.remote_down_misses)
+            yield fb
 
 
 def worker_registry(store, worker: str, remote_configured: bool) -> CollectorRegistry:

@@ -16,6 +16,7 @@ from kvruntime.messages.keys import tenant_salt
 from kvruntime.messages.plan import KVRef
 from kvruntime.ops import precompile_chunk, recompute
 from kvtransport.lmcache_store import LMCacheStore, TierConfig
+from kvtransport.tier_auth import tier_key
 from kvtransport.tier_server import start_tier_server, stop_tier_server
 from prefill_workers.tier import PrefillTier
 
@@ -77,7 +78,8 @@ _FRESH = """
     from prefill_workers.tier import PrefillTier
     job = json.load(open(sys.argv[1]))
     engine = ReferenceEngine("smollm2-135m", threads=1)
-    store = LMCacheStore.for_engine(engine, TierConfig(local_cpu_gb=0.1, remote_url=job["url"]))
+    store = LMCacheStore.for_engine(engine, TierConfig(local_cpu_gb=0.1, remote_url=job["url"],
+                                                       remote_key=bytes.fromhex(job["key"])))
     tier = PrefillTier(store, engine)
     ref = KVRef(tuple(job["ids"]), 1, job["salt"])
     kv = tier.get(ref)
@@ -89,14 +91,15 @@ _FRESH = """
 
 
 def test_a_fresh_process_finds_a_chunk_from_its_ref_alone_through_lm(smol, tmp_path):
-    srv = start_tier_server("127.0.0.1", 0, log_path=tmp_path / "lmcache_server.log")
-    store = LMCacheStore.for_engine(smol, TierConfig(local_cpu_gb=0.1, remote_url=srv.url))
+    key = tier_key(b"s" * 32)
+    srv = start_tier_server("127.0.0.1", 0, key=key, log_path=tmp_path / "lmcache_server.log")
+    store = LMCacheStore.for_engine(smol, TierConfig(local_cpu_gb=0.1, remote_url=srv.url, remote_key=key))
     try:
         ids = tuple(smol.encode(TEXT))[:300]
         ref = KVRef(ids, 1, SALT_A)
         assert not PrefillTier(store, smol).precompile(ref).cached
         want = store.get(PrefillTier(store, smol).key(ref)).data
-        job = {"url": srv.url, "ids": list(ids), "salt": SALT_A, "out": str(tmp_path / "kv.pt")}
+        job = {"url": srv.url, "key": key.hex(), "ids": list(ids), "salt": SALT_A, "out": str(tmp_path / "kv.pt")}
         (tmp_path / "job.json").write_text(json.dumps(job))
         proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FRESH), str(tmp_path / "job.json")],
                               capture_output=True, text=True, timeout=240)

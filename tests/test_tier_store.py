@@ -16,6 +16,7 @@ import torch
 from kvruntime.kv import KVCache
 from kvtransport.lmcache_store import LMCacheStore, TierConfig
 from kvtransport.store import ChunkKey, TierWriteError, key_positions, tenant_salt
+from kvtransport.tier_auth import tier_key
 from kvtransport.tier_server import free_port, start_tier_server, stop_tier_server
 
 # LMCache attaches an OpenTelemetry log handler when opentelemetry-sdk is installed (deprecated API).
@@ -25,6 +26,7 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
 L, H, D = 30, 3, 64              # SmolLM2-135M: layers, KV heads, head dim
 MODEL, ROPE = "smollm2-135m", "5eed"
 SMALL = dict(local_cpu_gb=0.1)   # 100 MiB: room for a few 1k-token fp32 chunks (46 MB each)
+KEY = tier_key(os.urandom(32))   # the lm:// tier key of this test's "cluster secret"
 
 
 
@@ -39,6 +41,8 @@ def mkkv(key: ChunkKey, seed: int = 0) -> KVCache:
 
 
 def mkstore(**cfg) -> LMCacheStore:
+    if cfg.get("remote_url"):
+        cfg = {"remote_key": KEY, **cfg}
     return LMCacheStore(MODEL, "float32", L, H, D, TierConfig(**{**SMALL, **cfg}), rope=ROPE)
 
 
@@ -51,7 +55,7 @@ def store():
 
 @pytest.fixture
 def server(tmp_path):
-    srv = start_tier_server("127.0.0.1", 0, log_path=tmp_path / "lmcache_server.log")
+    srv = start_tier_server("127.0.0.1", 0, key=KEY, log_path=tmp_path / "lmcache_server.log")
     yield srv
     stop_tier_server(srv)
 
@@ -227,8 +231,9 @@ def test_fs_tier_survives_a_process_restart(tmp_path):
 
 
 def test_remote_server_killed_is_a_counted_miss_then_reconnects(server, tmp_path):
-    writer = mkstore(remote_url=server.url)
-    reader = mkstore(remote_url=server.url, remote_timeout_s=0.5, remote_retry_s=0.2)
+    """Operation-driven detection (no probe thread): the failed op marks it down."""
+    writer = mkstore(remote_url=server.url, remote_probe_s=None)
+    reader = mkstore(remote_url=server.url, remote_timeout_s=0.5, remote_retry_s=0.2, remote_probe_s=None)
     try:
         k = mkkey(300)
         kv = mkkv(k)
@@ -252,7 +257,7 @@ def test_remote_server_killed_is_a_counted_miss_then_reconnects(server, tmp_path
         assert reader.stats.put_tier_failures == {"remote": 1}
         assert reader.get(k2) is not None
 
-        again = start_tier_server("127.0.0.1", server.port, log_path=tmp_path / "again.log")
+        again = start_tier_server("127.0.0.1", server.port, key=KEY, log_path=tmp_path / "again.log")
         try:
             time.sleep(0.3)                                   # past remote_retry_s
             assert reader.get(mkkey(300, start=9000)) is None  # re-attaches, then a plain miss
@@ -268,7 +273,7 @@ def test_remote_server_killed_is_a_counted_miss_then_reconnects(server, tmp_path
 
 
 def test_hung_remote_server_costs_one_timeout_not_a_hang(server):
-    s = mkstore(remote_url=server.url, remote_timeout_s=0.5, remote_retry_s=60)
+    s = mkstore(remote_url=server.url, remote_timeout_s=0.5, remote_retry_s=60, remote_probe_s=None)
     try:
         os.kill(server.pid, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -297,7 +302,8 @@ def test_remote_absent_at_start_is_a_miss_not_an_error():
 
 
 def test_a_server_outlives_neither_its_stop_nor_its_starter():
-    code = "from kvtransport.tier_server import start_tier_server as s; import os; print(s().pid, flush=True); os._exit(0)"
+    code = ("from kvtransport.tier_server import start_tier_server as s; import os; "
+            "print(s(key=os.urandom(32)).pid, flush=True); os._exit(0)")
     pid = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                              check=True).stdout.split()[-1])
     deadline = time.monotonic() + 5

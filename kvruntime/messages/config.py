@@ -51,7 +51,9 @@ class ClusterConfig:
     max_tokens_limit: int = 2048               # largest max_tokens a request may ask for
     tier_cpu_bytes: int = 512 << 20            # local CPU tier capacity (LMCache; allocated at start)
     tier_disk_path: str | None = None          # local disk tier (LMCache local_disk)
-    tier_remote_url: str | None = None         # lm://host:port (lmcache_server), shared by all prefill actors
+    tier_remote_url: str | None = None         # lm://host:port (`kvnotes tier-server`), shared by all prefill actors
+    tier_remote_capacity_bytes: int = 4 << 30  # the tier server's capacity: least recently used pieces are evicted beyond it
+    tier_remote_probe_s: float = 2.0           # each prefill actor probes the tier server this often (kvnotes_tier_remote_up)
     tier_persist_dir: str | None = None        # LMCache fs:// tier: KV survives a restart of the whole cluster
     # state that survives (registrations, templates, sessions, prompt index, cluster secret)
     state_url: str | None = None               # None: sqlite:///<data_dir>/state.db; or sqlite:///PATH, redis://HOST:PORT/DB
@@ -124,6 +126,10 @@ class ClusterConfig:
             raise ValueError("router_replicas must be >= 1")
         if self.session_ttl_s <= 0 or self.prompt_index_ttl_s <= 0 or self.session_max < 1 or self.prompt_index_max < 1:
             raise ValueError("session_ttl_s, prompt_index_ttl_s > 0 and session_max, prompt_index_max >= 1 required")
+        if not isinstance(self.tier_remote_capacity_bytes, int) or self.tier_remote_capacity_bytes < 1 << 20:
+            raise ValueError("tier_remote_capacity_bytes must be an integer >= 1 MiB (1048576)")
+        if not 0 < self.tier_remote_probe_s <= 60:
+            raise ValueError(f"tier_remote_probe_s must be in (0, 60], got {self.tier_remote_probe_s}")
         if self.state_url is not None and not self.state_url.startswith(("sqlite:///", "redis://")):
             raise ValueError(f"state_url must start with sqlite:/// or redis://, got {self.state_url!r}")
         if not self.auth and not _is_loopback(self.host):
