@@ -94,6 +94,26 @@ class PrefillExecutor:
     def _cat(self, parts: list[KVCache]) -> KVCache:
         return KVCache.cat(parts, alloc=self._alloc)
 
+    def _cat_repositioned(self, kv: KVCache, chunk: KVCache, delta: int, st: PrefillStats) -> KVCache:
+        """``kv`` + ``chunk`` moved by ``delta``: the chunk's keys are re-rotated straight into
+        the concatenation's buffer (``self._alloc``'s registered memory when it has room), in the
+        engine's dtype; ``chunk`` (a tier's memory) is only read. Cost: one copy of ``kv``, one
+        pass over the chunk."""
+        e = self.engine
+        n0, dtype = kv.num_tokens, e.dtype
+        shape = (*kv.data.shape[:3], n0 + chunk.num_tokens, kv.data.shape[4])
+        out = self._alloc(shape, dtype) if self._alloc is not None and e.device.type == "cpu" else None
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=e.device)
+        if n0:
+            out[:, :, :, :n0].copy_(kv.data)
+        with _timed(st, "rerotate"):
+            src = chunk.to(e.device)      # the rotation casts to the engine's dtype as it writes
+            moved = reposition(e.rope, src, delta, out=out[:, :, :, n0:])
+        self._borrowed.add(src.data.untyped_storage().data_ptr())
+        return KVCache(out, torch.cat([kv.positions, moved.positions.to(kv.positions.device)]),
+                       torch.cat([kv.token_ids, moved.token_ids.to(kv.token_ids.device)]))
+
     def _flush_seams(self, kv: KVCache, st: PrefillStats) -> KVCache:
         # the fresh KV is written into kv's buffer when it is a cat's copy, not a tier's chunk
         owned = kv.data.untyped_storage().data_ptr() not in self._borrowed
@@ -175,12 +195,7 @@ class PrefillExecutor:
             if loaded is None or loaded.token_ids.tolist() != list(step.token_ids):
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
                 return self._compute(kv, step.token_ids, step.position, st)
-            try:
-                with _timed(st, "rerotate"):
-                    src = loaded.to(self.engine.device, self.engine.dtype)
-                    moved = reposition(self.engine.rope, src, step.position - int(loaded.positions[0]))
-                self._borrowed |= {src.data.untyped_storage().data_ptr(), moved.data.untyped_storage().data_ptr()}
-            except RepositionDisabled:
+            if not self.engine.rope.enabled:
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
             if self._seams and (step.seam_tokens, step.recompute_ratio) != (self._seam_k, self._ratio):
@@ -188,7 +203,7 @@ class PrefillExecutor:
             if step.seam_tokens or step.recompute_ratio:
                 self._seams.append(kv.num_tokens)
                 self._seam_k, self._ratio = step.seam_tokens, step.recompute_ratio
-            kv = self._cat([kv, moved])
+            kv = self._cat_repositioned(kv, loaded, step.position - int(loaded.positions[0]), st)
             st.computed += step.seam_tokens
             st.repositioned += step.tokens - step.seam_tokens
             return kv
