@@ -199,7 +199,7 @@ def spec_from_checkpoint(model: str):
     except (ValueError, KeyError, OSError) as exc:
         raise ModelRefused(f"{path}/config.json cannot be read by transformers: {exc}".splitlines()[0]) from None
     arch = arch_info(config)
-    if not any(path.glob(g) for g in _WEIGHTS):
+    if not any(next(path.glob(g), None) for g in _WEIGHTS):
         raise ModelRefused(f"{path} has no *.safetensors weights (pickled .bin weights are not loaded)")
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(path))

@@ -1,6 +1,7 @@
 """Tiny random-weight Hugging Face checkpoints of each supported family, for tests only.
 
-Each is built with transformers' own config class (2 layers, hidden 64), saved with
+Each is built with transformers' own config class (3 layers: the selective-recompute probe needs a layer after
+its probe layer; hidden 64), saved with
 ``save_pretrained`` (safetensors) next to a small byte-level BPE tokenizer trained offline on a
 few sentences, carrying a family-like chat template. Never a shipped model.
 """
@@ -75,7 +76,7 @@ def _ids(tok, bos, eos) -> dict:
 def configs(tok_for) -> dict:
     """family -> (transformers config, template name). ``tok_for(template)``: its tokenizer."""
     import transformers as T
-    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.1)
 
     def ids(t):
@@ -90,9 +91,10 @@ def configs(tok_for) -> dict:
         "qwen3": (T.Qwen3Config(**small, **ids("qwen3"), head_dim=32), "qwen3"),
         "mistral": (T.MistralConfig(**small, **ids("mistral"), sliding_window=16), "mistral"),
         "gemma2": (T.Gemma2Config(**small, **ids("gemma"), head_dim=16, sliding_window=16,
-                                  layer_types=["sliding_attention", "full_attention"]), "gemma"),
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]), "gemma"),
         "gemma3": (T.Gemma3TextConfig(**small, **ids("gemma"), head_dim=16, sliding_window=16,
-                                      layer_types=["sliding_attention", "full_attention"]), "gemma"),
+                                      layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+                   "gemma"),
         "phi3": (T.Phi3Config(**{**small, "num_key_value_heads": 4, "max_position_embeddings": 8192}, **ids("phi3"),
                               partial_rotary_factor=0.5, original_max_position_embeddings=4096,
                               rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
