@@ -65,8 +65,8 @@ def get_model_spec(name: str) -> ModelSpec:
     from kvruntime.hf_models import is_checkpoint_dir, spec_from_checkpoint
     if is_checkpoint_dir(name):
         return spec_from_checkpoint(name)
-    raise ValueError(f"unknown model {name!r}: neither a checkpoint directory with a config.json nor a "
-                     f"registry name ({', '.join(sorted(_REGISTRY))})")
+    raise ValueError(f"unknown model {name!r} (not a checkpoint directory with a config.json); "
+                     f"known models: {', '.join(sorted(_REGISTRY))}")
 
 
 def is_model_name(name: str) -> bool:
