@@ -27,7 +27,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVNOTES_CACHE", Path.home() / ".cache" / "kvnotes"))
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -41,10 +41,13 @@ def ensure_checkpoint(spec: ModelSpec) -> Path:
     Cost: hashing the GGUF (~0.5 s per 100 MB) on every call; the first call per GGUF version
     also dequantises and writes the checkpoint (~20-40 s, progress printed to stderr).
     Concurrent callers are safe: each converts into a private temp dir and renames atomically.
+    A checkpoint directory (``spec.checkpoint``) is returned as it is: nothing to convert.
     """
+    if spec.checkpoint:
+        return Path(spec.checkpoint)
     root = cache_root()
     gguf = locate_gguf(spec, root / "gguf")
-    digest = _sha256(gguf)
+    digest = sha256_file(gguf)
     target = root / "checkpoints" / f"{spec.name}-{digest[:16]}"
     if (target / "config.json").exists():
         return target

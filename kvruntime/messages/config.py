@@ -26,8 +26,8 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    model: str = "smollm2-135m"
-    dtype: str = "float32"                     # reference engine dtype
+    model: str = "smollm2-135m"                # registry name, or a local HF checkpoint directory (kvruntime.hf_models)
+    dtype: str = "float32"                     # reference engine weights and KV (tier, wire): float32 | bfloat16 | float16
     host: str = "127.0.0.1"
     port: int = 8000
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
@@ -116,8 +116,12 @@ class ClusterConfig:
             raise ValueError("vllm_kv_cache_gib > 0, vllm_max_model_len >= 16 and vllm_max_concurrency >= 1 required")
         if self.vllm_kv_load not in ("async", "sync") or self.vllm_kv_load_threads < 1:
             raise ValueError("vllm_kv_load must be async or sync and vllm_kv_load_threads >= 1")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError("dtype must be float32 or bfloat16")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        from kvruntime.models import is_model_name
+        if not isinstance(self.model, str) or not is_model_name(self.model):
+            raise ValueError(f"model must be a registry name or a checkpoint directory with a config.json, "
+                             f"got {self.model!r}")
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         if self.seam_tokens < 0 or self.max_tokens_limit < 1 or self.transfer_timeout_s <= 0:
