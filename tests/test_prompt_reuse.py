@@ -250,3 +250,41 @@ def test_concurrent_requests_sharing_a_long_prefix_reuse_it(smol, rig):
     out = asyncio.run(asyncio.wait_for(burst(), timeout=540))
     assert all(f.cached_tokens >= 2 * PROMPT_BLOCK for _, f in out)
     assert any(dict(f.sources)["reused"] >= 2 * PROMPT_BLOCK for _, f in out)
+
+
+from tests.test_e2e_held_prefix import held_cluster  # noqa: E402,F401  (a real cluster, reference decode)
+
+
+def test_through_the_cluster_a_repeated_long_prompt_is_reused_and_reported_exactly(held_cluster):
+    """Real actors: a long plain prompt sent once, then 4 requests sharing it sent at once: none
+    recomputes the shared prefix, and each response's cached_tokens add up to exactly the
+    router's prompt-token counters of the sources nobody computed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    http = held_cluster[0]
+    text = " ".join(f"Row {i} of the ledger reads {i * 17 % 89} crowns." for i in range(70))
+    first = http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": text + " Row 1?",
+                                               "max_tokens": 2, "temperature": 0})
+    assert first.status_code == 200, first.text
+    assert first.json()["usage"]["prompt_tokens"] > 2 * PROMPT_BLOCK
+
+    def cached(m):
+        return sum(metric(m, "kvnotes_prompt_tokens_total", source=s) for s in CACHED_SOURCES)
+
+    m0 = http.get("/metrics").text
+
+    def ask(i):
+        r = http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": text + f" Row {i + 2}?",
+                                                "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    with ThreadPoolExecutor(4) as pool:
+        usages = list(pool.map(ask, range(4)))
+    m1 = http.get("/metrics").text
+    got = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert all(c >= 2 * PROMPT_BLOCK for c in got), got                  # none recomputed in full
+    assert sum(got) == cached(m1) - cached(m0)                           # exactly what nobody computed
+    computed = metric(m1, "kvnotes_prompt_tokens_total", source="computed") - \
+        metric(m0, "kvnotes_prompt_tokens_total", source="computed")
+    assert computed == sum(u["prompt_tokens"] for u in usages) - sum(got)
