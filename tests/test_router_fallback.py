@@ -55,7 +55,7 @@ class LocalBackends:
     async def evict(self, ref):
         return self.source.d.pop(self.source._k(ref), None) is not None
 
-    async def expect(self, decode_index, grant, prefix, salt):
+    async def expect(self, decode_index, grant, prefix, salt, computes_from=None):
         self.rx.expect(grant)
         return 0                                    # the reference engine keeps no KV across requests
 

@@ -181,9 +181,9 @@ class RayBackends:
                 self._lost("prefill", i, exc)
         return out
 
-    async def expect(self, decode_index: int, grant, prefix, salt: str) -> int:
+    async def expect(self, decode_index: int, grant, prefix, salt: str, computes_from: int | None = None) -> int:
         try:
-            return await self.decode_actors[decode_index].expect.remote(grant, prefix, salt)
+            return await self.decode_actors[decode_index].expect.remote(grant, prefix, salt, computes_from)
         except ACTOR_LOST as exc:
             raise self._lost("decode", decode_index, exc) from None
 

@@ -223,18 +223,24 @@ class Router:
             yield ev
 
     async def _prompt_lookup(self, tenant: str, salt: str, prefix: tuple[int, ...], pi: int) -> tuple[KVRef | None, int]:
-        """Longest indexed prefix of ``prefix`` that the prefill worker's tier still holds."""
+        """Longest indexed prefix of ``prefix`` that the prefill worker's tier still holds. Every
+        indexed boundary is checked in one batched lookup; when longer ones were evicted (the
+        index outlives the tier's LRU) the longest present one is used, counted as
+        ``kvnotes_fallbacks_total{reason="prompt_prefix_evicted"}``."""
         bounds = sorted({*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)} - {0}, reverse=True)
         if len(prefix) < PROMPT_BLOCK:
             bounds = [len(prefix)] if prefix else []
         hashes = {b: _h(tenant, prefix[:b]) for b in bounds}
         known = self.state.get_prompt_blocks(tenant, list(hashes.values()), time.time())
-        for b in bounds:
-            if hashes[b] in known:
-                ref = KVRef(prefix[:b], 0, salt)
-                if ref.digest in await self._present([ref], pi):
-                    return ref, b
-                return None, 0
+        cands = [b for b in bounds if hashes[b] in known]                # longest first
+        refs = [KVRef(prefix[:b], 0, salt) for b in cands]
+        present = await self._present(refs, pi)
+        for b, ref in zip(cands, refs):
+            if ref.digest in present:
+                if b != cands[0]:
+                    self.metrics.record_fallback("prompt_prefix_evicted")
+                    log.info("prompt prefix of %d tokens no longer in the tier: reusing %d", cands[0], b)
+                return ref, b
         return None, 0
 
     # ---- lifecycle --------------------------------------------------------------------------
