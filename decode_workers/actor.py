@@ -124,8 +124,10 @@ class DecodeWorker:
         with self._cancel_lock:
             self._cancelled.add(key)
 
-    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None):
-        gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt)
+    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None, continuation=None):
+        """Stream a request's tokens (``continuation``: resume one another worker started and lost)."""
+        kw = {"continuation": continuation} if continuation is not None else {}
+        gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt, **kw)
         try:
             for ev in gen:
                 if cancel_key is not None and cancel_key in self._cancelled:
