@@ -5,7 +5,7 @@
   stop strings spanning the boundary, log-probs, ``max_tokens`` and the summary's counts.
 - Prefill side, real engine: a plan cancelled while it runs stops between layers (the number of
   layers it ran is counted, not timed).
-- Real cluster (2 prefill + 2 decode Ray actors, the router under Serve): a decode actor SIGKILLed
+- Real cluster (1 prefill + 2 decode Ray actors, the router under Serve): a decode actor SIGKILLed
   by PID under 32 concurrent greedy streams: every stream ends with a finish_reason and no in-band
   error, the text equals an undisturbed run's, ``kvnotes_retries_total{reason="migrated"}`` grew;
   a prefill past its request's deadline is stopped by its worker (the worker's counter grew).
@@ -21,8 +21,7 @@ import httpx
 import pytest
 
 from kvruntime.messages.decode import Continuation, DecodeSummary, SamplingParams, TokenEvent
-from tests.conftest import metric
-from tests.test_faults import fault_cluster  # noqa: F401  (the module's own 2 + 2 actor cluster)
+from tests.conftest import free_port, metric
 
 PROMPT = "The lighthouse keeper wrote in his log every night. On the first night of winter he wrote:"
 
@@ -116,9 +115,39 @@ def test_a_prefill_cancelled_while_it_runs_stops_between_layers(smol, one_torch_
 
 # ---- the real cluster ---------------------------------------------------------------------------------------
 
-def _stream(http, prompt: str, max_tokens: int = 24) -> dict:
-    """One streamed completion: its text, finish_reason, usage, and any in-band error."""
-    out = {"text": "", "finish": None, "error": None, "usage": None, "events": 0}
+@pytest.fixture(scope="module")
+def migration_cluster(tmp_path_factory):
+    """1 prefill + 2 decode actors and the router (test_faults' cluster without its lm:// tier,
+    which plays no part here); stopped by the launcher, every wait bounded."""
+    from cluster.ops.launcher import start, stop
+    from kvruntime.messages.config import ClusterConfig, WorkerConfig
+    from tests.test_faults import _headers, _wait
+
+    root = tmp_path_factory.mktemp("kvmigrate")
+    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
+                        prefill=WorkerConfig(count=1), decode=WorkerConfig(count=2), decode_migrations=1,
+                        health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5)
+    try:
+        start(cfg, local_cpus=4)
+        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300, headers=_headers(cfg))
+
+        def ready():
+            try:
+                return http.get("/ready").status_code == 200
+            except httpx.TransportError:
+                return False
+        _wait(ready, 180, "/ready")
+        yield cfg, http, None
+        http.close()
+    finally:
+        stop(cfg)
+
+
+def _stream(http, prompt: str, max_tokens: int = 24, out: dict | None = None) -> dict:
+    """One streamed completion: its text, finish_reason, usage, and any in-band error (``out``
+    is filled as the events arrive)."""
+    out = {} if out is None else out
+    out.update({"text": "", "finish": None, "error": None, "usage": None, "events": 0})
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/completions", json=body) as r:
@@ -139,27 +168,28 @@ def _stream(http, prompt: str, max_tokens: int = 24) -> dict:
 
 
 @pytest.mark.slow
-def test_decode_actor_killed_under_32_streams_every_stream_completes_unchanged(fault_cluster):
+def test_decode_actor_killed_under_32_streams_every_stream_completes_unchanged(migration_cluster):
     from tests.test_faults import _all_alive, _health, _kill, _metrics, _wait
 
-    cfg, http, _ = fault_cluster
+    cfg, http, _ = migration_cluster
     _wait(lambda: _all_alive(http), 180, "all workers alive")
     prompts = [f"Story {i}: the lighthouse keeper counted the ships passing by. The first ship was" for i in range(32)]
     with cf.ThreadPoolExecutor(32) as ex:
         ref = list(ex.map(lambda p: _stream(http, p), prompts))
     assert all(r["error"] is None and r["finish"] for r in ref), ref
     before = _metrics(http)
+    progress = [{"events": 0, "finish": None} for _ in prompts]
     with cf.ThreadPoolExecutor(32) as ex:
-        futs = [ex.submit(_stream, http, p) for p in prompts]
+        futs = [ex.submit(_stream, http, p, 24, out) for p, out in zip(prompts, progress)]
 
-        def streaming():                              # a decode actor that is producing tokens now
-            _, snap = _health(http)
-            busy = [w for w in snap["workers"]["decode"]["workers"] if w["in_flight"] and w["alive"]]
-            return len(busy) == 2 and busy
-        busy = _wait(streaming, 120, "both decode workers busy", every=0.05)
-        _wait(lambda: metric(_metrics(http), "kvnotes_ttft_seconds_count") >
-              metric(before, "kvnotes_ttft_seconds_count") + 2, 120, "streams under way", every=0.05)
-        victim = busy[0]
+        def streaming():
+            # a reference decode actor streams one request at a time: two streams half-way through
+            # mean both actors are mid-stream, so the one killed loses a stream after its first token
+            mid = [p for p in progress if 1 <= p["events"] <= 12 and p["finish"] is None and p.get("error") is None]
+            return len(mid) >= 2
+        _wait(streaming, 300, "two streams half-way through", every=0.01)
+        _, snap = _health(http)
+        victim = max(snap["workers"]["decode"]["workers"], key=lambda w: w["in_flight"])
         _kill(victim["pid"])
         done, pending = cf.wait(futs, timeout=400)
     assert not pending, "streams hung after a decode worker died"
@@ -172,23 +202,25 @@ def test_decode_actor_killed_under_32_streams_every_stream_completes_unchanged(f
     after = _metrics(http)
     migrated = metric(after, "kvnotes_retries_total", role="decode", reason="migrated") - \
         metric(before, "kvnotes_retries_total", role="decode", reason="migrated")
-    assert migrated > 0
+    assert migrated > 0, {r: metric(after, "kvnotes_retries_total", role="decode", reason=r) -
+                          metric(before, "kvnotes_retries_total", role="decode", reason=r)
+                          for r in ("migrated", "lost_before_first_token", "lost_mid_stream")}
     assert metric(after, "kvnotes_retries_total", role="decode", reason="lost_mid_stream") == \
         metric(before, "kvnotes_retries_total", role="decode", reason="lost_mid_stream")
     _wait(lambda: _all_alive(http), 180, "the restarted decode worker to be alive again")
 
 
 @pytest.mark.slow
-def test_a_prefill_past_its_deadline_is_stopped_by_its_worker(fault_cluster):
+def test_a_prefill_past_its_deadline_is_stopped_by_its_worker(migration_cluster):
     from tests.test_faults import _all_alive, _metrics, _wait
 
-    cfg, http, _ = fault_cluster
+    cfg, http, _ = migration_cluster
     _wait(lambda: _all_alive(http), 180, "all workers alive")
 
     def worker_cancels() -> float:
         targets = http.get("/metrics/targets").json()
         addrs = [t for g in targets if g["labels"].get("kvnotes_role") == "prefill" for t in g["targets"]]
-        assert len(addrs) == 2, targets
+        assert len(addrs) == 1, targets
         return sum(metric(httpx.get(f"http://{a}/metrics", timeout=10).text, "kvnotes_worker_prefill_cancelled_total")
                    for a in addrs)
     start = worker_cancels()
