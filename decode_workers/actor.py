@@ -114,13 +114,15 @@ class DecodeWorker:
         with self._cancel_lock:
             self._cancelled.add(key)
 
-    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None):
+    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None, continuation=None):
+        """Stream a request's tokens (``continuation``: resume one another worker started and lost)."""
+        kw = {"continuation": continuation} if continuation is not None else {}
         if transfer_id in self._own:              # no block comes: this engine computes the rest
             self._own.discard(transfer_id)
-            gen = self.executor.generate(None, prefix, suffix, sampling, salt=salt) if self.engine_kind == "vllm" \
-                else self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt, held_only=True)
+            gen = self.executor.generate(None, prefix, suffix, sampling, salt=salt, **kw) if self.engine_kind == "vllm" \
+                else self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt, held_only=True, **kw)
         else:
-            gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt)
+            gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt, **kw)
         try:
             for ev in gen:
                 if cancel_key is not None and cancel_key in self._cancelled:

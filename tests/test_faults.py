@@ -1,6 +1,6 @@
 """Worker faults on the real cluster (Ray actors, Serve router, LMCache with an lm:// tier server):
 actors are SIGKILLed by PID, the tier server is stopped and restarted. Requests keep succeeding
-(retried on another worker, counted), a stream whose decode worker dies ends with a clear error,
+(retried on another worker, counted), a stream whose decode worker dies goes on on another one,
 /health shows the loss and the recovery, and prefill load spreads across actors despite one shared
 system prompt. Every wait is bounded."""
 from __future__ import annotations
@@ -131,13 +131,17 @@ def test_prefill_load_spreads_across_actors_with_a_shared_system_prompt(fault_cl
     assert (max(used) - min(used)) / max(used) < 0.30, f"prefill CPU seconds per actor: {used}"
 
 
-def test_decode_killed_mid_stream_ends_stream_with_error_then_recovers(fault_cluster):
+def test_decode_killed_mid_stream_continues_on_the_other_then_recovers(fault_cluster):
     cfg, http, _ = fault_cluster
     _wait(lambda: _all_alive(http), 120, "all workers alive")
     before = _metrics(http)
     body = {"segments": [{"skill": "warranty"}, {"text": "Count from one to one hundred in words: one, two,"}],
-            "max_tokens": 200, "temperature": 0, "stream": True}
-    events, killed = [], None
+            "max_tokens": 80, "temperature": 0, "stream": True}
+
+    def lost():
+        _, snap = _health(http)
+        return snap["workers"]["decode"]["live"] == 1 and snap
+    events, killed, snap = [], None, None
     with http.stream("POST", "/v1/notes/completions", json=body) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
@@ -149,21 +153,19 @@ def test_decode_killed_mid_stream_ends_stream_with_error_then_recovers(fault_clu
                 code, snap = _health(http)
                 killed = _worker(snap, "decode", busy=True)
                 _kill(killed["pid"])
+                snap = _wait(lost, 30, "/health to show the dead decode worker")
+                assert 'kvnotes_workers_alive{role="decode"} 1.0' in _metrics(http)
     assert killed is not None, events
-    err = events[-1].get("error")
-    assert err and "mid-stream" in err["message"] and killed['name'] in err["message"], events[-1]
-    assert not any("finish_reason" in e for e in events)
+    assert not any("error" in e for e in events), events[-1]                 # one uninterrupted stream
+    assert events[-1].get("finish_reason") in ("stop", "length"), events[-1]
+    assert events[-1]["usage"]["completion_tokens"] == 80 or events[-1]["finish_reason"] == "stop"
     after = _metrics(http)
+    assert metric(after, "kvnotes_retries_total", role="decode", reason="migrated") == \
+        metric(before, "kvnotes_retries_total", role="decode", reason="migrated") + 1
     assert metric(after, "kvnotes_retries_total", role="decode", reason="lost_mid_stream") == \
-        metric(before, "kvnotes_retries_total", role="decode", reason="lost_mid_stream") + 1
-
-    def lost():
-        _, snap = _health(http)
-        return snap["workers"]["decode"]["live"] == 1 and snap
-    snap = _wait(lost, 30, "/health to show the dead decode worker")
+        metric(before, "kvnotes_retries_total", role="decode", reason="lost_mid_stream")
     dead = [w for w in snap["workers"]["decode"]["workers"] if not w["alive"]]
     assert [w["name"] for w in dead] == [killed["name"]]
-    assert 'kvnotes_workers_alive{role="decode"} 1.0' in _metrics(http)
     for i in range(20):
         r = _ask(http, f"Is a battery covered after {i + 13} months?")
         assert r.status_code == 200, (i, r.text)

@@ -29,5 +29,7 @@ class Backends(Protocol):
     def decode(self, index: int, transfer_id: str | None, prefix: tuple[int, ...], suffix: tuple[int, ...],
                sampling: SamplingParams, salt: str) -> AsyncIterator[TokenEvent | DecodeSummary]: ...
     # Optional (cluster.control.ray_backends): ``view`` (routing.WorkerView), ``fault_policy``
-    # (routing.FaultPolicy), ``start_health(metrics)``, and ``cancel(index, key)`` with
-    # ``decode(..., cancel_key=key)``. Worker deaths are raised as routing.WorkerLost.
+    # (routing.FaultPolicy), ``start_health(metrics)``, ``cancel(index, key)`` with
+    # ``decode(..., cancel_key=key)``, ``decode(..., continuation=messages.decode.Continuation)``
+    # (cluster.control.migration) and ``cancel_prefill(index, transfer_id)``. Worker deaths are
+    # raised as routing.WorkerLost.

@@ -1,6 +1,7 @@
 """One request's execution after planning: prefill on a prefill worker, the KV pushed to a
 decode worker, tokens streamed back; retried once elsewhere when a worker is lost before the
-first token, cut at the deadline, and accounted (TTFT and requests by what *executed*, prompt
+first token, continued on another decode worker when its own is lost mid-stream
+(:mod:`cluster.control.migration`), cut at the deadline, and accounted (TTFT and requests by what *executed*, prompt
 tokens by source, transfer bytes, stage seconds, fallbacks) in :class:`~cluster.control.metrics.Metrics`.
 
 The router plans (:mod:`cluster.control.planner`); :class:`RequestRunner` executes the plan it is given
@@ -16,8 +17,10 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
+from cluster.control.cancel import prefill_or_cancel
 from cluster.control.errors import RequestError
 from cluster.control.metrics import CACHED_SOURCES, Metrics, note_plan, prompt_sources
+from cluster.control.migration import DecodeStream
 from cluster.control.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.messages.plan import KVRef, RequestPlan, decode_computes_rest
@@ -62,8 +65,10 @@ class RequestRunner:
                   deadline_s: float | None = None, leases: list = (),
                   tenant: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
         """Prefill then decode, on the least loaded live decode worker. A worker lost before the
-        first token: retried on another one (``request_retries``); lost mid-stream: a clear
-        error. Past the deadline: the decode worker is told to stop; 504. All counted."""
+        first token: retried on another one (``request_retries``); a decode worker lost mid-stream:
+        the stream continues on another one (``decode_migrations``, cluster.control.migration), and
+        past that a clear error. Past the deadline or with the client gone: the worker at work is
+        told to stop (prefill or decode); past the deadline, 504. All counted."""
         m = self.metrics
         kind = plan.kind.value
         note_plan(kind)                            # the API layer's label for it if it is abandoned
@@ -98,30 +103,33 @@ class RequestRunner:
                             di, grant, plan.prefix_ids, plan.kv_salt(salt), computes_from))
                         own = decode_computes_rest(held, computes_from)
                         if not own:
-                            res = await self._before(deadline, "prefill", self.backends.prefill(
-                                pi, plan, di, tid, store_as, credential=cred, send_from=held))
+                            # past the deadline or with the client gone, the prefill worker is told to stop
+                            res = await prefill_or_cancel(self.backends, m, pi, tid, plan.request_id, self._before(
+                                deadline, "prefill", self.backends.prefill(pi, plan, di, tid, store_as, credential=cred,
+                                                                           send_from=held)))
                     finally:
                         self.view.end("prefill", pi, plan.prompt_tokens)
                 fallbacks = list(res.stats.fallbacks) if res else []
-                extra = {"cancel_key": tid} if hasattr(self.backends, "cancel") else {}
-                gen = self.backends.decode(di, tid if own or (res is not None and res.transferred) else None,
-                                           plan.prefix_ids, plan.suffix_ids, sampling, plan.kv_salt(salt), **extra)
-                while True:
-                    try:
-                        ev = await self._before(deadline, "decode", gen.__anext__())
-                    except StopAsyncIteration:
-                        break
-                    except DeadlineExceeded:
-                        if extra:
-                            await self.backends.cancel(di, tid)
-                        raise
-                    if isinstance(ev, TokenEvent):
-                        if ttft is None:               # observed below, labelled with what executed
-                            ttft = time.perf_counter() - t0
-                        sent += 1
-                        yield ev
-                    else:
-                        summary = ev
+                # -- decode: continued on another decode worker when this one is lost mid-stream, told to
+                # stop past the deadline or when the client leaves (cluster.control.migration)
+                stream = DecodeStream(self.backends, self.view, self.fault, m, plan, sampling, plan.kv_salt(salt),
+                                      tried["decode"], lambda aw: self._before(deadline, "decode", aw))
+                try:
+                    async for ev in stream.events(di, tid if own or (res is not None and res.transferred) else None,
+                                                  tid):
+                        if isinstance(ev, TokenEvent):
+                            if ttft is None:           # observed below, labelled with what executed
+                                ttft = time.perf_counter() - t0
+                            sent += 1
+                            yield ev
+                        else:
+                            summary = ev
+                except (GeneratorExit, asyncio.CancelledError):
+                    stream.abandon()
+                    raise
+                finally:
+                    stream.close()
+                # -- end of decode
                 fallbacks += list(summary.fallbacks)
                 break
             except WorkerLost as exc:

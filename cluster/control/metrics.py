@@ -31,7 +31,7 @@ _STATUS_BY_CODE = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413:
 # dashboard and to KvnotesFallbackRateHigh. A reason missing here still counts, from its second on.
 KNOWN_FALLBACKS = (
     "session_context_evicted", "prompt_prefix_evicted", "tier_lookup_worker_lost", "tier_remote_down",
-    "tier_store_failed",
+    "tier_store_failed", "decode_migrated",
     "kv_load_failed", "kv_mismatch", "kv_block_invalid", "kv_held_missing", "reposition_disabled",
     "kv_transport_nixl_unavailable", "kv_transport_nixl_to_grpc", "kv_send_pool_full", "kv_grpc_checksum_required",
     *(f"kv_transfer_{r}" for r in ("timeout", "rejected", "duplicate", "backpressure", "too_large", "unavailable",
@@ -144,8 +144,11 @@ class Metrics:
                                    "index are bounded by TTL and count)", ["kind"], registry=r)
         self.workers_alive = Gauge("kvnotes_workers_alive", "Worker actors this router replica sees alive, by role",
                                    ["role"], registry=r)
-        self.retries = Counter("kvnotes_retries_total", "Requests retried on another worker, and mid-stream worker "
-                               "failures (reason says which; each one also logged)", ["role", "reason"], registry=r)
+        self.retries = Counter("kvnotes_retries_total", "Requests retried on another worker, streams continued on "
+                               "another decode worker (migrated), and mid-stream worker failures (reason says which; "
+                               "each one also logged)", ["role", "reason"], registry=r)
+        self.cancels = Counter("kvnotes_cancels_total", "Work the router told a worker to stop, by role and why "
+                               "(deadline passed, client gone)", ["role", "reason"], registry=r)
         self.tier_remote_up = Gauge("kvnotes_tier_remote_up", "1 when every prefill worker reaches the remote (lm://) "
                                     "KV tier, 0 when one cannot (it recomputes meanwhile); absent without one",
                                     ["tier"], registry=r)
@@ -161,6 +164,9 @@ class Metrics:
         for role in ("prefill", "decode"):
             for reason in ("lost_before_first_token", "lost_mid_stream", "retries_exhausted"):
                 self.retries.labels(role, reason)   # zeros: "no retries" is a value, not a missing series
+            for reason in ("deadline", "client_gone"):
+                self.cancels.labels(role, reason)
+        self.retries.labels("decode", "migrated")
 
     def set_tenant_labels(self, tenants) -> None:
         """Tenants with their own ``tenant`` label (config ``metrics_tenants``); their ok series and

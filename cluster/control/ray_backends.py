@@ -118,7 +118,7 @@ class RayBackends:
         self.addresses = [e.grpc_address for e in self.endpoints]
         self.ready = ray.get([a.ready.remote() for a in prefill])
         self.view = WorkerView(self.num_prefill, self.num_decode, prefill_load_factor=cfg.prefill_load_factor)
-        self.fault_policy = FaultPolicy(cfg.request_retries, cfg.request_deadline_s)
+        self.fault_policy = FaultPolicy(cfg.request_retries, cfg.request_deadline_s, cfg.decode_migrations)
         self.cfg = cfg
         self.remote_up: dict[int, bool] = {}      # prefill index -> remote tier reachable (if configured)
         self.health_sweeps = 0                    # completed health sweeps (/ready waits for the first)
@@ -195,10 +195,11 @@ class RayBackends:
         except ACTOR_LOST as exc:
             raise self._lost("prefill", index, exc) from None
 
-    async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str, cancel_key: str | None = None):
+    async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str, cancel_key: str | None = None,
+                     continuation=None):
         try:
             gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(
-                transfer_id, prefix, suffix, sampling, salt, cancel_key)
+                transfer_id, prefix, suffix, sampling, salt, cancel_key, continuation)
             async for ref in gen:
                 yield await ref
         except ACTOR_LOST as exc:
@@ -210,6 +211,14 @@ class RayBackends:
             await self.decode_actors[index].cancel.options(concurrency_group=HEALTH_GROUP).remote(cancel_key)
         except ACTOR_LOST as exc:
             self._lost("decode", index, exc)
+
+    async def cancel_prefill(self, index: int, transfer_id: str) -> None:
+        """Ask prefill worker ``index`` to stop the plan it executes (or will) for ``transfer_id``
+        at its next layer or step (deadline passed, client gone)."""
+        try:
+            await self.prefill_actors[index].cancel.options(concurrency_group=HEALTH_GROUP).remote(transfer_id)
+        except ACTOR_LOST as exc:
+            self._lost("prefill", index, exc)
 
     async def shadow(self, index: int, plan):
         try:
