@@ -27,8 +27,9 @@ _STATUS_BY_CODE = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413:
 # Every fallback reason the code takes, exported as zeros from the start: a counter series that is
 # born at 1 shows no increase to rate(), so the first fallback of a reason would be invisible to the
 # dashboard and to KvnotesFallbackRateHigh. A reason missing here still counts, from its second on.
+# (tier_remote_down is counted by the prefill actors, on their own exporters, not here.)
 KNOWN_FALLBACKS = (
-    "session_context_evicted", "tier_lookup_worker_lost", "tier_remote_down", "tier_store_failed",
+    "session_context_evicted", "tier_lookup_worker_lost", "tier_store_failed",
     "kv_load_failed", "kv_mismatch", "kv_block_invalid", "kv_held_missing", "reposition_disabled",
     "kv_transport_nixl_unavailable", "kv_transport_nixl_to_grpc", "kv_send_pool_full", "kv_grpc_checksum_required",
     *(f"kv_transfer_{r}" for r in ("timeout", "rejected", "duplicate", "backpressure", "too_large", "unavailable",
