@@ -331,4 +331,6 @@ def test_redis_sigkilled_under_load_no_500_cached_keys_served_ready_follows(outa
     assert all(metric(t, "kvnotes_state_store_up") == 1 for t in texts)
     assert all(metric(t, "kvnotes_state_store_errors_total", op="ping") >= 1 for t in texts)
     assert sum(metric(t, "kvnotes_fallbacks_total", reason="prompt_index_unavailable") for t in texts) >= 1
-    print(f"outage: {len(during)} requests during it, ready 200 {ready_after:.2f} s after the restart")
+    from collections import Counter
+    print(f"outage: {sorted(Counter((k, s) for k, s, _, _ in during).items())} during it; "
+          f"/ready 200 {ready_after:.2f} s after the restart")

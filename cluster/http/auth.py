@@ -109,8 +109,8 @@ class Authenticator:
             return hit[0]
         rec = self.state.api_key(key_hash)
         with self._lock:
+            self._cache.pop(key_hash, None)             # re-inserted below at the young end
             if rec is None or self.cache_s <= 0:
-                self._cache.pop(key_hash, None)
                 return None if rec is None else rec.tenant
             if len(self._cache) >= self.cache_max:      # bounded: drop the expired, else the oldest
                 for h in [h for h, (_, until) in self._cache.items() if until <= now] or [next(iter(self._cache))]:
