@@ -237,7 +237,9 @@ def test_alert_rules_are_loaded_and_evaluated(prometheus, workload):
     with urllib.request.urlopen(prometheus + "/api/v1/rules", timeout=10) as r:
         groups = json.loads(r.read())["data"]["groups"]
     rules = {rule["name"]: rule for g in groups for rule in g["rules"]}
-    assert len(rules) == 6 and all(rule["health"] in ("ok", "unknown") for rule in rules.values()), rules
+    assert len(rules) == 7 and all(rule["health"] in ("ok", "unknown") for rule in rules.values()), rules
+    assert rules["KvnotesStateStoreDown"]["state"] == "inactive"      # the store answered throughout
+    assert {s["value"][1] for s in _query(prometheus, "kvnotes_state_store_up")} == {"1"}
 
 
 def test_report_from_the_live_prometheus(prometheus, workload, tmp_path):
