@@ -56,7 +56,9 @@ def _measure(cfg, requests: int, concurrency: int, max_tokens: int, local_cpus: 
              runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
     start(cfg, local_cpus=local_cpus)
     try:
-        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=600)
+        key = cfg.api_key_file.read_text().strip()        # the key the embedded default created
+        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=600,
+                            headers={"authorization": f"Bearer {key}"})
         for _ in range(240):
             try:
                 if http.get("/ready").status_code == 200:
