@@ -41,16 +41,20 @@ def _wait(pred, timeout_s: float, what: str, every: float = 0.5):
 
 @pytest.fixture(scope="module")
 def fault_cluster(tmp_path_factory):
+    from cluster.control.ray_backends import tier_key_of
     from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
     from kvtransport.tier_server import start_tier_server, stop_tier_server
 
     root = tmp_path_factory.mktemp("kvfaults")
-    tier = start_tier_server(log_path=root / "tier.log")
+    tier_port = free_port()
     cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
-                        tier_remote_url=tier.url, prefill=WorkerConfig(count=2), decode=WorkerConfig(count=2),
+                        tier_remote_url=f"lm://127.0.0.1:{tier_port}", tier_remote_probe_s=0.5,
+                        prefill=WorkerConfig(count=2), decode=WorkerConfig(count=2),
                         health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5)
-    state = {"tier": tier}
+    key = tier_key_of(cfg)        # the tier server's key, derived from the cluster secret like the actors'
+    tier = start_tier_server("127.0.0.1", tier_port, key=key, log_path=root / "tier.log")
+    state = {"tier": tier, "tier_key": key}
     try:
         start(cfg, local_cpus=5)
         http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=180, headers=_headers(cfg))
@@ -96,6 +100,13 @@ def _ask(http, q: str, max_tokens: int = 4) -> httpx.Response:
 
 def _metrics(http) -> str:
     return http.get("/metrics").text
+
+
+def _prefill_metrics(http) -> str:
+    """Every prefill actor's own exporter (found through /metrics/targets), concatenated."""
+    groups = http.get("/metrics/targets").json()
+    return "\n".join(httpx.get(f"http://{g['targets'][0]}/metrics", timeout=10).text for g in groups
+                     if g["labels"]["kvnotes_role"] == "prefill")
 
 
 def _kill(pid: int) -> None:
@@ -234,7 +245,10 @@ def test_remote_tier_down_and_back(fault_cluster):
     assert gauge() == 1.0
     old = state["tier"]
     stop_tier_server(old)
-    down0 = metric(_metrics(http), "kvnotes_fallbacks_total", reason="tier_remote_down")
+    # counted once, by the prefill actor whose lookup or get missed (not by each router replica)
+    down = lambda: metric(_prefill_metrics(http), "kvnotes_fallbacks_total", reason="tier_remote_down")  # noqa: E731
+    down0 = down()
+    assert metric(_metrics(http), "kvnotes_fallbacks_total", reason="tier_remote_down") == 0
     # registered while the remote is down: the lookup misses there, the chunk is compiled (counted)
     r = http.post("/v1/skills", json={"name": "outage", "text": "Outage policy: we refund the fee for any outage "
                                                                 "longer than four hours, on request."})
@@ -244,11 +258,11 @@ def test_remote_tier_down_and_back(fault_cluster):
                                                      "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
     _wait(lambda: gauge() == 0.0, 30, "kvnotes_tier_remote_up to drop to 0")
-    _wait(lambda: metric(_metrics(http), "kvnotes_fallbacks_total", reason="tier_remote_down") > down0, 30,
-          "the recompute a down remote tier caused to be counted")
-    state["tier"] = start_tier_server(old.host, old.port, log_path=old.log_path)
+    _wait(lambda: down() > down0, 30, "the recompute a down remote tier caused to be counted")
+    state["tier"] = start_tier_server(old.host, old.port, key=state["tier_key"], log_path=old.log_path)
 
     def back():
         _ask(http, "Is the battery covered?")
         return gauge() == 1.0
-    _wait(back, 90, "kvnotes_tier_remote_up to come back to 1", every=1.0)
+    # the actors probe every tier_remote_probe_s (0.5 s here): the gauge follows within seconds
+    _wait(back, 20, "kvnotes_tier_remote_up to come back to 1", every=1.0)

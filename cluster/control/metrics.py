@@ -29,9 +29,10 @@ _STATUS_BY_CODE = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413:
 # Every fallback reason the code takes, exported as zeros from the start: a counter series that is
 # born at 1 shows no increase to rate(), so the first fallback of a reason would be invisible to the
 # dashboard and to KvnotesFallbackRateHigh. A reason missing here still counts, from its second on.
+# (tier_remote_down is counted by the prefill actors, on their own exporters, not here.)
 KNOWN_FALLBACKS = (
-    "session_context_evicted", "prompt_prefix_evicted", "tier_lookup_worker_lost", "tier_remote_down",
-    "tier_store_failed", "decode_migrated",
+    "session_context_evicted", "prompt_prefix_evicted", "tier_lookup_worker_lost", "tier_store_failed",
+    "prompt_index_unavailable", "decode_migrated",
     "kv_load_failed", "kv_mismatch", "kv_block_invalid", "kv_held_missing", "reposition_disabled",
     "kv_transport_nixl_unavailable", "kv_transport_nixl_to_grpc", "kv_send_pool_full", "kv_grpc_checksum_required",
     *(f"kv_transfer_{r}" for r in ("timeout", "rejected", "duplicate", "backpressure", "too_large", "unavailable",
@@ -142,6 +143,12 @@ class Metrics:
                                         ["kind", "in_tier"], registry=r)
         self.state_entries = Gauge("kvnotes_state_entries", "Entries in the state store (sessions and the prompt "
                                    "index are bounded by TTL and count)", ["kind"], registry=r)
+        self.state_store_up = Gauge("kvnotes_state_store_up", "1 while this router replica reaches the state "
+                                    "store (a ping every state_probe_s; a request's failed call marks it 0 at once)",
+                                    registry=r)
+        self.state_store_errors = Counter("kvnotes_state_store_errors_total", "State store calls that got no answer "
+                                          "(down, unreachable, timed out), by operation; op=ping is the periodic "
+                                          "probe", ["op"], registry=r)
         self.workers_alive = Gauge("kvnotes_workers_alive", "Worker actors this router replica sees alive, by role",
                                    ["role"], registry=r)
         self.retries = Counter("kvnotes_retries_total", "Requests retried on another worker, streams continued on "

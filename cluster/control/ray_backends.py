@@ -46,8 +46,9 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
     # PYTHONHASHSEED: LMCache falls back to Python's hash() without vLLM; fix it so keys agree across processes
     env = {"env_vars": {"LMCACHE_TRACK_USAGE": "false", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}}
     groups = {HEALTH_GROUP: 1}
+    key = tier_key_of(cfg)
     pre = [ray.remote(concurrency_groups=groups)(PrefillWorker)
-           .options(runtime_env=env, **_options(cfg, cfg.prefill, "prefill", f"prefill-{i}")).remote(cfg, i)
+           .options(runtime_env=env, **_options(cfg, cfg.prefill, "prefill", f"prefill-{i}")).remote(cfg, i, key)
            for i in range(cfg.prefill.count)]
     dec = []
     for i in range(cfg.decode.count):
@@ -73,6 +74,21 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
     for info in infos:
         log.info("worker ready: %s", info)
     return pre, dec
+
+
+def tier_key_of(cfg: ClusterConfig) -> bytes | None:
+    """The lm:// tier key (kvtransport.tier_auth.tier_key of the cluster secret in the state
+    store), or None without a remote tier. Ray keeps it in the actors' creation arguments, so a
+    restarted prefill actor gets it again."""
+    if not cfg.tier_remote_url:
+        return None
+    from cluster.control.state import open_state
+    from kvtransport.tier_auth import tier_key
+    state = open_state(cfg.resolved_state_url)
+    try:
+        return tier_key(state.secret())
+    finally:
+        state.close()
 
 
 def _start_timeout_message(cfg: ClusterConfig, missing: list[str]) -> str:

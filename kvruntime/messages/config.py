@@ -63,6 +63,11 @@ class ClusterConfig:
     session_max: int = 100_000                 # and at most this many are kept (least recently used go first)
     prompt_index_ttl_s: float = 3600.0         # plain-prompt prefix index entries expire after this
     prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
+    state_timeout_s: float = 2.0               # a Redis call without an answer within this fails: 503 state_store_unavailable
+    state_probe_s: float = 1.0                 # each router replica pings the state store this often (/ready, kvnotes_state_store_up)
+    # a validated API key is trusted this long per router replica without a store read: a revoked key
+    # still works for up to auth_cache_s; during a state store outage recently seen keys keep working (0 = off)
+    auth_cache_s: float = 30.0
     tenant: str = "default"                    # tenant of the key the embedded default creates (and of every request when auth is off)
     # who may do what (cluster.http.auth): API keys map to tenants in the state store (`kvnotes keys ...`)
     auth: bool = True                          # False only allowed with a loopback host
@@ -128,6 +133,10 @@ class ClusterConfig:
             raise ValueError("port must be in 1..65535")
         if self.seam_tokens < 0 or self.max_tokens_limit < 1 or self.transfer_timeout_s <= 0:
             raise ValueError("seam_tokens >= 0, max_tokens_limit >= 1 and transfer_timeout_s > 0 required")
+        if not 0 < self.state_timeout_s <= 60 or not 0 < self.state_probe_s <= 60:
+            raise ValueError("state_timeout_s and state_probe_s must be in (0, 60] seconds")
+        if not 0 <= self.auth_cache_s <= 3600:
+            raise ValueError(f"auth_cache_s must be in [0, 3600] seconds (0 = no cache), got {self.auth_cache_s}")
         if self.router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
         if self.session_ttl_s <= 0 or self.prompt_index_ttl_s <= 0 or self.session_max < 1 or self.prompt_index_max < 1:
