@@ -133,7 +133,8 @@ class DecodeExecutor:
         held cache; see :meth:`held_prefix`). ``held_only``: no block comes for ``transfer_id``;
         the prefix is what was pinned for it plus the rest, computed here. ``continuation``: the
         request was started by another worker, which streamed ``continuation.tokens``; they are
-        prefilled here after the suffix and decoding goes on from there (event indices, penalties,
+        replayed here after the suffix, one decode step each (the lost worker's own arithmetic, so
+        greedy output equals an undisturbed run), and decoding goes on from there (event indices, penalties,
         seeded draws, stop strings and ``max_tokens`` continue; the summary counts every token)."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
@@ -145,7 +146,6 @@ class DecodeExecutor:
                 stream.finish()
                 yield DecodeSummary(len(done), "stop" if stream.stopped else "length", (), 0.0, stream.text)
                 return
-            suffix_ids = tuple(suffix_ids) + tuple(done)
         t = time.perf_counter()
         fallbacks: list[str] = []
         stages: dict[str, float] = {}
@@ -155,11 +155,14 @@ class DecodeExecutor:
         start = len(prefix_ids)
         t_suffix = time.perf_counter()
         # the context is copied once into a buffer with room for the suffix and every token to come
-        session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens - len(done))
+        session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens)
         logits = session.step(suffix_ids, range(start, start + len(suffix_ids)))
+        pos = start + len(suffix_ids)
+        for tok in done:     # a continuation replays the streamed tokens one step each, as the lost worker
+            logits, pos = session.step([tok], [pos]), pos + 1     # computed them: the same logits after
         stages["suffix_forward"] = time.perf_counter() - t_suffix
         sampler = Sampler(sampling, logits.numel(), history=done)
-        pos, n, finish = start + len(suffix_ids), len(done), "length"
+        n, finish = len(done), "length"
         while n < sampling.max_tokens:
             tok, lp, top = sampler.pick(logits)
             if tok in self.engine.eos_ids:

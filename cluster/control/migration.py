@@ -5,7 +5,7 @@ its own is lost after the first token, so the client sees one uninterrupted stre
 and remembers what went out (token ids, text). When that worker is lost mid-stream
 (:class:`~cluster.control.routing.WorkerLost`, role ``decode``) it picks another live decode worker and
 calls it with a :class:`~kvruntime.messages.decode.Continuation`: no KV block is sent, the new worker
-prefills the prompt plus the streamed tokens itself (a counted recompute: the fallback
+computes the prompt itself and replays the streamed tokens one decode step each (a counted recompute: the fallback
 ``decode_migrated``), then samples on from step ``len(tokens)`` with the same sampling parameters
 (seed, penalties, stop strings, ``max_tokens`` and log-probs continue). Each migration is logged
 and counted in ``kvnotes_retries_total{role="decode",reason="migrated"}``; at most
