@@ -95,8 +95,10 @@ class VllmDecodeExecutor:
                                        "kvnotes_grpc_port": port, "kvnotes_receive_timeout_s": receive_timeout,
                                        "kvnotes_receiver": self._receiver_key, "kvnotes_kv_load": kv_load,
                                        "kvnotes_load_threads": load_threads})
+        # the checkpoint directory itself (a registry model: its converted one); never past the model's window
         args = EngineArgs(model=str(ckpt), tokenizer=str(ckpt), dtype=dtype, enforce_eager=True,
-                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                          enable_prefix_caching=enable_prefix_caching,
+                          max_model_len=min(max_model_len, self.spec.context_window),
                           kv_transfer_config=ktc, disable_log_stats=False, seed=0)
         t = time.perf_counter()
         _guard_llvmlite_for_vllm()
