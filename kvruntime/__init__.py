@@ -6,6 +6,8 @@ decode engine and as the oracle tests compare vLLM against. It never imports fro
 ``cluster``, ``prefill_workers`` or ``decode_workers``.
 
 Boxes inside:
+- ``model_spec``: :class:`ModelSpec`, what a model name means; ``cache``: the kvnotes cache
+  directory and the file hash its entries are keyed by (both import nothing of kvruntime).
 - ``models``: the model registry (names, GGUF sources, chat framing) and the entry point that
   also takes a local HF checkpoint directory.
 - ``hf_models``: a checkpoint directory as a model: architecture, context window and chat
@@ -17,5 +19,6 @@ Boxes inside:
 - ``engine``: the reference engine (torch + transformers): prefill at arbitrary positions
   against an arbitrary past, greedy/sampled decode.
 - ``ops``: the KV operations: reposition/splice/seam repair, erratum, edit-in-place, recompute.
-- ``fidelity``: the harness that measures each operation against full recompute.
+- ``fidelity``: the harness that measures each operation against full recompute, and
+  (``fidelity.profiles``) where a model's measured profile lives, keyed by its content hash.
 """

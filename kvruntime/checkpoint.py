@@ -7,32 +7,18 @@ reference engine is bit-for-bit the GGUF model; engines may cast on load.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from kvruntime.cache import cache_root, sha256_file  # noqa: F401 (re-exported)
 from kvruntime.models import ModelSpec, locate_gguf
 
 log = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    """``$KVNOTES_CACHE`` or ``~/.cache/kvnotes``."""
-    return Path(os.environ.get("KVNOTES_CACHE", Path.home() / ".cache" / "kvnotes"))
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def ensure_checkpoint(spec: ModelSpec) -> Path:

@@ -20,7 +20,6 @@ what is missing (:class:`ModelRefused`); nothing is served approximately. Torch-
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -137,7 +136,7 @@ def content_hash(path: Path) -> str:
     """SHA-256 (hex) over config.json and every ``*.safetensors`` file (name and bytes), in name
     order. Cost: one read of the weights (~1 GB/s), remembered per (file, size, mtime) under the
     kvnotes cache so a restart does not hash again."""
-    from kvruntime.checkpoint import cache_root, sha256_file
+    from kvruntime.cache import cache_root, sha256_file
 
     files = [path / "config.json"] + sorted(p for g in _WEIGHTS for p in path.glob(g))
     memo_dir = cache_root() / "hashes"
@@ -189,7 +188,7 @@ def spec_from_checkpoint(model: str):
     (see :func:`content_hash`); loads no weights."""
     import transformers
 
-    from kvruntime.models import ModelSpec
+    from kvruntime.model_spec import ModelSpec
 
     path = Path(os.path.expanduser(model)).resolve()
     if not (path / "config.json").is_file():

@@ -82,7 +82,7 @@ class RouterIngress:
         from cluster.control.shadow import ShadowConfig
         from cluster.control.state import StoreLimits, open_state
         from kvruntime.checkpoint import ensure_checkpoint
-        from kvruntime.fidelity.profiles import find_profile
+        from kvruntime.fidelity.profiles import calibration_line, find_profile
         from kvruntime.models import get_model_spec
         import transformers
 
@@ -122,8 +122,7 @@ class RouterIngress:
         self.process = f"router-{_replica_id()}"
         self.metrics_target = start_exporter(self.router.metrics.registry, host=node_ip())
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
-        from cluster.ops.launcher import calibration_line
-        (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(cfg, spec))
+        (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.model))
         log.info("router up: model %s (%s), edit plans by %s; compose by fidelity target: %s", self.served,
                  spec.name, self.router.edit_choice, self.router.fidelity["compose"])
 

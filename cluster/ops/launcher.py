@@ -77,12 +77,8 @@ def check_model(cfg: ClusterConfig):
 
 def calibration_line(cfg: ClusterConfig, spec) -> str:
     """One line: which fidelity profile the planner reads for this model, or that there is none."""
-    from kvruntime.fidelity.profiles import find_profile
-    prof = find_profile(spec, cfg.profiles_dir)
-    if prof.calibrated:
-        return f"model {spec.name} is calibrated: fidelity profile {prof.path}"
-    return (f"model {spec.name} is not calibrated (no fidelity profile at {prof.path}): policy balanced gets "
-            f"exact reuse only until `kvnotes calibrate --model {cfg.model}` measures one")
+    from kvruntime.fidelity.profiles import calibration_line as line, find_profile
+    return line(find_profile(spec, cfg.profiles_dir), cfg.model)
 
 
 def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
@@ -191,11 +187,11 @@ def stop(cfg: ClusterConfig) -> None:
 
 def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     """Start, print how to call it, serve until Ctrl-C / SIGTERM, then stop everything."""
+    spec = check_model(cfg)            # refused: one line from the CLI, nothing started
     where = f"joining the Ray cluster at {cfg.ray_address}" if cfg.ray_address else "starting local cluster"
     print(f"kvnotes: {where} (model {cfg.model}, {cfg.prefill.count} prefill + "
           f"{cfg.decode.count} decode actors); the first start converts the model (~30 s)...", flush=True)
     base = f"http://{cfg.host}:{cfg.port}"
-    spec = check_model(cfg)            # refused: one line from the CLI, nothing started
     print(f"kvnotes: {calibration_line(cfg, spec)}", flush=True)
     try:
         start(cfg)

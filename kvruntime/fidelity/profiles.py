@@ -25,7 +25,7 @@ from kvruntime.fidelity.report import TABLES_DIR, load_summary, save_summary
 
 
 def default_profiles_dir() -> Path:
-    from kvruntime.checkpoint import cache_root
+    from kvruntime.cache import cache_root
     return cache_root() / "profiles"
 
 
@@ -66,3 +66,12 @@ def write_profile(spec, summary: dict, directory: str | Path | None = None) -> P
     """Save ``summary`` as ``spec``'s profile (see :func:`profile_path`)."""
     path = profile_path(spec, directory)
     return save_summary(path.stem, summary, path.parent)
+
+
+def calibration_line(profile: Profile, model_arg: str) -> str:
+    """One log line: the profile the planner reads, or that the model is uncalibrated and what
+    that means (``model_arg``: the config's ``model``, for the command to run)."""
+    if profile.calibrated:
+        return f"model {profile.model} is calibrated: fidelity profile {profile.path}"
+    return (f"model {profile.model} is not calibrated (no fidelity profile at {profile.path}): policy balanced "
+            f"gets exact reuse only until `kvnotes calibrate --model {model_arg}` measures one")
