@@ -105,7 +105,9 @@ class VllmDecodeExecutor:
         self.engine = LLMEngine.from_engine_args(args)
         self.address = receiver.endpoint.grpc_address if receiver is not None else f"{grpc_host}:{port}"
         self.block_size = self.engine.vllm_config.cache_config.block_size   # APC granularity (tokens)
-        self.eos_ids = {self.engine.get_tokenizer().eos_token_id}
+        # the reference engine's stop set (vLLM alone stops at the generation config's EOS only)
+        from kvruntime.hf_models import eos_token_ids
+        self.eos_ids = eos_token_ids(self.engine.get_tokenizer(), _generation_config(ckpt))
         log.info("vLLM decode engine for %s up in %.1f s; KV inbox %s", self.spec.name, time.perf_counter() - t,
                  self.address)
         self._threads = threads
@@ -202,6 +204,7 @@ class VllmDecodeExecutor:
                        seed=sampling.seed, stop=list(sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
                        presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
                        logit_bias=dict(sampling.logit_bias) or None, logprobs=sampling.logprobs,
+                       stop_token_ids=sorted(self.eos_ids),
                        extra_args=extra)
         prompt = {"prompt_token_ids": list(prefix_ids) + list(suffix_ids)}
         if salt:
@@ -252,6 +255,15 @@ class VllmDecodeExecutor:
         if first is not None:
             stages["first_token"] = first
         yield DecodeSummary(n, finish, tuple(fallbacks), first or 0.0, text, cached, loaded, tuple(stages.items()))
+
+
+def _generation_config(ckpt):
+    """The checkpoint's generation_config.json, or None where it has none."""
+    import transformers
+    try:
+        return transformers.GenerationConfig.from_pretrained(str(ckpt))
+    except OSError:
+        return None
 
 
 def _logprobs(tok: int, lp, sampling: SamplingParams) -> tuple[float | None, tuple[tuple[int, float], ...]]:
