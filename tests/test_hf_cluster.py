@@ -94,8 +94,8 @@ def test_checkpoint_served_end_to_end(ray_once, tiny_checkpoints, family):
     ckpt = tiny_checkpoints[family]
     cfg = dataclasses.replace(ray_once, model=str(ckpt))
     spec = get_model_spec(str(ckpt))
-    if family == "llama3":           # one family calibrated (2 cases): /health finds its profile by content hash
-        calibrate(str(ckpt), cases=2, out=cfg.profiles_dir, threads=1)
+    if family == "llama3":           # one family calibrated (1 case): /health finds its profile by content hash
+        calibrate(str(ckpt), cases=1, out=cfg.profiles_dir, threads=1)
     t0 = time.monotonic()
     start(cfg, local_cpus=4)
     try:
