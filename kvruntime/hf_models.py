@@ -136,7 +136,7 @@ def content_hash(path: Path) -> str:
     """SHA-256 (hex) over config.json and every ``*.safetensors`` file (name and bytes), in name
     order. Cost: one read of the weights (~1 GB/s), remembered per (file, size, mtime) under the
     kvnotes cache so a restart does not hash again."""
-    from kvruntime.cache import cache_root, sha256_file
+    from kvruntime.checkpoint import cache_root, sha256_file
 
     files = [path / "config.json"] + sorted(p for g in _WEIGHTS for p in path.glob(g))
     memo_dir = cache_root() / "hashes"

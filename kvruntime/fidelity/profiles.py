@@ -25,7 +25,7 @@ from kvruntime.fidelity.report import TABLES_DIR, load_summary, save_summary
 
 
 def default_profiles_dir() -> Path:
-    from kvruntime.cache import cache_root
+    from kvruntime.checkpoint import cache_root
     return cache_root() / "profiles"
 
 

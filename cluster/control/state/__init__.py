@@ -12,15 +12,18 @@ Two backends behind one interface (``base.StateStore``), passing the same contra
 - ``redis://HOST:PORT/DB`` (multi-node: a real ``redis-server``).
 Sessions and the prompt index are bounded: a TTL and a maximum count (least recently used go
 first), with their sizes exported as gauges.
+A store that does not answer raises ``StateStoreUnavailable`` from every method (both backends);
+each router replica watches it (``watch.StoreWatch``: a probe every ``state_probe_s``).
 """
 from __future__ import annotations
 
-from cluster.control.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord  # noqa: F401
+from cluster.control.state.base import (ApiKeyRecord, Registration, StateStore, StateStoreUnavailable,  # noqa: F401
+                                        StoreLimits, TemplateRecord)
 
 
 def open_state(url: str, limits: "StoreLimits | None" = None) -> StateStore:
     """Open the store named by ``url`` (``sqlite:///PATH`` or ``redis://HOST:PORT/DB``).
-    Raises ``ValueError`` for an unknown scheme, ``ConnectionError`` when Redis does not answer."""
+    Raises ``ValueError`` for an unknown scheme, ``StateStoreUnavailable`` (a ``ConnectionError``) when Redis does not answer."""
     limits = limits or StoreLimits()
     if url.startswith("sqlite:///"):
         from cluster.control.state.sqlite import SqliteState

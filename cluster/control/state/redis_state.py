@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 
-from cluster.control.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord
+from cluster.control.state.base import (ApiKeyRecord, Registration, StateStore, StateStoreUnavailable, StoreLimits,
+                                        TemplateRecord)
 
 P = "kvn:"
 
@@ -30,11 +31,26 @@ class RedisState(StateStore):
         import redis
 
         self.limits = limits
-        self.r = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        # short timeouts and one immediate retry (a pooled connection that died with a restarted
+        # Redis is replaced at once): a dead store fails within ~2 x timeout_s, not after a hang
+        # (redis-py's default is 10 retries with backoff)
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+        self.r = redis.Redis.from_url(url, socket_timeout=limits.timeout_s, socket_connect_timeout=limits.timeout_s,
+                                      retry=Retry(NoBackoff(), 1))
         try:
             self.r.ping()
         except redis.RedisError as exc:
-            raise ConnectionError(f"state store {url} does not answer: {exc}") from None
+            raise StateStoreUnavailable("open", exc, url) from None
+
+    def _is_outage(self, exc):
+        # ConnectionError covers refused / reset connections, a Redis still loading its AOF
+        # (BusyLoadingError) and failed authentication; TimeoutError a store that does not answer
+        import redis
+        return isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
+
+    def ping(self):
+        self.r.ping()
 
     # ---- registrations ------------------------------------------------------------------------
     def put_registration(self, reg):
