@@ -38,14 +38,16 @@ class DecodeWorker:
         from kvtransport.endpoints import Receiver
         from kvtransport.options import grpc_config, nixl_config
 
-        self.index, self.engine_kind, self.model = index, cfg.decode_engine, cfg.model
+        from kvruntime.models import get_model_spec
+        # block headers carry the model's spec name (a checkpoint's <dir>-<content hash>), not the config's path
+        self.index, self.engine_kind, self.model = index, cfg.decode_engine, get_model_spec(cfg.model).name
         self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
         self._cancel_lock = threading.Lock()
         self._own: set[str] = set()                # transfers announced with no block to come (announce)
         device = "cuda" if cfg.decode.num_gpus > 0 else "cpu"
         ip, node_id = node_address()
         host = host or ip
-        self.receiver = Receiver(cfg.kv_transport, cfg.model, cfg.dtype, bind=host, advertise=host, node_id=node_id,
+        self.receiver = Receiver(cfg.kv_transport, self.model, cfg.dtype, bind=host, advertise=host, node_id=node_id,
                                  grpc_cfg=grpc_config(cfg), nixl_cfg=nixl_config(cfg))
         # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine
         # is vLLM (they live in the process-wide registry served here)

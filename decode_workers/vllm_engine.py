@@ -96,15 +96,19 @@ class VllmDecodeExecutor:
                                        "kvnotes_grpc_port": port, "kvnotes_receive_timeout_s": receive_timeout,
                                        "kvnotes_receiver": self._receiver_key, "kvnotes_kv_load": kv_load,
                                        "kvnotes_load_threads": load_threads})
+        # the checkpoint directory itself (a registry model: its converted one); never past the model's window
         args = EngineArgs(model=str(ckpt), tokenizer=str(ckpt), dtype=dtype, enforce_eager=True,
-                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                          enable_prefix_caching=enable_prefix_caching,
+                          max_model_len=min(max_model_len, self.spec.context_window),
                           kv_transfer_config=ktc, disable_log_stats=False, seed=0)
         t = time.perf_counter()
         _guard_llvmlite_for_vllm()
         self.engine = LLMEngine.from_engine_args(args)
         self.address = receiver.endpoint.grpc_address if receiver is not None else f"{grpc_host}:{port}"
         self.block_size = self.engine.vllm_config.cache_config.block_size   # APC granularity (tokens)
-        self.eos_ids = {self.engine.get_tokenizer().eos_token_id}
+        # the reference engine's stop set (vLLM alone stops at the generation config's EOS only)
+        from kvruntime.hf_models import eos_token_ids
+        self.eos_ids = eos_token_ids(self.engine.get_tokenizer(), _generation_config(ckpt))
         log.info("vLLM decode engine for %s up in %.1f s; KV inbox %s", self.spec.name, time.perf_counter() - t,
                  self.address)
         self._threads = threads
@@ -214,6 +218,7 @@ class VllmDecodeExecutor:
                        seed=sampling.seed, stop=list(sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
                        presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
                        logit_bias=dict(sampling.logit_bias) or None, logprobs=sampling.logprobs,
+                       stop_token_ids=sorted(self.eos_ids),
                        extra_args=extra)
         prompt = {"prompt_token_ids": list(prefix_ids) + list(suffix_ids)}
         if salt:
@@ -265,6 +270,15 @@ class VllmDecodeExecutor:
         if first is not None:
             stages["first_token"] = first
         yield DecodeSummary(n, finish, tuple(fallbacks), first or 0.0, text, cached, loaded, tuple(stages.items()))
+
+
+def _generation_config(ckpt):
+    """The checkpoint's generation_config.json, or None where it has none."""
+    import transformers
+    try:
+        return transformers.GenerationConfig.from_pretrained(str(ckpt))
+    except OSError:
+        return None
 
 
 def _logprobs(tok: int, lp, sampling: SamplingParams) -> tuple[float | None, tuple[tuple[int, float], ...]]:

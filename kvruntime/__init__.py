@@ -17,5 +17,6 @@ Boxes inside:
 - ``engine``: the reference engine (torch + transformers): prefill at arbitrary positions
   against an arbitrary past, greedy/sampled decode.
 - ``ops``: the KV operations: reposition/splice/seam repair, erratum, edit-in-place, recompute.
-- ``fidelity``: the harness that measures each operation against full recompute.
+- ``fidelity``: the harness that measures each operation against full recompute, and
+  (``fidelity.profiles``) where a model's measured profile lives, keyed by its content hash.
 """

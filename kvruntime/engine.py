@@ -98,15 +98,8 @@ class ReferenceEngine:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def _eos_ids(self) -> set[int]:
-        ids = {self.tokenizer.eos_token_id}
-        gen = getattr(self.model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos])
-        for t in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>"):
-            tid = self.tokenizer.convert_tokens_to_ids(t)
-            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
-                ids.add(tid)
-        return {i for i in ids if i is not None}
+        from kvruntime.hf_models import eos_token_ids
+        return eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
 
     # ---- KV helpers ------------------------------------------------------------------------
     def empty_kv(self) -> KVCache:

@@ -178,6 +178,24 @@ def chat_framing(tokenizer) -> tuple[str, str, bool]:
     return (pre[len(bos):] if prepend else pre), post, prepend
 
 
+#: end-of-turn tokens of the common chat templates: a generation ends at any the vocabulary has
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+
+
+def eos_token_ids(tokenizer, generation_config=None) -> set[int]:
+    """Token ids that end a generation: the tokenizer's EOS, the generation config's
+    ``eos_token_id`` (one or a list), and the known end-of-turn tokens in the vocabulary. Both
+    decode engines (reference and vLLM: its ``stop_token_ids``) stop at the same set."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    for t in END_OF_TURN:
+        tid = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return {i for i in ids if i is not None}
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")[:40] or "model"
 

@@ -126,3 +126,34 @@ def save_config_only(root: Path, name: str, config) -> Path:
     d = root / name
     config.save_pretrained(d)
     return d
+
+
+def vllm_configs(tok_for) -> dict:
+    """family -> (config, template) with head_dim 64, which vLLM's CPU attention supports (16 is not)."""
+    import transformers as T
+    small = dict(intermediate_size=128, num_hidden_layers=3, max_position_embeddings=4096, initializer_range=0.1)
+
+    def ids(t):
+        return _ids(tok_for(t), *TEMPLATES[t][:2])
+    return {
+        "llama3": (T.LlamaConfig(**small, **ids("llama"), hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 512}), "llama"),
+        "qwen3": (T.Qwen3Config(**small, **ids("qwen3"), hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=64), "qwen3"),
+    }
+
+
+def build(root: Path, family: str, *, for_vllm: bool = False) -> Path:
+    """One family's checkpoint under ``root`` (``for_vllm``: the head_dim 64 variant)."""
+    import torch
+    import transformers as T
+
+    toks = {t: tokenizer(t) for t in TEMPLATES}
+    cfg, template = (vllm_configs if for_vllm else configs)(toks.__getitem__)[family]
+    torch.manual_seed(0)
+    d = root / f"tiny-{family}{'-hd64' if for_vllm else ''}"
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    toks[template].save_pretrained(d)
+    return d

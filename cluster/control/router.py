@@ -48,8 +48,9 @@ class Router:
                  fidelity_summary: dict | None = None, context_window: int = 8192, max_tokens_limit: int = 2048,
                  default_tenant: str = "default", balanced_min_top1: float = 0.97,
                  fast_min_top1: float | None = None, shadow: ShadowConfig | None = None,
-                 decode_computes_cold: bool = False):
+                 decode_computes_cold: bool = False, served_model: str | None = None):
         self.backends, self.renderer, self.state = backends, renderer, state
+        self.served_model = served_model or renderer.spec.name     # the API's `model` (clients send and see)
         self.model_id, self.dtype = model_id, dtype
         self.registry: Registry = renderer.registry
         self.metrics = metrics or Metrics()

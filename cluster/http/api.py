@@ -106,7 +106,7 @@ class _Logprobs:
 
 async def openai_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str, *,
                           chat: bool) -> Response:
-    model = router.renderer.spec.name
+    model = router.served_model
     policy, stream, explain = common_options(body, model)
     logprobs, include_usage = openai_extras(body, chat=chat)
     vocab = len(router.renderer.tok)
@@ -173,7 +173,7 @@ async def openai_complete(router: Router, limits: RequestLimits, body: dict, ten
 
 
 async def notes_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str) -> Response:
-    policy, stream, explain = common_options(body, router.renderer.spec.name)
+    policy, stream, explain = common_options(body, router.served_model)
     segments, session = native_body(body, limits)
     sampling = sampling_from(body, default_max_tokens=64, limits=limits, vocab=len(router.renderer.tok))
     first, gen = await _primed(router.stream_native(tenant, segments, policy=policy, session=session,
@@ -183,7 +183,7 @@ async def notes_complete(router: Router, limits: RequestLimits, body: dict, tena
     if not stream:
         evs, fin = await _collect(first, gen)
         sent = "".join(e.text for e in evs)
-        return JSONResponse({"id": nid, "object": "notes.completion", "model": router.renderer.spec.name,
+        return JSONResponse({"id": nid, "object": "notes.completion", "model": router.served_model,
                              "text": sent + _tail(sent, fin), "finish_reason": fin.summary.finish_reason,
                              "usage": _usage(fin), **_kvnotes(fin, explain)})
 

@@ -85,7 +85,7 @@ class RouterIngress:
         from cluster.control.shadow import ShadowConfig
         from cluster.control.state import StoreLimits, open_state
         from kvruntime.checkpoint import ensure_checkpoint
-        from kvruntime.fidelity.report import load_summary
+        from kvruntime.fidelity.profiles import calibration_line, find_profile
         from kvruntime.models import get_model_spec
         import transformers
 
@@ -93,21 +93,24 @@ class RouterIngress:
         spec = get_model_spec(cfg.model)
         ckpt = ensure_checkpoint(spec)
         tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+        # keyed by what the weights are (a checkpoint's content hash), not by the config's path
+        self.profile = find_profile(spec, cfg.profiles_dir)
+        self.served = cfg.served_name(spec.name)      # the API's `model`; KV and profiles use spec.name
         backends = RayBackends.from_names(cfg)
         self.state = open_state(cfg.resolved_state_url, StoreLimits(cfg.session_ttl_s, cfg.session_max,
                                                                     cfg.prompt_index_ttl_s, cfg.prompt_index_max,
                                                                     cfg.state_timeout_s))
         self.router = Router(backends, Renderer(tok, spec, Registry(self.state), tok.bos_token_id), self.state,
-                             ckpt.name, cfg.dtype,
+                             spec.name if spec.checkpoint else ckpt.name, cfg.dtype,   # = engine.model_id
                              default_policy=cfg.default_policy, seam_tokens=cfg.seam_tokens,
-                             fidelity_summary=load_summary(cfg.model), context_window=spec.context_window,
+                             fidelity_summary=self.profile.summary, context_window=spec.context_window,
                              max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant,
                              balanced_min_top1=cfg.balanced_min_top1, fast_min_top1=cfg.fast_min_top1,
                              shadow=ShadowConfig(cfg.shadow_fraction, frozenset(cfg.shadow_opt_out_tenants),
                                                  cfg.shadow_max_in_flight, cfg.shadow_window,
                                                  cfg.shadow_min_samples, cfg.shadow_demote_s),
                              # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
-                             decode_computes_cold=cfg.decode_engine == "vllm")
+                             decode_computes_cold=cfg.decode_engine == "vllm", served_model=self.served)
         from cluster.control.state.watch import StoreWatch
         from cluster.http.auth import Authenticator
         from cluster.http.body import InflightLimiter
@@ -125,8 +128,9 @@ class RouterIngress:
         self.process = f"router-{_replica_id()}"
         self.metrics_target = start_exporter(self.router.metrics.registry, host=node_ip())
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
-        log.info("router up: model %s, edit plans by %s; compose by fidelity target: %s", cfg.model,
-                 self.router.edit_choice, self.router.fidelity["compose"])
+        (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.model))
+        log.info("router up: model %s (%s), edit plans by %s; compose by fidelity target: %s", self.served,
+                 spec.name, self.router.edit_choice, self.router.fidelity["compose"])
 
     def _announce(self) -> None:
         """Every TARGET_REFRESH_S: refresh this replica's target and the state-size gauges."""
@@ -194,7 +198,7 @@ class RouterIngress:
         ok = all(v["live"] > 0 for v in snap.values())
         store = self.store_watch.snapshot()
         status = "unavailable" if not ok else "ok" if store["up"] else "degraded"
-        return JSONResponse({"status": status, "model": self.cfg.model, "workers": snap, "state_store": store,
+        return JSONResponse({"status": status, "model": self._model_block(), "workers": snap, "state_store": store,
                              "fidelity": self.router.fidelity},     # targets, chosen ops, shadow windows, demotions
                             status_code=200 if ok else 503)
 
@@ -205,7 +209,7 @@ class RouterIngress:
         sweeps = getattr(self.router.backends, "health_sweeps", 1)
         store = self.store_watch.snapshot()
         ok = sweeps > 0 and store["up"]
-        return JSONResponse({"ready": ok, "model": self.cfg.model, "health_sweeps": sweeps, "state_store": store},
+        return JSONResponse({"ready": ok, "model": self.served, "health_sweeps": sweeps, "state_store": store},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -250,14 +254,21 @@ class RouterIngress:
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> Response:
         async def h(_, tenant, rid):
-            if model_id != self.cfg.model:
+            if model_id != self.served:
                 raise RequestError(404, f"model {model_id!r} is not served here; this server serves "
-                                        f"{self.cfg.model!r}", code="model_not_found", param="model")
+                                        f"{self.served!r}", code="model_not_found", param="model")
             return JSONResponse(self._model_card())
         return await self._call(request, h, body=False)
 
     def _model_card(self) -> dict:
-        return {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvnotes"}
+        return {"id": self.served, "object": "model", "created": 0, "owned_by": "kvnotes"}
+
+    def _model_block(self) -> dict:
+        """``/health``'s model: the API name, the weights' id, and whether a fidelity profile was
+        measured (uncalibrated: policy balanced gets exact reuse only)."""
+        spec = self.router.renderer.spec
+        return {"name": self.served, "id": spec.name, "checkpoint": spec.checkpoint, "dtype": self.cfg.dtype,
+                "calibrated": self.profile.calibrated, "profile": str(self.profile.path)}
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

@@ -90,8 +90,11 @@ def status(t: Target, out=sys.stdout) -> int:
     except httpx.HTTPError as exc:
         raise AdminError(f"cannot reach the router at {t.url}: {exc}") from None
     health = h.json() if h.headers.get("content-type", "").startswith("application/json") else {}
-    print(f"router   {t.url}  HTTP {h.status_code}  status={health.get('status', '?')}  "
-          f"model={health.get('model', '?')}", file=out)
+    model = health.get("model", "?")
+    if isinstance(model, dict):          # name, id (weights), calibrated, profile
+        model = (f"{model.get('name', '?')} ({model.get('id', '?')}, "
+                 f"{'calibrated' if model.get('calibrated') else 'NOT calibrated: balanced = exact reuse only'})")
+    print(f"router   {t.url}  HTTP {h.status_code}  status={health.get('status', '?')}  model={model}", file=out)
     workers = health.get("workers") or {}
     for role, info in sorted(workers.items()) if isinstance(workers, dict) else ():
         print(f"workers  {role}: {info.get('live', '?')}/{info.get('total', '?')} alive", file=out)

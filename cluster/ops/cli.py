@@ -29,6 +29,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None,
                    help="join this Ray cluster (host:port or auto; overrides ray_address in the config)")
 
+    c = sub.add_parser("calibrate", help="measure a model's fidelity profile (what balanced may compose)")
+    c.add_argument("--model", required=True, help="checkpoint directory (or registry name)")
+    c.add_argument("--cases", type=int, default=None, help="only the first N compose and N edit cases (default: all)")
+    c.add_argument("--out", default=None, help="profiles directory (default: the config's profiles_dir, else "
+                                               "~/.cache/kvnotes/profiles)")
+    c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: the config's dtype, else float32")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--config", default=None, help="the cluster's config (profiles_dir, dtype, balanced_min_top1)")
+
     k = sub.add_parser("keys", help="API keys: each maps to a tenant (only its hash is stored)")
     ksub = k.add_subparsers(dest="action", required=True)
     kc = ksub.add_parser("create", help="create a key for a tenant; the key is the last line printed")
@@ -136,6 +147,15 @@ def main(argv: list[str] | None = None) -> int:
             return _tier_server(args)
         if args.cmd == "keys":
             return _keys(args)
+        if args.cmd == "calibrate":
+            from cluster.ops.calibrate import calibrate
+            from kvruntime.messages.config import ClusterConfig
+            cfg = ClusterConfig.from_file(args.config) if args.config else None
+            calibrate(args.model, cases=args.cases, out=args.out or (cfg.profiles_dir if cfg else None),
+                      dtype=args.dtype or (cfg.dtype if cfg else "float32"), device=args.device, threads=args.threads,
+                      min_top1=cfg.balanced_min_top1 if cfg else 0.97,
+                      command="kvnotes " + " ".join(argv if argv is not None else sys.argv[1:]))
+            return 0
         if args.cmd == "demo":
             from cluster.ops.demo import run_demo
             return run_demo(args.model, threads=args.threads)

@@ -68,6 +68,19 @@ def connect(cfg: ClusterConfig) -> None:
                            f"{first[:300]}{hint}") from None
 
 
+def check_model(cfg: ClusterConfig):
+    """The model's spec (a checkpoint directory: read, hashed, its architecture checked), or
+    ``ValueError`` of one line (``ModelRefused`` names what is missing) before anything starts."""
+    from kvruntime.models import get_model_spec
+    return get_model_spec(cfg.model)
+
+
+def calibration_line(cfg: ClusterConfig, spec) -> str:
+    """One line: which fidelity profile the planner reads for this model, or that there is none."""
+    from kvruntime.fidelity.profiles import calibration_line as line, find_profile
+    return line(find_profile(spec, cfg.profiles_dir), cfg.model)
+
+
 def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     """Start everything and return once the router answers; idempotent within one Ray session."""
     import ray
@@ -76,6 +89,7 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     from kvtransport.options import check
 
     check(cfg)               # kv_grpc / kv_nixl: a bad key fails here, not inside every actor
+    check_model(cfg)         # a refused architecture fails here in one line, before Ray starts
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     if not ray.is_initialized():
         if cfg.ray_address:
@@ -173,10 +187,12 @@ def stop(cfg: ClusterConfig) -> None:
 
 def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     """Start, print how to call it, serve until Ctrl-C / SIGTERM, then stop everything."""
+    spec = check_model(cfg)            # refused: one line from the CLI, nothing started
     where = f"joining the Ray cluster at {cfg.ray_address}" if cfg.ray_address else "starting local cluster"
     print(f"kvnotes: {where} (model {cfg.model}, {cfg.prefill.count} prefill + "
           f"{cfg.decode.count} decode actors); the first start converts the model (~30 s)...", flush=True)
     base = f"http://{cfg.host}:{cfg.port}"
+    print(f"kvnotes: {calibration_line(cfg, spec)}", flush=True)
     try:
         start(cfg)
         key = ensure_api_key(cfg)
@@ -199,7 +215,7 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     hdr = f"-H \"authorization: Bearer $(cat {cfg.api_key_file})\" " if cfg.auth else ""
     print(f"""kvnotes: serving {cfg.model} on {base}  (Ctrl-C to stop)
   curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "kv_policy": "fast", "explain": true}}'
-  curl -s {base}/v1/chat/completions {hdr}-H 'content-type: application/json' -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
+  curl -s {base}/v1/chat/completions {hdr}-H 'content-type: application/json' -d '{{"model": "{cfg.served_name(spec.name)}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
   kvnotes status --url {base}{' --key "$(cat ' + str(cfg.api_key_file) + ')"' if cfg.auth else ''}     # workers, state, tier
   metrics: every process is listed at {base}/metrics/targets (Prometheus: deploy/prometheus.yml);
   dashboard: deploy/grafana/kvnotes.json; without Grafana: kvnotes report --prometheus URL --out DIR""", flush=True)

@@ -28,6 +28,8 @@ class WorkerConfig:
 class ClusterConfig:
     model: str = "smollm2-135m"                # registry name, or a local HF checkpoint directory (kvruntime.hf_models)
     dtype: str = "float32"                     # reference engine weights and KV (tier, wire): float32 | bfloat16 | float16
+    served_model_name: str | None = None       # the API's `model` (sent and shown); None: registry name, or the directory's name
+    profiles_dir: str | None = None            # calibrated fidelity profiles (`kvnotes calibrate`); None: ~/.cache/kvnotes/profiles
     host: str = "127.0.0.1"
     port: int = 8000
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
@@ -129,6 +131,9 @@ class ClusterConfig:
         if not isinstance(self.model, str) or not is_model_name(self.model):
             raise ValueError(f"model must be a registry name or a checkpoint directory with a config.json, "
                              f"got {self.model!r}")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name.strip()):
+            raise ValueError("served_model_name must be a non-empty string (or unset)")
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         if self.seam_tokens < 0 or self.max_tokens_limit < 1 or self.transfer_timeout_s <= 0:
@@ -192,6 +197,17 @@ class ClusterConfig:
         if transport not in ("grpc", "nixl"):
             raise ValueError(f"transport must be grpc or nixl, got {transport!r}")
         return dict(self.kv_grpc if transport == "grpc" else self.kv_nixl)
+
+    def served_name(self, spec_name: str) -> str:
+        """The ``model`` clients send and see: ``served_model_name``, else the registry name, else
+        the checkpoint directory's own name (``/models/Qwen3-8B`` -> ``Qwen3-8B``). Tier keys and
+        block headers use ``spec_name`` (``<dir>-<content hash>``) instead."""
+        if self.served_model_name:
+            return self.served_model_name
+        from kvruntime.models import list_models
+        if self.model in list_models():
+            return spec_name
+        return Path(self.model).expanduser().resolve().name
 
     @property
     def api_key_file(self) -> Path:
