@@ -67,12 +67,14 @@ def _pct(k, n):
 
 def summary_table(rows: dict[str, list[dict]], kinds=("compose", "decision")) -> str:
     ref = {r["case"]: r for r in rows.get(REFERENCE_OP, [])}
-    lines = ["| operation | n | top-1 agree (95% CI) | greedy-16 exact (95% CI) | answers right (recompute) | "
+    sets = [{r["case"] for r in rs} for op, rs in rows.items() if op != REFERENCE_OP]
+    common = set.intersection(*sets) if sets else set()     # cases every operation finished
+    lines = ["| operation | n | KL mean | top-1 agree (95% CI) | greedy-16 exact (95% CI) | answers right (recompute) | "
              "lost / gained | accuracy drop, 1-sided 95% bound | decision agree (95% CI) | "
              "tokens computed / context | ms / request, median (recompute) | meets target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for op in rows:
-        rs = [r for r in rows[op] if r.get("kind", "compose") in kinds]
+        rs = [r for r in rows[op] if r.get("kind", "compose") in kinds and r["case"] in common]
         n = len(rs)
         if not n:
             continue
@@ -93,7 +95,7 @@ def summary_table(rows: dict[str, list[dict]], kinds=("compose", "decision")) ->
         ok = (op != REFERENCE_OP and ratio is not None and ratio <= TARGET["max_ratio"] and top1 / n >= TARGET["top1"]
               and (not pairs or bound <= TARGET["drop_bound"]) and (not dec or k_dec / len(dec) >= TARGET["decision"]))
         lines.append(
-            f"| {op} | {n} | {_pct(top1, n)} | {_pct(exact, n)} | "
+            f"| {op} | {n} | {sum(r['kl'] for r in rs) / n:.3f} | {_pct(top1, n)} | {_pct(exact, n)} | "
             + (f"{a + c}/{len(pairs)} ({a + b}/{len(pairs)}) | {b} / {c} | "
                + ("- | " if op == REFERENCE_OP else f"{bound:+.1%} | ") if pairs else "n/a | n/a | n/a | ")
             + f"{_pct(k_dec, len(dec)) if dec else 'n/a'} | "

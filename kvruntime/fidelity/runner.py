@@ -70,14 +70,19 @@ def _finish(engine, kv: KVCache, question_ids: list[int]):
     return KVCache.cat([kv, out.kv]), out.logits
 
 
-def decision_of(engine, logits: torch.Tensor) -> str:
-    """A yes/no decision read from next-token logits: "yes" if the probability mass on the first
-    tokens of "yes"/"Yes"/" yes"/" Yes" exceeds that of the same "no" variants, else "no". (Small
-    models often start "The assistant will ..." greedily; the yes/no contest is always defined.)"""
+def decision_margin(engine, logits: torch.Tensor) -> float:
+    """log P(yes) - log P(no) at the next token, each word's probability summed over the first
+    tokens of "yes"/"Yes"/" yes"/" Yes" (and the same for "no")."""
     def ids(word):
         return sorted({engine.encode(v)[0] for v in (word, word.capitalize(), " " + word, " " + word.capitalize())})
-    p = torch.softmax(logits.float(), -1)
-    return "yes" if float(p[ids("yes")].sum()) > float(p[ids("no")].sum()) else "no"
+    lp = torch.log_softmax(logits.double(), -1)
+    return float(torch.logsumexp(lp[ids("yes")], 0) - torch.logsumexp(lp[ids("no")], 0))
+
+
+def decision_of(engine, logits: torch.Tensor) -> str:
+    """A yes/no decision read from next-token logits: "yes" if :func:`decision_margin` > 0. (Small
+    models often start "The assistant will ..." greedily; the yes/no contest is always defined.)"""
+    return "yes" if decision_margin(engine, logits) > 0 else "no"
 
 
 def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, greedy_n: int = 16,
@@ -111,6 +116,7 @@ def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, g
         top2 = torch.topk(oracle.logits.float(), 2).values
         margin = float(top2[0] - top2[1])
         oracle_dec = decision_of(engine, oracle.logits) if case.kind == "decision" else None
+        dec_margin = decision_margin(engine, oracle.logits) if case.kind == "decision" else None
 
         def segments(mode: str):
             if mode not in prefixes:
@@ -127,7 +133,7 @@ def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, g
             if case.kind == "decision":
                 dec = decision_of(engine, logits)
                 return dict(answer_ok=float(dec == case.answers[0]), decision=dec,
-                            decision_agree=float(dec == oracle_dec))
+                            decision_agree=float(dec == oracle_dec), oracle_decision_margin=dec_margin)
             return dict(answer_ok=answer_correct(engine.decode(g), case.answers) if case.answers else None)
         common = dict(case=case.id, kind=case.kind, context_tokens=len(ids), oracle_margin=margin)
         if case.answers:
