@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", nargs="+", default=["bos", "frame"])
     ap.add_argument("--methods", nargs="+", default=["seam1", "kv1", "qlast"])
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.05, 0.10])
+    ap.add_argument("--only", nargs="+", help="measure only these op names of the grid (e.g. 'frame | kv1 10%%')")
     ap.add_argument("--rows-out")
     ap.add_argument("--from-rows", nargs="+")
     args = ap.parse_args(argv)
@@ -160,6 +161,11 @@ def _measure(args) -> dict[str, list[dict]]:
         if not re.fullmatch(r"seam\d+", m):
             probe_layer_of(m, engine.num_layers)
     ops = method_ops(args.compile, args.methods, args.ratios)
+    if args.only:
+        unknown = set(args.only) - set(ops)
+        if unknown:
+            raise ValueError(f"--only names ops not in the grid: {sorted(unknown)}")
+        ops = {k: v for k, v in ops.items() if k in args.only}
     every = load_compose_cases()
     cases = [c for c in every if c.answers][: args.answered] + [c for c in every if not c.answers][: args.unanswered]
     passages = load_passages()
