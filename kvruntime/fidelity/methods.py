@@ -125,6 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--answered", type=int, default=0, help="first N compose cases that carry an answer")
     ap.add_argument("--unanswered", type=int, default=0, help="first N compose cases without one")
     ap.add_argument("--decisions", type=int, default=0, help="first N yes/no decision cases")
+    ap.add_argument("--decisions-from", type=int, default=0, help="skip the first N decision cases")
     ap.add_argument("--compile", nargs="+", default=["bos", "frame"])
     ap.add_argument("--methods", nargs="+", default=["seam1", "kv1", "qlast"])
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.05, 0.10])
@@ -170,6 +171,7 @@ def _measure(args) -> dict[str, list[dict]]:
     cases = [c for c in every if c.answers][: args.answered] + [c for c in every if not c.answers][: args.unanswered]
     passages = load_passages()
     dec, dec_passages = load_decision_cases(args.decisions) if args.decisions else ([], {})
+    dec = dec[args.decisions_from:]
     out = open(args.rows_out, "w") if args.rows_out else None
     rows: dict[str, list[dict]] = defaultdict(list)
     try:
