@@ -19,7 +19,7 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.messages.keys import (KEY_VERSION, KV_DTYPES, ChunkKey, check_model_id,  # noqa: F401 (re-exported)
-                                     tenant_salt, token_hash)
+                                     prefix_hash, tenant_salt, token_hash)
 from kvruntime.messages.plan import KVRef
 
 def rope_fingerprint(rope) -> str:
@@ -33,10 +33,10 @@ def rope_fingerprint(rope) -> str:
 
 def key_for(engine, ref: KVRef) -> ChunkKey:
     """The tier key of ``ref`` (a plan's content reference) for ``engine``'s weights (``model_id``:
-    name and content hash), KV dtype and RoPE tables: the whole derivation, so any worker finds
-    any chunk from the plan alone."""
+    name and content hash), KV dtype and RoPE tables, and the prefix the chunk was compiled after:
+    the whole derivation, so any worker finds any chunk from the plan alone."""
     return ChunkKey.build(engine.model_id, engine.dtype_name, rope_fingerprint(engine.rope), ref.token_ids,
-                          ref.tenant_salt, ref.position, ref.approx)
+                          ref.tenant_salt, ref.position, ref.approx, prefix_hash(ref.prefix))
 
 
 def key_positions(key: ChunkKey, device=None) -> torch.Tensor:

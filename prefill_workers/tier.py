@@ -40,16 +40,16 @@ class PrefillTier:
         return self.store.evict(self.key(ref))
 
     def compile(self, ref: KVRef) -> KVCache:
-        """Prefill ``ref``'s tokens at their canonical position (a chunk: after BOS, whose slot is
-        dropped) and store the result. Only exact chunks can be compiled from tokens alone."""
+        """Prefill ``ref``'s tokens after its compile prefix (``ref.prefix``; None: BOS alone), whose
+        slots are dropped, and store the result. Only exact chunks can be compiled from tokens alone."""
         from kvruntime.ops import precompile_chunk
 
         if not ref.exact:
             raise ValueError("approximate KV cannot be recompiled from its tokens alone")
-        want = 0 if self.engine.bos_id is None else 1
+        want = (0 if self.engine.bos_id is None else 1) if ref.prefix is None else len(ref.prefix)
         if ref.position != want:
             raise ValueError(f"a chunk compiles at canonical position {want}, the ref says {ref.position}")
-        kv = precompile_chunk(self.engine, list(ref.token_ids))
+        kv = precompile_chunk(self.engine, list(ref.token_ids), None if ref.prefix is None else list(ref.prefix))
         self.put(ref, kv)
         return kv
 

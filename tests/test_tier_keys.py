@@ -8,7 +8,8 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.rope import RopeTable
-from kvtransport.store import ChunkKey, check_kv, check_model_id, rope_fingerprint, tenant_salt, token_hash
+from kvtransport.store import (ChunkKey, check_kv, check_model_id, prefix_hash, rope_fingerprint, tenant_salt,
+                               token_hash)
 
 IDS = list(range(100, 400))
 SALT_A = tenant_salt("tenant-a")
@@ -31,6 +32,7 @@ def test_same_inputs_same_key_and_digest():
     dict(model_id="gemma3-270m"), dict(dtype="bfloat16"), dict(rope="ab13"),
     dict(token_ids=IDS[:-1]), dict(token_ids=IDS[:-1] + [IDS[-1] + 1]), dict(token_ids=IDS[::-1]),
     dict(tenant=tenant_salt("tenant-b")), dict(position=0), dict(approx="ab" * 16),
+    dict(prefix=prefix_hash([1, 9690, 198])), dict(prefix=prefix_hash([])),
 ])
 def test_every_identifying_field_changes_the_key(change):
     k = key(**change)
@@ -71,6 +73,7 @@ def test_rope_fingerprint_tracks_frequencies_and_head_dim():
     (dict(model_id="x" * 65), "model_id"),
     (dict(rope="XYZ"), "rope"),
     (dict(tenant="tenant-a"), "tenant"),
+    (dict(prefix="ab12"), "prefix"),
 ])
 def test_bad_key_input_is_a_valueerror_with_a_message(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -120,3 +123,12 @@ def test_tier_config_and_remote_url_validation():
         TierConfig(connector="tpu")
     with pytest.raises(ValueError, match="chunk_size"):
         TierConfig(chunk_size=100)
+
+
+def test_prefix_hash_distinguishes_the_anchor_the_empty_prefix_and_frames():
+    assert prefix_hash(None) == ""                       # the default anchor: BOS-compiled keys unchanged
+    assert key(prefix=prefix_hash(None)) == key()
+    frames = [prefix_hash(p) for p in ([], [1], [1, 2], [2, 1])]
+    assert len(set(frames)) == 4 and "" not in frames
+    a, b = key(prefix=frames[2]), key(prefix=frames[3])
+    assert a != b and a.namespace != b.namespace and a.namespace != key().namespace

@@ -69,48 +69,89 @@ def _finish(engine, kv: KVCache, question_ids: list[int]):
     return KVCache.cat([kv, out.kv]), out.logits
 
 
+def decision_margin(engine, logits: torch.Tensor) -> float:
+    """log P(yes) - log P(no) at the next token, each word's probability summed over the first
+    tokens of "yes"/"Yes"/" yes"/" Yes" (and the same for "no")."""
+    def ids(word):
+        return sorted({engine.encode(v)[0] for v in (word, word.capitalize(), " " + word, " " + word.capitalize())})
+    lp = torch.log_softmax(logits.double(), -1)
+    return float(torch.logsumexp(lp[ids("yes")], 0) - torch.logsumexp(lp[ids("no")], 0))
+
+
+def decision_of(engine, logits: torch.Tensor) -> str:
+    """A yes/no decision read from next-token logits: "yes" if :func:`decision_margin` > 0. (Small
+    models often start "The assistant will ..." greedily; the yes/no contest is always defined.)"""
+    return "yes" if decision_margin(engine, logits) > 0 else "no"
+
+
 def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, greedy_n: int = 16,
                 progress: Progress = _stderr, ops: dict[str, dict] | None = None,
-                rows_out=None) -> dict[str, list[dict]]:
-    """Per op, one row per case. Chunks are precompiled once per passage and reused across
+                rows_out=None, share_probe: bool = True) -> dict[str, list[dict]]:
+    """Per op, one row per case. Chunks are precompiled once per passage (and compile prefix:
+    an op's ``compile`` keyword, see ``kvruntime.ops.frame.compile_prefix``) and reused across
     cases, as the tier would. Cases with expected answers also get ``answer_ok`` per op and a
-    ``REFERENCE_OP`` row (full recompute judged against the answer). Every row also carries the
-    recompute's top-1/top-2 logit margin (``oracle_margin``: a near-tie flips easily). With
-    ``rows_out`` (a text file) every row is also written as one JSON line as it is measured."""
+    ``REFERENCE_OP`` row (full recompute judged against the answer); decision cases (yes/no) get
+    ``decision`` and ``decision_agree`` (same yes/no as recompute). Every row also carries the
+    recompute's top-1/top-2 logit margin (``oracle_margin``: a near-tie flips easily) and the
+    op's wall time (``seconds``: compose + question, not the offline chunk compile). With
+    ``rows_out`` (a text file) every row is also written as one JSON line as it is measured.
+    ``share_probe=False`` runs each ratio's probe anew (honest per-op wall time)."""
+    from kvruntime.ops.frame import compile_prefix
     ops = COMPOSE_OPS if ops is None else ops
     pre, suffix = _frame(engine)
     chunk_ids = {pid: engine.encode(passages[pid].strip() + "\n\n") for c in cases for pid in c.chunks}
-    chunk_kv: dict[str, KVCache] = {}
+    chunk_kv: dict[tuple[str, str], KVCache] = {}
+    prefixes: dict[str, list[int] | None] = {}
     rows: dict[str, list[dict]] = defaultdict(list)
     t0 = time.monotonic()
     for i, case in enumerate(cases, 1):
         q = engine.encode(case.question + suffix)
-        ids = pre + [t for pid in case.chunks for t in chunk_ids[pid]] + q
+        head = pre + (engine.encode(case.prelude) if case.prelude else [])
+        ids = head + [t for pid in case.chunks for t in chunk_ids[pid]] + q
+        t = time.perf_counter()
         oracle = recompute(engine, ids)
+        oracle_s = time.perf_counter() - t
         oracle_greedy = engine.greedy(oracle.kv, oracle.logits, greedy_n, stop_at_eos=True)
         top2 = torch.topk(oracle.logits.float(), 2).values
         margin = float(top2[0] - top2[1])
-        for pid in case.chunks:
-            if pid not in chunk_kv:
-                chunk_kv[pid] = precompile_chunk(engine, chunk_ids[pid])
-        segs = [TextSegment(pre)] + [ChunkSegment(chunk_kv[p]) for p in case.chunks] + [TextSegment(q)]
+        oracle_dec = decision_of(engine, oracle.logits) if case.kind == "decision" else None
+        dec_margin = decision_margin(engine, oracle.logits) if case.kind == "decision" else None
 
-        def judged(g):
-            return answer_correct(engine.decode(g), case.answers) if case.answers else None
+        def segments(mode: str):
+            if mode not in prefixes:
+                prefixes[mode] = compile_prefix(engine, mode)
+            prefix = prefixes[mode]
+            for pid in case.chunks:
+                if (pid, mode) not in chunk_kv:
+                    chunk_kv[pid, mode] = precompile_chunk(engine, chunk_ids[pid], prefix)
+            tag = None if mode == "bos" else tuple(prefix)     # "bos": today's path, no exact-reuse check
+            return ([TextSegment(head)] + [ChunkSegment(chunk_kv[p, mode], tag) for p in case.chunks]
+                    + [TextSegment(q)])
+
+        def judged(g, logits):
+            if case.kind == "decision":
+                dec = decision_of(engine, logits)
+                return dict(answer_ok=float(dec == case.answers[0]), decision=dec,
+                            decision_agree=float(dec == oracle_dec), oracle_decision_margin=dec_margin)
+            return dict(answer_ok=answer_correct(engine.decode(g), case.answers) if case.answers else None)
+        common = dict(case=case.id, kind=case.kind, context_tokens=len(ids), oracle_margin=margin)
         if case.answers:
             row = compare(oracle.logits, oracle_greedy, oracle.logits, oracle_greedy)
-            row.update(case=case.id, recomputed_tokens=len(ids), context_tokens=len(ids),
-                       answer_ok=judged(oracle_greedy), oracle_margin=margin)
+            row.update(common, recomputed_tokens=len(ids), seconds=oracle_s, **judged(oracle_greedy, oracle.logits))
             rows[REFERENCE_OP].append(row)
             _dump(rows_out, REFERENCE_OP, row, oracle_greedy, engine)
         probe_cache: dict = {}                      # one probe per context, shared by every ratio
         for name, kw in ops.items():
-            extra = {"probe_cache": probe_cache} if kw.get("recompute_ratio") else {}
+            kw = dict(kw)
+            segs = segments(kw.pop("compile", "bos"))
+            extra = {"probe_cache": probe_cache} if kw.get("recompute_ratio") and share_probe else {}
+            t = time.perf_counter()
             res = compose(engine, segs, **kw, **extra)
+            secs = time.perf_counter() - t
             g = engine.greedy(res.kv, res.logits, greedy_n, stop_at_eos=True)
             row = compare(oracle.logits, oracle_greedy, res.logits, g)
-            row.update(case=case.id, recomputed_tokens=res.computed_tokens, context_tokens=len(ids),
-                       probed_tokens=res.probed_tokens, answer_ok=judged(g), oracle_margin=margin)
+            row.update(common, recomputed_tokens=res.computed_tokens, probed_tokens=res.probed_tokens,
+                       seconds=secs, **judged(g, res.logits))
             rows[name].append(row)
             _dump(rows_out, name, row, g, engine)
         progress(f"  compose [{i}/{len(cases)}] {case.id}: {len(ids)} tokens, "

@@ -1,7 +1,8 @@
 """Content-addressed keys of the KV tier: :class:`ChunkKey` and the pieces it is made of.
 
 A key is derived from the plan alone (DESIGN.md section 5): model id, KV dtype, RoPE
-fingerprint, canonical position of the first slot, the token ids (hashed), the tenant's salt
+fingerprint, canonical position of the first slot, the token ids (hashed), the prefix the chunk
+was compiled after (hashed; "" for the default BOS anchor, see ``kvruntime.ops.frame``), the tenant's salt
 (an HMAC of the tenant under a cluster secret), and whether the KV is exact (a full forward of
 exactly these tokens from that position) or approximate (built by reposition, seam repair,
 erratum or edit-in-place; tagged with a recipe digest so that ``exact`` never reads it and two
@@ -24,6 +25,7 @@ KV_DTYPES = ("float32", "bfloat16", "float16")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")   # no '@', '%', '/': LMCache key separators
 _HEX = re.compile(r"^[0-9a-f]+$")
 _APPROX = re.compile(r"^[0-9a-f]{0,32}$")
+_PREFIX = re.compile(r"^[0-9a-f]{64}$")
 
 
 def check_model_id(model_id: str) -> str:
@@ -37,6 +39,13 @@ def token_hash(token_ids: Sequence[int]) -> str:
     """SHA-256 (hex) of the token ids as little-endian int64. Cost: O(n)."""
     ids = list(token_ids)
     return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
+
+
+def prefix_hash(prefix_ids: Sequence[int] | None) -> str:
+    """The ``ChunkKey.prefix`` of a chunk compiled after ``prefix_ids``: "" for None (the default
+    anchor, BOS alone), else :func:`token_hash` of the ids (an empty prefix hashes too: it is
+    not the anchor on a model with BOS)."""
+    return "" if prefix_ids is None else token_hash([int(t) for t in prefix_ids])
 
 
 def tenant_salt(tenant: str, secret: bytes = b"") -> str:
@@ -64,6 +73,7 @@ class ChunkKey:
     position: int        # canonical position of the first slot (1 after a dropped BOS, else 0)
     approx: str = ""     # "" = exact KV; else the recipe digest of the approximate operation (hex)
     token_ids: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    prefix: str = ""     # prefix_hash() of the tokens it was compiled after; "" = the default anchor (BOS)
 
     def __post_init__(self) -> None:
         check_model_id(self.model_id)
@@ -73,6 +83,8 @@ class ChunkKey:
             v = getattr(self, name)
             if not isinstance(v, str) or not _HEX.match(v):
                 raise ValueError(f"{name} must be a lowercase hex string, got {v!r}")
+        if not isinstance(self.prefix, str) or (self.prefix and not _PREFIX.match(self.prefix)):
+            raise ValueError(f"prefix must be '' or a sha256 hex digest, got {self.prefix!r}")
         if not isinstance(self.approx, str) or not _APPROX.match(self.approx):
             raise ValueError(f"approx must be '' or a lowercase hex digest, got {self.approx!r}")
         if self.num_tokens <= 0:
@@ -84,14 +96,16 @@ class ChunkKey:
 
     @staticmethod
     def build(model_id: str, dtype: str, rope: str, token_ids: Sequence[int], tenant: str,
-              position: int, approx: str = "") -> "ChunkKey":
-        """Validated key for ``token_ids`` (ints >= 0). ``tenant`` is a salt from tenant_salt()."""
+              position: int, approx: str = "", prefix: str = "") -> "ChunkKey":
+        """Validated key for ``token_ids`` (ints >= 0). ``tenant`` is a salt from tenant_salt();
+        ``prefix`` is prefix_hash() of the compile prefix ("" = the default anchor)."""
         ids = tuple(int(t) for t in token_ids)
         if not ids:
             raise ValueError("cannot key an empty chunk (no token ids)")
         if min(ids) < 0:
             raise ValueError("token ids must be >= 0")
-        return ChunkKey(model_id, dtype, rope, token_hash(ids), len(ids), tenant, int(position), approx, ids)
+        return ChunkKey(model_id, dtype, rope, token_hash(ids), len(ids), tenant, int(position), approx, ids,
+                        prefix)
 
     @property
     def exact(self) -> bool:
@@ -102,8 +116,11 @@ class ChunkKey:
         """128-bit digest of everything but the tokens: the tag LMCache keys carry. LMCache's own
         chained hash commits to the tokens piece by piece, so a stored entry also serves every
         prefix of it that ends on a piece boundary (plain-prompt prefix reuse)."""
-        text = "|".join([KEY_VERSION, self.model_id, self.dtype, self.rope, self.tenant, str(self.position),
-                         self.approx or "exact"])
+        parts = [KEY_VERSION, self.model_id, self.dtype, self.rope, self.tenant, str(self.position),
+                 self.approx or "exact"]
+        if self.prefix:                      # absent for the default anchor: BOS-compiled keys unchanged
+            parts.append("prefix:" + self.prefix)
+        text = "|".join(parts)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     @property

@@ -48,6 +48,7 @@ class KVRef:
     position: int                  # canonical position of its first slot (chunks: 1 after BOS; contexts: 0)
     tenant_salt: str               # keys.tenant_salt(tenant, cluster secret)
     approx: str = ""               # "" = exact KV; else the digest of the recipe that built it
+    prefix: tuple[int, ...] | None = None  # tokens a chunk is compiled after (the frame); None = the anchor (BOS)
 
     @property
     def exact(self) -> bool:
@@ -57,6 +58,8 @@ class KVRef:
     def digest(self) -> str:
         """Short display id (listings, ``explain``); the tier key adds model, dtype and RoPE."""
         raw = f"{self.tenant_salt}|{self.position}|{self.approx or 'exact'}|{token_hash(self.token_ids)}"
+        if self.prefix is not None:
+            raw += f"|prefix:{token_hash(self.prefix)}"
         return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 

@@ -50,14 +50,19 @@ def blend_count(ratio: float, candidates: int) -> int:
 
 
 def probe_layer_of(probe: str, num_layers: int) -> int | None:
-    """The deviation layer of a ``kv<N>`` probe, None for ``progressive``; ValueError otherwise."""
+    """The deviation layer of a ``kv<N>`` probe, None for ``progressive`` and for the
+    question-guided probes of :mod:`kvruntime.ops.qselect`; ValueError otherwise."""
+    from kvruntime.ops.probes import is_question_probe, question_layers
+    if is_question_probe(probe):
+        question_layers(probe, num_layers)
+        return None
     if probe == "progressive":
         if num_layers < 5:
             raise ValueError("the progressive probe needs a model of >= 5 layers")
         return None
     m = re.fullmatch(r"kv(\d+)", probe or "")
     if not m:
-        raise ValueError(f"probe must be 'kv<N>' (e.g. 'kv1') or 'progressive', got {probe!r}")
+        raise ValueError(f"probe must be 'kv<N>' (e.g. 'kv1'), 'progressive' or 'q<last|late|N>[-g<k>]', got {probe!r}")
     layer = int(m.group(1))
     if not 1 <= layer < num_layers - 1:
         raise ValueError(f"probe layer must be in [1, {num_layers - 2}], got {layer}")
@@ -169,7 +174,9 @@ def selective_recompute(engine, kv: KVCache, start: int, ratio: float, *, seam_s
     if not 0 <= start <= n:
         raise ValueError(f"chunk start {start} outside the cache of {n} slots")
     probe_layer_of(probe, engine.num_layers)          # validates the probe
-    dev = kv.positions.device
+    from kvruntime.ops.probes import is_question_probe
+    if is_question_probe(probe):
+        raise ValueError(f"probe {probe!r} ranks by the question: use qselect.question_recompute")
     seams = sorted({int(s) for s in seam_slots})
     if any(not start <= s < n for s in seams):
         raise ValueError("seam slots must lie in the chunk range")
@@ -185,12 +192,20 @@ def selective_recompute(engine, kv: KVCache, start: int, ratio: float, *, seam_s
         chosen, cost = choose_slots(engine, kv, start, cand, k, probe, probe_cache)
         probed = n - start
     slots = sorted(set(chosen) | seam_set)
+    return BlendResult(recompute_slots(engine, kv, slots, in_place=in_place), slots, probed, cost)
+
+
+def recompute_slots(engine, kv: KVCache, slots: list[int], *, in_place: bool = False) -> KVCache:
+    """``kv`` with ``slots`` (sorted slot indices) recomputed through every layer in ONE forward,
+    attending by position to every other slot's cached KV and to each other's fresh KV.
+    Cost: O(len(slots) * P * L)."""
     if not slots:
-        return BlendResult(kv, [], probed, cost)
+        return kv
+    dev = kv.positions.device
     idx = torch.tensor(slots, dtype=torch.long, device=dev)
-    keep = torch.ones(n, dtype=torch.bool, device=dev)
+    keep = torch.ones(kv.num_tokens, dtype=torch.bool, device=dev)
     keep[idx] = False
     fresh = engine.prefill(kv.token_ids[idx], kv.positions[idx], kv.select(torch.nonzero(keep).flatten())).kv
     data = kv.data if in_place else kv.data.clone()
     data[:, :, :, idx] = fresh.data.to(data.dtype)
-    return BlendResult(KVCache(data, kv.positions, kv.token_ids), slots, probed, cost)
+    return KVCache(data, kv.positions, kv.token_ids)

@@ -1,9 +1,11 @@
 """Composing a context from precompiled chunks: reposition, splice, seam repair.
 
-A chunk is precompiled in isolation at its *canonical position*: prefilled right after the
-model's BOS token (position 0), whose slot is then dropped, so the chunk's slots sit at
-positions 1..n. (Without the anchor the chunk's first token becomes an attention sink and, on
-Gemma-3, the splice fails outright; see ../shared/PLATFORM-NOTES.md.)
+A chunk is precompiled after a *prefix* whose slots are then dropped: by default the model's
+BOS token alone (the anchor), so the chunk's slots sit at positions 1..n. (Without the anchor the
+chunk's first token becomes an attention sink and, on Gemma-3, the splice fails outright; see
+../shared/PLATFORM-NOTES.md.) Compiled after the prefix it will actually follow (the chat frame,
+``kvruntime.ops.frame``), a chunk placed right after that prefix is exact reuse: ``compose``
+splices it without rotation or seam repair.
 """
 from __future__ import annotations
 
@@ -14,15 +16,21 @@ import torch
 from kvruntime.kv import KVCache
 
 
-def precompile_chunk(engine, token_ids: list[int]) -> KVCache:
-    """KV of ``token_ids`` at canonical positions 1..n (0..n-1 if the model has no BOS).
-    Cost: one prefill of n + 1 tokens, O(n^2) attention."""
+def default_prefix(engine) -> list[int]:
+    """The anchor a chunk is compiled after when no prefix is given: [BOS], or nothing."""
+    return [] if engine.bos_id is None else [engine.bos_id]
+
+
+def precompile_chunk(engine, token_ids: list[int], prefix: list[int] | None = None) -> KVCache:
+    """KV of ``token_ids`` compiled after ``prefix`` (default :func:`default_prefix`), whose slots
+    are dropped: the chunk sits at positions m..m+n-1, m = len(prefix) (1..n after BOS).
+    Cost: one prefill of m + n tokens, O((m + n)^2) attention."""
     if not token_ids:
         raise ValueError("cannot precompile an empty chunk")
-    if engine.bos_id is None:
-        return engine.prefill(token_ids, torch.arange(len(token_ids))).kv
-    ids = [engine.bos_id, *token_ids]
-    return engine.prefill(ids, torch.arange(len(ids))).kv.slice(1)
+    prefix = default_prefix(engine) if prefix is None else [int(t) for t in prefix]
+    ids = [*prefix, *token_ids]
+    kv = engine.prefill(ids, torch.arange(len(ids))).kv
+    return kv.slice(len(prefix)) if prefix else kv
 
 
 def reposition(rope, chunk: KVCache, delta: int | torch.Tensor, out: torch.Tensor | None = None) -> KVCache:
@@ -89,6 +97,19 @@ class TextSegment:
 @dataclass(frozen=True)
 class ChunkSegment:
     kv: KVCache              # precompiled at canonical positions (see precompile_chunk)
+    prefix: tuple[int, ...] | None = None   # token ids it was compiled after; None = unknown / the anchor
+
+    def follows(self, context: KVCache) -> bool:
+        """True if ``context`` is exactly the prefix this chunk was compiled after (same tokens
+        at positions 0..m-1) and the chunk starts at m: its KV is then exact where it stands."""
+        p = self.prefix
+        if p is None or context.num_tokens != len(p) or int(self.kv.positions[0]) != len(p):
+            return False
+        if not p:
+            return True
+        pos = torch.arange(len(p), device=context.positions.device)
+        return (torch.equal(context.token_ids.cpu(), torch.tensor(p, dtype=context.token_ids.dtype))
+                and torch.equal(context.positions, pos))
 
 
 @dataclass(frozen=True)
@@ -111,9 +132,13 @@ def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: 
     r share of its tokens that deviate most is recomputed with the seams in one forward.
     Cost: O(text * P) + O(chunks * seam_tokens * P) forward work plus O(chunk tokens) rotation,
     plus (r > 0) a 2-layer probe and O(r * chunk tokens * P) forward, versus O(P^2) for recompute.
-    ``probe`` picks the ranking (see :mod:`kvruntime.ops.blend`); ``probe_cache`` (a dict kept by the
-    caller for one context) lets several ratios share one probe."""
+    ``probe`` picks the ranking (see :mod:`kvruntime.ops.blend`; ``q...`` probes rank by the text
+    that follows, :mod:`kvruntime.ops.qselect`); ``probe_cache`` (a dict kept by the caller for one
+    context) lets several ratios share one probe. A chunk whose ``prefix`` is exactly the context
+    before it (see :meth:`ChunkSegment.follows`) is exact reuse: no rotation, seam or recompute."""
     from kvruntime.ops.blend import blend_count, selective_recompute
+    from kvruntime.ops.probes import is_question_probe
+    from kvruntime.ops.qselect import question_recompute
     blend_count(recompute_ratio, 0)  # validates the ratio
     kv = engine.empty_kv()
     logits = None
@@ -122,14 +147,20 @@ def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: 
     pending: list[int] = []          # chunk starts whose seams are not repaired yet
     borrowed = {s.kv.data.untyped_storage().data_ptr() for s in segments if isinstance(s, ChunkSegment)}
 
-    def flush(kv: KVCache, pending: list[int]) -> KVCache:
+    def flush(kv: KVCache, pending: list[int], text: list[int] | None = None) -> KVCache:
         nonlocal computed, reused, probed
         if not pending or recompute_ratio <= 0:
             return seam_repair(engine, kv, pending, seam_tokens)
         seams = {i for s in pending for i in range(s, min(s + seam_tokens, kv.num_tokens))}
         owned = kv.data.untyped_storage().data_ptr() not in borrowed   # a cat's copy, not a caller's chunk
-        res = selective_recompute(engine, kv, pending[0], recompute_ratio, seam_slots=seams, probe=probe,
-                                  in_place=owned, probe_cache=probe_cache)
+        if is_question_probe(probe):                # ranked by the text that follows (ops.qselect)
+            if text is None:
+                raise ValueError(f"probe {probe!r} needs text after the chunks to rank them by")
+            res = question_recompute(engine, kv, pending[0], recompute_ratio, text, seam_slots=seams,
+                                     probe=probe, in_place=owned)
+        else:
+            res = selective_recompute(engine, kv, pending[0], recompute_ratio, seam_slots=seams, probe=probe,
+                                      in_place=owned, probe_cache=probe_cache)
         extra = len(res.recomputed_slots) - len(seams)
         computed, reused, probed = computed + extra, reused - extra, probed + res.probed_tokens
         return res.kv
@@ -138,10 +169,15 @@ def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: 
         if isinstance(seg, TextSegment):
             if not seg.token_ids:
                 continue
-            kv, pending = flush(kv, pending), []   # text must see repaired seams
+            kv, pending = flush(kv, pending, seg.token_ids), []   # text must see repaired seams
             out = engine.prefill(seg.token_ids, torch.arange(cursor, cursor + len(seg.token_ids)), kv, logits=True)
             kv, logits = KVCache.cat([kv, out.kv]), out.logits
             computed += len(seg.token_ids)
+        elif isinstance(seg, ChunkSegment) and not pending and seg.follows(kv):
+            starts.append(kv.num_tokens)           # compiled after exactly this context: exact reuse
+            kv = KVCache.cat([kv, seg.kv.to(engine.device, engine.dtype)])
+            reused += seg.kv.num_tokens
+            logits = None
         elif isinstance(seg, ChunkSegment):
             chunk = seg.kv.to(engine.device, engine.dtype)
             moved = (reposition(engine.rope, chunk, cursor - int(chunk.positions[0])) if rotate

@@ -1,0 +1,45 @@
+"""The prefix a chunk is compiled after (its *frame*), and its content address.
+
+A chunk's KV depends on everything before it. Compiled after BOS alone (the default anchor,
+``compose.default_prefix``) it sees a context it never sees at use time; compiled after the
+prefix it will follow -- by default the model's chat frame up to the first segment (BOS, system
+prompt, user-turn opener) -- the first chunk after that frame is exact reuse, and later chunks
+start from the right attention sinks. APE's generic alternative for base models without a
+frame is a few newlines after BOS (:func:`newline_prefix`).
+
+The prefix is part of the chunk's identity: :func:`prefix_hash` goes into its tier key
+(``ChunkKey.prefix``), "" for the default anchor so BOS-compiled keys stay what they were.
+"""
+from __future__ import annotations
+
+from kvruntime.messages.keys import prefix_hash  # noqa: F401 (re-exported)
+
+COMPILE_MODES = ("bos", "frame", "nl")   # nl<k>: BOS + k newlines (APE), e.g. "nl4"
+
+
+def chat_frame(engine) -> list[int]:
+    """Token ids that open a prompt for ``engine``'s model up to the first segment: BOS (where the
+    model's prompts start with it) + the user-turn opener (which carries the system prompt)."""
+    spec = engine.spec
+    pre = [engine.bos_id] if spec.prepend_bos and engine.bos_id is not None else []
+    return pre + (engine.encode(spec.chat_user_prefix) if spec.chat_user_prefix else [])
+
+
+def newline_prefix(engine, k: int) -> list[int]:
+    """APE's generic shared prefix: BOS (if any) + ``k`` newline characters."""
+    if k <= 0:
+        raise ValueError(f"newline prefix needs k >= 1, got {k}")
+    bos = [] if engine.bos_id is None else [engine.bos_id]
+    return bos + engine.encode("\n" * k)
+
+
+def compile_prefix(engine, mode: str) -> list[int] | None:
+    """The prefix of a compile ``mode``: "bos" -> None (the default anchor), "frame" ->
+    :func:`chat_frame`, "nl<k>" -> :func:`newline_prefix`. ValueError for anything else."""
+    if mode == "bos":
+        return None
+    if mode == "frame":
+        return chat_frame(engine)
+    if mode.startswith("nl") and mode[2:].isdigit():
+        return newline_prefix(engine, int(mode[2:]))
+    raise ValueError(f"compile mode must be 'bos', 'frame' or 'nl<k>', got {mode!r}")
