@@ -12,12 +12,14 @@ import threading
 import time
 import uuid
 
+import anyio
 from fastapi import FastAPI, Request
+from starlette.background import BackgroundTask
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.http import api
+from cluster.http import api, heap
 from cluster.control.errors import RequestError
 from cluster.http.errors import error_response
 from cluster.control.limits import RequestLimits
@@ -87,6 +89,7 @@ class RouterIngress:
         import transformers
 
         self.cfg = cfg
+        heap.configure()            # large bodies go back to the system when freed (cluster.http.heap)
         spec = get_model_spec(cfg.model)
         ckpt = ensure_checkpoint(spec)
         tok = transformers.AutoTokenizer.from_pretrained(ckpt)
@@ -162,6 +165,8 @@ class RouterIngress:
         finally:
             if not streaming:
                 self.inflight.release(tenant)
+        if body and int(request.headers.get("content-length") or 0) >= heap.LARGE_BODY_BYTES and resp.background is None:
+            resp.background = BackgroundTask(anyio.to_thread.run_sync, heap.trim)    # once the response is sent
         return resp if streaming else self._counted(resp, acct)
 
     def _counted(self, resp: Response, acct: dict) -> Response:
