@@ -157,6 +157,13 @@ def ensure_api_key(cfg: ClusterConfig) -> str | None:
         state.close()
 
 
+def check_state(cfg: ClusterConfig) -> None:
+    """Open and close the state store: ConnectionError (one line, password redacted) when it does
+    not answer or refuses the credentials in ``state_url``."""
+    from cluster.control.state import open_state
+    open_state(cfg.resolved_state_url).close()
+
+
 def stop(cfg: ClusterConfig) -> None:
     import ray
     from ray import serve
@@ -177,6 +184,7 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     print(f"kvnotes: {where} (model {cfg.model}, {cfg.prefill.count} prefill + "
           f"{cfg.decode.count} decode actors); the first start converts the model (~30 s)...", flush=True)
     base = f"http://{cfg.host}:{cfg.port}"
+    check_state(cfg)                   # a state store that is down or refuses us: one line, nothing started
     try:
         start(cfg)
         key = ensure_api_key(cfg)

@@ -1,4 +1,6 @@
-"""Redis backend (multi-node): a real ``redis-server`` named by ``state_url: redis://HOST:PORT/DB``.
+"""Redis backend (multi-node): a real ``redis-server`` named by ``state_url: redis://HOST:PORT/DB``
+(``redis://:PASSWORD@...`` / ``redis://USER:PASSWORD@...`` with authentication, ``rediss://`` for
+TLS: redis-py reads them from the URL itself; errors show the URL redacted).
 
 Layout (every key under the prefix ``kvn:``; tenant and names are JSON-encoded inside key names,
 so no separator can be forged):
@@ -21,6 +23,11 @@ from cluster.control.state.base import ApiKeyRecord, Registration, StateStore, S
 P = "kvn:"
 
 
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
 def _k(kind: str, *parts) -> str:
     return P + kind + ":" + json.dumps(list(parts), separators=(",", ":"))
 
@@ -29,12 +36,20 @@ class RedisState(StateStore):
     def __init__(self, url: str, limits: StoreLimits = StoreLimits()):
         import redis
 
+        from cluster.control.state import redact_url
+
         self.limits = limits
-        self.r = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        shown = redact_url(url)
         try:
+            self.r = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
             self.r.ping()
-        except redis.RedisError as exc:
-            raise ConnectionError(f"state store {url} does not answer: {exc}") from None
+        except redis.AuthenticationError as exc:          # no password, or a wrong one
+            raise ConnectionError(f"state store {shown} refused the credentials ({_line(exc)}): give the password "
+                                  "in state_url as redis://:PASSWORD@HOST:PORT/DB") from None
+        except redis.ResponseError as exc:                # e.g. NOAUTH on a server that requires a password
+            raise ConnectionError(f"state store {shown} refused the connection: {_line(exc)}") from None
+        except (redis.RedisError, ValueError) as exc:     # unreachable, TLS failure, a malformed URL
+            raise ConnectionError(f"state store {shown} does not answer: {_line(exc)}") from None
 
     # ---- registrations ------------------------------------------------------------------------
     def put_registration(self, reg):
