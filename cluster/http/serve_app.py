@@ -3,7 +3,8 @@
 the state store every replica opens. Routes are thin: :meth:`RouterIngress._call` gives each
 request an id, authenticates it (``cluster.http.auth``: the tenant comes from the API key), reads the
 body within the limits (``cluster.http.body``), holds a per-tenant in-flight slot, and hands parsed
-JSON to ``cluster.http.api``. ``/health``, ``/ready`` and ``/metrics`` need no key.
+JSON to ``cluster.http.api``. ``/health``, ``/ready`` and ``/metrics`` need no key;
+``/metrics/targets`` needs one with ``metrics_auth: true``.
 """
 
 import asyncio
@@ -117,10 +118,10 @@ class RouterIngress:
             self.router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
-        from kvruntime.telemetry import node_ip, start_exporter
+        from kvruntime.telemetry import listen_host, start_exporter
         self.router.metrics.set_tenant_labels(cfg.metrics_tenants)
         self.process = f"router-{_replica_id()}"
-        self.metrics_target = start_exporter(self.router.metrics.registry, host=node_ip())
+        self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.bind_host))
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
         log.info("router up: model %s, edit plans by %s; compose by fidelity target: %s", cfg.model,
                  self.router.edit_choice, self.router.fidelity["compose"])
@@ -211,9 +212,15 @@ class RouterIngress:
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/metrics/targets")
-    async def metrics_targets(self) -> JSONResponse:
+    async def metrics_targets(self, request: Request) -> Response:
         """Prometheus HTTP service discovery (``http_sd_configs``): every router replica's and
-        every worker's own metrics endpoint, labelled ``kvnotes_role`` and ``kvnotes_process``."""
+        every worker's own metrics endpoint, labelled ``kvnotes_role`` and ``kvnotes_process``.
+        With ``metrics_auth`` it needs an API key, like the API (401 without one)."""
+        if self.cfg.metrics_auth:
+            try:
+                self.auth.tenant(request.headers, request.client.host if request.client else None)
+            except Exception as exc:
+                return error_response(exc, _new_rid())
         groups = [{"targets": [addr], "labels": {"kvnotes_role": "router", "kvnotes_process": name}}
                   for name, addr in self.state.targets(time.time(), TARGET_TTL_S).items()]
         for role, workers in self.router.view.workers.items():

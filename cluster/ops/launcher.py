@@ -86,12 +86,27 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     from cluster.http.serve_app import RouterIngress
 
     ensure_api_key(cfg)
+    cfg = listen_on_loopback(cfg)
     t = time.monotonic()
     start_workers(cfg)
     log.info("workers ready in %.1f s", time.monotonic() - t)
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
     serve.run(RouterIngress.options(num_replicas=cfg.router_replicas).bind(cfg), name="kvnotes", route_prefix="/",
               blocking=False)
+
+
+def listen_on_loopback(cfg: ClusterConfig) -> ClusterConfig:
+    """``cfg`` with ``bind_host: 127.0.0.1`` when it serves a loopback host from a one-node Ray
+    cluster it did not join by address: Ray itself always runs on the node's reachable address
+    (it replaces 127.0.0.1), so kvnotes' own listeners (decode inboxes, metrics exporters) are put
+    on loopback here instead. An explicit ``bind_host`` is kept."""
+    import dataclasses
+
+    import ray
+    if cfg.bind_host is None and cfg.local_loopback and len([n for n in ray.nodes() if n.get("Alive")]) == 1:
+        log.info("serving %s from one node: kvnotes listeners bind 127.0.0.1", cfg.host)
+        return dataclasses.replace(cfg, bind_host="127.0.0.1")
+    return cfg
 
 
 def start_local_ray(cfg: ClusterConfig, local_cpus: int | None = None) -> int:

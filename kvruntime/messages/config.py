@@ -32,6 +32,10 @@ class ClusterConfig:
     dtype: str = "float32"                     # reference engine dtype
     host: str = "127.0.0.1"
     port: int = 8000
+    # kvnotes' own listeners (decode inboxes, metrics exporters): None = the address Ray runs on, or 127.0.0.1
+    # for a one-node cluster serving a loopback host (launcher.listen_on_loopback); an IP: bound and advertised
+    bind_host: str | None = None
+    metrics_auth: bool = False                 # GET /metrics/targets (the map of internal endpoints) needs an API key
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
     decode_engine: str = "reference"           # reference (torch oracle) | vllm (vLLM v1 + kvnotes KV connector)
@@ -136,6 +140,11 @@ class ClusterConfig:
             raise ValueError(f"tier_remote_probe_s must be in (0, 60], got {self.tier_remote_probe_s}")
         if self.state_url is not None and not self.state_url.startswith(("sqlite:///", "redis://", "rediss://")):
             raise ValueError("state_url must start with sqlite:///, redis:// or rediss://")
+        if self.bind_host is not None and not _is_concrete_ip(self.bind_host):
+            raise ValueError(f"bind_host must be one IP address that other processes can reach (not 0.0.0.0 or ::), "
+                             f"got {self.bind_host!r}")
+        if self.metrics_auth and not self.auth:
+            raise ValueError("metrics_auth: true needs auth: true (API keys)")
         if not self.auth and not _is_loopback(self.host):
             raise ValueError(f"auth: false is only allowed when host is a loopback address, not {self.host!r}")
         if not isinstance(self.metrics_tenants, (list, tuple)) or \
@@ -179,6 +188,12 @@ class ClusterConfig:
         if transport not in ("grpc", "nixl"):
             raise ValueError(f"transport must be grpc or nixl, got {transport!r}")
         return dict(self.kv_grpc if transport == "grpc" else self.kv_nixl)
+
+    @property
+    def local_loopback(self) -> bool:
+        """No ``ray_address`` and a loopback ``host``: on a one-node Ray cluster, kvnotes' own
+        listeners bind 127.0.0.1 (``cluster.ops.launcher.listen_on_loopback``)."""
+        return self.ray_address is None and _is_loopback(self.host)
 
     @property
     def api_key_file(self) -> Path:
@@ -246,6 +261,14 @@ def expand_env(value: str, key: str) -> str:
             raise ValueError(f"{key}: environment variable {m.group(1)} is not set")
         return quote(v, safe="")
     return _ENV_REF.sub(sub, value)
+
+
+def _is_concrete_ip(host) -> bool:
+    import ipaddress
+    try:
+        return isinstance(host, str) and not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def _is_loopback(host: str) -> bool:
