@@ -18,7 +18,8 @@ first), with their sizes exported as gauges.
 """
 from __future__ import annotations
 
-from cluster.control.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord  # noqa: F401
+from cluster.control.state.base import (ApiKeyRecord, Registration, StateStore, StoreLimits,  # noqa: F401
+                                        TemplateRecord, redact_url)
 
 
 def open_state(url: str, limits: "StoreLimits | None" = None) -> StateStore:
@@ -33,17 +34,3 @@ def open_state(url: str, limits: "StoreLimits | None" = None) -> StateStore:
         from cluster.control.state.redis_state import RedisState
         return RedisState(url, limits)
     raise ValueError(f"state_url must start with sqlite:///, redis:// or rediss://, got {redact_url(url)!r}")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with the password of its user part replaced by ``***`` (what logs and errors show)."""
-    from urllib.parse import urlsplit, urlunsplit
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    if parts.password is None and "@" not in parts.netloc:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from cluster.control.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord
+from cluster.control.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord, redact_url
 
 P = "kvn:"
 
@@ -35,8 +35,6 @@ def _k(kind: str, *parts) -> str:
 class RedisState(StateStore):
     def __init__(self, url: str, limits: StoreLimits = StoreLimits()):
         import redis
-
-        from cluster.control.state import redact_url
 
         self.limits = limits
         shown = redact_url(url)
