@@ -24,18 +24,31 @@ def _cpu(pid: int) -> float:
 
 
 def run_layout(n_prefill: int, n_decode: int, requests: int, concurrency: int, max_tokens: int,
-               local_cpus: int, remote_url: str | None) -> dict:
-    import httpx
-
+               local_cpus: int, remote_tier: bool) -> dict:
     import tempfile
 
-    from cluster.ops.launcher import start, stop
+    from cluster.control.ray_backends import tier_key_of
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
-    from kvtransport.tier_server import free_port
+    from kvtransport.tier_server import free_port, start_tier_server, stop_tier_server
 
+    tier_port = free_port()
     cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=tempfile.mkdtemp(prefix="kvnotes-bench-"),
                         prefill=WorkerConfig(count=n_prefill), decode=WorkerConfig(count=n_decode),
-                        tier_remote_url=remote_url)
+                        tier_remote_url=f"lm://127.0.0.1:{tier_port}" if remote_tier else None)
+    # the layout's own lm:// tier server, its key derived from this cluster's secret like the actors'
+    tier = start_tier_server("127.0.0.1", tier_port, key=tier_key_of(cfg)) if remote_tier else None
+    try:
+        return _measure(cfg, requests, concurrency, max_tokens, local_cpus)
+    finally:
+        if tier is not None:
+            stop_tier_server(tier)
+
+
+def _measure(cfg, requests: int, concurrency: int, max_tokens: int, local_cpus: int) -> dict:
+    import httpx
+
+    from cluster.ops.launcher import start, stop
+
     system = " ".join(f"Rule {i}: answer politely and briefly, cite the policy section number." for i in range(80))
     import ray
     # a fresh local Ray of its own (never a `ray start` cluster found on the machine)
@@ -43,7 +56,9 @@ def run_layout(n_prefill: int, n_decode: int, requests: int, concurrency: int, m
              runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
     start(cfg, local_cpus=local_cpus)
     try:
-        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=600)
+        key = cfg.api_key_file.read_text().strip()        # the key the embedded default created
+        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=600,
+                            headers={"authorization": f"Bearer {key}"})
         for _ in range(240):
             try:
                 if http.get("/ready").status_code == 200:
@@ -70,7 +85,7 @@ def run_layout(n_prefill: int, n_decode: int, requests: int, concurrency: int, m
         cpu = {n: round(_cpu(p) - before[n], 2) for n, p in pids.items()}
     finally:
         stop(cfg)
-    return {"layout": f"{n_prefill}+{n_decode}", "requests": requests, "seconds": round(wall, 2),
+    return {"layout": f"{cfg.prefill.count}+{cfg.decode.count}", "requests": requests, "seconds": round(wall, 2),
             "req_per_s": round(requests / wall, 3), "completion_tokens": tokens, "cpu_s": cpu}
 
 
@@ -87,17 +102,7 @@ def main(argv=None) -> int:
     rows = []
     for lay in _progress(a.layouts, "layouts"):
         p, d = (int(x) for x in lay.split("+"))
-        tier = None
-        if not a.no_remote_tier:
-            from kvtransport.tier_server import start_tier_server
-            tier = start_tier_server()
-        try:
-            rows.append(run_layout(p, d, a.requests, a.concurrency, a.max_tokens, a.local_cpus,
-                                   tier.url if tier else None))
-        finally:
-            if tier is not None:
-                from kvtransport.tier_server import stop_tier_server
-                stop_tier_server(tier)
+        rows.append(run_layout(p, d, a.requests, a.concurrency, a.max_tokens, a.local_cpus, not a.no_remote_tier))
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["req_per_s"]
     print("\n| layout | req/s | vs first | CPU s per actor |\n|---|---|---|---|")

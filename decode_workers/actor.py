@@ -18,6 +18,7 @@ import threading
 
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.keys import token_hash
+from kvruntime.messages.plan import decode_computes_rest
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
 
 
@@ -40,6 +41,7 @@ class DecodeWorker:
         self.index, self.engine_kind, self.model = index, cfg.decode_engine, cfg.model
         self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
         self._cancel_lock = threading.Lock()
+        self._own: set[str] = set()                # transfers announced with no block to come (announce)
         device = "cuda" if cfg.decode.num_gpus > 0 else "cpu"
         ip, node_id = node_address()
         host = host or cfg.bind_host or ip        # bind_host: kvnotes' listeners bind and advertise it
@@ -77,26 +79,14 @@ class DecodeWorker:
         """Where and how prefill actors send this actor's KV (NIXL agent metadata included)."""
         return self.receiver.endpoint
 
-    def expect(self, grant: TransferGrant, prefix_ids: tuple[int, ...] = (), salt: str | None = None) -> int:
+    def expect(self, grant: TransferGrant, prefix_ids: tuple[int, ...] = (), salt: str | None = None,
+               computes_from: int | None = None) -> int:
         """The router announces a transfer before the prefill actor pushes it. Returns how many
         leading prefix tokens this engine already holds under ``salt`` (vLLM's prefix cache; the
-        reference engine's held prefix KV, pinned for this transfer): the grant is narrowed to the
-        rest, which is all the prefill actor then sends. The reference engine always gets at least
-        one token sent (the block, with its credential, stays the proof the prefill actor built
-        this prefix, and the one receive path is kept)."""
-        held = 0
-        if prefix_ids and grant.first_position == 0:
-            if token_hash(tuple(prefix_ids)) != grant.tokens_sha256 or len(prefix_ids) != grant.tokens:
-                raise ValueError(f"prefix ids do not match the grant of transfer {grant.transfer_id}")
-            if self.engine_kind == "vllm":
-                held = min(self.executor.held_prefix(tuple(prefix_ids), salt), grant.tokens)
-            else:
-                held = self.executor.held_prefix(tuple(prefix_ids), salt, transfer_id=grant.transfer_id,
-                                                 limit=grant.tokens - 1)
-            if held:
-                grant = dataclasses.replace(grant, first_position=held, tokens=grant.tokens - held,
-                                            tokens_sha256=token_hash(tuple(prefix_ids[held:])))
-        self.receiver.expect(grant)
+        reference engine's held prefix KV, pinned for this transfer); see :func:`announce`."""
+        held, own = announce(self.executor, self.receiver, self.engine_kind, grant, prefix_ids, salt, computes_from)
+        if own:
+            self._own.add(grant.transfer_id)
         return held
 
     def inbox_stats(self) -> dict:
@@ -125,8 +115,15 @@ class DecodeWorker:
         with self._cancel_lock:
             self._cancelled.add(key)
 
-    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None):
-        gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt)
+    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None, continuation=None):
+        """Stream a request's tokens (``continuation``: resume one another worker started and lost)."""
+        kw = {"continuation": continuation} if continuation is not None else {}
+        if transfer_id in self._own:              # no block comes: this engine computes the rest
+            self._own.discard(transfer_id)
+            gen = self.executor.generate(None, prefix, suffix, sampling, salt=salt, **kw) if self.engine_kind == "vllm" \
+                else self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt, held_only=True, **kw)
+        else:
+            gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt, **kw)
         try:
             for ev in gen:
                 if cancel_key is not None and cancel_key in self._cancelled:
@@ -142,3 +139,31 @@ class DecodeWorker:
         if self.engine_kind == "vllm":
             self.executor.stop()
         self.receiver.stop()
+
+
+def announce(executor, receiver, engine_kind: str, grant: TransferGrant, prefix_ids, salt: str | None,
+             computes_from: int | None = None) -> tuple[int, bool]:
+    """What ``DecodeWorker.expect`` does: (held leading prefix tokens, whether this engine computes
+    the rest of the prefix itself). Held tokens are never built nor sent again:
+    - they reach ``computes_from`` (``messages.plan.decode_computes_rest``): no grant is
+      registered and no block comes; ``generate`` computes the rest of the prefix in context
+      (vLLM: its own prefix cache and a plain prefill; reference: the KV pinned here);
+    - otherwise the grant is narrowed to the rest, all the prefill actor then sends. The reference
+      engine always gets at least one token sent (the block, with its credential, stays the
+      proof the prefill actor built this prefix, and the one receive path is kept)."""
+    held = 0
+    if prefix_ids and grant.first_position == 0:
+        if token_hash(tuple(prefix_ids)) != grant.tokens_sha256 or len(prefix_ids) != grant.tokens:
+            raise ValueError(f"prefix ids do not match the grant of transfer {grant.transfer_id}")
+        if engine_kind == "vllm":
+            held = min(executor.held_prefix(tuple(prefix_ids), salt), grant.tokens)
+        else:
+            held = executor.held_prefix(tuple(prefix_ids), salt, transfer_id=grant.transfer_id,
+                                        limit=grant.tokens - 1, computes_from=computes_from)
+        if decode_computes_rest(held, computes_from):
+            return held, True
+        if held:
+            grant = dataclasses.replace(grant, first_position=held, tokens=grant.tokens - held,
+                                        tokens_sha256=token_hash(tuple(prefix_ids[held:])))
+    receiver.expect(grant)
+    return held, False

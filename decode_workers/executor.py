@@ -15,9 +15,11 @@ import logging
 import time
 from typing import Iterator
 
+import torch
+
 from kvruntime.decode_cache import DecodeSession
 from kvruntime.kv import KVCache
-from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
+from kvruntime.messages.decode import Continuation, DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import recompute
 from decode_workers.held_kv import HeldPrefixes
 from decode_workers.sampling import Sampler, TextStream
@@ -37,25 +39,51 @@ class DecodeExecutor:
         self.held = held
 
     def held_prefix(self, prefix_ids: tuple[int, ...], salt: str | None = None, *,
-                    transfer_id: str | None = None, limit: int | None = None) -> int:
+                    transfer_id: str | None = None, limit: int | None = None,
+                    computes_from: int | None = None) -> int:
         """Leading tokens of ``prefix_ids`` whose KV this executor holds under ``salt`` (0 without
         a held cache). With ``transfer_id``: at most ``limit`` of them are pinned for that
-        transfer's :meth:`generate` (an eviction in between cannot take them)."""
+        transfer's :meth:`generate` (an eviction in between cannot take them); all of them when
+        they reach ``computes_from`` (no block comes: :meth:`generate` with ``held_only``)."""
         if self.held is None:
             return 0
         if transfer_id is None:
             return self.held.held_prefix(prefix_ids, salt)
-        return self.held.hold(transfer_id, prefix_ids, salt, len(prefix_ids) if limit is None else limit)
+        return self.held.hold(transfer_id, prefix_ids, salt, len(prefix_ids) if limit is None else limit,
+                              computes_from)
+
+    def _held_only(self, transfer_id: str, prefix_ids: tuple[int, ...], fallbacks: list[str],
+                   stages: dict[str, float]) -> tuple[KVCache, int, int]:
+        """No block comes (``messages.plan.decode_computes_rest``): the KV pinned for this
+        transfer at ``expect`` plus the rest of the prefix computed here, in context."""
+        pinned = self.held.take(transfer_id) if self.held is not None else None
+        if pinned is None or pinned.token_ids.tolist() != list(prefix_ids[:pinned.num_tokens]):
+            fallbacks.append("kv_held_missing")
+            log.warning("held prefix KV for %s missing; policy %s", transfer_id, self.policy)
+            if self.policy == "fail":
+                raise RuntimeError("held prefix KV unavailable (kv_held_missing) and kv load failure policy is 'fail'")
+            return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0
+        kv, held = pinned.to(self.engine.device, self.engine.dtype), pinned.num_tokens
+        rest = list(prefix_ids[held:])
+        if rest:
+            t = time.perf_counter()
+            out = self.engine.prefill(rest, torch.arange(held, len(prefix_ids)), kv)
+            kv = KVCache.cat([kv, out.kv])
+            stages["forward"] = time.perf_counter() - t
+        return kv, 0, held
 
     def _prefix(self, transfer_id: str | None, prefix_ids: tuple[int, ...], fallbacks: list[str],
-                stages: dict[str, float] | None = None) -> tuple[KVCache, int]:
-        """The prefix KV and how many of its tokens arrived in the transferred block."""
+                stages: dict[str, float] | None = None, held_only: bool = False) -> tuple[KVCache, int, int]:
+        """The prefix KV, how many of its tokens arrived in the transferred block, and how many
+        this engine did not compute (received or held)."""
         stages = {} if stages is None else stages
         if not prefix_ids:
-            return self.engine.empty_kv(), 0
+            return self.engine.empty_kv(), 0, 0
         if transfer_id is None:
             # the caller knows no block was sent and has already counted that fallback
-            return recompute(self.engine, list(prefix_ids), logits=False).kv, 0
+            return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0
+        if held_only:
+            return self._held_only(transfer_id, prefix_ids, fallbacks, stages)
         pinned = self.held.take(transfer_id) if self.held is not None else None
         try:
             t = time.perf_counter()
@@ -73,7 +101,7 @@ class DecodeExecutor:
                 kv = KVCache.cat([pinned.to(self.engine.device, self.engine.dtype), kv])
             stages["load"] = time.perf_counter() - t - stages["receive"]
             if start >= 0 and kv.token_ids.tolist() == list(prefix_ids):
-                return kv, loaded
+                return kv, loaded, len(prefix_ids)
             reason = "kv_mismatch"
         except TransferError as exc:
             reason = f"kv_transfer_{exc.reason}"
@@ -85,7 +113,7 @@ class DecodeExecutor:
         log.warning("prefix KV for %s unusable (%s); policy %s", transfer_id, reason, self.policy)
         if self.policy == "fail":
             raise RuntimeError(f"prefix KV unavailable ({reason}) and kv load failure policy is 'fail'")
-        return recompute(self.engine, list(prefix_ids), logits=False).kv, 0
+        return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0
 
     def _keep(self, prefix_ids: tuple[int, ...], salt: str | None, kv: KVCache, loaded: int) -> None:
         """Keep this request's prefix KV for the next one (a fresh copy when it aliases the
@@ -96,17 +124,32 @@ class DecodeExecutor:
         self.held.put(prefix_ids, salt, KVCache(kv.data.clone(), kv.positions, kv.token_ids) if aliased else kv)
 
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
-                 sampling: SamplingParams, *, salt: str | None = None) -> Iterator[TokenEvent | DecodeSummary]:
+                 sampling: SamplingParams, *, salt: str | None = None,
+                 held_only: bool = False,
+                 continuation: Continuation | None = None) -> Iterator[TokenEvent | DecodeSummary]:
         """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`. Text is
         detokenized incrementally (never half a character) and ends before a stop string.
         ``salt``: the key this request's prefix KV is kept under for the next request (with a
-        held cache; see :meth:`held_prefix`)."""
+        held cache; see :meth:`held_prefix`). ``held_only``: no block comes for ``transfer_id``;
+        the prefix is what was pinned for it plus the rest, computed here. ``continuation``: the
+        request was started by another worker, which streamed ``continuation.tokens``; they are
+        replayed here after the suffix, one decode step each (the lost worker's own arithmetic, so
+        greedy output equals an undisturbed run), and decoding goes on from there (event indices, penalties,
+        seeded draws, stop strings and ``max_tokens`` continue; the summary counts every token)."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
+        done = continuation.tokens if continuation is not None else ()
+        stream = TextStream(self.engine.decode, sampling.stop)
+        if continuation is not None:
+            stream.resume(done, continuation.text)
+            if stream.stopped or len(done) >= sampling.max_tokens:      # it had ended; only the summary was lost
+                stream.finish()
+                yield DecodeSummary(len(done), "stop" if stream.stopped else "length", (), 0.0, stream.text)
+                return
         t = time.perf_counter()
         fallbacks: list[str] = []
         stages: dict[str, float] = {}
-        kv, loaded = self._prefix(transfer_id, prefix_ids, fallbacks, stages)
+        kv, loaded, not_computed = self._prefix(transfer_id, prefix_ids, fallbacks, stages, held_only)
         received = time.perf_counter() - t
         self._keep(prefix_ids, salt, kv, loaded)
         start = len(prefix_ids)
@@ -114,17 +157,19 @@ class DecodeExecutor:
         # the context is copied once into a buffer with room for the suffix and every token to come
         session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens)
         logits = session.step(suffix_ids, range(start, start + len(suffix_ids)))
+        pos = start + len(suffix_ids)
+        for tok in done:     # a continuation replays the streamed tokens one step each, as the lost worker
+            logits, pos = session.step([tok], [pos]), pos + 1     # computed them: the same logits after
         stages["suffix_forward"] = time.perf_counter() - t_suffix
-        sampler = Sampler(sampling, logits.numel())
-        stream = TextStream(self.engine.decode, sampling.stop)
-        pos, n, finish = start + len(suffix_ids), 0, "length"
+        sampler = Sampler(sampling, logits.numel(), history=done)
+        n, finish = len(done), "length"
         while n < sampling.max_tokens:
             tok, lp, top = sampler.pick(logits)
             if tok in self.engine.eos_ids:
                 finish = "stop"
                 break
             n += 1
-            if n == 1:
+            if n == len(done) + 1:
                 stages["first_token"] = time.perf_counter() - t_suffix
             delta = stream.push(tok)
             if stream.stopped or n == sampling.max_tokens:
@@ -137,8 +182,7 @@ class DecodeExecutor:
                 logits, pos = session.step([tok], [pos]), pos + 1
         stream.finish()       # after EOS: text still held back is in the summary's text, not in an event
         text = stream.text
-        n_prefix = 0 if fallbacks or transfer_id is None else len(prefix_ids)
-        yield DecodeSummary(n, finish, tuple(fallbacks), received, text, n_prefix, min(loaded, n_prefix),
+        yield DecodeSummary(n, finish, tuple(fallbacks), received, text, not_computed, min(loaded, not_computed),
                             tuple(stages.items()))
 
 

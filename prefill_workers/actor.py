@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.plan import KVRef, RequestPlan
@@ -18,6 +20,7 @@ from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
 from kvruntime.messages.transfer import KVEndpoint
 
 log = logging.getLogger(__name__)
+CANCEL_KEYS = 1024                # cancel keys kept at most (a cancel may arrive after its plan ended)
 
 
 class PrefillWorker:
@@ -33,6 +36,9 @@ class PrefillWorker:
         from prefill_workers.tier import PrefillTier
 
         self.cfg, self.index = cfg, index
+        self._cancelled: dict[str, None] = {}     # transfer ids to stop (cancel()), oldest first
+        self._cancel_lock = threading.Lock()
+        self.cancelled_plans = 0                  # plans stopped by a cancel (health(), metrics)
         device = "cuda" if cfg.prefill.num_gpus > 0 else "cpu"
         self.engine = ReferenceEngine(cfg.model, dtype=cfg.dtype, device=device, threads=cfg.prefill.threads)
         tier = TierConfig(local_cpu_gb=max(cfg.tier_cpu_bytes / 2**30, 0.05),
@@ -51,7 +57,8 @@ class PrefillWorker:
                                         transfer_timeout=cfg.transfer_timeout_s)
         from kvruntime.telemetry import start_exporter
         from prefill_workers.metrics import worker_registry
-        self.metrics_target = start_exporter(worker_registry(self.store, f"prefill-{index}", bool(cfg.tier_remote_url)),
+        self.metrics_target = start_exporter(worker_registry(self.store, f"prefill-{index}", bool(cfg.tier_remote_url),
+                                                             cancelled=lambda: self.cancelled_plans),
                                              host=listen_host(cfg.bind_host))
 
     def ready(self) -> dict:
@@ -68,7 +75,7 @@ class PrefillWorker:
         return {"worker": f"prefill-{self.index}", "pid": os.getpid(), "metrics": self.metrics_target,
                 "remote_up": st.remote_up if self.cfg.tier_remote_url else None,
                 "remote_error": st.remote_last_error if self.cfg.tier_remote_url and not st.remote_up else "",
-                "remote_down_misses": st.remote_down_misses}
+                "remote_down_misses": st.remote_down_misses, "cancelled": self.cancelled_plans}
 
     def contains(self, refs: list[KVRef]) -> list[bool]:
         return self.tier.contains(refs)
@@ -79,10 +86,35 @@ class PrefillWorker:
     def evict(self, ref: KVRef) -> bool:
         return self.tier.evict(ref)
 
+    def cancel(self, transfer_id: str) -> None:
+        """Stop the plan executed (or queued) for ``transfer_id`` at its next layer or step: its
+        deadline passed or its client left. Runs in the "health" group, beside execute."""
+        with self._cancel_lock:
+            self._cancelled[transfer_id] = None
+            while len(self._cancelled) > CANCEL_KEYS:      # keys of plans that had already ended
+                self._cancelled.pop(next(iter(self._cancelled)))
+
     def execute(self, plan: RequestPlan, decode: KVEndpoint, transfer_id: str,
                 store_as: KVRef | None, credential: str = "", send_from: int = 0) -> PrefillResult:
-        return self.executor.execute(plan, decode, transfer_id, store_as=store_as, credential=credential,
-                                     send_from=send_from)
+        """Build, store and push ``plan``'s prefix (``PrefillExecutor.execute``). Cancelled
+        (:meth:`cancel`): stops at the next layer or step, counted, and answers a result with
+        nothing sent (the router no longer waits for it)."""
+        from kvruntime.engine import Cancelled
+        from kvruntime.messages.prefill import PrefillStats
+
+        t = time.perf_counter()
+        try:
+            return self.executor.execute(plan, decode, transfer_id, store_as=store_as, credential=credential,
+                                         send_from=send_from, cancelled=lambda: transfer_id in self._cancelled)
+        except Cancelled:
+            self.cancelled_plans += 1
+            log.warning("prefill of %s cancelled after %.3f s (deadline passed or client gone)", plan.request_id,
+                        time.perf_counter() - t)
+            return PrefillResult(plan.request_id, transfer_id, 0, time.perf_counter() - t, 0, 0.0,
+                                 PrefillStats(fallbacks=["prefill_cancelled"]), False)
+        finally:
+            with self._cancel_lock:
+                self._cancelled.pop(transfer_id, None)
 
     def shadow(self, plan: RequestPlan) -> ShadowResult:
         """Recompute ``plan`` in full and compare (online shadow check; the router calls it after the response)."""

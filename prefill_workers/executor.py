@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from kvruntime.engine import Cancelled
 from kvruntime.kv import KVCache
 from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan, SegmentPlan
@@ -26,6 +27,11 @@ from kvtransport.transport import KVTransport, TransferError
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
+
+
+def _check(cancelled) -> None:
+    if cancelled is not None and cancelled():
+        raise Cancelled("prefill cancelled")
 
 
 def _log_once(reason: str, msg: str) -> None:
@@ -65,10 +71,12 @@ class PrefillExecutor:
         self.policy, self.transfer_timeout = load_failure_policy, transfer_timeout
 
     # ---- building ---------------------------------------------------------------------------
-    def build(self, plan: RequestPlan, alloc=None) -> tuple[KVCache, PrefillStats]:
+    def build(self, plan: RequestPlan, alloc=None, cancelled=None) -> tuple[KVCache, PrefillStats]:
         """Execute ``plan.steps`` in order; returns the prefix KV (slots in position order).
         ``alloc(shape, dtype) -> Tensor | None``: where every concatenation writes its result
-        (``Sender.alloc``: the transport's registered memory, so the final KV ships without a copy)."""
+        (``Sender.alloc``: the transport's registered memory, so the final KV ships without a copy).
+        ``cancelled() -> bool``: checked before each step and each layer of a computed step; True
+        stops the build with ``kvruntime.engine.Cancelled``."""
         if plan.model != self.engine.spec.name:
             raise ValueError(f"plan is for model {plan.model!r}, this worker runs {self.engine.spec.name!r}")
         kv, st = self.engine.empty_kv(), PrefillStats()
@@ -76,12 +84,14 @@ class PrefillExecutor:
         self._seams: list[int] = []               # chunk starts awaiting one batched seam repair
         self._seam_k, self._ratio = 0, 0.0       # ratio > 0: selective recompute (ops.blend)
         self._borrowed: set[int] = set()         # storages of loaded KV (a tier's memory): never written
+        self._cancelled = cancelled
         for step in plan.steps:
+            _check(cancelled)
             if step.kind is not PlanKind.REPOSITION:
                 kv = self._flush_seams(kv, st)        # computed steps must see repaired seams
             kv = self._step(kv, step, st)
         kv = self._flush_seams(kv, st)
-        self._alloc = None
+        self._alloc = self._cancelled = None
         return kv, st
 
     def _counting(self, alloc):
@@ -93,6 +103,26 @@ class PrefillExecutor:
 
     def _cat(self, parts: list[KVCache]) -> KVCache:
         return KVCache.cat(parts, alloc=self._alloc)
+
+    def _cat_repositioned(self, kv: KVCache, chunk: KVCache, delta: int, st: PrefillStats) -> KVCache:
+        """``kv`` + ``chunk`` moved by ``delta``: the chunk's keys are re-rotated straight into
+        the concatenation's buffer (``self._alloc``'s registered memory when it has room), in the
+        engine's dtype; ``chunk`` (a tier's memory) is only read. Cost: one copy of ``kv``, one
+        pass over the chunk."""
+        e = self.engine
+        n0, dtype = kv.num_tokens, e.dtype
+        shape = (*kv.data.shape[:3], n0 + chunk.num_tokens, kv.data.shape[4])
+        out = self._alloc(shape, dtype) if self._alloc is not None and e.device.type == "cpu" else None
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=e.device)
+        if n0:
+            out[:, :, :, :n0].copy_(kv.data)
+        with _timed(st, "rerotate"):
+            src = chunk.to(e.device)      # the rotation casts to the engine's dtype as it writes
+            moved = reposition(e.rope, src, delta, out=out[:, :, :, n0:])
+        self._borrowed.add(src.data.untyped_storage().data_ptr())
+        return KVCache(out, torch.cat([kv.positions, moved.positions.to(kv.positions.device)]),
+                       torch.cat([kv.token_ids, moved.token_ids.to(kv.token_ids.device)]))
 
     def _flush_seams(self, kv: KVCache, st: PrefillStats) -> KVCache:
         # the fresh KV is written into kv's buffer when it is a cat's copy, not a tier's chunk
@@ -145,7 +175,8 @@ class PrefillExecutor:
         if not ids:
             return kv
         with _timed(st, "forward"):
-            out = self.engine.prefill(list(ids), torch.arange(position, position + len(ids)), kv)
+            out = self.engine.prefill(list(ids), torch.arange(position, position + len(ids)), kv,
+                                      cancelled=getattr(self, "_cancelled", None))
         st.computed += len(ids)
         return self._cat([kv, out.kv])
 
@@ -175,12 +206,7 @@ class PrefillExecutor:
             if loaded is None or loaded.token_ids.tolist() != list(step.token_ids):
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
                 return self._compute(kv, step.token_ids, step.position, st)
-            try:
-                with _timed(st, "rerotate"):
-                    src = loaded.to(self.engine.device, self.engine.dtype)
-                    moved = reposition(self.engine.rope, src, step.position - int(loaded.positions[0]))
-                self._borrowed |= {src.data.untyped_storage().data_ptr(), moved.data.untyped_storage().data_ptr()}
-            except RepositionDisabled:
+            if not self.engine.rope.enabled:
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
             if self._seams and (step.seam_tokens, step.recompute_ratio) != (self._seam_k, self._ratio):
@@ -188,7 +214,7 @@ class PrefillExecutor:
             if step.seam_tokens or step.recompute_ratio:
                 self._seams.append(kv.num_tokens)
                 self._seam_k, self._ratio = step.seam_tokens, step.recompute_ratio
-            kv = self._cat([kv, moved])
+            kv = self._cat_repositioned(kv, loaded, step.position - int(loaded.positions[0]), st)
             st.computed += step.seam_tokens
             st.repositioned += step.tokens - step.seam_tokens
             return kv
@@ -240,17 +266,23 @@ class PrefillExecutor:
         return None
 
     def execute(self, plan: RequestPlan, decode: KVEndpoint | str, transfer_id: str,
-                store_as: KVRef | None = None, credential: str = "", send_from: int = 0) -> PrefillResult:
+                store_as: KVRef | None = None, credential: str = "", send_from: int = 0,
+                cancelled=None) -> PrefillResult:
         """Build the prefix, optionally store it in the tier under ``store_as`` (a session's
         context or a plain prompt, for the next request), and push it to ``decode`` (an endpoint
         for a :class:`~kvtransport.endpoints.Sender`, an address for a plain transport) with the
         transfer's ``credential``; only tokens from ``send_from`` on (the decode engine holds the
-        rest, see ``DecodeWorker.expect``). A failed push is reported (``transferred`` False + a fallback
+        rest, see ``DecodeWorker.expect``). ``cancelled() -> bool``: checked between steps and
+        layers and before the push; True raises ``kvruntime.engine.Cancelled`` (nothing stored or sent). A failed push is reported (``transferred`` False + a fallback
         reason), never raised: the decode worker then recomputes. A failed store is counted
         (``tier_store_failed``) and logged."""
         t = time.perf_counter()
         alloc = self._pool_alloc(decode, send_from)
-        kv, st = self.build(plan, alloc)
+        try:
+            kv, st = self.build(plan, alloc, cancelled)
+        finally:
+            self._alloc = self._cancelled = None
+        _check(cancelled)
         built = time.perf_counter() - t
         if self._pool_misses:                     # built (partly) in ordinary memory: the send copies
             st.fallbacks.append("kv_send_pool_full")

@@ -1,4 +1,5 @@
-"""What a prefill actor exports on its own endpoint (``kvruntime.telemetry``): its tier's counters,
+"""What a prefill actor exports on its own endpoint (``kvruntime.telemetry``): the plans it stopped on a
+cancel (``kvnotes_worker_prefill_cancelled_total``) and its tier's counters,
 read from the store at scrape time, so a scrape always sees the live values and nothing is
 double counted with the router's series (the router counts plan-time lookups, ``kvnotes_tier_*``;
 these are the worker's own gets, puts, evictions and remote-tier errors).
@@ -12,11 +13,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 class TierCollector:
     """``kvnotes_worker_tier_*`` series of one prefill actor's store (labels: ``worker``)."""
 
-    def __init__(self, store, worker: str, remote_configured: bool):
+    def __init__(self, store, worker: str, remote_configured: bool, cancelled=None):
         self.store, self.worker, self.remote = store, worker, remote_configured
+        self.cancelled = cancelled            # () -> plans this worker stopped on a cancel
 
     def collect(self):
         s, w = self.store.stats, self.worker
+        if self.cancelled is not None:
+            c = CounterMetricFamily("kvnotes_worker_prefill_cancelled", "Plans this prefill worker stopped before "
+                                    "the end because the router cancelled them (deadline passed, client gone)",
+                                    labels=["worker"])
+            c.add_metric([w], self.cancelled())
+            yield c
         gets = CounterMetricFamily("kvnotes_worker_tier_gets", "Chunk gets on this worker's tier by result "
                                    "(hit per tier, miss per reason)", labels=["worker", "result", "tier"])
         for tier, n in sorted(s.hits_by_tier.items()):
@@ -66,7 +74,7 @@ class TierCollector:
             yield fb
 
 
-def worker_registry(store, worker: str, remote_configured: bool) -> CollectorRegistry:
+def worker_registry(store, worker: str, remote_configured: bool, cancelled=None) -> CollectorRegistry:
     r = CollectorRegistry()
-    r.register(TierCollector(store, worker, remote_configured))
+    r.register(TierCollector(store, worker, remote_configured, cancelled))
     return r

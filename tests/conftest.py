@@ -238,3 +238,19 @@ def prom_query(base: str, expr: str) -> list:
         body = json.loads(r.read())
     assert body["status"] == "success", (expr, body)
     return body["data"]["result"]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """family -> directory of a tiny random-weight HF checkpoint (tests/tiny_checkpoints.py)."""
+    from tests.tiny_checkpoints import build_all
+    return build_all(tmp_path_factory.mktemp("tiny-checkpoints"))
+
+
+def tiny_engine(checkpoints: dict, family: str, dtype: str = "float32"):
+    """The reference engine of a tiny checkpoint, loaded once per session and dtype."""
+    from kvruntime.engine import ReferenceEngine
+    key = (str(checkpoints[family]), dtype)
+    if key not in _ENGINES:
+        _ENGINES[key] = ReferenceEngine(str(checkpoints[family]), dtype=dtype, threads=1)
+    return _ENGINES[key]

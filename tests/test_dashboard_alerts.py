@@ -132,7 +132,7 @@ def _run(*args: str) -> str:
 
 def test_promtool_check_config_loads_the_rules():
     out = _run(PROMTOOL, "check", "config", "deploy/prometheus.yml")
-    assert "1 rule files found" in out and "6 rules found" in out
+    assert "1 rule files found" in out and "7 rules found" in out
 
 
 def test_promtool_check_rules():
@@ -151,7 +151,8 @@ def _alerts() -> dict[str, dict]:
 def test_alert_rules_are_complete_and_wired():
     alerts = _alerts()
     assert set(alerts) == {"KvnotesTTFTP90High", "KvnotesFallbackRateHigh", "KvnotesRetryRateHigh",
-                           "KvnotesFidelityAgreementLow", "KvnotesNoLiveWorker", "KvnotesRemoteTierDown"}
+                           "KvnotesFidelityAgreementLow", "KvnotesNoLiveWorker", "KvnotesRemoteTierDown",
+                           "KvnotesStateStoreDown"}
     for name, rule in alerts.items():
         assert re.fullmatch(r"\d+[smh]", rule["for"]), name
         assert rule["labels"]["severity"] in ("warning", "critical"), name
@@ -159,6 +160,7 @@ def test_alert_rules_are_complete_and_wired():
     assert "kvnotes_workers_alive" in alerts["KvnotesNoLiveWorker"]["expr"]
     assert "absent(" in alerts["KvnotesNoLiveWorker"]["expr"]
     assert re.search(r"kvnotes_tier_remote_up\s*==\s*0", alerts["KvnotesRemoteTierDown"]["expr"])
+    assert re.search(r"kvnotes_state_store_up\s*==\s*0", alerts["KvnotesStateStoreDown"]["expr"])
     prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     assert prom["rule_files"] == ["alerts.yml"]
 

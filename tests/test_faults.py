@@ -1,6 +1,6 @@
 """Worker faults on the real cluster (Ray actors, Serve router, LMCache with an lm:// tier server):
 actors are SIGKILLed by PID, the tier server is stopped and restarted. Requests keep succeeding
-(retried on another worker, counted), a stream whose decode worker dies ends with a clear error,
+(retried on another worker, counted), a stream whose decode worker dies goes on on another one,
 /health shows the loss and the recovery, and prefill load spreads across actors despite one shared
 system prompt. Every wait is bounded."""
 from __future__ import annotations
@@ -41,16 +41,20 @@ def _wait(pred, timeout_s: float, what: str, every: float = 0.5):
 
 @pytest.fixture(scope="module")
 def fault_cluster(tmp_path_factory):
+    from cluster.control.ray_backends import tier_key_of
     from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
     from kvtransport.tier_server import start_tier_server, stop_tier_server
 
     root = tmp_path_factory.mktemp("kvfaults")
-    tier = start_tier_server(log_path=root / "tier.log")
+    tier_port = free_port()
     cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
-                        tier_remote_url=tier.url, prefill=WorkerConfig(count=2), decode=WorkerConfig(count=2),
+                        tier_remote_url=f"lm://127.0.0.1:{tier_port}", tier_remote_probe_s=0.5,
+                        prefill=WorkerConfig(count=2), decode=WorkerConfig(count=2),
                         health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5)
-    state = {"tier": tier}
+    key = tier_key_of(cfg)        # the tier server's key, derived from the cluster secret like the actors'
+    tier = start_tier_server("127.0.0.1", tier_port, key=key, log_path=root / "tier.log")
+    state = {"tier": tier, "tier_key": key}
     try:
         start(cfg, local_cpus=5)
         http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=180, headers=_headers(cfg))
@@ -98,6 +102,13 @@ def _metrics(http) -> str:
     return http.get("/metrics").text
 
 
+def _prefill_metrics(http) -> str:
+    """Every prefill actor's own exporter (found through /metrics/targets), concatenated."""
+    groups = http.get("/metrics/targets").json()
+    return "\n".join(httpx.get(f"http://{g['targets'][0]}/metrics", timeout=10).text for g in groups
+                     if g["labels"]["kvnotes_role"] == "prefill")
+
+
 def _kill(pid: int) -> None:
     assert pid and pid != os.getpid()
     os.kill(pid, signal.SIGKILL)
@@ -131,13 +142,17 @@ def test_prefill_load_spreads_across_actors_with_a_shared_system_prompt(fault_cl
     assert (max(used) - min(used)) / max(used) < 0.30, f"prefill CPU seconds per actor: {used}"
 
 
-def test_decode_killed_mid_stream_ends_stream_with_error_then_recovers(fault_cluster):
+def test_decode_killed_mid_stream_continues_on_the_other_then_recovers(fault_cluster):
     cfg, http, _ = fault_cluster
     _wait(lambda: _all_alive(http), 120, "all workers alive")
     before = _metrics(http)
     body = {"segments": [{"skill": "warranty"}, {"text": "Count from one to one hundred in words: one, two,"}],
-            "max_tokens": 200, "temperature": 0, "stream": True}
-    events, killed = [], None
+            "max_tokens": 80, "temperature": 0, "stream": True}
+
+    def lost():
+        _, snap = _health(http)
+        return snap["workers"]["decode"]["live"] == 1 and snap
+    events, killed, snap = [], None, None
     with http.stream("POST", "/v1/notes/completions", json=body) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
@@ -149,21 +164,19 @@ def test_decode_killed_mid_stream_ends_stream_with_error_then_recovers(fault_clu
                 code, snap = _health(http)
                 killed = _worker(snap, "decode", busy=True)
                 _kill(killed["pid"])
+                snap = _wait(lost, 30, "/health to show the dead decode worker")
+                assert 'kvnotes_workers_alive{role="decode"} 1.0' in _metrics(http)
     assert killed is not None, events
-    err = events[-1].get("error")
-    assert err and "mid-stream" in err["message"] and killed['name'] in err["message"], events[-1]
-    assert not any("finish_reason" in e for e in events)
+    assert not any("error" in e for e in events), events[-1]                 # one uninterrupted stream
+    assert events[-1].get("finish_reason") in ("stop", "length"), events[-1]
+    assert events[-1]["usage"]["completion_tokens"] == 80 or events[-1]["finish_reason"] == "stop"
     after = _metrics(http)
+    assert metric(after, "kvnotes_retries_total", role="decode", reason="migrated") == \
+        metric(before, "kvnotes_retries_total", role="decode", reason="migrated") + 1
     assert metric(after, "kvnotes_retries_total", role="decode", reason="lost_mid_stream") == \
-        metric(before, "kvnotes_retries_total", role="decode", reason="lost_mid_stream") + 1
-
-    def lost():
-        _, snap = _health(http)
-        return snap["workers"]["decode"]["live"] == 1 and snap
-    snap = _wait(lost, 30, "/health to show the dead decode worker")
+        metric(before, "kvnotes_retries_total", role="decode", reason="lost_mid_stream")
     dead = [w for w in snap["workers"]["decode"]["workers"] if not w["alive"]]
     assert [w["name"] for w in dead] == [killed["name"]]
-    assert 'kvnotes_workers_alive{role="decode"} 1.0' in _metrics(http)
     for i in range(20):
         r = _ask(http, f"Is a battery covered after {i + 13} months?")
         assert r.status_code == 200, (i, r.text)
@@ -232,7 +245,10 @@ def test_remote_tier_down_and_back(fault_cluster):
     assert gauge() == 1.0
     old = state["tier"]
     stop_tier_server(old)
-    down0 = metric(_metrics(http), "kvnotes_fallbacks_total", reason="tier_remote_down")
+    # counted once, by the prefill actor whose lookup or get missed (not by each router replica)
+    down = lambda: metric(_prefill_metrics(http), "kvnotes_fallbacks_total", reason="tier_remote_down")  # noqa: E731
+    down0 = down()
+    assert metric(_metrics(http), "kvnotes_fallbacks_total", reason="tier_remote_down") == 0
     # registered while the remote is down: the lookup misses there, the chunk is compiled (counted)
     r = http.post("/v1/skills", json={"name": "outage", "text": "Outage policy: we refund the fee for any outage "
                                                                 "longer than four hours, on request."})
@@ -242,11 +258,11 @@ def test_remote_tier_down_and_back(fault_cluster):
                                                      "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
     _wait(lambda: gauge() == 0.0, 30, "kvnotes_tier_remote_up to drop to 0")
-    _wait(lambda: metric(_metrics(http), "kvnotes_fallbacks_total", reason="tier_remote_down") > down0, 30,
-          "the recompute a down remote tier caused to be counted")
-    state["tier"] = start_tier_server(old.host, old.port, log_path=old.log_path)
+    _wait(lambda: down() > down0, 30, "the recompute a down remote tier caused to be counted")
+    state["tier"] = start_tier_server(old.host, old.port, key=state["tier_key"], log_path=old.log_path)
 
     def back():
         _ask(http, "Is the battery covered?")
         return gauge() == 1.0
-    _wait(back, 90, "kvnotes_tier_remote_up to come back to 1", every=1.0)
+    # the actors probe every tier_remote_probe_s (0.5 s here): the gauge follows within seconds
+    _wait(back, 20, "kvnotes_tier_remote_up to come back to 1", every=1.0)

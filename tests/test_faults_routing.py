@@ -1,7 +1,7 @@
 """The routing policies (pure) and the router's fault handling over real in-process executors:
 decode by least outstanding tokens, prefill affinity within a load cap, dead workers skipped;
-a worker lost before the first token is retried elsewhere (counted), lost mid-stream is a clear
-error (counted), and a passed deadline stops the decode worker and answers 504 (counted)."""
+a worker lost before the first token is retried elsewhere (counted), a decode worker lost mid-stream
+is replaced by another one (migrated, counted) and past its migrations is a clear error (counted), and a passed deadline stops the decode worker and answers 504 (counted)."""
 from __future__ import annotations
 
 import asyncio
@@ -57,13 +57,14 @@ class FlakyBackends(LocalBackends):
     def __init__(self, engine, lose: dict[int, int], slow_s: float = 0.0):
         super().__init__(engine, GrpcTransport())
         self.num_decode = 2
-        self.lose, self.slow_s, self.cancelled, self.calls = lose, slow_s, [], []
+        self.lose, self.slow_s, self.cancelled, self.calls, self.continuations = lose, slow_s, [], [], []
         self.view = WorkerView(1, 2)
 
-    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, cancel_key=None):
+    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, cancel_key=None, continuation=None):
         self.calls.append(index)
+        self.continuations.append(continuation)
         n = 0
-        async for ev in super().decode(index, transfer_id, prefix, suffix, sampling, salt):
+        async for ev in super().decode(index, transfer_id, prefix, suffix, sampling, salt, continuation):
             if index in self.lose and n == self.lose[index]:
                 self.view.mark("decode", index, False, "killed")
                 raise WorkerLost("decode", index, "ActorDiedError")
@@ -110,21 +111,45 @@ def test_worker_lost_before_first_token_is_retried_on_the_other_and_counted(smol
     assert metric(text, "kvnotes_requests_total", status="ok") == 1
 
 
-def test_worker_lost_mid_stream_is_a_clear_counted_error(smol, tmp_path):
-    b = FlakyBackends(smol, lose={0: 2, 1: 2})
+def test_worker_lost_mid_stream_continues_on_the_other_worker_as_if_undisturbed(smol, tmp_path):
+    ref_toks, ref = asyncio.run(_run(_router(smol, tmp_path, FlakyBackends(smol, lose={})), max_tokens=8))
+    assert len(ref_toks) == 8 and ref.summary.finish_reason == "length"
+    b = FlakyBackends(smol, lose={0: 3})
     r = _router(smol, tmp_path, b)
-    got = []
-
-    async def go():
-        async for ev in r.stream_native("default", [{"text": "Count: one, two, three,"}], policy=None, session=None,
-                                        sampling=SamplingParams(max_tokens=8, temperature=0)):
-            got.append(ev)
-    with pytest.raises(WorkerLost, match="mid-stream after 2 tokens.*send the request again"):
-        asyncio.run(go())
-    assert len(got) == 2 and len(b.calls) == 1                     # no silent retry after tokens went out
+    b.view.begin("decode", 1, 100)                         # decode-0 is picked first, and dies after 3 tokens
+    toks, fin = asyncio.run(_run(r, max_tokens=8))
+    assert b.calls == [0, 1] and b.continuations[1].tokens == tuple(ref_toks[:3])
+    assert toks == ref_toks                                 # one uninterrupted stream, the same tokens
+    assert fin.summary.completion_tokens == 8 and fin.summary.finish_reason == "length"
+    assert fin.summary.text == ref.summary.text and "decode_migrated" in fin.fallbacks
     text = r.metrics.render().decode()
-    assert metric(text, "kvnotes_retries_total", role="decode", reason="lost_mid_stream") == 1
-    assert metric(text, "kvnotes_requests_total", status="worker_lost") == 1
+    assert metric(text, "kvnotes_retries_total", role="decode", reason="migrated") == 1
+    assert metric(text, "kvnotes_retries_total", role="decode", reason="lost_mid_stream") == 0
+    assert metric(text, "kvnotes_requests_total", plan="recompute", status="ok") == 1
+    assert metric(text, "kvnotes_fallbacks_total", reason="decode_migrated") == 1
+    b.view.end("decode", 1, 100)
+    assert all(w["in_flight"] == 0 for w in r.view.snapshot()["decode"]["workers"])
+
+
+def test_worker_lost_mid_stream_past_its_migrations_is_a_clear_counted_error(smol, tmp_path):
+    from cluster.control.routing import FaultPolicy
+    for migrations, lose, after in ((1, {0: 2, 1: 2}, 4), (0, {0: 2, 1: 2}, 2)):
+        b = FlakyBackends(smol, lose=lose)
+        b.fault_policy = FaultPolicy(decode_migrations=migrations)
+        r = _router(smol, tmp_path, b)
+        got = []
+
+        async def go():
+            async for ev in r.stream_native("default", [{"text": "Count: one, two, three,"}], policy=None,
+                                            session=None, sampling=SamplingParams(max_tokens=8, temperature=0)):
+                got.append(ev)
+        with pytest.raises(WorkerLost, match=f"mid-stream after {after} tokens.*send the request again"):
+            asyncio.run(go())
+        assert len(got) == after and len(b.calls) == migrations + 1
+        text = r.metrics.render().decode()
+        assert metric(text, "kvnotes_retries_total", role="decode", reason="lost_mid_stream") == 1
+        assert metric(text, "kvnotes_retries_total", role="decode", reason="migrated") == migrations
+        assert metric(text, "kvnotes_requests_total", status="worker_lost") == 1
 
 
 def test_deadline_stops_the_decode_worker_and_answers_504(smol, tmp_path):

@@ -54,17 +54,21 @@ def _cli(*args, timeout=600, env=None):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    from cluster.control.ray_backends import tier_key_of
     from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig
     from kvtransport.tier_server import start_tier_server, stop_tier_server
 
     root = tmp_path_factory.mktemp("operator")
-    TIER["server"] = start_tier_server(log_path=root / "tier.log")   # a shared lm:// tier, as deployed
+    tier_port = free_port()
+    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(root / "state"),
+                        tier_remote_url=f"lm://127.0.0.1:{tier_port}",
+                        shadow_fraction=1.0,          # every approximate request gets a shadow check
+                        metrics_tenants=("default",))  # the embedded key's tenant gets its own label
+    # a shared lm:// tier, as deployed: its key derived from the cluster secret, like the actors'
+    TIER["key"] = tier_key_of(cfg)
+    TIER["server"] = start_tier_server("127.0.0.1", tier_port, key=TIER["key"], log_path=root / "tier.log")
     try:
-        cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(root / "state"),
-                            tier_remote_url=TIER["server"].url,
-                            shadow_fraction=1.0,          # every approximate request gets a shadow check
-                            metrics_tenants=("default",))  # the embedded key's tenant gets its own label
         start(cfg, local_cpus=4)
         try:
             yield cfg, f"http://127.0.0.1:{cfg.port}"
@@ -145,7 +149,7 @@ def workload(cluster, prometheus, tmp_path_factory):
                                                              "gate": "B12"}}, {"text": "Status?"}]})
         assert r.status_code == 200, r.text
         assert metric(c.get("/metrics").text, "kvnotes_fallbacks_total", reason="session_context_evicted") == 1
-        TIER["server"] = start_tier_server(old.host, old.port, log_path=old.log_path)
+        TIER["server"] = start_tier_server(old.host, old.port, key=TIER["key"], log_path=old.log_path)
         prompt = "The three primary colours of light are red, green and blue. " * 24 + "Name one:"
         for _ in range(2):                            # stored, then reused
             r = c.post("/v1/completions", json={"model": cfg.model, "prompt": prompt, "max_tokens": 3,
@@ -233,7 +237,9 @@ def test_alert_rules_are_loaded_and_evaluated(prometheus, workload):
     with urllib.request.urlopen(prometheus + "/api/v1/rules", timeout=10) as r:
         groups = json.loads(r.read())["data"]["groups"]
     rules = {rule["name"]: rule for g in groups for rule in g["rules"]}
-    assert len(rules) == 6 and all(rule["health"] in ("ok", "unknown") for rule in rules.values()), rules
+    assert len(rules) == 7 and all(rule["health"] in ("ok", "unknown") for rule in rules.values()), rules
+    assert rules["KvnotesStateStoreDown"]["state"] == "inactive"      # the store answered throughout
+    assert {s["value"][1] for s in _query(prometheus, "kvnotes_state_store_up")} == {"1"}
 
 
 def test_report_from_the_live_prometheus(prometheus, workload, tmp_path):

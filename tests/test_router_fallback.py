@@ -55,7 +55,7 @@ class LocalBackends:
     async def evict(self, ref):
         return self.source.d.pop(self.source._k(ref), None) is not None
 
-    async def expect(self, decode_index, grant, prefix, salt):
+    async def expect(self, decode_index, grant, prefix, salt, computes_from=None):
         self.rx.expect(grant)
         return 0                                    # the reference engine keeps no KV across requests
 
@@ -63,8 +63,8 @@ class LocalBackends:
         return self.pre.execute(plan, self.addr, transfer_id, store_as=store_as, credential=credential,
                                 send_from=send_from)
 
-    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt):
-        for ev in self.dec.generate(transfer_id, prefix, suffix, sampling):
+    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, continuation=None):
+        for ev in self.dec.generate(transfer_id, prefix, suffix, sampling, continuation=continuation):
             yield ev
 
 

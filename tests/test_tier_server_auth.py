@@ -193,3 +193,38 @@ def test_remote_up_follows_a_killed_and_restarted_server_by_probe_alone(server, 
             stop_tier_server(again)
     finally:
         store.close()
+
+
+def test_kvnotes_tier_server_cli_serves_with_the_cluster_key(tmp_path):
+    """`kvnotes tier-server --config F`: the key comes from the cluster secret in F's state store,
+    the one every prefill actor derives too; any other key is refused. Stopped by PID."""
+    import json
+    import subprocess
+    import sys
+
+    from cluster.control.ray_backends import tier_key_of
+    from kvruntime.messages.config import ClusterConfig
+    from kvtransport.lmcache_remote import probe_lm_server
+    from tests.conftest import free_port
+
+    port = free_port()
+    conf = tmp_path / "kvnotes.json"
+    conf.write_text(json.dumps({"data_dir": str(tmp_path / "data"), "tier_remote_url": f"lm://127.0.0.1:{port}",
+                                "tier_remote_capacity_bytes": 64 << 20}))
+    key = tier_key_of(ClusterConfig.from_file(conf))
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.ops.cli", "tier-server", "--config", str(conf)],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "cli.log", "wb"),
+                            start_new_session=True)
+    try:
+        _wait(lambda: proc.poll() is not None or probe_lm_server("127.0.0.1", port, 0.5, key), 60,
+              "the CLI's tier server to answer")
+        assert proc.poll() is None, (tmp_path / "cli.log").read_text()[-2000:]
+        assert not probe_lm_server("127.0.0.1", port, 0.5, tier_key(os.urandom(32)))
+    finally:
+        stop_tier_server(proc.pid)
+        proc.wait(timeout=10)
+    no_tier = tmp_path / "plain.json"
+    no_tier.write_text(json.dumps({"data_dir": str(tmp_path / "data")}))
+    r = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "tier-server", "--config", str(no_tier)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "sets no tier_remote_url" in r.stderr, r.stderr

@@ -4,8 +4,9 @@ and updates the :class:`~cluster.control.routing.WorkerView` the router routes b
 not answer within ``health_timeout_s`` (dead, restarting, hung) is marked down and skipped; one
 that answers again is brought back. It also refreshes what changes on a restart (a decode
 worker's KV endpoint: gRPC address and NIXL agent metadata), the gauges
-``kvnotes_workers_alive{role}`` and ``kvnotes_tier_remote_up``, and counts the recomputes a down
-remote tier caused (``kvnotes_fallbacks_total{reason="tier_remote_down"}``). Errors the router
+``kvnotes_workers_alive{role}`` and ``kvnotes_tier_remote_up`` (from each prefill actor's
+probe-driven ``remote_up``; the recomputes a down remote tier caused are counted once, by the
+prefill actor where they happened, on its own exporter). Errors the router
 sees on requests mark workers down at once (``cluster.control.ray_backends``); only this thread brings
 them back.
 """
@@ -30,7 +31,6 @@ class HealthMonitor(threading.Thread):
         self.backends, self.metrics = backends, metrics
         self.period_s, self.timeout_s = period_s, timeout_s
         self.stopped = threading.Event()
-        self._remote_down: dict[int, tuple] = {}      # prefill index -> (pid, remote_down_misses seen)
         backends.view.on_change = self._changed
         self._publish()
 
@@ -43,16 +43,6 @@ class HealthMonitor(threading.Thread):
         ups = [v for v in self.backends.remote_up.values() if v is not None]
         if ups:
             self.metrics.tier_remote_up.labels("remote").set(1 if all(ups) else 0)
-
-    def _count_remote_down(self, i: int, pid, total: int) -> None:
-        """Workers count tier misses caused by a down remote tier (each one recomputed); export
-        the increase as kvnotes_fallbacks_total{reason="tier_remote_down"} (a restarted worker
-        counts from 0 again)."""
-        last_pid, last = self._remote_down.get(i, (pid, 0))
-        grew = total if pid != last_pid else total - last
-        if grew > 0:
-            self.metrics.fallbacks.labels("tier_remote_down").inc(grew)
-        self._remote_down[i] = (pid, total)
 
     def sweep(self) -> None:
         """One round: ask every worker, wait at most ``timeout_s`` for all answers."""
@@ -88,7 +78,6 @@ class HealthMonitor(threading.Thread):
                 b.endpoints[i], b.addresses[i] = ep, ep.grpc_address
             if role == "prefill":
                 b.remote_up[i] = info.get("remote_up")
-                self._count_remote_down(i, info.get("pid"), info.get("remote_down_misses") or 0)
             b.view.mark(role, i, True)
         for ref in pending:
             role, i = calls[ref]

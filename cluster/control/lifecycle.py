@@ -1,6 +1,7 @@
 """One request's execution after planning: prefill on a prefill worker, the KV pushed to a
 decode worker, tokens streamed back; retried once elsewhere when a worker is lost before the
-first token, cut at the deadline, and accounted (TTFT and requests by what *executed*, prompt
+first token, continued on another decode worker when its own is lost mid-stream
+(:mod:`cluster.control.migration`), cut at the deadline, and accounted (TTFT and requests by what *executed*, prompt
 tokens by source, transfer bytes, stage seconds, fallbacks) in :class:`~cluster.control.metrics.Metrics`.
 
 The router plans (:mod:`cluster.control.planner`); :class:`RequestRunner` executes the plan it is given
@@ -16,11 +17,13 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
+from cluster.control.cancel import prefill_or_cancel
 from cluster.control.errors import RequestError
-from cluster.control.metrics import Metrics, note_plan
+from cluster.control.metrics import CACHED_SOURCES, Metrics, note_plan, prompt_sources
+from cluster.control.migration import DecodeStream
 from cluster.control.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
-from kvruntime.messages.plan import KVRef, RequestPlan
+from kvruntime.messages.plan import KVRef, RequestPlan, decode_computes_rest
 from kvruntime.messages.prefill import PrefillResult
 from kvruntime.messages.transfer import STAGES, TransferGrant
 
@@ -43,11 +46,12 @@ class Finished:
     summary: DecodeSummary
     ttft_s: float
     prompt_tokens: int
-    cached_tokens: int             # prompt tokens whose KV was loaded (reused + repositioned)
+    cached_tokens: int             # prompt tokens nobody computed for this request (metrics.CACHED_SOURCES)
     fallbacks: tuple[str, ...]
     stored: bool = False           # the prefix KV was stored in the tier for the next request
     stages: tuple[tuple[str, float], ...] = ()   # KV path seconds per stage (transfer.STAGES order)
     transport: str = ""            # what carried the prefix KV (nixl | grpc; "" if none was sent)
+    sources: tuple[tuple[str, int], ...] = ()   # prompt tokens by where their KV came from (metrics.prompt_sources)
 
 
 class RequestRunner:
@@ -61,8 +65,10 @@ class RequestRunner:
                   deadline_s: float | None = None, leases: list = (),
                   tenant: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
         """Prefill then decode, on the least loaded live decode worker. A worker lost before the
-        first token: retried on another one (``request_retries``); lost mid-stream: a clear
-        error. Past the deadline: the decode worker is told to stop; 504. All counted."""
+        first token: retried on another one (``request_retries``); a decode worker lost mid-stream:
+        the stream continues on another one (``decode_migrations``, cluster.control.migration), and
+        past that a clear error. Past the deadline or with the client gone: the worker at work is
+        told to stop (prefill or decode); past the deadline, 504. All counted."""
         m = self.metrics
         kind = plan.kind.value
         note_plan(kind)                            # the API layer's label for it if it is abandoned
@@ -80,7 +86,7 @@ class RequestRunner:
             tid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
             self.view.begin("decode", di, sampling.max_tokens)
             try:
-                res = None
+                res, own = None, False
                 if plan.steps:
                     self.view.begin("prefill", pi, plan.prompt_tokens)
                     for lease in leases:
@@ -89,33 +95,41 @@ class RequestRunner:
                         # the decode actor accepts this block only: credential (the prefill actor's
                         # alone), shape, dtype
                         grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, plan.prefix_ids)
-                        # ship nothing twice: the decode actor says how much of the prefix it holds
+                        # ship nothing twice: the decode actor says how much of the prefix it holds;
+                        # build nothing twice: holding up to the plan's forward_from, it computes the
+                        # rest itself and no prefill runs (not for a session's context to store)
+                        computes_from = None if store_as is not None and plan.session else plan.forward_from
                         held = await self._before(deadline, "prefill", self.backends.expect(
-                            di, grant, plan.prefix_ids, plan.kv_salt(salt)))
-                        res = await self._before(deadline, "prefill", self.backends.prefill(
-                            pi, plan, di, tid, store_as, credential=cred, send_from=held))
+                            di, grant, plan.prefix_ids, plan.kv_salt(salt), computes_from))
+                        own = decode_computes_rest(held, computes_from)
+                        if not own:
+                            # past the deadline or with the client gone, the prefill worker is told to stop
+                            res = await prefill_or_cancel(self.backends, m, pi, tid, plan.request_id, self._before(
+                                deadline, "prefill", self.backends.prefill(pi, plan, di, tid, store_as, credential=cred,
+                                                                           send_from=held)))
                     finally:
                         self.view.end("prefill", pi, plan.prompt_tokens)
                 fallbacks = list(res.stats.fallbacks) if res else []
-                extra = {"cancel_key": tid} if hasattr(self.backends, "cancel") else {}
-                gen = self.backends.decode(di, tid if res is not None and res.transferred else None,
-                                           plan.prefix_ids, plan.suffix_ids, sampling, plan.kv_salt(salt), **extra)
-                while True:
-                    try:
-                        ev = await self._before(deadline, "decode", gen.__anext__())
-                    except StopAsyncIteration:
-                        break
-                    except DeadlineExceeded:
-                        if extra:
-                            await self.backends.cancel(di, tid)
-                        raise
-                    if isinstance(ev, TokenEvent):
-                        if ttft is None:               # observed below, labelled with what executed
-                            ttft = time.perf_counter() - t0
-                        sent += 1
-                        yield ev
-                    else:
-                        summary = ev
+                # -- decode: continued on another decode worker when this one is lost mid-stream, told to
+                # stop past the deadline or when the client leaves (cluster.control.migration)
+                stream = DecodeStream(self.backends, self.view, self.fault, m, plan, sampling, plan.kv_salt(salt),
+                                      tried["decode"], lambda aw: self._before(deadline, "decode", aw))
+                try:
+                    async for ev in stream.events(di, tid if own or (res is not None and res.transferred) else None,
+                                                  tid):
+                        if isinstance(ev, TokenEvent):
+                            if ttft is None:           # observed below, labelled with what executed
+                                ttft = time.perf_counter() - t0
+                            sent += 1
+                            yield ev
+                        else:
+                            summary = ev
+                except (GeneratorExit, asyncio.CancelledError):
+                    stream.abandon()
+                    raise
+                finally:
+                    stream.close()
+                # -- end of decode
                 fallbacks += list(summary.fallbacks)
                 break
             except WorkerLost as exc:
@@ -166,30 +180,16 @@ class RequestRunner:
         m.count_request(executed, "ok", fallbacks[0] if fallbacks else "")
         for f in fallbacks:
             m.record_fallback(f)
-        cached = 0
-        # prompt tokens the decode engine found in its own prefix cache (vLLM's APC) rather than
-        # received: usage.cached_tokens counts them too (at least the larger of the two sources)
-        engine_hit = max(summary.cached_tokens - summary.loaded_tokens, 0)
+        # usage.cached_tokens: exactly the prompt tokens nobody computed for this request
+        sources = prompt_sources(plan, res, summary)
+        for src, n in sources.items():
+            m.prompt_tokens.labels(src).inc(n)
+        cached = sum(sources[k] for k in CACHED_SOURCES)
         if res is not None:
-            st = res.stats
-            recomputed_prefix = not res.transferred or bool(summary.fallbacks)
-            if not recomputed_prefix:
-                cached = st.reused + st.repositioned
-            extra = max(engine_hit - cached, 0)
-            m.prompt_tokens.labels("reused").inc(st.reused if not recomputed_prefix else 0)
-            m.prompt_tokens.labels("repositioned").inc(st.repositioned if not recomputed_prefix else 0)
-            m.prompt_tokens.labels("erratum").inc(st.erratum)
-            m.prompt_tokens.labels("decode_cache").inc(extra)
-            m.prompt_tokens.labels("computed").inc(max(plan.prompt_tokens - cached - extra - st.erratum, 0))
-            m.tier_rewarms.inc(st.rewarmed)
+            m.tier_rewarms.inc(res.stats.rewarmed)
             if res.transferred:
                 m.transfer_bytes.labels(res.transport or "grpc").inc(res.transfer_bytes)
                 m.transfer_seconds.labels(res.transport or "grpc").observe(res.transfer_seconds)
-            cached += extra
-        else:
-            cached = min(engine_hit, plan.prompt_tokens)
-            m.prompt_tokens.labels("decode_cache").inc(cached)
-            m.prompt_tokens.labels("computed").inc(plan.prompt_tokens - cached)
         transport = res.transport if res is not None and res.transferred else ""
         got = {**(res.stats.stages if res is not None else {}), **dict(summary.stages)}
         stages = tuple((k, got[k]) for k in STAGES if k in got)
@@ -197,7 +197,7 @@ class RequestRunner:
             m.stage_seconds.labels(k, transport or "none").observe(sec)
         self.guard.after_response(plan, tenant or self.default_tenant, pi)   # shadow check: fire and forget
         return Finished(plan, summary, ttft, plan.prompt_tokens, cached, tuple(fallbacks),
-                        bool(res is not None and res.stored), stages, transport)
+                        bool(res is not None and res.stored), stages, transport, tuple(sources.items()))
 
     @staticmethod
     async def _before(deadline: float, stage: str, aw):

@@ -11,7 +11,9 @@ from contextvars import ContextVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvruntime.messages.plan import PlanKind
+from kvruntime.messages.decode import DecodeSummary
+from kvruntime.messages.plan import PlanKind, RequestPlan
+from kvruntime.messages.prefill import PrefillResult
 
 PLAN_KINDS = tuple(k.value for k in PlanKind)
 
@@ -27,14 +29,47 @@ _STATUS_BY_CODE = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413:
 # Every fallback reason the code takes, exported as zeros from the start: a counter series that is
 # born at 1 shows no increase to rate(), so the first fallback of a reason would be invisible to the
 # dashboard and to KvnotesFallbackRateHigh. A reason missing here still counts, from its second on.
+# (tier_remote_down is counted by the prefill actors, on their own exporters, not here.)
 KNOWN_FALLBACKS = (
-    "session_context_evicted", "tier_lookup_worker_lost", "tier_remote_down", "tier_store_failed",
+    "session_context_evicted", "prompt_prefix_evicted", "tier_lookup_worker_lost", "tier_store_failed",
+    "prompt_index_unavailable", "decode_migrated",
     "kv_load_failed", "kv_mismatch", "kv_block_invalid", "kv_held_missing", "reposition_disabled",
     "kv_transport_nixl_unavailable", "kv_transport_nixl_to_grpc", "kv_send_pool_full", "kv_grpc_checksum_required",
     *(f"kv_transfer_{r}" for r in ("timeout", "rejected", "duplicate", "backpressure", "too_large", "unavailable",
                                    "unknown_peer", "unsupported", "unknown_transfer", "bad_credential",
                                    "wrong_model", "wrong_dtype", "wrong_length", "wrong_tokens")),
 )
+
+
+PROMPT_SOURCES = ("reused", "repositioned", "decode_cache", "erratum", "computed")
+CACHED_SOURCES = ("reused", "repositioned", "decode_cache")     # nobody computed these: usage.cached_tokens
+
+
+def prompt_sources(plan: RequestPlan, res: PrefillResult | None, summary: DecodeSummary) -> dict[str, int]:
+    """A request's prompt tokens by where their KV came from (``kvnotes_prompt_tokens_total``),
+    summing to ``plan.prompt_tokens``: ``reused`` / ``repositioned`` loaded from the tier by the
+    prefill worker, ``decode_cache`` held by the decode engine (its held prefix or vLLM's prefix
+    cache) and computed by nobody, ``erratum`` and ``computed`` through a forward pass somewhere
+    (a token the prefill worker computed and the decode engine also held counts as computed)."""
+    n = plan.prompt_tokens
+    engine = min(summary.cached_tokens, n)        # prompt tokens the decode engine did not compute
+    out = dict.fromkeys(PROMPT_SOURCES, 0)
+    if res is None:                               # no prefill ran: the decode engine computed the rest
+        out["decode_cache"] = engine
+    elif res.transferred and not summary.fallbacks:
+        # the prefill worker built every prefix token (loaded or computed): held ones it built
+        # anyway are not cached; only suffix tokens the engine's cache held are
+        st = res.stats
+        out.update(reused=st.reused, repositioned=st.repositioned, erratum=st.erratum,
+                   decode_cache=max(engine - plan.prefix_tokens, 0))
+    else:
+        # the block was lost: the decode engine recomputed what its cache did not hold; of its hit,
+        # the tokens the prefill worker computed anyway are not cached (a lower bound: the
+        # prefill worker reports how many it computed, not where)
+        st = res.stats
+        out.update(erratum=st.erratum, decode_cache=max(engine - st.computed - st.erratum, 0))
+    out["computed"] = n - sum(out.values())
+    return out
 
 
 def begin_request() -> dict:
@@ -108,16 +143,25 @@ class Metrics:
                                         ["kind", "in_tier"], registry=r)
         self.state_entries = Gauge("kvnotes_state_entries", "Entries in the state store (sessions and the prompt "
                                    "index are bounded by TTL and count)", ["kind"], registry=r)
+        self.state_store_up = Gauge("kvnotes_state_store_up", "1 while this router replica reaches the state "
+                                    "store (a ping every state_probe_s; a request's failed call marks it 0 at once)",
+                                    registry=r)
+        self.state_store_errors = Counter("kvnotes_state_store_errors_total", "State store calls that got no answer "
+                                          "(down, unreachable, timed out), by operation; op=ping is the periodic "
+                                          "probe", ["op"], registry=r)
         self.workers_alive = Gauge("kvnotes_workers_alive", "Worker actors this router replica sees alive, by role",
                                    ["role"], registry=r)
-        self.retries = Counter("kvnotes_retries_total", "Requests retried on another worker, and mid-stream worker "
-                               "failures (reason says which; each one also logged)", ["role", "reason"], registry=r)
+        self.retries = Counter("kvnotes_retries_total", "Requests retried on another worker, streams continued on "
+                               "another decode worker (migrated), and mid-stream worker failures (reason says which; "
+                               "each one also logged)", ["role", "reason"], registry=r)
+        self.cancels = Counter("kvnotes_cancels_total", "Work the router told a worker to stop, by role and why "
+                               "(deadline passed, client gone)", ["role", "reason"], registry=r)
         self.tier_remote_up = Gauge("kvnotes_tier_remote_up", "1 when every prefill worker reaches the remote (lm://) "
                                     "KV tier, 0 when one cannot (it recomputes meanwhile); absent without one",
                                     ["tier"], registry=r)
         self.deadlines = Counter("kvnotes_deadline_exceeded_total", "Requests cancelled because their deadline "
                                  "passed, by the stage they were in", ["stage"], registry=r)
-        for src in ("reused", "repositioned", "erratum", "decode_cache", "computed"):
+        for src in PROMPT_SOURCES:
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
         for reason in KNOWN_FALLBACKS:
             self.fallbacks.labels(reason)           # zeros: a first fallback is an increase rate() can see
@@ -127,6 +171,9 @@ class Metrics:
         for role in ("prefill", "decode"):
             for reason in ("lost_before_first_token", "lost_mid_stream", "retries_exhausted"):
                 self.retries.labels(role, reason)   # zeros: "no retries" is a value, not a missing series
+            for reason in ("deadline", "client_gone"):
+                self.cancels.labels(role, reason)
+        self.retries.labels("decode", "migrated")
 
     def set_tenant_labels(self, tenants) -> None:
         """Tenants with their own ``tenant`` label (config ``metrics_tenants``); their ok series and

@@ -46,8 +46,9 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
     # PYTHONHASHSEED: LMCache falls back to Python's hash() without vLLM; fix it so keys agree across processes
     env = {"env_vars": {"LMCACHE_TRACK_USAGE": "false", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}}
     groups = {HEALTH_GROUP: 1}
+    key = tier_key_of(cfg)
     pre = [ray.remote(concurrency_groups=groups)(PrefillWorker)
-           .options(runtime_env=env, **_options(cfg, cfg.prefill, "prefill", f"prefill-{i}")).remote(cfg, i)
+           .options(runtime_env=env, **_options(cfg, cfg.prefill, "prefill", f"prefill-{i}")).remote(cfg, i, key)
            for i in range(cfg.prefill.count)]
     dec = []
     for i in range(cfg.decode.count):
@@ -73,6 +74,21 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
     for info in infos:
         log.info("worker ready: %s", info)
     return pre, dec
+
+
+def tier_key_of(cfg: ClusterConfig) -> bytes | None:
+    """The lm:// tier key (kvtransport.tier_auth.tier_key of the cluster secret in the state
+    store), or None without a remote tier. Ray keeps it in the actors' creation arguments, so a
+    restarted prefill actor gets it again."""
+    if not cfg.tier_remote_url:
+        return None
+    from cluster.control.state import open_state
+    from kvtransport.tier_auth import tier_key
+    state = open_state(cfg.resolved_state_url)
+    try:
+        return tier_key(state.secret())
+    finally:
+        state.close()
 
 
 def _start_timeout_message(cfg: ClusterConfig, missing: list[str]) -> str:
@@ -118,7 +134,7 @@ class RayBackends:
         self.addresses = [e.grpc_address for e in self.endpoints]
         self.ready = ray.get([a.ready.remote() for a in prefill])
         self.view = WorkerView(self.num_prefill, self.num_decode, prefill_load_factor=cfg.prefill_load_factor)
-        self.fault_policy = FaultPolicy(cfg.request_retries, cfg.request_deadline_s)
+        self.fault_policy = FaultPolicy(cfg.request_retries, cfg.request_deadline_s, cfg.decode_migrations)
         self.cfg = cfg
         self.remote_up: dict[int, bool] = {}      # prefill index -> remote tier reachable (if configured)
         self.health_sweeps = 0                    # completed health sweeps (/ready waits for the first)
@@ -181,9 +197,9 @@ class RayBackends:
                 self._lost("prefill", i, exc)
         return out
 
-    async def expect(self, decode_index: int, grant, prefix, salt: str) -> int:
+    async def expect(self, decode_index: int, grant, prefix, salt: str, computes_from: int | None = None) -> int:
         try:
-            return await self.decode_actors[decode_index].expect.remote(grant, prefix, salt)
+            return await self.decode_actors[decode_index].expect.remote(grant, prefix, salt, computes_from)
         except ACTOR_LOST as exc:
             raise self._lost("decode", decode_index, exc) from None
 
@@ -195,10 +211,11 @@ class RayBackends:
         except ACTOR_LOST as exc:
             raise self._lost("prefill", index, exc) from None
 
-    async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str, cancel_key: str | None = None):
+    async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str, cancel_key: str | None = None,
+                     continuation=None):
         try:
             gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(
-                transfer_id, prefix, suffix, sampling, salt, cancel_key)
+                transfer_id, prefix, suffix, sampling, salt, cancel_key, continuation)
             async for ref in gen:
                 yield await ref
         except ACTOR_LOST as exc:
@@ -210,6 +227,14 @@ class RayBackends:
             await self.decode_actors[index].cancel.options(concurrency_group=HEALTH_GROUP).remote(cancel_key)
         except ACTOR_LOST as exc:
             self._lost("decode", index, exc)
+
+    async def cancel_prefill(self, index: int, transfer_id: str) -> None:
+        """Ask prefill worker ``index`` to stop the plan it executes (or will) for ``transfer_id``
+        at its next layer or step (deadline passed, client gone)."""
+        try:
+            await self.prefill_actors[index].cancel.options(concurrency_group=HEALTH_GROUP).remote(transfer_id)
+        except ACTOR_LOST as exc:
+            self._lost("prefill", index, exc)
 
     async def shadow(self, index: int, plan):
         try:

@@ -31,7 +31,7 @@ from cluster.control.pricing import TokenBudget, exceeds_message
 from cluster.control.render import Renderer, text_chars
 from cluster.control.routing import FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from cluster.control.sessions import SessionStore
-from cluster.control.state import Registration, StateStore
+from cluster.control.state import Registration, StateStore, StateStoreUnavailable
 from kvruntime.messages.decode import SamplingParams, TokenEvent
 from kvruntime.messages.keys import tenant_salt, token_hash
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan
@@ -232,23 +232,40 @@ class Router:
         async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
             if isinstance(ev, Finished) and ev.stored:
                 bounds = {*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)}
-                self.state.put_prompt_blocks(tenant, {_h(tenant, prefix[:b]): b for b in bounds}, time.time())
+                try:
+                    self.state.put_prompt_blocks(tenant, {_h(tenant, prefix[:b]): b for b in bounds}, time.time())
+                except StateStoreUnavailable as exc:    # the answer stands; the prefix is just not indexed
+                    self._prompt_index_unavailable(exc)
             yield ev
 
     async def _prompt_lookup(self, tenant: str, salt: str, prefix: tuple[int, ...], pi: int) -> tuple[KVRef | None, int]:
-        """Longest indexed prefix of ``prefix`` that the prefill worker's tier still holds."""
+        """Longest indexed prefix of ``prefix`` that the prefill worker's tier still holds. Every
+        indexed boundary is checked in one batched lookup; when longer ones were evicted (the
+        index outlives the tier's LRU) the longest present one is used, counted as
+        ``kvnotes_fallbacks_total{reason="prompt_prefix_evicted"}``."""
         bounds = sorted({*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)} - {0}, reverse=True)
         if len(prefix) < PROMPT_BLOCK:
             bounds = [len(prefix)] if prefix else []
         hashes = {b: _h(tenant, prefix[:b]) for b in bounds}
-        known = self.state.get_prompt_blocks(tenant, list(hashes.values()), time.time())
-        for b in bounds:
-            if hashes[b] in known:
-                ref = KVRef(prefix[:b], 0, salt)
-                if ref.digest in await self._present([ref], pi):
-                    return ref, b
-                return None, 0
+        try:
+            known = self.state.get_prompt_blocks(tenant, list(hashes.values()), time.time())
+        except StateStoreUnavailable as exc:            # the index is a cache: plan as a miss
+            self._prompt_index_unavailable(exc)
+            return None, 0
+        cands = [b for b in bounds if hashes[b] in known]                # longest first
+        refs = [KVRef(prefix[:b], 0, salt) for b in cands]
+        present = await self._present(refs, pi)
+        for b, ref in zip(cands, refs):
+            if ref.digest in present:
+                if b != cands[0]:
+                    self.metrics.record_fallback("prompt_prefix_evicted")
+                    log.info("prompt prefix of %d tokens no longer in the tier: reusing %d", cands[0], b)
+                return ref, b
         return None, 0
+
+    def _prompt_index_unavailable(self, exc: StateStoreUnavailable) -> None:
+        self.metrics.record_fallback("prompt_index_unavailable")
+        log.warning("prompt index skipped (the prompt is computed, not reused): %s", exc)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _pick_prefill(self, sticky: str | None, leases: list) -> int:

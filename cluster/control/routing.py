@@ -53,6 +53,7 @@ class FaultPolicy:
     """Router-side fault settings (from ``ClusterConfig``; the backends carry them)."""
     retries: int = 1               # retries of a request whose worker died before its first token
     deadline_s: float = 600.0      # default per-request deadline
+    decode_migrations: int = 1     # continuations on another decode worker of a stream whose worker died mid-stream
 
 
 class Lease:

@@ -4,7 +4,9 @@
   SHA-256 (``hash_key``) and a public ``key_id`` (the hash's first 12 hex digits) used to list
   and revoke it; the key itself is shown once, at creation, and never logged.
 - ``Authorization: Bearer <key>`` on every route but ``/health``, ``/ready`` and ``/metrics``;
-  a missing, malformed, unknown or revoked key is a 401.
+  a missing, malformed, unknown or revoked key is a 401. Each router replica remembers a key the
+  store confirmed for ``auth_cache_s`` (a revocation takes effect within it; a short state store
+  outage does not stop keys seen recently).
 - The ``x-kvnotes-tenant`` header is honoured only from a client address listed in the config's
   ``trusted_proxies`` (which must still send its own valid key); from anyone else it is ignored.
 - ``auth: false`` (loopback binds only, checked by the config) makes every request the config's
@@ -20,6 +22,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +35,7 @@ KEY_PREFIX = "kvn-"
 TENANT_HEADER = "x-kvnotes-tenant"
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _KEY_RE = re.compile(r"kvn-[A-Za-z0-9_-]{20,128}")
+CACHE_MAX = 10_000        # validated keys one replica remembers (auth_cache_s); beyond it the oldest go first
 
 
 def check_tenant(name) -> str:
@@ -83,12 +87,36 @@ def ensure_default_key(state: StateStore, tenant: str, path: Path) -> str | None
 
 class Authenticator:
     """Maps a request's headers (and client address) to its tenant; 401 ``RequestError`` when it
-    may not call the route. One state store read per request (no cache: a revoked key stops at once)."""
+    may not call the route. A key the store confirmed is trusted for ``cache_s`` seconds by this
+    replica without reading the store again (config ``auth_cache_s``): a revoked key stops within
+    ``cache_s``, and a key seen in the last ``cache_s`` keeps working through a state store outage.
+    Unknown keys are never cached. A key the store must be asked about while it does not answer
+    raises ``StateStoreUnavailable`` (503)."""
 
     def __init__(self, state: StateStore, *, enabled: bool, default_tenant: str,
-                 trusted_proxies: tuple[str, ...] = ()):
+                 trusted_proxies: tuple[str, ...] = (), cache_s: float = 0.0, cache_max: int = CACHE_MAX):
         self.state, self.enabled, self.default_tenant = state, enabled, default_tenant
         self.trusted = frozenset(trusted_proxies)
+        self.cache_s, self.cache_max = cache_s, cache_max
+        self._cache: dict[str, tuple[str, float]] = {}      # key hash -> (tenant, monotonic time it expires)
+        self._lock = threading.Lock()
+
+    def _tenant_of(self, key_hash: str) -> str | None:
+        """The tenant of a key (cached), or None for an unknown or revoked key."""
+        now = time.monotonic()
+        hit = self._cache.get(key_hash)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        rec = self.state.api_key(key_hash)
+        with self._lock:
+            self._cache.pop(key_hash, None)             # re-inserted below at the young end
+            if rec is None or self.cache_s <= 0:
+                return None if rec is None else rec.tenant
+            if len(self._cache) >= self.cache_max:      # bounded: drop the expired, else the oldest
+                for h in [h for h, (_, until) in self._cache.items() if until <= now] or [next(iter(self._cache))]:
+                    del self._cache[h]
+            self._cache[key_hash] = (rec.tenant, now + self.cache_s)
+        return rec.tenant
 
     def tenant(self, headers, client_host: str | None) -> str:
         tenant = self._from_key(headers.get("authorization")) if self.enabled else self.default_tenant
@@ -109,7 +137,7 @@ class Authenticator:
         if scheme.lower() != "bearer" or not _KEY_RE.fullmatch(key):
             raise RequestError(401, "malformed Authorization header: expected 'Bearer kvn-...'",
                                code="invalid_api_key")
-        rec = self.state.api_key(hash_key(key))
-        if rec is None:
+        tenant = self._tenant_of(hash_key(key))
+        if tenant is None:
             raise RequestError(401, "unknown or revoked API key", code="invalid_api_key")
-        return rec.tenant
+        return tenant

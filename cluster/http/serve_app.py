@@ -4,7 +4,9 @@ the state store every replica opens. Routes are thin: :meth:`RouterIngress._call
 request an id, authenticates it (``cluster.http.auth``: the tenant comes from the API key), reads the
 body within the limits (``cluster.http.body``), holds a per-tenant in-flight slot, and hands parsed
 JSON to ``cluster.http.api``. ``/health``, ``/ready`` and ``/metrics`` need no key;
-``/metrics/targets`` needs one with ``metrics_auth: true``.
+``/metrics/targets`` needs one with ``metrics_auth: true``. A state store
+that does not answer is a 503 ``state_store_unavailable`` with ``Retry-After`` (``cluster.http.errors``),
+``/ready`` 503 and ``/health`` ``degraded`` (``cluster.control.state.watch``).
 """
 
 import asyncio
@@ -22,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.http import api, heap
 from cluster.control.errors import RequestError
+from cluster.control.state import StateStoreUnavailable
 from cluster.http.errors import error_response
 from cluster.control.limits import RequestLimits
 from cluster.http.body import read_json
@@ -96,7 +99,8 @@ class RouterIngress:
         tok = transformers.AutoTokenizer.from_pretrained(ckpt)
         backends = RayBackends.from_names(cfg)
         self.state = open_state(cfg.resolved_state_url, StoreLimits(cfg.session_ttl_s, cfg.session_max,
-                                                                    cfg.prompt_index_ttl_s, cfg.prompt_index_max))
+                                                                    cfg.prompt_index_ttl_s, cfg.prompt_index_max,
+                                                                    cfg.state_timeout_s))
         self.router = Router(backends, Renderer(tok, spec, Registry(self.state), tok.bos_token_id), self.state,
                              ckpt.name, cfg.dtype,
                              default_policy=cfg.default_policy, seam_tokens=cfg.seam_tokens,
@@ -108,10 +112,12 @@ class RouterIngress:
                                                  cfg.shadow_min_samples, cfg.shadow_demote_s),
                              # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
                              decode_computes_cold=cfg.decode_engine == "vllm")
+        from cluster.control.state.watch import StoreWatch
         from cluster.http.auth import Authenticator
         from cluster.http.body import InflightLimiter
+        self.store_watch = StoreWatch(self.state, self.router.metrics, cfg.state_probe_s)
         self.auth = Authenticator(self.state, enabled=cfg.auth, default_tenant=cfg.tenant,
-                                  trusted_proxies=cfg.trusted_proxies)
+                                  trusted_proxies=cfg.trusted_proxies, cache_s=cfg.auth_cache_s)
         self.limits = RequestLimits.from_config(cfg)
         self.inflight = InflightLimiter(cfg.max_inflight_per_tenant)
         for info in backends.ready:
@@ -188,41 +194,52 @@ class RouterIngress:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """Liveness now: live workers per role (the router's health view); 503 when a role has none."""
+        """Liveness now: live workers per role (the router's health view), 503 when a role has none;
+        ``degraded`` (still 200) while the state store does not answer."""
         snap = self.router.view.snapshot()
         ok = all(v["live"] > 0 for v in snap.values())
-        return JSONResponse({"status": "ok" if ok else "unavailable", "model": self.cfg.model, "workers": snap,
+        store = self.store_watch.snapshot()
+        status = "unavailable" if not ok else "ok" if store["up"] else "degraded"
+        return JSONResponse({"status": status, "model": self.cfg.model, "workers": snap, "state_store": store,
                              "fidelity": self.router.fidelity},     # targets, chosen ops, shadow windows, demotions
                             status_code=200 if ok else 503)
 
     @app.get("/ready")
     async def ready(self) -> JSONResponse:
-        """Start-up finished: this replica is constructed and its first health sweep is done
-        (liveness after that is /health)."""
+        """Ready for traffic: start-up finished (this replica is constructed and its first health
+        sweep is done) and the state store answers (503 while it does not)."""
         sweeps = getattr(self.router.backends, "health_sweeps", 1)
-        return JSONResponse({"ready": sweeps > 0, "model": self.cfg.model, "health_sweeps": sweeps},
-                            status_code=200 if sweeps > 0 else 503)
+        store = self.store_watch.snapshot()
+        ok = sweeps > 0 and store["up"]
+        return JSONResponse({"ready": ok, "model": self.cfg.model, "health_sweeps": sweeps, "state_store": store},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
         """This replica's series only (the one the proxy picked); Prometheus should discover every
-        process through /metrics/targets instead."""
-        for kind, n in self.state.sizes(time.time()).items():
-            self.router.metrics.state_entries.labels(kind).set(n)
+        process through /metrics/targets instead. Served during a state store outage too."""
+        if self.store_watch.up:
+            try:
+                for kind, n in self.state.sizes(time.time()).items():
+                    self.router.metrics.state_entries.labels(kind).set(n)
+            except StateStoreUnavailable:
+                pass                      # counted and marked down; the last sizes stay exported
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/metrics/targets")
     async def metrics_targets(self, request: Request) -> Response:
         """Prometheus HTTP service discovery (``http_sd_configs``): every router replica's and
         every worker's own metrics endpoint, labelled ``kvnotes_role`` and ``kvnotes_process``.
-        With ``metrics_auth`` it needs an API key, like the API (401 without one)."""
-        if self.cfg.metrics_auth:
-            try:
+        With ``metrics_auth`` it needs an API key, like the API (401 without one). A 503 while
+        the state store does not answer (Prometheus keeps the targets it had)."""
+        try:
+            if self.cfg.metrics_auth:
                 self.auth.tenant(request.headers, request.client.host if request.client else None)
-            except Exception as exc:
-                return error_response(exc, _new_rid())
+            announced = self.state.targets(time.time(), TARGET_TTL_S)
+        except (RequestError, StateStoreUnavailable) as exc:
+            return error_response(exc, _new_rid())
         groups = [{"targets": [addr], "labels": {"kvnotes_role": "router", "kvnotes_process": name}}
-                  for name, addr in self.state.targets(time.time(), TARGET_TTL_S).items()]
+                  for name, addr in announced.items()]
         for role, workers in self.router.view.workers.items():
             for i, w in enumerate(workers):
                 if w.metrics:

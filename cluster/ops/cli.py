@@ -75,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
         a.add_argument("--key", default=None, help="API key (default: KVNOTES_API_KEY or <data_dir>/api_key)")
         a.add_argument("--config", default=None, help="the cluster's config file (router address, key file)")
 
+    ts = sub.add_parser("tier-server", help="run the lm:// KV tier server (its key from the cluster secret)")
+    ts.add_argument("--config", required=True, help="the cluster's config (state_url, tier_remote_url, capacity)")
+    ts.add_argument("--host", default=None, help="bind address (default: tier_remote_url's host)")
+    ts.add_argument("--port", type=int, default=None, help="port (default: tier_remote_url's port)")
+    ts.add_argument("--metrics-port", type=int, default=None, help="export kvnotes_tier_server_* here")
+
     target_args(sub.add_parser("status", help="workers per role, state store, tier and remote tier state"))
     for kind in ("skills", "memories", "templates"):
         k = sub.add_parser(kind, help=f"list, add or remove {kind} through the router's API")
@@ -89,6 +95,22 @@ def _parser() -> argparse.ArgumentParser:
         rm.add_argument("name")
         target_args(rm)
     return p
+
+
+def _tier_server(args) -> int:
+    """Serve the lm:// tier in the foreground with the key every prefill actor derives too."""
+    from cluster.control.ray_backends import tier_key_of
+    from kvruntime.messages.config import ClusterConfig
+    from kvtransport.lmcache_remote import parse_lm_url
+    from kvtransport.tier_server import serve
+
+    cfg = ClusterConfig.from_file(args.config)
+    if not cfg.tier_remote_url:
+        raise ValueError(f"{args.config} sets no tier_remote_url: no prefill actor would use a tier server")
+    host, port = parse_lm_url(cfg.tier_remote_url)
+    serve(args.host or host, args.port or port, tier_key_of(cfg), cfg.tier_remote_capacity_bytes,
+          metrics_port=args.metrics_port)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 import dataclasses
                 cfg = dataclasses.replace(cfg, ray_address=args.address)
             return run_forever(cfg, register_demo=args.cmd == "run")
+        if args.cmd == "tier-server":
+            return _tier_server(args)
         if args.cmd == "keys":
             return _keys(args)
         if args.cmd == "demo":

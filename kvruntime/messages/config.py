@@ -28,8 +28,8 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    model: str = "smollm2-135m"
-    dtype: str = "float32"                     # reference engine dtype
+    model: str = "smollm2-135m"                # registry name, or a local HF checkpoint directory (kvruntime.hf_models)
+    dtype: str = "float32"                     # reference engine weights and KV (tier, wire): float32 | bfloat16 | float16
     host: str = "127.0.0.1"
     port: int = 8000
     # kvnotes' own listeners (decode inboxes, metrics exporters): None = the address Ray runs on, or 127.0.0.1
@@ -71,6 +71,11 @@ class ClusterConfig:
     session_max: int = 100_000                 # and at most this many are kept (least recently used go first)
     prompt_index_ttl_s: float = 3600.0         # plain-prompt prefix index entries expire after this
     prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
+    state_timeout_s: float = 2.0               # a Redis call without an answer within this fails: 503 state_store_unavailable
+    state_probe_s: float = 1.0                 # each router replica pings the state store this often (/ready, kvnotes_state_store_up)
+    # a validated API key is trusted this long per router replica without a store read: a revoked key
+    # still works for up to auth_cache_s; during a state store outage recently seen keys keep working (0 = off)
+    auth_cache_s: float = 30.0
     tenant: str = "default"                    # tenant of the key the embedded default creates (and of every request when auth is off)
     # who may do what (cluster.http.auth): API keys map to tenants in the state store (`kvnotes keys ...`)
     auth: bool = True                          # False only allowed with a loopback host
@@ -92,6 +97,8 @@ class ClusterConfig:
     health_period_s: float = 1.0               # each router replica calls health() on every worker this often
     health_timeout_s: float = 5.0              # a worker that does not answer within this is marked down
     request_retries: int = 1                   # retries elsewhere of a request whose worker died before its 1st token
+    decode_migrations: int = 1                 # times one request may continue on another decode worker when its
+                                               # own dies mid-stream (0: the stream ends with an error instead)
     prefill_load_factor: float = 1.0           # prefill affinity load cap: factor x mean in-flight requests per actor
     request_deadline_s: float = 600.0          # default per-request deadline (a request may ask for less: deadline_s)
     start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
@@ -124,12 +131,20 @@ class ClusterConfig:
             raise ValueError("vllm_kv_cache_gib > 0, vllm_max_model_len >= 16 and vllm_max_concurrency >= 1 required")
         if self.vllm_kv_load not in ("async", "sync") or self.vllm_kv_load_threads < 1:
             raise ValueError("vllm_kv_load must be async or sync and vllm_kv_load_threads >= 1")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError("dtype must be float32 or bfloat16")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        from kvruntime.models import is_model_name
+        if not isinstance(self.model, str) or not is_model_name(self.model):
+            raise ValueError(f"model must be a registry name or a checkpoint directory with a config.json, "
+                             f"got {self.model!r}")
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         if self.seam_tokens < 0 or self.max_tokens_limit < 1 or self.transfer_timeout_s <= 0:
             raise ValueError("seam_tokens >= 0, max_tokens_limit >= 1 and transfer_timeout_s > 0 required")
+        if not 0 < self.state_timeout_s <= 60 or not 0 < self.state_probe_s <= 60:
+            raise ValueError("state_timeout_s and state_probe_s must be in (0, 60] seconds")
+        if not 0 <= self.auth_cache_s <= 3600:
+            raise ValueError(f"auth_cache_s must be in [0, 3600] seconds (0 = no cache), got {self.auth_cache_s}")
         if self.router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
         if self.session_ttl_s <= 0 or self.prompt_index_ttl_s <= 0 or self.session_max < 1 or self.prompt_index_max < 1:
@@ -160,6 +175,8 @@ class ClusterConfig:
             raise ValueError("ray_auth_mode must be token or disabled (or unset: token when ~/.ray/auth_token exists)")
         if self.worker_max_restarts < -1 or self.request_retries < 0:
             raise ValueError("worker_max_restarts must be >= -1 and request_retries >= 0")
+        if not isinstance(self.decode_migrations, int) or not 0 <= self.decode_migrations <= 8:
+            raise ValueError(f"decode_migrations must be an integer in 0..8, got {self.decode_migrations!r}")
         if self.health_period_s <= 0 or self.health_timeout_s <= 0 or self.prefill_load_factor < 1.0:
             raise ValueError("health_period_s, health_timeout_s > 0 and prefill_load_factor >= 1.0 required")
         if self.request_deadline_s <= 0 or self.start_timeout_s <= 0:

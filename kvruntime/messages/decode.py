@@ -37,6 +37,22 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Continuation:
+    """A request resumed on another decode worker after its first one was lost mid-stream
+    (``cluster.control.migration``): the new worker prefills the prompt plus ``tokens`` itself
+    and goes on from step ``len(tokens)`` with the same :class:`SamplingParams` (same seed, same
+    ``max_tokens``: the steps already taken count against it), so its events continue the stream:
+    indices, penalties, the seeded draws and stop strings spanning the boundary are those of an
+    undisturbed run (reference engine; vLLM: see ``decode_workers.vllm_engine``)."""
+    tokens: tuple[int, ...]   # token ids already streamed to the client, in order (>= 1)
+    text: str                 # the text already streamed (the concatenation of their events' text)
+
+    def __post_init__(self):
+        if not self.tokens:
+            raise ValueError("a continuation starts after at least one streamed token")
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     token_id: int
     text: str                 # incremental text for this token ("" mid-character or while a stop string may start)

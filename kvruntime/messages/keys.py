@@ -55,7 +55,7 @@ class ChunkKey:
     Equality and hashing use every field except ``token_ids``, which ride along (they are what
     LMCache chunks and hashes); ``token_hash`` commits to them. Build keys with :meth:`build`.
     """
-    model_id: str        # model registry name, e.g. "smollm2-135m"
+    model_id: str        # the weights: name + content hash, e.g. "smollm2-135m-1a2b3c4d5e6f7a8b"
     dtype: str           # KV dtype name: one of KV_DTYPES
     rope: str            # RoPE fingerprint of the model's rotary tables (hex)
     token_hash: str      # token_hash(token_ids): sha256 hex (64)

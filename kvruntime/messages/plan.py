@@ -115,6 +115,19 @@ class RequestPlan:
         return sum(s.tokens for s in self.steps)
 
     @property
+    def forward_from(self) -> int:
+        """End of the last step that loads KV (reuse, reposition, edit-in-place): every prefix
+        token from here on is a plain forward in context (recompute, erratum). A decode engine
+        that already holds at least this many leading tokens (and at least one) computes the
+        rest itself, exactly as a prefill worker would: see :func:`decode_computes_rest`."""
+        end, pos = 0, 0
+        for s in self.steps:
+            pos += s.tokens
+            if s.kind not in (PlanKind.RECOMPUTE, PlanKind.ERRATUM):
+                end = pos
+        return end
+
+    @property
     def prompt_tokens(self) -> int:
         return self.prefix_tokens + len(self.suffix_ids)
 
@@ -162,3 +175,11 @@ class RequestPlan:
                       for s in self.steps],
             "suffix_tokens": len(self.suffix_ids), "notes": list(self.notes),
         }
+
+
+def decode_computes_rest(held: int, computes_from: int | None) -> bool:
+    """The one rule the router and the decode worker share: with ``held`` leading prefix tokens
+    in the decode engine and ``computes_from`` (:attr:`RequestPlan.forward_from`; None: the
+    request needs its prefix built by a prefill worker, e.g. to store a session's context), the
+    prefill worker is skipped and the decode engine computes the rest of the prefix itself."""
+    return computes_from is not None and held > 0 and held >= computes_from

@@ -25,12 +25,16 @@ def precompile_chunk(engine, token_ids: list[int]) -> KVCache:
     return engine.prefill(ids, torch.arange(len(ids))).kv.slice(1)
 
 
-def reposition(rope, chunk: KVCache, delta: int | torch.Tensor) -> KVCache:
-    """Move ``chunk`` by ``delta`` positions: keys re-rotated, values untouched.
-    Cost: O(L * kv_heads * n * head_dim), no forward pass. Raises ``RepositionDisabled`` when the
-    startup self-test failed."""
-    keys = rope.rotate(chunk.keys, delta)
-    return chunk.with_keys(keys, chunk.positions + torch.as_tensor(delta, device=chunk.positions.device))
+def reposition(rope, chunk: KVCache, delta: int | torch.Tensor, out: torch.Tensor | None = None) -> KVCache:
+    """Move ``chunk`` by ``delta`` positions: keys re-rotated, values untouched (copied), written
+    into ``out`` ([layers, 2, kv_heads, n, head_dim], e.g. the tail of the buffer that is shipped;
+    None: a new tensor). Cost: one pass over the KV, no forward pass. Raises
+    ``RepositionDisabled`` when the startup self-test failed."""
+    if out is None:
+        out = torch.empty(chunk.data.shape, dtype=chunk.data.dtype, device=chunk.data.device)
+    rope.rotate(chunk.keys, delta, out=out[:, 0])
+    out[:, 1].copy_(chunk.values)
+    return KVCache(out, chunk.positions + torch.as_tensor(delta, device=chunk.positions.device), chunk.token_ids)
 
 
 def naive_splice(chunk: KVCache, start: int) -> KVCache:

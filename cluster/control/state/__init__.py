@@ -15,17 +15,20 @@ Two backends behind one interface (``base.StateStore``), passing the same contra
   errors: :func:`redact_url` is what is ever shown of a state URL.
 Sessions and the prompt index are bounded: a TTL and a maximum count (least recently used go
 first), with their sizes exported as gauges.
+A store that does not answer raises ``StateStoreUnavailable`` from every method (both backends);
+each router replica watches it (``watch.StoreWatch``: a probe every ``state_probe_s``).
 """
 from __future__ import annotations
 
-from cluster.control.state.base import (ApiKeyRecord, Registration, StateStore, StoreLimits,  # noqa: F401
-                                        TemplateRecord, redact_url)
+from cluster.control.state.base import (ApiKeyRecord, Registration, StateStore, StateStoreUnavailable,  # noqa: F401
+                                        StoreLimits, TemplateRecord, redact_url)
 
 
 def open_state(url: str, limits: "StoreLimits | None" = None) -> StateStore:
     """Open the store named by ``url`` (``sqlite:///PATH``, ``redis://...`` or ``rediss://...``).
-    Raises ``ValueError`` for an unknown scheme, ``ConnectionError`` (one line, password
-    redacted) when Redis does not answer or refuses the credentials."""
+    Raises ``ValueError`` for an unknown scheme, ``StateStoreUnavailable`` (a ``ConnectionError``)
+    when Redis does not answer, a plain ``ConnectionError`` when it refuses the credentials (one
+    line each, the password redacted)."""
     limits = limits or StoreLimits()
     if url.startswith("sqlite:///"):
         from cluster.control.state.sqlite import SqliteState

@@ -1,6 +1,8 @@
 """Records of the state store and the interface both backends implement."""
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
@@ -12,10 +14,45 @@ class StoreLimits:
     session_max: int = 100_000           # at most this many sessions (least recently used dropped)
     prompt_ttl_s: float = 3600.0         # prompt-index entries unused this long are gone
     prompt_max: int = 200_000            # at most this many prompt-index entries (LRU)
+    timeout_s: float = 2.0               # a Redis round trip (connect or answer) fails after this: a dead store fails fast
 
     def __post_init__(self):
         if min(self.session_ttl_s, self.prompt_ttl_s) <= 0 or min(self.session_max, self.prompt_max) < 1:
             raise ValueError("TTLs must be > 0 and maximum counts >= 1")
+        if not 0 < self.timeout_s <= 60:
+            raise ValueError(f"the state store timeout must be in (0, 60] s, got {self.timeout_s}")
+
+
+class StateStoreUnavailable(ConnectionError):
+    """The state store did not answer: down, unreachable, timed out, or still loading its data.
+    Every :class:`StateStore` method raises it in place of its backend's own error, so callers
+    need not know the backend; the HTTP edge answers 503 ``state_store_unavailable`` with
+    ``Retry-After``. ``op`` is the method that failed."""
+
+    def __init__(self, op: str, cause: BaseException, where: str = ""):
+        super().__init__(f"state store {where + ' ' if where else ''}does not answer "
+                         f"({op}: {type(cause).__name__}: {cause})")
+        self.op = op
+
+
+def _translating(op: str, fn):
+    """``fn`` with its backend's outage errors raised as :class:`StateStoreUnavailable` (and
+    reported to the store's ``on_unavailable``)."""
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except StateStoreUnavailable:
+            raise
+        except Exception as exc:
+            if not self._is_outage(exc):
+                raise
+            err = StateStoreUnavailable(op, exc)
+            hook = self.on_unavailable
+            if hook is not None:
+                hook(op, err)
+            raise err from exc
+    return call
 
 
 @dataclass(frozen=True)
@@ -82,6 +119,25 @@ class StateStore(ABC):
     LRU position; expired entries read as absent."""
 
     limits: StoreLimits
+    # called as (operation, StateStoreUnavailable) on every call the store did not answer: the
+    # router replica's StoreWatch counts it and marks the store down at once
+    on_unavailable = None
+
+    def __init_subclass__(cls, **kwargs):
+        """Every public method a backend defines raises :class:`StateStoreUnavailable` when the
+        store does not answer (the backend says which errors mean that: :meth:`_is_outage`)."""
+        super().__init_subclass__(**kwargs)
+        for name, fn in list(vars(cls).items()):
+            if inspect.isfunction(fn) and not name.startswith("_") and name != "close":
+                setattr(cls, name, _translating(name, fn))
+
+    def _is_outage(self, exc: BaseException) -> bool:
+        """True when ``exc`` means the store did not answer (not a bug or bad data)."""
+        return False
+
+    @abstractmethod
+    def ping(self) -> None:
+        """One cheap round trip (the replica's periodic probe); raises StateStoreUnavailable."""
 
     # ---- registrations (skills, memories) -------------------------------------------------------
     @abstractmethod

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 
-from cluster.control.state.base import ApiKeyRecord, Registration, StateStore, StoreLimits, TemplateRecord, redact_url
+from cluster.control.state.base import (ApiKeyRecord, Registration, StateStore, StateStoreUnavailable, StoreLimits,
+                                        TemplateRecord, redact_url)
 
 P = "kvn:"
 
@@ -38,16 +39,33 @@ class RedisState(StateStore):
 
         self.limits = limits
         shown = redact_url(url)
+        # short timeouts and one immediate retry (a pooled connection that died with a restarted
+        # Redis is replaced at once): a dead store fails within ~2 x timeout_s, not after a hang
+        # (redis-py's default is 10 retries with backoff)
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
         try:
-            self.r = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+            self.r = redis.Redis.from_url(url, socket_timeout=limits.timeout_s,
+                                          socket_connect_timeout=limits.timeout_s, retry=Retry(NoBackoff(), 1))
             self.r.ping()
-        except redis.AuthenticationError as exc:          # no password, or a wrong one
+        except redis.AuthenticationError as exc:          # no password, or a wrong one: not an outage
             raise ConnectionError(f"state store {shown} refused the credentials ({_line(exc)}): give the password "
                                   "in state_url as redis://:PASSWORD@HOST:PORT/DB") from None
         except redis.ResponseError as exc:                # e.g. NOAUTH on a server that requires a password
             raise ConnectionError(f"state store {shown} refused the connection: {_line(exc)}") from None
-        except (redis.RedisError, ValueError) as exc:     # unreachable, TLS failure, a malformed URL
-            raise ConnectionError(f"state store {shown} does not answer: {_line(exc)}") from None
+        except ValueError as exc:                         # a malformed URL
+            raise ConnectionError(f"state store {shown}: {_line(exc)}") from None
+        except redis.RedisError as exc:                   # unreachable, TLS failure
+            raise StateStoreUnavailable("open", exc, shown) from None
+
+    def _is_outage(self, exc):
+        # ConnectionError covers refused / reset connections, a Redis still loading its AOF
+        # (BusyLoadingError) and failed authentication; TimeoutError a store that does not answer
+        import redis
+        return isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
+
+    def ping(self):
+        self.r.ping()
 
     # ---- registrations ------------------------------------------------------------------------
     def put_registration(self, reg):

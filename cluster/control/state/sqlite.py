@@ -36,6 +36,15 @@ class SqliteState(StateStore):
         self._lock = threading.Lock()
         self._conn().executescript(_SCHEMA)
 
+    def _is_outage(self, exc):
+        # the file cannot be opened, written or locked within the busy timeout (another process
+        # holds it; the disk failed or is read-only); SQL errors stay bugs (500)
+        return isinstance(exc, sqlite3.OperationalError) and any(
+            m in str(exc).lower() for m in ("locked", "busy", "unable to open", "disk i/o", "readonly"))
+
+    def ping(self):
+        self._q("SELECT 1")
+
     def _conn(self) -> sqlite3.Connection:
         c = getattr(self._local, "conn", None)
         if c is None:
