@@ -5,7 +5,7 @@ vLLM v1 engine whose kvnotes KV connector writes the received prefix into vLLM's
 Either way the actor owns one :class:`~kvtransport.endpoints.Receiver` (``kv_transport``: NIXL
 and/or gRPC into one inbox that accepts only transfers the router announced with
 :meth:`DecodeWorker.expect`). Its gRPC server binds and advertises the node's address as Ray
-reports it, so prefill actors on other nodes reach it; :meth:`DecodeWorker.endpoint` (NIXL agent
+reports it (127.0.0.1 on a loopback node) or ``bind_host``, so prefill actors on other nodes reach it; :meth:`DecodeWorker.endpoint` (NIXL agent
 metadata included) is what the router hands to prefill actors. ``generate`` is a generator
 method: the router calls it with ``num_returns="streaming"`` and forwards each token.
 Plain class; ``cluster.control.ray_backends`` applies ``ray.remote`` with resources from config.
@@ -36,7 +36,7 @@ def node_address() -> tuple[str, str]:
 class DecodeWorker:
     def __init__(self, cfg: ClusterConfig, index: int, host: str | None = None):
         from kvtransport.endpoints import Receiver
-        from kvtransport.options import grpc_config, nixl_config
+        from kvtransport.options import confine_ucx, grpc_config, nixl_config
 
         from kvruntime.models import get_model_spec
         # block headers carry the model's spec name (a checkpoint's <dir>-<content hash>), not the config's path
@@ -46,7 +46,8 @@ class DecodeWorker:
         self._own: set[str] = set()                # transfers announced with no block to come (announce)
         device = "cuda" if cfg.decode.num_gpus > 0 else "cpu"
         ip, node_id = node_address()
-        host = host or ip
+        host = host or cfg.bind_host or ip        # bind_host: kvnotes' listeners bind and advertise it
+        confine_ucx(host)                          # NIXL's UCX listens where kvnotes does
         self.receiver = Receiver(cfg.kv_transport, self.model, cfg.dtype, bind=host, advertise=host, node_id=node_id,
                                  grpc_cfg=grpc_config(cfg), nixl_cfg=nixl_config(cfg))
         # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine
@@ -56,7 +57,7 @@ class DecodeWorker:
         from kvruntime.telemetry import start_exporter
         # the reference engine keeps prefix KV for the next request (vLLM has its own prefix cache)
         held = HeldPrefixes(cfg.decode_prefix_cache_bytes) if cfg.decode_engine == "reference" else None
-        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}", held), host=ip)
+        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}", held), host=host)
         if cfg.decode_engine == "vllm":
             from decode_workers.vllm_engine import VllmDecodeExecutor
 

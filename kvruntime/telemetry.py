@@ -1,7 +1,7 @@
 """Every process exports its own Prometheus series on its own port.
 
 Router replicas, prefill actors and decode actors each call :func:`start_exporter` once: a
-``prometheus_client`` HTTP server on a free port of the node's address, serving that process'
+``prometheus_client`` HTTP server on a free port of :func:`listen_host`, serving that process'
 registry (a decode actor running vLLM serves the process-wide default registry, where vLLM's
 engine metrics ``vllm:*`` live). Nothing is aggregated in one process: Prometheus scrapes every
 endpoint, found through the router's HTTP service discovery (``GET /metrics/targets``, see
@@ -25,6 +25,12 @@ def node_ip() -> str:
     except Exception:  # no Ray runtime here: a loopback-only exporter (tests, one process)
         pass
     return "127.0.0.1"
+
+
+def listen_host(bind_host: str | None = None) -> str:
+    """The address kvnotes' own listeners bind and advertise: ``bind_host`` (config) when set,
+    else the address Ray runs on (:func:`node_ip`; 127.0.0.1 on a loopback node). Never 0.0.0.0."""
+    return bind_host or node_ip()
 
 
 def start_exporter(registry=None, host: str = "127.0.0.1", port: int = 0) -> str:

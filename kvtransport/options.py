@@ -8,11 +8,25 @@ grant, see DESIGN's trust model) is always on and refused as a key."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import os
 
 from kvruntime.messages.config import ClusterConfig
 
 #: set by the cluster itself, never by the config file
 FIXED = ("require_grant",)
+
+
+def confine_ucx(listen_host: str) -> None:
+    """UCX (NIXL's backend) listens on every network device unless told otherwise: when kvnotes'
+    listeners are on loopback, keep UCX there too (``UCX_NET_DEVICES=lo``). An operator's own
+    ``UCX_NET_DEVICES`` is kept. Call before a NIXL agent is created in this process."""
+    try:
+        loopback = ipaddress.ip_address(listen_host).is_loopback
+    except ValueError:
+        loopback = listen_host == "localhost"
+    if loopback:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 def _build(cls, section: str, options: dict, **fixed):

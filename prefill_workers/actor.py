@@ -48,15 +48,18 @@ class PrefillWorker:
                           remote_probe_s=cfg.tier_remote_probe_s)
         self.store = LMCacheStore.for_engine(self.engine, tier)
         self.tier = PrefillTier(self.store, self.engine, worker=f"prefill-{index}")
+        from kvruntime.telemetry import listen_host
+        from kvtransport.options import confine_ucx
+        confine_ucx(listen_host(cfg.bind_host))     # NIXL's UCX listens where kvnotes does
         self.sender = Sender(cfg.kv_transport, nixl_cfg=nixl_config(cfg), grpc_cfg=grpc_config(cfg))
         self.executor = PrefillExecutor(self.engine, self.tier, self.sender,
                                         load_failure_policy=cfg.kv_load_failure_policy,
                                         transfer_timeout=cfg.transfer_timeout_s)
-        from kvruntime.telemetry import node_ip, start_exporter
+        from kvruntime.telemetry import start_exporter
         from prefill_workers.metrics import worker_registry
         self.metrics_target = start_exporter(worker_registry(self.store, f"prefill-{index}", bool(cfg.tier_remote_url),
                                                              cancelled=lambda: self.cancelled_plans),
-                                             host=node_ip())
+                                             host=listen_host(cfg.bind_host))
 
     def ready(self) -> dict:
         r = self.engine.rope

@@ -57,9 +57,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def redis_url(tmp_path):
-    """A real redis-server (Debian package) on a free loopback port, stopped by PID."""
+@contextlib.contextmanager
+def redis_server(workdir, *args: str):
+    """A real redis-server (Debian package) on a free loopback port with extra ``args`` (e.g.
+    ``--requirepass``); yields its port once it answers; stopped by PID."""
     import shutil
     import subprocess
     import time
@@ -69,17 +70,16 @@ def redis_url(tmp_path):
         pytest.fail("redis-server is not installed (scripts/dev.sh test installs Debian's redis-server)")
     port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--dir", str(workdir), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        import redis
-        r = redis.Redis(port=port)
-        for _ in range(100):
+        import socket
+        for _ in range(200):
             try:
-                r.ping()
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
-            except redis.ConnectionError:
+            except OSError:
                 time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield port
     finally:
         proc.terminate()
         try:
@@ -87,6 +87,24 @@ def redis_url(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A real redis-server without a password: ``redis://127.0.0.1:PORT/0``."""
+    with redis_server(tmp_path) as port:
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+REDIS_PASSWORD = "s3cret-Pa55:w/rd"          # characters that must survive URL quoting
+
+
+@pytest.fixture
+def redis_auth_url(tmp_path):
+    """A real redis-server with ``--requirepass``: ``redis://:PASSWORD@127.0.0.1:PORT/0`` (quoted)."""
+    from urllib.parse import quote
+    with redis_server(tmp_path, "--requirepass", REDIS_PASSWORD) as port:
+        yield f"redis://:{quote(REDIS_PASSWORD, safe='')}@127.0.0.1:{port}/0"
 
 
 def get_engine(name: str):

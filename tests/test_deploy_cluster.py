@@ -48,10 +48,11 @@ def test_cluster_yaml_passes_rays_validator():
         jsonschema.validate(bad, schema)
 
 
-def test_node_types_carry_exactly_what_the_actors_request():
+def test_node_types_carry_exactly_what_the_actors_request(monkeypatch):
     from cluster.control.ray_backends import worker_resources
     from kvruntime.messages.config import ClusterConfig
 
+    monkeypatch.setenv("KVNOTES_REDIS_PASSWORD", "unused-here")
     cfg = ClusterConfig.from_file(ROOT / "deploy" / "kvnotes.yaml")
     types = _cluster()["available_node_types"]
     assert set(types) == {"ray.head.default", "prefill", "decode"}

@@ -9,11 +9,11 @@ import pytest
 from cluster.control.state import Registration, StoreLimits, TemplateRecord, open_state
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "redis-password"])
 def store_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/state.db"
-    return request.getfixturevalue("redis_url")
+    return request.getfixturevalue("redis_auth_url" if request.param == "redis-password" else "redis_url")
 
 
 def reg(name="refund", tenant="acme", kind="skill", ids=(1, 2, 3), t=100.0):
@@ -155,7 +155,7 @@ def test_several_processes_write_at_once(store_url):
 
 
 def test_bad_urls_are_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="sqlite:/// or redis://"):
+    with pytest.raises(ValueError, match="sqlite:///, redis:// or rediss://"):
         open_state("postgres://x")
     with pytest.raises(ConnectionError, match="does not answer"):
         open_state("redis://127.0.0.1:1/0")
@@ -239,3 +239,69 @@ def test_keys_cli_create_list_revoke(tmp_path, capsys):
     assert main(["keys", "revoke", key_id, "--config", str(cfg)]) == 2
     assert "no key with id" in capsys.readouterr().err
     assert main(["keys", "list", "--config", str(cfg)]) == 0 and capsys.readouterr().out == ""
+
+
+def test_a_redis_with_a_password_refuses_anonymous_and_wrong_passwords_in_one_redacted_line(redis_auth_url):
+    from tests.conftest import REDIS_PASSWORD
+    anonymous = "redis://" + redis_auth_url.rpartition("@")[2]
+    wrong = redis_auth_url.replace(redis_auth_url.split(":")[2].split("@")[0], "not-it")
+    for url in (anonymous, wrong):
+        with pytest.raises(ConnectionError) as exc:
+            open_state(url)
+        msg = str(exc.value)
+        assert "refused" in msg and "\n" not in msg and "not-it" not in msg and REDIS_PASSWORD[:6] not in msg, msg
+    s = open_state(redis_auth_url)                   # the password, URL-quoted, reaches the server intact
+    assert s.secret() == open_state(redis_auth_url).secret()
+    s.close()
+
+
+def test_redact_url_hides_only_the_password():
+    from cluster.control.state import redact_url
+    assert redact_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact_url("rediss://kvnotes:p%40ss@h:6380/1?ssl_ca_certs=/ca.pem") == \
+        "rediss://kvnotes:***@h:6380/1?ssl_ca_certs=/ca.pem"
+    assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+    assert redact_url("sqlite:////var/x.db") == "sqlite:////var/x.db"
+
+
+def test_state_url_takes_a_password_from_the_environment_and_never_shows_it(monkeypatch):
+    from kvruntime.messages.config import ClusterConfig
+    monkeypatch.setenv("KVN_TEST_REDIS_PASSWORD", "p@ss:w/rd")
+    cfg = ClusterConfig.from_dict({"state_url": "rediss://:${KVN_TEST_REDIS_PASSWORD}@redis:6380/0"})
+    assert cfg.state_url == "rediss://:p%40ss%3Aw%2Frd@redis:6380/0"
+    assert "p%40ss" not in repr(cfg) and "p@ss" not in repr(cfg)
+    monkeypatch.delenv("KVN_TEST_REDIS_PASSWORD")
+    with pytest.raises(ValueError, match="KVN_TEST_REDIS_PASSWORD is not set"):
+        ClusterConfig.from_dict({"state_url": "redis://:${KVN_TEST_REDIS_PASSWORD}@redis:6379/0"})
+    assert ClusterConfig.from_dict({"state_url": "redis://:a$b@h:1/0"}).state_url == "redis://:a$b@h:1/0"
+    with pytest.raises(ValueError, match="rediss://"):
+        ClusterConfig(state_url="mysql://x")
+
+
+def test_cli_against_a_redis_with_a_password(redis_auth_url, tmp_path):
+    """`kvnotes keys` works with the password from the environment and exits 2 with one line
+    (no traceback, no password) without it; `kvnotes serve` stops at the state store before Ray."""
+    import json as _json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import REDIS_PASSWORD
+    host = redis_auth_url.rpartition("@")[2]
+    good, anon = tmp_path / "good.json", tmp_path / "anon.json"
+    good.write_text(_json.dumps({"data_dir": str(tmp_path), "state_url": "redis://:${KVN_PW}@" + host}))
+    anon.write_text(_json.dumps({"data_dir": str(tmp_path), "state_url": "redis://" + host}))
+    env = {**os.environ, "KVN_PW": REDIS_PASSWORD, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+    def kvnotes(*args):
+        return subprocess.run([sys.executable, "-m", "cluster.ops.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=120)
+    ok = kvnotes("keys", "create", "--tenant", "acme", "--config", str(good))
+    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("kvn-"), ok.stderr
+    for args in (("keys", "list", "--config", str(anon)), ("serve", "--config", str(anon))):
+        r = kvnotes(*args)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(err) == 1 and err[0].startswith("kvnotes: error: state store redis://"), \
+            (args, r.stdout, r.stderr)
+        assert "refused the credentials" in err[0] and REDIS_PASSWORD not in r.stderr + r.stdout

@@ -1,5 +1,5 @@
-"""cluster.control: the control plane proper, below the HTTP edge. A request is rendered
-(``render``), planned (``planner``: a pure function returning a frozen ``RequestPlan``), routed
+"""cluster.control: the control plane proper, below the HTTP edge. A request is priced
+(``pricing``: refused before tokenising when it cannot fit), rendered (``render``), planned (``planner``: a pure function returning a frozen ``RequestPlan``), routed
 (``router``, ``routing``) and executed (``lifecycle``) on workers reached through the ``backends``
 protocol (``ray_backends`` in production, watched by ``health``); ``sessions``, ``registry`` and
 ``state/`` keep what must survive a restart; ``shadow`` checks approximate plans online and

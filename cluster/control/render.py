@@ -3,6 +3,9 @@
 Pieces are joined by token ids, never by text (BPE merges differently across seams): each
 skill/memory is tokenized once at registration, each template literal and field value
 separately, so a field's token span is known exactly.
+
+Every piece is priced before it is tokenised and charged after (``cluster.control.pricing``): a
+request stops being tokenised as soon as it cannot fit the context window.
 """
 from __future__ import annotations
 
@@ -10,15 +13,18 @@ import string
 
 from cluster.control.errors import RequestError
 from cluster.control.planner import RenderedRequest, RenderedSegment
+from cluster.control.pricing import TokenBudget, max_token_chars
 from cluster.control.registry import Registry
 from cluster.control.state import TemplateRecord
 from kvruntime.messages.plan import KVRef, Policy
+
 
 class Renderer:
     """Turns a validated native request into a :class:`RenderedRequest` for one model."""
 
     def __init__(self, tokenizer, spec, registry: Registry, bos_id: int | None):
         self.tok, self.spec, self.registry, self.bos_id = tokenizer, spec, registry, bos_id
+        self.max_chars = max_token_chars(tokenizer)     # characters one token stands for, at most (None: no bound)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of user text: special-token strings in it (``<|im_start|>``...) stay plain text."""
@@ -29,10 +35,13 @@ class Renderer:
         special. Never for user text (:meth:`encode`)."""
         return list(self.tok(text, add_special_tokens=False).input_ids)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
+    def chat_ids(self, messages: list[dict], budget: TokenBudget | None = None) -> list[int]:
         """The chat template applied to ``messages`` (``{"role", "content": str}``), with the
         template's own markup tokenized as special tokens and every message's content as plain
-        text: content is replaced by a sentinel while rendering, then spliced back by ids."""
+        text: content is replaced by a sentinel while rendering, then spliced back by ids.
+        ``budget``: priced and charged message by message (400 as soon as the window is exceeded)."""
+        budget = budget or TokenBudget(1 << 62, 0, None)
+        budget.price_chars(sum(len(m["content"].strip()) for m in messages))   # some templates trim content
         if not getattr(self.tok, "chat_template", None):
             raise RequestError(400, f"model {self.spec.name} has no chat template; use /v1/completions or "
                                     "/v1/notes/completions", param="messages")
@@ -49,8 +58,12 @@ class Renderer:
                                    param="messages")
             c = m["content"]
             c = c if c in real else c.strip()             # templates that trim content
-            ids += self.markup(head) + self.encode(c)
-        return ids + self.markup(rest)
+            head_ids = self.markup(head)
+            budget.charge(len(head_ids))
+            ids += head_ids + budget.encode(self.encode, c)
+        tail = self.markup(rest)
+        budget.charge(len(tail))
+        return ids + tail
 
     def frame(self) -> tuple[int, ...]:
         ids = [self.bos_id] if self.spec.prepend_bos and self.bos_id is not None else []
@@ -103,25 +116,37 @@ class Renderer:
                                labels=t.labels, version=t.version)
 
     def render(self, request_id: str, tenant: str, segments: list[dict], policy: Policy,
-               session: str | None, salt: str) -> RenderedRequest:
+               session: str | None, salt: str, budget: TokenBudget | None = None) -> RenderedRequest:
         """``segments``: validated dicts with exactly one of skill/memory/template/text; ``salt``:
-        the tenant's key salt (registered chunks are referenced by content under it)."""
+        the tenant's key salt (registered chunks are referenced by content under it); ``budget``:
+        priced and charged segment by segment (400 as soon as the window is exceeded). The
+        trailing text segments (the question) are tokenised joined, as one piece."""
+        budget = budget or TokenBudget(1 << 62, 0, None)
+        budget.price_chars(text_chars(segments))
         ctx = [RenderedSegment("frame", None, self.frame())] if self.frame() else []
+        budget.charge(len(ctx[0].token_ids) if ctx else 0)
         trailing: list[str] = []
         for seg in segments:
             if "text" in seg:
                 trailing.append(seg["text"])
                 continue
             for t in trailing:                      # text followed by more context is context
-                ctx.append(RenderedSegment("text", None, tuple(self.encode(t))))
+                ctx.append(RenderedSegment("text", None, tuple(budget.encode(self.encode, t))))
             trailing = []
             if "skill" in seg or "memory" in seg:
                 kind = "skill" if "skill" in seg else "memory"
                 c = self.registry.chunk(tenant, kind, seg[kind])
+                budget.charge(len(c.token_ids))
                 ctx.append(RenderedSegment(kind, c.name, c.token_ids, kv=self.chunk_ref(c.token_ids, salt)))
             elif "template" in seg:
-                ctx.append(self.render_template(self.registry.template(tenant, seg["template"]), seg.get("fields", {})))
-        suffix = tuple(self.user_then_markup("".join(trailing), self.spec.chat_user_suffix))
+                fields = seg.get("fields", {})
+                budget.price_chars(text_chars([seg]))
+                ctx.append(self.render_template(self.registry.template(tenant, seg["template"]), fields))
+                budget.charge(len(ctx[-1].token_ids))
+        question = "".join(trailing)
+        budget.price_chars(len(question))
+        suffix = tuple(self.user_then_markup(question, self.spec.chat_user_suffix))
+        budget.charge(len(suffix))
         return RenderedRequest(request_id, self.spec.name, policy, tuple(ctx), suffix, session)
 
     def render_prompt(self, request_id: str, prompt_ids: list[int], policy: Policy) -> RenderedRequest:
@@ -131,3 +156,16 @@ class Renderer:
         prefix = tuple(prompt_ids[:-1])
         ctx = (RenderedSegment("prompt", None, prefix),) if prefix else ()
         return RenderedRequest(request_id, self.spec.name, policy, ctx, (prompt_ids[-1],), None)
+
+
+def text_chars(segments: list[dict]) -> int:
+    """Characters of caller text in native ``segments`` (texts and string template fields): a
+    lower bound's input, since registered pieces and markup only add tokens."""
+    n = 0
+    for seg in segments:
+        if isinstance(seg.get("text"), str):
+            n += len(seg["text"])
+        fields = seg.get("fields")
+        if isinstance(fields, dict):
+            n += sum(len(v) for v in fields.values() if isinstance(v, str))
+    return n

@@ -27,7 +27,8 @@ from cluster.control.planner import (FidelityTarget, PlannerConfig, RenderedRequ
                                      choose_edit_kind, plan_request)
 from cluster.control.shadow import FidelityGuard, ShadowConfig
 from cluster.control.registry import Registry
-from cluster.control.render import Renderer
+from cluster.control.pricing import TokenBudget, exceeds_message
+from cluster.control.render import Renderer, text_chars
 from cluster.control.routing import FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from cluster.control.sessions import SessionStore
 from cluster.control.state import Registration, StateStore, StateStoreUnavailable
@@ -90,6 +91,10 @@ class Router:
     async def register_chunk(self, kind: str, tenant: str, name: str, text: str) -> dict:
         if not isinstance(text, str) or not text.strip():
             raise RequestError(400, f"{kind} text must be a non-empty string", param="text")
+        low = TokenBudget(self.context_window, 16, self.renderer.max_chars).lower_bound(len(text.strip()))
+        if low + 16 > self.context_window:          # cannot fit: refused before it is tokenised
+            raise RequestError(400, f"{kind} is at least {low} tokens ({len(text)} characters); the model's window "
+                                    f"is {self.context_window}")
         ids = await asyncio.to_thread(self.renderer.chunk_ids, text)     # tokenize off the event loop
         if len(ids) + 16 > self.context_window:
             raise RequestError(400, f"{kind} is {len(ids)} tokens; the model's window is {self.context_window}")
@@ -128,14 +133,20 @@ class Router:
         return out
 
     # ---- requests ---------------------------------------------------------------------------
-    def _check_budget(self, prompt_tokens: int, sampling: SamplingParams) -> None:
+    def budget(self, sampling: SamplingParams) -> TokenBudget:
+        """The prompt tokens ``sampling`` leaves in the window, for pricing a request while it is
+        tokenised (``cluster.control.pricing``); 400 for a max_tokens past this server's limit."""
         if sampling.max_tokens > self.max_tokens_limit:
             raise RequestError(400, f"max_tokens {sampling.max_tokens} exceeds this server's limit "
                                     f"{self.max_tokens_limit}", param="max_tokens")
+        return TokenBudget(self.context_window, sampling.max_tokens, self.renderer.max_chars)
+
+    def _check_budget(self, prompt_tokens: int, sampling: SamplingParams) -> None:
+        """The exact check, on the planned prompt."""
+        self.budget(sampling)
         if prompt_tokens + sampling.max_tokens > self.context_window:
-            raise RequestError(400, f"prompt ({prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
-                                    f"the model's context window of {self.context_window} tokens",
-                               code="context_length_exceeded")
+            raise RequestError(400, exceeds_message(f"{prompt_tokens} tokens", sampling.max_tokens,
+                                                    self.context_window), code="context_length_exceeded")
 
     async def _present(self, refs: list[KVRef], index: int = 0) -> set[str]:
         """Digests of ``refs`` the chosen prefill worker's tiers hold. Every plan-time lookup is
@@ -176,8 +187,10 @@ class Router:
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex
         salt = self.salt(tenant)
+        budget = self.budget(sampling)
+        budget.price_chars(text_chars(segments))     # before a thread is even asked for
         req = replace(await asyncio.to_thread(self.renderer.render, rid, tenant, segments,      # off the event loop
-                                              Policy(policy or self.default_policy.value), session, salt),
+                                              Policy(policy or self.default_policy.value), session, salt, budget),
                       edit_strategy=edit)
         sess = self.sessions.get(tenant, session) if session else None
         pi = self._pick_prefill(f"{tenant}|{session}" if session else None, leases)

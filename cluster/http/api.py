@@ -111,12 +111,18 @@ async def openai_complete(router: Router, limits: RequestLimits, body: dict, ten
     logprobs, include_usage = openai_extras(body, chat=chat)
     vocab = len(router.renderer.tok)
     sampling = sampling_from(body, default_max_tokens=16, limits=limits, vocab=vocab, logprobs=logprobs)
+    budget = router.budget(sampling)        # priced before tokenisation, charged while it runs
     if chat:
         msgs = chat_messages(body, limits)
-        ids = await anyio.to_thread.run_sync(router.renderer.chat_ids, msgs)
+        budget.price_chars(sum(len(m["content"].strip()) for m in msgs))
+        ids = await anyio.to_thread.run_sync(router.renderer.chat_ids, msgs, budget)
     else:
         prompt = completions_prompt(body, limits)
-        ids = await anyio.to_thread.run_sync(router.renderer.encode, prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            budget.price_chars(len(prompt))
+            ids = await anyio.to_thread.run_sync(budget.encode, router.renderer.encode, prompt)
+        else:
+            ids = prompt
         bos = router.renderer.bos_id
         if router.renderer.spec.prepend_bos and bos is not None and ids[:1] != [bos]:
             ids = [bos] + ids

@@ -3,7 +3,8 @@
 the state store every replica opens. Routes are thin: :meth:`RouterIngress._call` gives each
 request an id, authenticates it (``cluster.http.auth``: the tenant comes from the API key), reads the
 body within the limits (``cluster.http.body``), holds a per-tenant in-flight slot, and hands parsed
-JSON to ``cluster.http.api``. ``/health``, ``/ready`` and ``/metrics`` need no key. A state store
+JSON to ``cluster.http.api``. ``/health``, ``/ready`` and ``/metrics`` need no key;
+``/metrics/targets`` needs one with ``metrics_auth: true``. A state store
 that does not answer is a 503 ``state_store_unavailable`` with ``Retry-After`` (``cluster.http.errors``),
 ``/ready`` 503 and ``/health`` ``degraded`` (``cluster.control.state.watch``).
 """
@@ -14,12 +15,14 @@ import threading
 import time
 import uuid
 
+import anyio
 from fastapi import FastAPI, Request
+from starlette.background import BackgroundTask
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.http import api
+from cluster.http import api, heap
 from cluster.control.errors import RequestError
 from cluster.control.state import StateStoreUnavailable
 from cluster.http.errors import error_response
@@ -90,6 +93,7 @@ class RouterIngress:
         import transformers
 
         self.cfg = cfg
+        heap.configure()            # large bodies go back to the system when freed (cluster.http.heap)
         spec = get_model_spec(cfg.model)
         ckpt = ensure_checkpoint(spec)
         tok = transformers.AutoTokenizer.from_pretrained(ckpt)
@@ -123,10 +127,10 @@ class RouterIngress:
             self.router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
-        from kvruntime.telemetry import node_ip, start_exporter
+        from kvruntime.telemetry import listen_host, start_exporter
         self.router.metrics.set_tenant_labels(cfg.metrics_tenants)
         self.process = f"router-{_replica_id()}"
-        self.metrics_target = start_exporter(self.router.metrics.registry, host=node_ip())
+        self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.bind_host))
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
         (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.model))
         log.info("router up: model %s (%s), edit plans by %s; compose by fidelity target: %s", self.served,
@@ -172,6 +176,8 @@ class RouterIngress:
         finally:
             if not streaming:
                 self.inflight.release(tenant)
+        if body and int(request.headers.get("content-length") or 0) >= heap.LARGE_BODY_BYTES and resp.background is None:
+            resp.background = BackgroundTask(anyio.to_thread.run_sync, heap.trim)    # once the response is sent
         return resp if streaming else self._counted(resp, acct)
 
     def _counted(self, resp: Response, acct: dict) -> Response:
@@ -225,13 +231,16 @@ class RouterIngress:
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/metrics/targets")
-    async def metrics_targets(self) -> Response:
+    async def metrics_targets(self, request: Request) -> Response:
         """Prometheus HTTP service discovery (``http_sd_configs``): every router replica's and
         every worker's own metrics endpoint, labelled ``kvnotes_role`` and ``kvnotes_process``.
-        A 503 while the state store does not answer (Prometheus keeps the targets it had)."""
+        With ``metrics_auth`` it needs an API key, like the API (401 without one). A 503 while
+        the state store does not answer (Prometheus keeps the targets it had)."""
         try:
+            if self.cfg.metrics_auth:
+                self.auth.tenant(request.headers, request.client.host if request.client else None)
             announced = self.state.targets(time.time(), TARGET_TTL_S)
-        except StateStoreUnavailable as exc:
+        except (RequestError, StateStoreUnavailable) as exc:
             return error_response(exc, _new_rid())
         groups = [{"targets": [addr], "labels": {"kvnotes_role": "router", "kvnotes_process": name}}
                   for name, addr in announced.items()]

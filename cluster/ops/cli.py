@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "eval" and args.what == "report":
             from kvruntime.fidelity.cli import write_report
             return write_report(args.doc)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+    except (ValueError, RuntimeError, FileNotFoundError, ConnectionError) as exc:   # ConnectionError: the state store
         print(f"kvnotes: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -100,12 +100,27 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     from cluster.http.serve_app import RouterIngress
 
     ensure_api_key(cfg)
+    cfg = listen_on_loopback(cfg)
     t = time.monotonic()
     start_workers(cfg)
     log.info("workers ready in %.1f s", time.monotonic() - t)
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
     serve.run(RouterIngress.options(num_replicas=cfg.router_replicas).bind(cfg), name="kvnotes", route_prefix="/",
               blocking=False)
+
+
+def listen_on_loopback(cfg: ClusterConfig) -> ClusterConfig:
+    """``cfg`` with ``bind_host: 127.0.0.1`` when it serves a loopback host from a one-node Ray
+    cluster it did not join by address: Ray itself always runs on the node's reachable address
+    (it replaces 127.0.0.1), so kvnotes' own listeners (decode inboxes, metrics exporters) are put
+    on loopback here instead. An explicit ``bind_host`` is kept."""
+    import dataclasses
+
+    import ray
+    if cfg.bind_host is None and cfg.local_loopback and len([n for n in ray.nodes() if n.get("Alive")]) == 1:
+        log.info("serving %s from one node: kvnotes listeners bind 127.0.0.1", cfg.host)
+        return dataclasses.replace(cfg, bind_host="127.0.0.1")
+    return cfg
 
 
 def start_local_ray(cfg: ClusterConfig, local_cpus: int | None = None) -> int:
@@ -171,6 +186,13 @@ def ensure_api_key(cfg: ClusterConfig) -> str | None:
         state.close()
 
 
+def check_state(cfg: ClusterConfig) -> None:
+    """Open and close the state store: ConnectionError (one line, password redacted) when it does
+    not answer or refuses the credentials in ``state_url``."""
+    from cluster.control.state import open_state
+    open_state(cfg.resolved_state_url).close()
+
+
 def stop(cfg: ClusterConfig) -> None:
     import ray
     from ray import serve
@@ -192,6 +214,7 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     print(f"kvnotes: {where} (model {cfg.model}, {cfg.prefill.count} prefill + "
           f"{cfg.decode.count} decode actors); the first start converts the model (~30 s)...", flush=True)
     base = f"http://{cfg.host}:{cfg.port}"
+    check_state(cfg)                   # a state store that is down or refuses us: one line, nothing started
     print(f"kvnotes: {calibration_line(cfg, spec)}", flush=True)
     try:
         start(cfg)

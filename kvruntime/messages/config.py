@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +34,10 @@ class ClusterConfig:
     profiles_dir: str | None = None            # calibrated fidelity profiles (`kvnotes calibrate`); None: ~/.cache/kvnotes/profiles
     host: str = "127.0.0.1"
     port: int = 8000
+    # kvnotes' own listeners (decode inboxes, metrics exporters): None = the address Ray runs on, or 127.0.0.1
+    # for a one-node cluster serving a loopback host (launcher.listen_on_loopback); an IP: bound and advertised
+    bind_host: str | None = None
+    metrics_auth: bool = False                 # GET /metrics/targets (the map of internal endpoints) needs an API key
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
     decode_engine: str = "reference"           # reference (torch oracle) | vllm (vLLM v1 + kvnotes KV connector)
@@ -58,7 +64,9 @@ class ClusterConfig:
     tier_remote_probe_s: float = 2.0           # each prefill actor probes the tier server this often (kvnotes_tier_remote_up)
     tier_persist_dir: str | None = None        # LMCache fs:// tier: KV survives a restart of the whole cluster
     # state that survives (registrations, templates, sessions, prompt index, cluster secret)
-    state_url: str | None = None               # None: sqlite:///<data_dir>/state.db; or sqlite:///PATH, redis://HOST:PORT/DB
+    # None: sqlite:///<data_dir>/state.db; or sqlite:///PATH, redis://[:PASSWORD@]HOST:PORT/DB, rediss://... (TLS);
+    # in a config file ${VAR} is read from the environment (only here); kept out of repr (it may hold a password)
+    state_url: str | None = field(default=None, repr=False)
     data_dir: str = "~/.local/share/kvnotes"   # default home of the SQLite state file
     router_replicas: int = 1                   # stateless Serve router replicas (all read the state store)
     session_ttl_s: float = 86400.0             # a session unused this long is forgotten
@@ -150,8 +158,13 @@ class ClusterConfig:
             raise ValueError("tier_remote_capacity_bytes must be an integer >= 1 MiB (1048576)")
         if not 0 < self.tier_remote_probe_s <= 60:
             raise ValueError(f"tier_remote_probe_s must be in (0, 60], got {self.tier_remote_probe_s}")
-        if self.state_url is not None and not self.state_url.startswith(("sqlite:///", "redis://")):
-            raise ValueError(f"state_url must start with sqlite:/// or redis://, got {self.state_url!r}")
+        if self.state_url is not None and not self.state_url.startswith(("sqlite:///", "redis://", "rediss://")):
+            raise ValueError("state_url must start with sqlite:///, redis:// or rediss://")
+        if self.bind_host is not None and not _is_concrete_ip(self.bind_host):
+            raise ValueError(f"bind_host must be one IP address that other processes can reach (not 0.0.0.0 or ::), "
+                             f"got {self.bind_host!r}")
+        if self.metrics_auth and not self.auth:
+            raise ValueError("metrics_auth: true needs auth: true (API keys)")
         if not self.auth and not _is_loopback(self.host):
             raise ValueError(f"auth: false is only allowed when host is a loopback address, not {self.host!r}")
         if not isinstance(self.metrics_tenants, (list, tuple)) or \
@@ -210,6 +223,12 @@ class ClusterConfig:
         return Path(self.model).expanduser().resolve().name
 
     @property
+    def local_loopback(self) -> bool:
+        """No ``ray_address`` and a loopback ``host``: on a one-node Ray cluster, kvnotes' own
+        listeners bind 127.0.0.1 (``cluster.ops.launcher.listen_on_loopback``)."""
+        return self.ray_address is None and _is_loopback(self.host)
+
+    @property
     def api_key_file(self) -> Path:
         """Where the embedded default keeps the key it created on first start (mode 0600)."""
         return Path(self.data_dir).expanduser() / "api_key"
@@ -228,6 +247,8 @@ class ClusterConfig:
         if unknown:
             raise ValueError(f"unknown config key(s): {', '.join(sorted(unknown))}")
         kw = dict(d)
+        if isinstance(kw.get("state_url"), str):
+            kw["state_url"] = expand_env(kw["state_url"], "state_url")
         if isinstance(kw.get("trusted_proxies"), list):
             kw["trusted_proxies"] = tuple(kw["trusted_proxies"])
         for k in ("prefill", "decode"):
@@ -256,6 +277,31 @@ class ClusterConfig:
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping")
         return ClusterConfig.from_dict(data)
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env(value: str, key: str) -> str:
+    """``value`` with each ``${NAME}`` replaced by the environment variable NAME, URL-quoted (a
+    password may hold ``@ : /``); a ``$`` not in that form stays as it is. ValueError naming the
+    variable (never a value) when it is unset. One pass: an expanded value is not expanded again."""
+    from urllib.parse import quote
+
+    def sub(m: re.Match) -> str:
+        v = os.environ.get(m.group(1))
+        if v is None:
+            raise ValueError(f"{key}: environment variable {m.group(1)} is not set")
+        return quote(v, safe="")
+    return _ENV_REF.sub(sub, value)
+
+
+def _is_concrete_ip(host) -> bool:
+    import ipaddress
+    try:
+        return isinstance(host, str) and not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def _is_loopback(host: str) -> bool:

@@ -238,3 +238,17 @@ class StateStore(ABC):
 
     def close(self) -> None:
         """Release connections."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user part replaced by ``***`` (what logs and errors show)."""
+    from urllib.parse import urlsplit, urlunsplit
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None and "@" not in parts.netloc:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

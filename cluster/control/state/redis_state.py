@@ -1,4 +1,6 @@
-"""Redis backend (multi-node): a real ``redis-server`` named by ``state_url: redis://HOST:PORT/DB``.
+"""Redis backend (multi-node): a real ``redis-server`` named by ``state_url: redis://HOST:PORT/DB``
+(``redis://:PASSWORD@...`` / ``redis://USER:PASSWORD@...`` with authentication, ``rediss://`` for
+TLS: redis-py reads them from the URL itself; errors show the URL redacted).
 
 Layout (every key under the prefix ``kvn:``; tenant and names are JSON-encoded inside key names,
 so no separator can be forged):
@@ -17,9 +19,14 @@ import json
 import os
 
 from cluster.control.state.base import (ApiKeyRecord, Registration, StateStore, StateStoreUnavailable, StoreLimits,
-                                        TemplateRecord)
+                                        TemplateRecord, redact_url)
 
 P = "kvn:"
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
 def _k(kind: str, *parts) -> str:
@@ -31,17 +38,25 @@ class RedisState(StateStore):
         import redis
 
         self.limits = limits
+        shown = redact_url(url)
         # short timeouts and one immediate retry (a pooled connection that died with a restarted
         # Redis is replaced at once): a dead store fails within ~2 x timeout_s, not after a hang
         # (redis-py's default is 10 retries with backoff)
         from redis.backoff import NoBackoff
         from redis.retry import Retry
-        self.r = redis.Redis.from_url(url, socket_timeout=limits.timeout_s, socket_connect_timeout=limits.timeout_s,
-                                      retry=Retry(NoBackoff(), 1))
         try:
+            self.r = redis.Redis.from_url(url, socket_timeout=limits.timeout_s,
+                                          socket_connect_timeout=limits.timeout_s, retry=Retry(NoBackoff(), 1))
             self.r.ping()
-        except redis.RedisError as exc:
-            raise StateStoreUnavailable("open", exc, url) from None
+        except redis.AuthenticationError as exc:          # no password, or a wrong one: not an outage
+            raise ConnectionError(f"state store {shown} refused the credentials ({_line(exc)}): give the password "
+                                  "in state_url as redis://:PASSWORD@HOST:PORT/DB") from None
+        except redis.ResponseError as exc:                # e.g. NOAUTH on a server that requires a password
+            raise ConnectionError(f"state store {shown} refused the connection: {_line(exc)}") from None
+        except ValueError as exc:                         # a malformed URL
+            raise ConnectionError(f"state store {shown}: {_line(exc)}") from None
+        except redis.RedisError as exc:                   # unreachable, TLS failure
+            raise StateStoreUnavailable("open", exc, shown) from None
 
     def _is_outage(self, exc):
         # ConnectionError covers refused / reset connections, a Redis still loading its AOF
