@@ -147,3 +147,15 @@ def test_decision_cases_are_deterministic_balanced_and_answerable_from_the_memor
     with pytest.raises(ValueError):
         load_decision_cases(0)
     assert dataclasses.replace(cases[0]).prelude == cases[0].prelude
+
+
+def test_methods_grid_names_and_paired_bound():
+    from kvruntime.fidelity.methods import method_ops, newcombe_paired_upper
+    ops = method_ops(["bos", "frame"], ["seam4", "kv1", "qlate-g1"], [0.05, 0.1])
+    assert ops["frame | seam 4"] == dict(compile="frame", rotate=True, seam_tokens=4)
+    assert ops["bos | qlate-g1 10%"]["probe"] == "qlate-g1" and ops["bos | qlate-g1 10%"]["recompute_ratio"] == 0.1
+    assert len(ops) == 2 * (1 + 2 * 2)
+    # no discordant pairs: no drop; a lost answer widens the bound, more cases narrow it
+    assert newcombe_paired_upper(10, 0, 0, 10) < 0.01
+    assert newcombe_paired_upper(17, 1, 0, 17) > newcombe_paired_upper(45, 1, 0, 44) > 0.02
+    assert newcombe_paired_upper(10, 0, 3, 7) < 0                 # the op gained answers

@@ -3,8 +3,10 @@ whose docstring states its cost (n = tokens touched, P = tokens attended to, L =
 
 - ``compose``: precompile a chunk at its canonical position, reposition (re-rotate keys by a
   delta), splice, seam repair, and the left-to-right composition of a context from segments.
+- ``frame``: the prefix a chunk is compiled after (BOS anchor, the chat frame, APE newlines).
 - ``blend``: selective recompute of composed chunks (CacheBlend): probe, pick the tokens that
   deviate most, recompute them against the whole context.
+- ``qselect``: the same, with the tokens picked by the question's attention to them.
 - ``edit``: erratum (append-only correction) and edit-in-place (field + top-K downstream).
 - ``recompute``: full prefill, the oracle.
 """
