@@ -20,16 +20,7 @@ import pytest
 
 from cluster.control.state import StateStoreUnavailable, StoreLimits, open_state
 from tests.conftest import free_port, http_client, metric
-
-
-def _wait(pred, timeout_s: float, what: str, every: float = 0.05):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+from tests.test_faults import _wait
 
 
 class RedisProc:
@@ -53,7 +44,7 @@ class RedisProc:
         import redis
         r = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
         try:
-            _wait(lambda: self.proc.poll() is not None or _pings(r), 15, "redis-server to answer")
+            _wait(lambda: self.proc.poll() is not None or _pings(r), 15, "redis-server to answer", every=0.05)
         finally:
             r.close()
         assert self.proc.poll() is None, f"redis-server exited with {self.proc.returncode}"
@@ -70,7 +61,7 @@ class RedisProc:
         finally:
             r.close()
         _wait(lambda: marker.encode() in b"".join(p.read_bytes() for p in self.dir.rglob("*.aof")), timeout_s,
-              "the AOF to hold every write so far")
+              "the AOF to hold every write so far", every=0.05)
 
     def kill(self) -> None:
         """SIGKILL by PID: no shutdown, no final save."""
@@ -287,7 +278,7 @@ def test_redis_sigkilled_under_load_no_500_cached_keys_served_ready_follows(outa
                 assert r.json()["state_store"]["up"] is False, r.text
                 down.add(r.headers["x-kvnotes-replica"])
             return len(down) == 2
-        _wait(all_down, 15, "/ready to be 503 on both replicas")
+        _wait(all_down, 15, "/ready to be 503 on both replicas", every=0.05)
         outage_end = time.monotonic() + 10
         ready_during = []
         while time.monotonic() < outage_end:
@@ -298,14 +289,14 @@ def test_redis_sigkilled_under_load_no_500_cached_keys_served_ready_follows(outa
         during = results[killed_at:]
         rp.start()                                 # same port, same AOF
         restarted = time.monotonic()
-        _wait(lambda: http.get("/ready").status_code == 200, 2.0, "/ready 200 within 2 s of the restart")
+        _wait(lambda: http.get("/ready").status_code == 200, 2.0, "/ready 200 within 2 s of the restart", every=0.05)
         ready_after = time.monotonic() - restarted
         stop.set()
         for f in futs:
             f.result(timeout=300)
     assert set(ready_during) == {503}, ready_during
     _wait(lambda: all(r.status_code == 200 for r in _by_replica(http, "/ready").values()), 10,
-          "/ready 200 on both replicas")
+          "/ready 200 on both replicas", every=0.05)
 
     statuses = {(k, s) for k, s, _, _ in results}
     assert all(s != 500 for _, s, _, _ in results), [r for r in results if r[1] == 500][:3]
