@@ -256,3 +256,44 @@ def test_a_frame_variant_planned_after_other_context_is_a_counted_fallback(wired
                                            dataclasses.replace(plan.steps[1], position=len(frame.token_ids) - 1)))
     kv, st = pre.build(bad)
     assert st.fallbacks == ["kv_mismatch"] and st.variants_compiled == 0 and st.computed == bad.prefix_tokens
+
+
+@pytest.mark.slow
+def test_the_worker_tier_counts_each_frame_variant_it_compiles(smol):
+    """PrefillTier.compile of a frame-prefixed ref compiles after that prefix (canonical position
+    len(prefix)) and counts it; the worker's endpoint exports the count."""
+    from types import SimpleNamespace
+    from prometheus_client import generate_latest
+    from prefill_workers.metrics import worker_registry
+    from prefill_workers.tier import PrefillTier
+
+    class Store:                                     # PrefillTier needs put/contains; the collector stats
+        def __init__(self):
+            self.d = {}
+            self.stats = SimpleNamespace(hits_by_tier={}, misses={}, put_bytes=0, get_bytes=0, evictions=0,
+                                         put_tier_failures={})
+
+        def put(self, key, kv):
+            self.d[key] = kv
+            return kv.nbytes
+
+        def contains(self, key):
+            return key in self.d
+
+        def occupancy(self):
+            return {}
+
+    store = Store()
+    tier = PrefillTier(store, smol)
+    ids = tuple(smol.encode("The Varga Museum closes at 17:30.\n\n"))
+    frames = [_frame_with(smol, "You answer museum questions."), _frame_with(smol, "You are a terse clerk.")]
+    for f in frames:
+        kv = tier.compile(KVRef(ids, len(f), SALT, prefix=f))
+        assert kv.positions.tolist() == list(range(len(f), len(f) + len(ids)))
+    tier.compile(KVRef(ids, 1 if smol.bos_id is not None else 0, SALT))          # the default anchor: no variant
+    assert tier.variants_compiled == 2 and len(store.d) == 3
+    assert tier.precompile(KVRef(ids, len(frames[0]), SALT, prefix=frames[0])).cached and tier.variants_compiled == 2
+    with pytest.raises(ValueError):
+        tier.compile(KVRef(ids, 1, SALT, prefix=frames[0]))                        # wrong canonical position
+    text = generate_latest(worker_registry(store, "prefill-0", False, variants=lambda: tier.variants_compiled)).decode()
+    assert 'kvnotes_worker_chunk_variants_compiled_total{worker="prefill-0"} 2.0' in text
