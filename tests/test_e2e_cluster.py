@@ -88,7 +88,10 @@ def test_native_plans_reposition_and_exact(cluster):
     # memory after it is repositioned
     assert kinds == ["recompute", "reuse", "reposition"], kinds
     assert "compiled after the frame" in fast["explain"]["steps"][1]["reason"]
-    assert fast["usage"]["prompt_tokens_details"]["cached_tokens"] > 40
+    again = http.post("/v1/notes/completions", json={**body, "kv_policy": "fast"}).json()   # the variant is stored
+    skill_step = again["explain"]["steps"][1]
+    assert skill_step["reused"] == skill_step["tokens"] and again["text"] == fast["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 40
     exact = http.post("/v1/notes/completions", json={**body, "kv_policy": "exact"}).json()
     assert [s["kind"] for s in exact["explain"]["steps"]] == ["recompute", "reuse", "recompute"], exact["explain"]
     assert exact["plan"] == "reuse" and exact["explain"]["exact"]
@@ -156,8 +159,8 @@ def test_native_streaming_sse(cluster):
 def test_metrics_move(cluster):
     base, http = cluster
     before = http.get("/metrics").text
-    http.post("/v1/notes/completions", json={"segments": [{"skill": "refund"}, {"memory": "dana"},
-                                                          {"text": "Is a gift card refundable?"}],
+    http.post("/v1/notes/completions", json={"segments": [{"memory": "dana"}, {"skill": "refund"},   # a prefix
+                                                          {"text": "Is a gift card refundable?"}],   # not yet held
                                              "max_tokens": 4, "temperature": 0, "kv_policy": "fast"})
     after = http.get("/metrics").text
     assert _metric(after, "kvnotes_ttft_seconds_count", plan="reposition") == \
