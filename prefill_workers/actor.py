@@ -58,7 +58,8 @@ class PrefillWorker:
         from kvruntime.telemetry import start_exporter
         from prefill_workers.metrics import worker_registry
         self.metrics_target = start_exporter(worker_registry(self.store, f"prefill-{index}", bool(cfg.tier_remote_url),
-                                                             cancelled=lambda: self.cancelled_plans),
+                                                             cancelled=lambda: self.cancelled_plans,
+                                                             variants=lambda: self.tier.variants_compiled),
                                              host=listen_host(cfg.bind_host))
 
     def ready(self) -> dict:

@@ -171,6 +171,37 @@ class PrefillExecutor:
         log.info("re-warmed %s (%d tokens) into this worker's tier", step.source, step.tokens)
         return kv
 
+    def _frame_reuse(self, kv: KVCache, step: SegmentPlan, loaded: KVCache | None, st: PrefillStats) -> KVCache:
+        """A chunk compiled after exactly the context built so far (``step.kv.prefix``, the chat
+        frame): spliced as is, bit-for-bit the KV a recompute of prefix + chunk gives it. A variant
+        the tier does not hold is compiled after that prefix now and stored (``variants_compiled``);
+        a context that is not the variant's prefix (a plan/executor mismatch) is a counted fallback."""
+        prefix = list(step.kv.prefix)
+        if kv.token_ids.tolist() != prefix or kv.positions.tolist() != list(range(len(prefix))) \
+                or step.position != len(prefix):
+            self._fallback(step, "kv_mismatch", st)
+            return self._compute(kv, step.token_ids, step.position, st)
+        compiled = loaded is None
+        if compiled:
+            try:
+                with _timed(st, "forward"):
+                    loaded = self.source.compile(step.kv)
+            except Exception as exc:       # a tier that refuses the write: recompute in context
+                log.warning("compiling %s after its frame failed (%s)", step.source, exc)
+                self._fallback(step, "kv_load_failed", st)
+                return self._compute(kv, step.token_ids, step.position, st)
+            st.variants_compiled += 1
+            log.info("compiled %s (%d tokens) after a %d-token frame into this worker's tier", step.source,
+                     step.tokens, len(prefix))
+        if loaded.token_ids.tolist() != list(step.token_ids) or int(loaded.positions[0]) != step.position:
+            self._fallback(step, "kv_mismatch", st)
+            return self._compute(kv, step.token_ids, step.position, st)
+        if compiled:
+            st.computed += step.tokens     # the frame was computed again inside the compile: not counted twice
+        else:
+            st.reused += step.tokens
+        return self._cat([kv, loaded.to(self.engine.device, self.engine.dtype)])
+
     def _compute(self, kv: KVCache, ids, position: int, st: PrefillStats) -> KVCache:
         if not ids:
             return kv
@@ -193,6 +224,8 @@ class PrefillExecutor:
         loaded = self._load(step.kv, st)
         if k is PlanKind.REPOSITION and loaded is None and step.kv is not None:
             loaded = self._rewarm(step, st)
+        if k is PlanKind.REUSE and step.kv is not None and step.kv.prefix is not None:
+            return self._frame_reuse(kv, step, loaded, st)
         if k is PlanKind.REUSE:
             ok = (loaded is not None and loaded.num_tokens == step.tokens
                   and loaded.token_ids.tolist() == list(step.token_ids)

@@ -13,9 +13,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 class TierCollector:
     """``kvnotes_worker_tier_*`` series of one prefill actor's store (labels: ``worker``)."""
 
-    def __init__(self, store, worker: str, remote_configured: bool, cancelled=None):
+    def __init__(self, store, worker: str, remote_configured: bool, cancelled=None, variants=None):
         self.store, self.worker, self.remote = store, worker, remote_configured
         self.cancelled = cancelled            # () -> plans this worker stopped on a cancel
+        self.variants = variants              # () -> chunk variants compiled after a frame (PrefillTier)
 
     def collect(self):
         s, w = self.store.stats, self.worker
@@ -25,6 +26,12 @@ class TierCollector:
                                     labels=["worker"])
             c.add_metric([w], self.cancelled())
             yield c
+        if self.variants is not None:
+            v = CounterMetricFamily("kvnotes_worker_chunk_variants_compiled", "Chunks this worker compiled after a "
+                                    "frame (system prompt + user-turn opener) for exact reuse: a frame's first use "
+                                    "of a chunk, or after its eviction", labels=["worker"])
+            v.add_metric([w], self.variants())
+            yield v
         gets = CounterMetricFamily("kvnotes_worker_tier_gets", "Chunk gets on this worker's tier by result "
                                    "(hit per tier, miss per reason)", labels=["worker", "result", "tier"])
         for tier, n in sorted(s.hits_by_tier.items()):
@@ -74,7 +81,7 @@ class TierCollector:
             yield fb
 
 
-def worker_registry(store, worker: str, remote_configured: bool, cancelled=None) -> CollectorRegistry:
+def worker_registry(store, worker: str, remote_configured: bool, cancelled=None, variants=None) -> CollectorRegistry:
     r = CollectorRegistry()
-    r.register(TierCollector(store, worker, remote_configured, cancelled))
+    r.register(TierCollector(store, worker, remote_configured, cancelled, variants))
     return r

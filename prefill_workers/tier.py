@@ -5,7 +5,8 @@ KV dtype and RoPE fingerprint that is exactly one :class:`~kvruntime.messages.ke
 (``kvtransport.store.key_for``). No name map is kept: any prefill actor finds any chunk its tiers
 hold, after a restart too (``fs://``, ``lm://``). A registered chunk missing from this worker's
 tiers (evicted, or never loaded on this node) is *re-warmed*: precompiled at its canonical
-position and stored back, counted by the caller.
+position and stored back, counted by the caller. A chunk planned as exact reuse after a frame
+(``KVRef.prefix``) is compiled after that frame on its first use (``variants_compiled``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvtransport.store import KVStore, key_for
 class PrefillTier:
     def __init__(self, store: KVStore, engine, worker: str = "prefill"):
         self.store, self.engine, self.worker = store, engine, worker
+        self.variants_compiled = 0          # chunks compiled after a frame (ref.prefix): worker metrics
 
     def key(self, ref: KVRef) -> ChunkKey:
         return key_for(self.engine, ref)
@@ -51,6 +53,7 @@ class PrefillTier:
             raise ValueError(f"a chunk compiles at canonical position {want}, the ref says {ref.position}")
         kv = precompile_chunk(self.engine, list(ref.token_ids), None if ref.prefix is None else list(ref.prefix))
         self.put(ref, kv)
+        self.variants_compiled += ref.prefix is not None
         return kv
 
     def precompile(self, ref: KVRef) -> PrecompileInfo:

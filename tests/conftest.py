@@ -20,7 +20,7 @@ class DictSource:
 
     @staticmethod
     def _k(ref):
-        return (ref.token_ids, ref.position, ref.tenant_salt, ref.approx)
+        return (ref.token_ids, ref.position, ref.tenant_salt, ref.approx, ref.prefix)
 
     def get(self, ref):
         return self.d.get(self._k(ref))
@@ -32,7 +32,7 @@ class DictSource:
 
     def compile(self, ref):
         from kvruntime.ops import precompile_chunk
-        kv = precompile_chunk(self.engine, list(ref.token_ids))
+        kv = precompile_chunk(self.engine, list(ref.token_ids), None if ref.prefix is None else list(ref.prefix))
         self.compiled += 1
         self.put(ref, kv)
         return kv

@@ -84,14 +84,24 @@ def test_native_plans_reposition_and_exact(cluster):
     fast = http.post("/v1/notes/completions", json={**body, "kv_policy": "fast"}).json()
     assert fast["plan"] == "reposition", fast
     kinds = [s["kind"] for s in fast["explain"]["steps"]]
-    assert kinds.count("reposition") == 2 and fast["usage"]["prompt_tokens_details"]["cached_tokens"] > 40
+    # the skill comes first after the chat frame: exact reuse of its frame-compiled variant; the
+    # memory after it is repositioned
+    assert kinds == ["recompute", "reuse", "reposition"], kinds
+    assert "compiled after the frame" in fast["explain"]["steps"][1]["reason"]
+    again = http.post("/v1/notes/completions", json={**body, "kv_policy": "fast"}).json()   # the variant is stored
+    skill_step = again["explain"]["steps"][1]
+    assert skill_step["reused"] == skill_step["tokens"] and again["text"] == fast["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 40
     exact = http.post("/v1/notes/completions", json={**body, "kv_policy": "exact"}).json()
-    assert exact["plan"] == "recompute" and exact["explain"]["reused_tokens"] == 0
+    assert [s["kind"] for s in exact["explain"]["steps"]] == ["recompute", "reuse", "recompute"], exact["explain"]
+    assert exact["plan"] == "reuse" and exact["explain"]["exact"]
     from tests.conftest import get_engine
     e = get_engine("smollm2-135m")
-    # nothing came from the tier; the decode actor may already hold the chat frame's leading
-    # tokens from an earlier request of this tenant (exact KV, sent once: decode_prefix_cache_bytes)
-    assert exact["usage"]["prompt_tokens_details"]["cached_tokens"] <= len(e.encode(e.spec.chat_user_prefix))
+    # only the skill's exact variant came from the tier; the decode actor may also hold the chat
+    # frame's leading tokens from an earlier request of this tenant (exact KV, sent once)
+    skill_n = len(e.encode(SKILL.strip() + "\n\n"))
+    assert exact["explain"]["reused_tokens"] == skill_n
+    assert exact["usage"]["prompt_tokens_details"]["cached_tokens"] <= len(e.encode(e.spec.chat_user_prefix)) + skill_n
     ids = (e.encode(e.spec.chat_user_prefix) + e.encode(SKILL.strip() + "\n\n") + e.encode(MEMORY.strip() + "\n\n")
            + e.encode("Can Dana return the headphones?" + e.spec.chat_user_suffix))
     assert exact["text"] == _direct(ids, 16)
@@ -149,7 +159,8 @@ def test_native_streaming_sse(cluster):
 def test_metrics_move(cluster):
     base, http = cluster
     before = http.get("/metrics").text
-    http.post("/v1/notes/completions", json={"segments": [{"skill": "refund"}, {"text": "Is a gift card refundable?"}],
+    http.post("/v1/notes/completions", json={"segments": [{"memory": "dana"}, {"skill": "refund"},   # a prefix
+                                                          {"text": "Is a gift card refundable?"}],   # not yet held
                                              "max_tokens": 4, "temperature": 0, "kv_policy": "fast"})
     after = http.get("/metrics").text
     assert _metric(after, "kvnotes_ttft_seconds_count", plan="reposition") == \

@@ -67,7 +67,8 @@ def test_a_repeated_composed_prefix_is_not_sent_twice_by_the_reference_engine(he
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - len(e.encode(QUESTION + e.spec.chat_user_suffix))
 
     # a composed (repositioned) prefix: its own salt (another recipe), then held on the repeat
-    fast = {**exact, "kv_policy": "fast"}
+    # (text before the skill: first after the frame it would be exact reuse, the exact plan again)
+    fast = {**exact, "kv_policy": "fast", "segments": [{"text": "Price list follows.\n"}, *exact["segments"]]}
     f1 = acme.post("/v1/notes/completions", json=fast).json()
     b3 = _sent(acme)
     f2 = acme.post("/v1/notes/completions", json=fast).json()

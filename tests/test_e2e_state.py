@@ -22,6 +22,9 @@ QUESTION = "What is the status of flight KL902? Answer in one word."
 _metric, _direct = metric, direct_text
 
 
+NOTE = "Baggage desk notes follow.\n"    # text before the skill: the skill is repositioned, not frame reuse
+
+
 def _turn(http, session, status, policy="fast", segments_extra=(), **kw):
     r = http.post("/v1/notes/completions", json={
         "session": session, "kv_policy": policy, "explain": True, "max_tokens": 12, "temperature": 0,
@@ -70,7 +73,7 @@ def test_registration_through_one_replica_is_used_through_the_other_and_counters
     assert http.post("/v1/templates", json={"name": "booking", "text": TEMPLATE}).status_code == 201
     served_by, sent = set(), 0
     for _ in range(16):
-        body = {"segments": [{"skill": "luggage"}, {"text": "How much is refunded for a lost bag?"}],
+        body = {"segments": [{"text": NOTE}, {"skill": "luggage"}, {"text": "How much is refunded for a lost bag?"}],
                 "max_tokens": 4, "temperature": 0, "explain": True, "kv_policy": "fast"}
         resp = http.post("/v1/notes/completions", json=body)
         sent += 1
@@ -94,23 +97,24 @@ def test_registration_through_one_replica_is_used_through_the_other_and_counters
 
 def test_exact_session_never_reuses_approximate_kv_and_equals_recompute(state_cluster):
     cfg, http = state_cluster
-    t1 = _turn(http, "mix-1", "DELAYED", policy="fast", segments_extra=[{"skill": "luggage"}])
+    late = [{"text": NOTE}, {"skill": "luggage"}]             # not first after the frame: repositioned
+    t1 = _turn(http, "mix-1", "DELAYED", policy="fast", segments_extra=late)
     assert t1["plan"] == "reposition" and not t1["explain"]["exact"]
-    t2 = _turn(http, "mix-1", "DELAYED", policy="exact", segments_extra=[{"skill": "luggage"}])
+    t2 = _turn(http, "mix-1", "DELAYED", policy="exact", segments_extra=late)
     assert t2["plan"] == "recompute", t2["explain"]
     assert any("approximate" in n for n in t2["explain"]["notes"])
     import string
     from tests.conftest import get_engine
     e = get_engine("smollm2-135m")
     values = {"passenger": "Ines Duarte", "status": "DELAYED", "gate": "D4"}
-    ids = e.encode(e.spec.chat_user_prefix) + e.encode(SKILL.strip() + "\n\n")
+    ids = e.encode(e.spec.chat_user_prefix) + e.encode(NOTE) + e.encode(SKILL.strip() + "\n\n")
     for literal, field, _, _ in string.Formatter().parse(TEMPLATE):   # literals and values tokenized apart
         ids += e.encode(literal) if literal else []
         ids += e.encode(values[field]) if field else []
     ids += e.encode(QUESTION + e.spec.chat_user_suffix)
     assert t2["usage"]["prompt_tokens"] == len(ids)
     assert t2["text"] == _direct(ids, 12)                              # token for token a recompute
-    t3 = _turn(http, "mix-1", "DELAYED", policy="exact", segments_extra=[{"skill": "luggage"}])
+    t3 = _turn(http, "mix-1", "DELAYED", policy="exact", segments_extra=late)
     assert t3["plan"] == "reuse" and t3["explain"]["exact"]           # t2 stored an exact context
     assert t3["text"] == t2["text"]
 
@@ -167,7 +171,7 @@ def test_whole_cluster_restart_finds_skills_in_the_fs_tier(state_cluster):
     r = http.post("/v1/skills", json={"name": "luggage", "text": SKILL})
     assert r.status_code == 201 and r.json()["cached"] and r.json()["seconds"] == 0.0, r.text   # no prefill
     resp = http.post("/v1/notes/completions", json={
-        "segments": [{"skill": "luggage"}, {"text": "How much is refunded for a lost bag?"}],
+        "segments": [{"text": NOTE}, {"skill": "luggage"}, {"text": "How much is refunded for a lost bag?"}],
         "max_tokens": 4, "temperature": 0, "explain": True, "kv_policy": "fast"}).json()
     step = [s for s in resp["explain"]["steps"] if s["kind"] == "reposition"][0]
     assert "re-warmed" not in step["reason"] and step["reused"] > 0

@@ -47,6 +47,12 @@ def _segments(e):
     return frame, skill, q
 
 
+def _as_text(frame):
+    """The same ids as plain context text: a chunk after it is not first after the frame, so it keeps
+    the reposition / recompute rules (the first chunk after the frame is exact reuse)."""
+    return dataclasses.replace(frame, kind="text")
+
+
 @pytest.mark.slow
 def test_exact_plan_output_equals_direct_recompute(wired):
     e, src, pre, dec, addr = wired
@@ -63,7 +69,7 @@ def test_reposition_plan_loads_chunk_from_tier(wired):
     e, src, pre, dec, addr = wired
     frame, skill, q = _segments(e)
     src.put(skill.kv, precompile_chunk(e, list(skill.token_ids)))
-    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (frame, skill), q),
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (_as_text(frame), skill), q),
                         TierView(frozenset({skill.kv.digest})), None, e.encode)
     assert plan.steps[1].kind is PlanKind.REPOSITION
     res, toks, summary = _run(pre, dec, addr, plan)
@@ -75,7 +81,7 @@ def test_reposition_plan_loads_chunk_from_tier(wired):
 def test_a_chunk_missing_at_execution_is_rewarmed_and_runs_as_planned(wired):
     e, src, pre, dec, addr = wired
     frame, skill, q = _segments(e)
-    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (frame, skill), q),
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (_as_text(frame), skill), q),
                         TierView(frozenset({skill.kv.digest})), None, e.encode)   # planner believed it was there
     src.d.clear()
     res, toks, _ = _run(pre, dec, addr, plan)
@@ -153,7 +159,7 @@ def test_reposition_plan_executes_the_planned_recompute_ratio(wired, ratio):
     frame, skill, q = _segments(e)
     src.put(skill.kv, precompile_chunk(e, list(skill.token_ids)))
     cfg = PlannerConfig(balanced=ComposeChoice(True, 1, ratio, compose_op_key(1, ratio), "test"))
-    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.BALANCED, (frame, skill), q),
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.BALANCED, (_as_text(frame), skill), q),
                         TierView(frozenset({skill.kv.digest})), None, e.encode, cfg)
     assert plan.steps[1].recompute_ratio == ratio
     chunk_before = src.get(skill.kv).data.clone()
@@ -184,7 +190,7 @@ def test_shadow_check_of_an_exact_plan_agrees_and_of_a_naive_one_measures_the_dr
     r = pre.shadow(exact)
     assert r.request_id == "rx" and r.kl < 1e-6 and r.top1 == 1.0 and r.greedy_exact == 1.0
     src.put(skill.kv, precompile_chunk(e, list(skill.token_ids)))
-    fast = plan_request(RenderedRequest("rf", e.spec.name, Policy.FAST, (frame, skill), q),
+    fast = plan_request(RenderedRequest("rf", e.spec.name, Policy.FAST, (_as_text(frame), skill), q),
                         TierView(frozenset({skill.kv.digest})), None, e.encode)
     got = pre.shadow(fast)
     comp = compose(e, [TextSegment(list(frame.token_ids)), ChunkSegment(src.get(skill.kv)), TextSegment(list(q))])
@@ -192,3 +198,102 @@ def test_shadow_check_of_an_exact_plan_agrees_and_of_a_naive_one_measures_the_dr
     assert got.kl > 1e-6 and abs(got.kl - kl_divergence(full.logits, comp.logits)) < 1e-6
     with pytest.raises(ValueError):
         pre.shadow(dataclasses.replace(fast, suffix_ids=()))
+
+
+def _frame_with(e, system: str) -> tuple[int, ...]:
+    """SmolLM2's frame (system prompt + user-turn opener) with another system prompt."""
+    import re
+    prefix, n = re.subn(r"(<\|im_start\|>system\n).*?(<\|im_end\|>)", lambda m: m.group(1) + system + m.group(2),
+                        e.spec.chat_user_prefix, flags=re.S)
+    assert n == 1, "the model's frame carries no system prompt"
+    return tuple(e.encode(prefix))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", [Policy.EXACT, Policy.BALANCED, Policy.FAST])
+def test_the_same_skill_after_two_system_prompts_is_compiled_twice_and_each_prefix_is_exact(wired, policy):
+    """The first chunk after the frame is exact reuse of its frame-compiled variant: one variant per
+    frame (two tier entries, two compiles), then tier hits; the chunk's KV in the composed prefix is
+    bit-for-bit the KV of one forward over frame + chunk, the frame's within fp noise (it is computed
+    alone), and the greedy output through a decode worker is the recompute's."""
+    e, src, pre, dec, addr = wired
+    _, skill, q = _segments(e)
+    frames = [_frame_with(e, "You answer museum questions."), _frame_with(e, "You are a terse clerk.")]
+    assert frames[0] != frames[1]
+    compiled0 = src.compiled
+    keys = set()
+    for f in frames:
+        frame = RenderedSegment("frame", None, f)
+        plan = plan_request(RenderedRequest("r", e.spec.name, policy, (frame, skill), q), TierView(), None, e.encode)
+        step = plan.steps[1]
+        assert step.kind is PlanKind.REUSE and step.kv.prefix == f and step.position == len(f) and plan.approx == ""
+        kv, st = pre.build(plan)
+        assert st.variants_compiled == 1 and st.fallbacks == [] and st.computed == len(f) + len(skill.token_ids)
+        keys.add(src._k(step.kv))
+        full = recompute(e, list(f + skill.token_ids), logits=False).kv
+        n0 = len(f)
+        assert torch.equal(kv.data[:, :, :, n0:], full.data[:, :, :, n0:])          # the chunk: exact
+        assert torch.allclose(kv.data[:, :, :, :n0], full.data[:, :, :, :n0], atol=1e-4)
+        assert kv.positions.tolist() == list(range(n0 + len(skill.token_ids)))
+        res, toks, summary = _run(pre, dec, addr, plan)                              # stored: now a tier hit
+        assert res.stats.variants_compiled == 0 and res.stats.reused == len(skill.token_ids)
+        assert res.stats.tier_hits == 1 and res.stats.fallbacks == [] and summary.fallbacks == ()
+        whole = recompute(e, list(f + skill.token_ids + q))
+        assert toks == [t for t in e.greedy(whole.kv, whole.logits, 12, stop_at_eos=True) if t not in e.eos_ids]
+    assert len(keys) == 2 and src.compiled - compiled0 == 2 and all(k in src.d for k in keys)
+    for k in list(keys):
+        src.d.pop(k)                                                   # the next parametrisation compiles again
+
+
+@pytest.mark.slow
+def test_a_frame_variant_planned_after_other_context_is_a_counted_fallback(wired):
+    """The executor never re-plans: a variant whose prefix is not the context built so far (a
+    plan/executor mismatch) is recomputed in context and counted, never spliced."""
+    e, src, pre, dec, addr = wired
+    frame, skill, q = _segments(e)
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (frame, skill), q), TierView(), None, e.encode)
+    bad = dataclasses.replace(plan, steps=(dataclasses.replace(plan.steps[0], token_ids=plan.steps[0].token_ids[:-1]),
+                                           dataclasses.replace(plan.steps[1], position=len(frame.token_ids) - 1)))
+    kv, st = pre.build(bad)
+    assert st.fallbacks == ["kv_mismatch"] and st.variants_compiled == 0 and st.computed == bad.prefix_tokens
+
+
+@pytest.mark.slow
+def test_the_worker_tier_counts_each_frame_variant_it_compiles(smol):
+    """PrefillTier.compile of a frame-prefixed ref compiles after that prefix (canonical position
+    len(prefix)) and counts it; the worker's endpoint exports the count."""
+    from types import SimpleNamespace
+    from prometheus_client import generate_latest
+    from prefill_workers.metrics import worker_registry
+    from prefill_workers.tier import PrefillTier
+
+    class Store:                                     # PrefillTier needs put/contains; the collector stats
+        def __init__(self):
+            self.d = {}
+            self.stats = SimpleNamespace(hits_by_tier={}, misses={}, put_bytes=0, get_bytes=0, evictions=0,
+                                         put_tier_failures={})
+
+        def put(self, key, kv):
+            self.d[key] = kv
+            return kv.nbytes
+
+        def contains(self, key):
+            return key in self.d
+
+        def occupancy(self):
+            return {}
+
+    store = Store()
+    tier = PrefillTier(store, smol)
+    ids = tuple(smol.encode("The Varga Museum closes at 17:30.\n\n"))
+    frames = [_frame_with(smol, "You answer museum questions."), _frame_with(smol, "You are a terse clerk.")]
+    for f in frames:
+        kv = tier.compile(KVRef(ids, len(f), SALT, prefix=f))
+        assert kv.positions.tolist() == list(range(len(f), len(f) + len(ids)))
+    tier.compile(KVRef(ids, 1 if smol.bos_id is not None else 0, SALT))          # the default anchor: no variant
+    assert tier.variants_compiled == 2 and len(store.d) == 3
+    assert tier.precompile(KVRef(ids, len(frames[0]), SALT, prefix=frames[0])).cached and tier.variants_compiled == 2
+    with pytest.raises(ValueError):
+        tier.compile(KVRef(ids, 1, SALT, prefix=frames[0]))                        # wrong canonical position
+    text = generate_latest(worker_registry(store, "prefill-0", False, variants=lambda: tier.variants_compiled)).decode()
+    assert 'kvnotes_worker_chunk_variants_compiled_total{worker="prefill-0"} 2.0' in text

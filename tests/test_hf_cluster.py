@@ -113,13 +113,15 @@ def test_checkpoint_served_end_to_end(ray_once, tiny_checkpoints, family):
 
         body = {"model": ckpt.name, "segments": [{"skill": "returns"}, {"text": QUESTION}], "max_tokens": 6,
                 "temperature": 0, "explain": True}
-        fast = http.post("/v1/notes/completions", json={**body, "kv_policy": "fast"})
+        # text before the skill: repositioned (right after the frame it would be exact reuse, below)
+        late = [{"text": "Store notes follow.\n"}, *body["segments"]]
+        fast = http.post("/v1/notes/completions", json={**body, "segments": late, "kv_policy": "fast"})
         assert fast.status_code == 200, fast.text
         fast = fast.json()
         assert fast["plan"] == "reposition" and fast["model"] == ckpt.name, fast
         assert [s["kind"] for s in fast["explain"]["steps"]].count("reposition") == 1
         exact = http.post("/v1/notes/completions", json={**body, "kv_policy": "exact"}).json()
-        assert exact["plan"] == "recompute", exact
+        assert exact["plan"] == "reuse" and exact["explain"]["exact"], exact    # the skill's frame variant
         assert exact["text"] == _exact_text(tiny_engine(tiny_checkpoints, family), 6)
 
         def turn(status, policy, **kw):

@@ -94,7 +94,8 @@ def test_composed_request_crosses_nodes_over_nixl_without_fallback(multinode, sm
     async def run():
         await router.register_chunk("skill", "default", "refund", SKILL)
         toks, fin = [], None
-        async for ev in router.stream_native("default", [{"skill": "refund"}, {"text": "Can I return headphones?"}],
+        async for ev in router.stream_native("default", [{"text": "Notes.\n"}, {"skill": "refund"},   # not first: repositioned
+                                                          {"text": "Can I return headphones?"}],
                                              policy="fast", session=None,
                                              sampling=SamplingParams(max_tokens=8, temperature=0)):
             if isinstance(ev, TokenEvent):

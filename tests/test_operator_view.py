@@ -114,7 +114,7 @@ def workload(cluster, prometheus, tmp_path_factory):
         assert r.status_code == 201, r.text
         q = {"text": "Can I return opened headphones after 10 days? Answer yes or no."}
         kinds = set()
-        for policy in ("fast", "exact"):              # reposition, then recompute
+        for policy in ("fast", "exact"):              # reposition (the 2nd skill), then exact reuse + recompute
             r = c.post("/v1/notes/completions", json={"segments": [{"skill": "returns"}, {"skill": "shipping"}, q],
                                                       "max_tokens": 4, "temperature": 0, "kv_policy": policy,
                                                       "explain": True})
@@ -161,7 +161,8 @@ def workload(cluster, prometheus, tmp_path_factory):
             assert httpx.get(f"{base}/v1/skills", timeout=30).status_code == 401    # no key
         # a client that leaves mid-stream: counted as cancelled, with the plan it had
         with c.stream("POST", "/v1/notes/completions", json={
-                "segments": [{"skill": "returns"}, q], "max_tokens": 48, "temperature": 0, "stream": True,
+                "segments": [{"skill": "shipping"}, {"skill": "returns"}, q], "max_tokens": 48, "temperature": 0,
+                "stream": True,
                 "kv_policy": "fast"}) as s:
             for line in s.iter_lines():
                 if line.startswith("data: {") and '"token"' in line:

@@ -5,7 +5,7 @@ import pytest
 
 from kvruntime.messages.plan import KVRef, PlanKind, Policy
 from cluster.control.planner import (EditChoice, PlannerConfig, RenderedRequest, RenderedSegment, SessionContext,
-                             TierView, choose_edit_kind, plan_request)
+                             TierView, choose_edit_kind, frame_variant, plan_request)
 
 
 def encode(text):          # stands in for a tokenizer: one id per word
@@ -17,6 +17,7 @@ SALT = "ab" * 16
 SKILL = RenderedSegment("skill", "refund-policy", tuple(range(100, 140)), kv=KVRef(tuple(range(100, 140)), 1, SALT))
 MEM = RenderedSegment("memory", "user-42", tuple(range(200, 230)), kv=KVRef(tuple(range(200, 230)), 1, SALT))
 CTX = KVRef((1, 2, 3), 0, SALT)
+TXT = RenderedSegment("text", None, (70, 71))     # text between the frame and a chunk: the chunk is not first
 
 
 def booking(status, gate="B12", version="v1"):
@@ -38,25 +39,58 @@ def session_of(*segs, errata=0, approx=""):
 
 def test_reposition_when_policy_allows_and_an_evicted_chunk_is_rewarmed():
     tier = TierView(frozenset({SKILL.kv.digest}))
-    fast = plan_request(req(FRAME, SKILL, MEM), tier, None, encode)
-    assert [s.kind for s in fast.steps] == [PlanKind.RECOMPUTE, PlanKind.REPOSITION, PlanKind.REPOSITION]
-    rep, warm = fast.steps[1], fast.steps[2]
-    assert rep.position == 3 and rep.seam_tokens == 1 and rep.computed == 1 and rep.reused == 39 and rep.kv == SKILL.kv
+    fast = plan_request(req(FRAME, TXT, SKILL, MEM), tier, None, encode)
+    assert [s.kind for s in fast.steps] == [PlanKind.RECOMPUTE, PlanKind.RECOMPUTE, PlanKind.REPOSITION,
+                                            PlanKind.REPOSITION]
+    rep, warm = fast.steps[2], fast.steps[3]
+    assert rep.position == 5 and rep.seam_tokens == 1 and rep.computed == 1 and rep.reused == 39 and rep.kv == SKILL.kv
     assert warm.computed == 30 and warm.reused == 0 and warm.kv == MEM.kv and "re-warmed" in warm.reason
     assert any("user-42 is not in the tier: re-warmed" in n for n in fast.notes)
     assert fast.approx and len(fast.approx) == 32
-    exact = plan_request(req(FRAME, SKILL, policy=Policy.EXACT), tier, None, encode)
-    assert [s.kind for s in exact.steps] == [PlanKind.RECOMPUTE, PlanKind.RECOMPUTE]
+    exact = plan_request(req(FRAME, TXT, SKILL, policy=Policy.EXACT), tier, None, encode)
+    assert [s.kind for s in exact.steps] == [PlanKind.RECOMPUTE] * 3
     assert exact.reused_tokens == 0 and exact.kind is PlanKind.RECOMPUTE
-    assert fast.kind is PlanKind.REPOSITION and fast.prompt_tokens == 3 + 40 + 30 + 3
+    assert fast.kind is PlanKind.REPOSITION and fast.prompt_tokens == 3 + 2 + 40 + 30 + 3
     assert exact.approx == ""                     # recompute only: exact KV, storable for exact sessions
+
+
+@pytest.mark.parametrize("policy", [Policy.EXACT, Policy.BALANCED, Policy.FAST])
+def test_the_first_chunk_after_the_frame_is_exact_reuse_of_its_frame_variant_under_every_policy(policy):
+    """The chunk that comes first after the chat frame is planned as exact reuse of its variant
+    compiled after that frame (KVRef.prefix = the frame ids, at position len(frame)); the chunk
+    after it keeps the policy's rule (exact: recompute; balanced without a profile row meeting the
+    target: recompute; fast: reposition)."""
+    variant = dataclasses.replace(SKILL.kv, position=3, prefix=FRAME.token_ids)
+    assert variant.digest != SKILL.kv.digest and frame_variant((FRAME, SKILL, MEM)) == variant
+    assert frame_variant((FRAME, TXT, SKILL)) is None and frame_variant((FRAME,)) is None
+    tier = TierView(frozenset({SKILL.kv.digest, MEM.kv.digest, variant.digest}))
+    no_row = PlannerConfig(balanced=ComposeChoice(False, reason="no compose operation meets top1 >= 97%"))
+    p = plan_request(req(FRAME, SKILL, MEM, policy=policy), tier, None, encode, no_row)
+    first, second = p.steps[1], p.steps[2]
+    assert first.kind is PlanKind.REUSE and first.kv == variant and not first.approximate
+    assert (first.position, first.computed, first.reused) == (3, 0, 40)
+    assert "compiled after the frame" in first.reason and ": exact" in first.reason
+    assert "compiled after the frame" in p.explain()["steps"][1]["reason"]
+    later = {Policy.EXACT: PlanKind.RECOMPUTE, Policy.BALANCED: PlanKind.RECOMPUTE, Policy.FAST: PlanKind.REPOSITION}
+    assert second.kind is later[policy] and second.kv in (None, MEM.kv)
+    alone = plan_request(req(FRAME, SKILL, policy=policy), tier, None, encode, no_row)
+    assert alone.approx == "" and alone.kind is PlanKind.REUSE and alone.reused_tokens == 40
+    # not in the tier yet: still exact reuse, compiled by the prefill worker on first use (noted)
+    cold = plan_request(req(FRAME, SKILL, policy=policy), TierView(), None, encode, no_row)
+    assert cold.steps[1].kind is PlanKind.REUSE and cold.steps[1].kv == variant and cold.steps[1].computed == 40
+    assert "first use" in cold.steps[1].reason and any("compiled after the frame" in n for n in cold.notes)
+    # another frame (another system prompt) is another variant
+    other = RenderedSegment("frame", None, (1, 2, 4, 5))
+    assert plan_request(req(other, SKILL, policy=policy), tier, None, encode, no_row).steps[1].kv.digest \
+        not in (variant.digest, SKILL.kv.digest)
 
 
 def test_exact_never_reuses_an_approximate_session_context():
     approx_sess = session_of(FRAME, SKILL, booking("ON TIME"), approx="c0ffee")
     p = plan_request(req(FRAME, SKILL, booking("ON TIME"), policy=Policy.EXACT, session="agent-17"), TierView(),
                      approx_sess, encode)
-    assert all(s.kind is PlanKind.RECOMPUTE for s in p.steps) and p.approx == ""
+    assert [s.kind for s in p.steps] == [PlanKind.RECOMPUTE, PlanKind.REUSE, PlanKind.RECOMPUTE]   # frame variant
+    assert not any(s.approximate for s in p.steps) and p.approx == ""
     assert any("approximate" in n for n in p.notes)
     exact_sess = session_of(FRAME, SKILL, booking("ON TIME"))
     p = plan_request(req(FRAME, SKILL, booking("ON TIME"), policy=Policy.EXACT, session="agent-17"), TierView(),
@@ -138,9 +172,9 @@ def test_caller_can_ask_for_an_erratum_or_edit_in_place():
 
 
 def test_different_segments_fall_back_to_per_segment_planning():
-    sess = session_of(FRAME, SKILL)
-    p = plan_request(req(FRAME, MEM, session="agent-17"), TierView(frozenset({MEM.kv.digest})), sess, encode)
-    assert [s.kind for s in p.steps] == [PlanKind.RECOMPUTE, PlanKind.REPOSITION]
+    sess = session_of(FRAME, TXT, SKILL)
+    p = plan_request(req(FRAME, TXT, MEM, session="agent-17"), TierView(frozenset({MEM.kv.digest})), sess, encode)
+    assert [s.kind for s in p.steps] == [PlanKind.RECOMPUTE, PlanKind.RECOMPUTE, PlanKind.REPOSITION]
     assert any("different segments" in n for n in p.notes)
 
 
@@ -204,12 +238,12 @@ def test_balanced_picks_the_cheapest_operation_whose_profile_meets_the_target():
     assert c.allowed and (c.seam_tokens, c.recompute_ratio) == (1, 0.15) and c.op == compose_op_key(1, 0.15)
     assert "compose_sweep row 'r15': top1 97% on 12 cases" in c.reason
     tier = TierView(frozenset({SKILL.kv.digest}))
-    plan = plan_request(req(FRAME, SKILL, policy=Policy.BALANCED), tier, None, encode, PlannerConfig(balanced=c))
-    step = plan.steps[1]
+    plan = plan_request(req(FRAME, TXT, SKILL, policy=Policy.BALANCED), tier, None, encode, PlannerConfig(balanced=c))
+    step = plan.steps[2]
     assert step.kind is PlanKind.REPOSITION and step.recompute_ratio == 0.15 and step.seam_tokens == 1
     assert step.computed == 1 + 6 and step.reused == 40 - 7                # ceil(0.15 * 39) = 6
-    assert "r15" in plan.explain()["steps"][1]["reason"] and plan.explain()["steps"][1]["recompute_ratio"] == 0.15
-    same = plan_request(req(FRAME, SKILL, policy=Policy.BALANCED), tier, None, encode,
+    assert "r15" in plan.explain()["steps"][2]["reason"] and plan.explain()["steps"][2]["recompute_ratio"] == 0.15
+    same = plan_request(req(FRAME, TXT, SKILL, policy=Policy.BALANCED), tier, None, encode,
                         PlannerConfig(balanced=ComposeChoice(True, 1, 0.5, compose_op_key(1, 0.5))))
     assert same.approx != plan.approx                                       # a different recipe, a different tag
 
@@ -249,9 +283,9 @@ def test_a_model_without_a_profile_gets_only_exact_reuse():
     assert not c.allowed and "no fidelity profile" in c.reason
     tier = TierView(frozenset({SKILL.kv.digest}))
     for pol in (Policy.BALANCED, Policy.FAST):
-        plan = plan_request(req(FRAME, SKILL, policy=pol), tier, None, encode, PlannerConfig(balanced=c, fast=c))
-        assert [s.kind for s in plan.steps] == [PlanKind.RECOMPUTE, PlanKind.RECOMPUTE] and plan.approx == ""
-        assert "no fidelity profile" in plan.steps[1].reason
+        plan = plan_request(req(FRAME, TXT, SKILL, policy=pol), tier, None, encode, PlannerConfig(balanced=c, fast=c))
+        assert [s.kind for s in plan.steps] == [PlanKind.RECOMPUTE] * 3 and plan.approx == ""
+        assert "no fidelity profile" in plan.steps[2].reason
 
 
 def test_a_demoted_operation_is_skipped_until_it_recovers():
@@ -286,18 +320,18 @@ def test_shipped_profiles_are_read_and_balanced_never_picks_a_row_that_misses_th
     meets = {k: all(r["top1"] >= 0.97 and r["n"] >= 10 for _, _, r in v) for k, v in by_op.items()}
     c = choose_compose(prof, BALANCED, model=model)
     tier = TierView(frozenset({SKILL.kv.digest}))
-    plan = plan_request(req(FRAME, SKILL, policy=Policy.BALANCED), tier, None, encode, PlannerConfig(balanced=c))
-    reason = plan.explain()["steps"][1]["reason"]
+    plan = plan_request(req(FRAME, TXT, SKILL, policy=Policy.BALANCED), tier, None, encode, PlannerConfig(balanced=c))
+    reason = plan.explain()["steps"][2]["reason"]
     if c.allowed:
         chosen = (c.seam_tokens, c.recompute_ratio)
         assert meets[chosen], (model, c)
         assert not any(ok for k, ok in meets.items() if (k[1], k[0]) < (chosen[1], chosen[0])), (model, c)
-        assert plan.steps[1].kind is PlanKind.REPOSITION and plan.steps[1].recompute_ratio == c.recompute_ratio
+        assert plan.steps[2].kind is PlanKind.REPOSITION and plan.steps[2].recompute_ratio == c.recompute_ratio
         for sec, name, r in by_op[chosen]:       # explain cites every row of the chosen operation
             assert f"{model} {sec} row '{name}': top1 {r['top1']:.0%} on {r['n']} cases" in reason, reason
     else:
         assert not any(meets.values()), (model, meets)
-        assert plan.steps[1].kind is PlanKind.RECOMPUTE
+        assert plan.steps[2].kind is PlanKind.RECOMPUTE
         assert f"no compose operation in the {model}'s fidelity profile meets top1 >= 97%" in reason, reason
 
 
@@ -317,13 +351,16 @@ def test_a_cold_prompt_goes_whole_to_a_decode_engine_that_computes_it():
     assert p.steps == () and p.suffix_ids == tuple(range(300)) + (7, 8, 9) and p.prompt_tokens == 303
     assert p.kind is PlanKind.RECOMPUTE and p.computed_tokens == 303 and any("no KV transfer" in n for n in p.notes)
     # exact policy recomputes the skill too: still nothing reusable
-    e = plan_request(req(FRAME, SKILL, policy=Policy.EXACT), TierView(frozenset({SKILL.kv.digest})), None, encode, cold)
-    assert e.steps == () and e.suffix_ids == FRAME.token_ids + SKILL.token_ids + (7, 8, 9)
+    e = plan_request(req(FRAME, TXT, SKILL, policy=Policy.EXACT), TierView(frozenset({SKILL.kv.digest})), None,
+                     encode, cold)
+    assert e.steps == () and e.suffix_ids == FRAME.token_ids + TXT.token_ids + SKILL.token_ids + (7, 8, 9)
     # anything reusable keeps its prefill; a session's first turn keeps it (its context is stored)
     hit = plan_request(req(prompt), TierView(prompt_prefix_hit=256, prompt_prefix_kv=CTX), None, encode, cold)
     assert [s.kind for s in hit.steps] == [PlanKind.REUSE, PlanKind.RECOMPUTE]
-    comp = plan_request(req(FRAME, SKILL), TierView(frozenset({SKILL.kv.digest})), None, encode, cold)
-    assert [s.kind for s in comp.steps] == [PlanKind.RECOMPUTE, PlanKind.REPOSITION]
+    comp = plan_request(req(FRAME, TXT, SKILL), TierView(frozenset({SKILL.kv.digest})), None, encode, cold)
+    assert [s.kind for s in comp.steps] == [PlanKind.RECOMPUTE, PlanKind.RECOMPUTE, PlanKind.REPOSITION]
+    first = plan_request(req(FRAME, SKILL, policy=Policy.EXACT), TierView(), None, encode, cold)
+    assert [s.kind for s in first.steps] == [PlanKind.RECOMPUTE, PlanKind.REUSE]     # exact reuse keeps its prefill
     first_turn = plan_request(req(FRAME, session="agent-17"), TierView(), None, encode, cold)
     assert [s.kind for s in first_turn.steps] == [PlanKind.RECOMPUTE]
     # the reference decode engine (default) keeps the prefill worker's recompute

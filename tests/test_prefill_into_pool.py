@@ -26,8 +26,9 @@ TEXTS = ("The Varga Museum opens at 10:00 and closes at 17:30; entry costs 12 eu
 
 
 def _plan(e, src):
-    """A FAST plan: frame recomputed, two skills loaded from the tier and repositioned, seams repaired."""
-    frame = RenderedSegment("frame", None, tuple(e.encode(e.spec.chat_user_prefix)))
+    """A FAST plan: frame recomputed, two skills loaded from the tier and repositioned, seams repaired
+    (the frame's ids as plain text: a chunk right after the frame would be exact reuse instead)."""
+    frame = RenderedSegment("text", None, tuple(e.encode(e.spec.chat_user_prefix)))
     skills = []
     for i, text in enumerate(TEXTS):
         ids = tuple(e.encode(text))

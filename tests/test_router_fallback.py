@@ -31,6 +31,11 @@ class CorruptingTransport(GrpcTransport):
 
 
 
+# text before the skill: the skill is not first after the frame, so "fast" repositions it (the
+# first chunk after the frame is exact reuse, test_the_default_policy_reuses_...)
+LATE_SKILL = [{"text": "Visitor desk notes follow."}, {"skill": "museum"}, {"text": "When does it close?"}]
+
+
 class LocalBackends:
     """Backends in one process (the router's seam); the shipped one is cluster.control.ray_backends."""
 
@@ -114,7 +119,7 @@ def test_a_fallback_is_labelled_with_what_executed(smol, tmp_path):
     router, b = _router(smol, CorruptingTransport(), tmp_path)
     try:
         asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
-        toks, fin = asyncio.run(_complete(router, [{"skill": "museum"}, {"text": "When does it close?"}], "fast"))
+        toks, fin = asyncio.run(_complete(router, LATE_SKILL, "fast"))
         assert len(toks) > 0 and fin.plan.kind.value == "reposition" and fin.fallbacks == ("kv_transfer_rejected",)
         text = router.metrics.render().decode()
         assert metric(text, "kvnotes_ttft_seconds_count", plan="recompute") == 1
@@ -144,7 +149,7 @@ def test_a_block_that_travelled_over_grpc_instead_of_nixl_is_still_what_was_plan
     router = make_router(smol, b, open_state(f"sqlite:///{tmp_path}/state-nixl.db"))
     try:
         asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
-        toks, fin = asyncio.run(_complete(router, [{"skill": "museum"}, {"text": "When does it close?"}], "fast"))
+        toks, fin = asyncio.run(_complete(router, LATE_SKILL, "fast"))
         assert len(toks) > 0 and fin.plan.kind.value == "reposition"
         assert fin.fallbacks == ("kv_transport_nixl_unavailable",) and fin.cached_tokens > 0
         text = router.metrics.render().decode()
@@ -167,7 +172,7 @@ def test_an_evicted_chunk_is_listed_out_of_tier_counted_as_a_miss_and_rewarmed(s
         b.source.d.clear()                                      # the tier lost it after registration
         assert [x["in_tier"] for x in asyncio.run(router.listing("skill", "default"))] == [False]
         m0 = router.metrics.render().decode()
-        toks, fin = asyncio.run(_complete(router, [{"skill": "museum"}, {"text": "When does it close?"}], "fast"))
+        toks, fin = asyncio.run(_complete(router, LATE_SKILL, "fast"))
         assert len(toks) > 0 and fin.fallbacks == ()
         assert fin.plan.steps[-1].kind.value == "reposition" and "re-warmed" in fin.plan.steps[-1].reason
         assert any("not in the tier: re-warmed" in n for n in fin.plan.notes) and b.source.compiled == 2
@@ -176,7 +181,7 @@ def test_an_evicted_chunk_is_listed_out_of_tier_counted_as_a_miss_and_rewarmed(s
         assert _metric(text, 'kvnotes_tier_lookups_total{tier="lmcache"}') - \
             _metric(m0, 'kvnotes_tier_lookups_total{tier="lmcache"}') == 1
         assert _metric(text, 'kvnotes_tier_hits_total{tier="lmcache"}') == _metric(m0, 'kvnotes_tier_hits_total{tier="lmcache"}')
-        toks2, fin2 = asyncio.run(_complete(router, [{"skill": "museum"}, {"text": "When does it close?"}], "fast"))
+        toks2, fin2 = asyncio.run(_complete(router, LATE_SKILL, "fast"))
         assert toks2 == toks and "re-warmed" not in fin2.plan.steps[-1].reason     # the next use hits
         assert b.source.compiled == 2 and [x["in_tier"] for x in asyncio.run(router.listing("skill", "default"))] == [True]
     finally:
@@ -188,3 +193,31 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_the_default_policy_reuses_a_skill_after_the_frame_exactly_one_variant_per_frame(smol, tmp_path):
+    """The README's demo with the default policy (balanced; SmolLM2's profile meets no compose
+    target): the skill comes first after the chat frame, so it is exact reuse of its variant
+    compiled after the frame, compiled on first use (counted) and a tier hit after; the answer is
+    the recompute's, token for token."""
+    from kvruntime.ops import recompute
+    router, b = _router(smol, GrpcTransport(), tmp_path)
+    try:
+        asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
+        segs = [{"skill": "museum"}, {"text": "When does it close?"}]
+        toks, fin = asyncio.run(_complete(router, segs, None))
+        step = fin.plan.steps[1]
+        assert fin.plan.policy.value == "balanced" and fin.fallbacks == ()
+        assert step.kind.value == "reuse" and "compiled after the frame" in step.reason and fin.plan.approx == ""
+        assert step.kv.prefix == fin.plan.steps[0].token_ids and step.position == len(step.kv.prefix)
+        text = router.metrics.render().decode()
+        assert _metric(text, "kvnotes_chunk_variants_compiled_total") == 1
+        full = recompute(smol, list(fin.plan.prefix_ids + fin.plan.suffix_ids))
+        assert toks == [t for t in smol.greedy(full.kv, full.logits, 10, stop_at_eos=True) if t not in smol.eos_ids]
+        toks2, fin2 = asyncio.run(_complete(router, segs, None))                   # the variant is in the tier now
+        assert toks2 == toks and fin2.plan.steps[1].reused == fin2.plan.steps[1].tokens
+        assert _metric(router.metrics.render().decode(), "kvnotes_chunk_variants_compiled_total") == 1
+        exact, fin3 = asyncio.run(_complete(router, segs, "exact"))                # same variant, same answer
+        assert exact == toks and fin3.plan.steps[1].kv == fin2.plan.steps[1].kv
+    finally:
+        b.rx.stop()

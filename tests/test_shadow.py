@@ -147,7 +147,8 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
 
     async def ask(q):
         fin = None
-        async for ev in router.stream_native("default", [{"skill": "museum"}, {"text": q}], policy="balanced",
+        async for ev in router.stream_native("default", [{"text": "Visitor desk notes follow."}, {"skill": "museum"},
+                                              {"text": q}], policy="balanced",
                                              session=None, sampling=SamplingParams(max_tokens=4, temperature=0)):
             fin = ev
         await router.guard.runner.drain(120)

@@ -187,6 +187,7 @@ class RequestRunner:
         cached = sum(sources[k] for k in CACHED_SOURCES)
         if res is not None:
             m.tier_rewarms.inc(res.stats.rewarmed)
+            m.chunk_variants.inc(res.stats.variants_compiled)
             if res.transferred:
                 m.transfer_bytes.labels(res.transport or "grpc").inc(res.transfer_bytes)
                 m.transfer_seconds.labels(res.transport or "grpc").observe(res.transfer_seconds)

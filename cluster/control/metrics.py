@@ -136,6 +136,9 @@ class Metrics:
         self.tier_rewarms = Counter("kvnotes_tier_rewarms_total",
                                     "Registered chunks missing from a worker's tier, recompiled and stored back",
                                     registry=r)
+        self.chunk_variants = Counter("kvnotes_chunk_variants_compiled_total",
+                                      "Chunks compiled after a request's frame (system prompt + user-turn opener) "
+                                      "on first use, for exact reuse as the first chunk after it", registry=r)
         self.registrations = Counter("kvnotes_registrations_total", "Skill/memory registrations by result",
                                      ["kind", "result"], registry=r)
         self.registrations_tier = Gauge("kvnotes_registered_chunks", "Registered skills and memories of every tenant "

@@ -6,7 +6,11 @@ Rules (per segment, left to right; DESIGN.md section 3):
   context KV is exact; a context whose template was re-registered is planned from scratch)
 - session context with edited template fields  -> erratum or edit-in-place (policy ``fast``;
   which one comes from the model's fidelity table, see :func:`choose_edit_kind`)
-- skill / memory                               -> reposition + seam + selective recompute of r of its
+- skill / memory right after the chat frame   -> exact reuse of its variant compiled after that frame
+  (``KVRef.prefix`` = the frame ids, :func:`frame_variant`), under every policy: no rotation, no
+  seam, the KV of a recompute of frame + chunk. A variant the tier does not hold yet is compiled
+  on first use by the prefill worker (counted) and stored
+- later skills / memories                     -> reposition + seam + selective recompute of r of its
   tokens (``balanced``, ``fast``), with the cheapest (seam, r) whose row in the model's measured
   fidelity profile meets the policy's target (:func:`choose_compose`); none meets it, or no
   profile: recompute. One the tier no longer holds is re-warmed first (compiled at its canonical
@@ -21,7 +25,7 @@ Rules (per segment, left to right; DESIGN.md section 3):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from kvruntime.messages.plan import FieldEdit, KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
@@ -199,8 +203,12 @@ def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext |
             return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids,
                                req.session, tuple(notes))
     steps, pos = [], 0
-    for seg in req.context:
-        steps += _plan_segment(seg, pos, req.policy, tier, config, notes)
+    first = first_after_frame(req.context)
+    for i, seg in enumerate(req.context):
+        if i == first:
+            steps += _plan_frame_reuse(seg, pos, req.context, tier, notes)
+        else:
+            steps += _plan_segment(seg, pos, req.policy, tier, config, notes)
         pos += len(seg.token_ids)
     if config.decode_computes_cold and req.session is None and steps \
             and all(s.kind is PlanKind.RECOMPUTE for s in steps):
@@ -210,6 +218,42 @@ def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext |
         ids = tuple(t for s in steps for t in s.token_ids) + req.suffix_ids
         return RequestPlan(req.request_id, req.model, req.policy, (), ids, None, tuple(notes))
     return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids, req.session, tuple(notes))
+
+
+def first_after_frame(context: tuple[RenderedSegment, ...]) -> int | None:
+    """Index of the registered skill/memory that comes first after the model's chat frame (every
+    segment before it is the frame; no frame segment: it opens the context), or None."""
+    for i, seg in enumerate(context):
+        if seg.kind in ("skill", "memory"):
+            return i if seg.kv is not None and seg.kv.exact else None
+        if seg.kind != "frame":
+            return None
+    return None
+
+
+def frame_variant(context: tuple[RenderedSegment, ...]) -> KVRef | None:
+    """Content address of the first chunk's variant compiled after the frame (the ids before it):
+    exact reuse at position len(frame). None when no registered chunk comes right after the frame.
+    The router looks it up in the tier with the chunks' own refs."""
+    i = first_after_frame(context)
+    if i is None:
+        return None
+    frame = tuple(t for seg in context[:i] for t in seg.token_ids)
+    return replace(context[i].kv, position=len(frame), prefix=frame)
+
+
+def _plan_frame_reuse(seg: RenderedSegment, pos: int, context: tuple[RenderedSegment, ...], tier: TierView,
+                      notes: list[str]) -> list[SegmentPlan]:
+    source, n, ref = f"{seg.kind}:{seg.name}", len(seg.token_ids), frame_variant(context)
+    if ref.digest in tier.chunk_keys:
+        return [SegmentPlan(PlanKind.REUSE, source, seg.token_ids, pos, 0, n, ref,
+                            reason=f"compiled after the frame ({pos} tokens): exact, reused from the tier "
+                                   "(no rotation, no seam)")]
+    notes.append(f"{source} after this frame is not in the tier yet: its variant is compiled after the frame "
+                 "on first use and stored")
+    return [SegmentPlan(PlanKind.REUSE, source, seg.token_ids, pos, n, 0, ref,
+                        reason=f"compiled after the frame ({pos} tokens): exact; this variant is compiled on "
+                               "first use (no rotation, no seam)")]
 
 
 def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView, config: PlannerConfig,

@@ -24,7 +24,7 @@ from cluster.control.backends import Backends
 from cluster.control.lifecycle import Finished, RequestRunner
 from cluster.control.metrics import Metrics
 from cluster.control.planner import (FidelityTarget, PlannerConfig, RenderedRequest, SessionContext, TierView,
-                                     choose_edit_kind, plan_request)
+                                     choose_edit_kind, frame_variant, plan_request)
 from cluster.control.shadow import FidelityGuard, ShadowConfig
 from cluster.control.registry import Registry
 from cluster.control.pricing import TokenBudget, exceeds_message
@@ -194,7 +194,9 @@ class Router:
                       edit_strategy=edit)
         sess = self.sessions.get(tenant, session) if session else None
         pi = self._pick_prefill(f"{tenant}|{session}" if session else None, leases)
-        refs = [s.kv for s in req.context if s.kv is not None] + ([sess.context] if sess else [])
+        variant = frame_variant(req.context)       # the first chunk after the frame: exact reuse
+        refs = [s.kv for s in req.context if s.kv is not None] + ([sess.context] if sess else []) \
+            + ([variant] if variant is not None else [])
         present = await self._present(refs, pi)
         now = time.time()
         for s in req.context:

@@ -237,7 +237,7 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
         raise
     hdr = f"-H \"authorization: Bearer $(cat {cfg.api_key_file})\" " if cfg.auth else ""
     print(f"""kvnotes: serving {cfg.model} on {base}  (Ctrl-C to stop)
-  curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "kv_policy": "fast", "explain": true}}'
+  curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
   curl -s {base}/v1/chat/completions {hdr}-H 'content-type: application/json' -d '{{"model": "{cfg.served_name(spec.name)}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
   kvnotes status --url {base}{' --key "$(cat ' + str(cfg.api_key_file) + ')"' if cfg.auth else ''}     # workers, state, tier
   metrics: every process is listed at {base}/metrics/targets (Prometheus: deploy/prometheus.yml);

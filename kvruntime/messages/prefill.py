@@ -13,6 +13,7 @@ class PrefillStats:
     tier_lookups: int = 0
     tier_hits: int = 0
     rewarmed: int = 0                 # chunks missing from this worker's tier, recomputed and stored back
+    variants_compiled: int = 0        # chunks compiled after a frame on first use (exact reuse) and stored
     not_sent: int = 0                 # leading prefix tokens not shipped: the decode engine held them
     fallbacks: list[str] = field(default_factory=list)   # reasons, one per fallback taken
     stages: dict[str, float] = field(default_factory=dict)  # KV path stage -> seconds (transfer.STAGES)
