@@ -209,6 +209,8 @@ def stop(cfg: ClusterConfig) -> None:
 
 def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     """Start, print how to call it, serve until Ctrl-C / SIGTERM, then stop everything."""
+    from kvtransport.options import check
+    check(cfg)                         # kv_grpc / kv_nixl: a bad option is one line, nothing started or written
     spec = check_model(cfg)            # refused: one line from the CLI, nothing started
     where = f"joining the Ray cluster at {cfg.ray_address}" if cfg.ray_address else "starting local cluster"
     print(f"kvnotes: {where} (model {cfg.model}, {cfg.prefill.count} prefill + "
