@@ -126,7 +126,11 @@ def migration_cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("kvmigrate")
     cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
                         prefill=WorkerConfig(count=1), decode=WorkerConfig(count=2), decode_migrations=1,
-                        health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5)
+                        health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5,
+                        # the reference run and the disturbed run build each prompt's KV the same way
+                        # (prefill, or its tier copy): a decode-held prefix would compute the rest in
+                        # other chunks, whose fp32 rounding can flip a greedy near-tie on its own
+                        decode_prefix_cache_bytes=0)
     try:
         start(cfg, local_cpus=4)
         http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300, headers=_headers(cfg))

@@ -41,17 +41,17 @@ class PieceSource(DictSource):
         if got is not None or ref.position != 0 or len(ref.token_ids) % PROMPT_BLOCK:
             return got
         n = len(ref.token_ids)
-        for (ids, pos, salt, approx), kv in self.d.items():
-            if (pos, salt, approx) == (0, ref.tenant_salt, ref.approx) and ids[:n] == ref.token_ids:
+        for (ids, pos, salt, approx, prefix), kv in self.d.items():
+            if (pos, salt, approx, prefix) == (0, ref.tenant_salt, ref.approx, ref.prefix) and ids[:n] == ref.token_ids:
                 return kv.slice(0, n)
         return None
 
     def keep_only(self, n: int) -> None:
         """The tier's LRU took every piece past the first ``n`` tokens of each stored prefix."""
-        for (ids, pos, salt, approx), kv in list(self.d.items()):
-            del self.d[(ids, pos, salt, approx)]
+        for (ids, pos, salt, approx, prefix), kv in list(self.d.items()):
+            del self.d[(ids, pos, salt, approx, prefix)]
             if len(ids) > n:
-                self.d[(ids[:n], pos, salt, approx)] = kv.slice(0, n)
+                self.d[(ids[:n], pos, salt, approx, prefix)] = kv.slice(0, n)
 
 
 class ReuseBackends:
