@@ -105,10 +105,13 @@ class ComposeChoice:
     recompute_ratio: float = 0.0
     op: str = ""                   # operation key (shadow checks and demotion count per key)
     reason: str = ""               # the profile row(s) that justified it, for ``explain``
+    probe: str = "kv1"             # how the r tokens are picked (SegmentPlan.probe)
 
 
-def compose_op_key(seam_tokens: int, recompute_ratio: float) -> str:
-    return f"reposition(seam={seam_tokens},r={recompute_ratio:g})"
+def compose_op_key(seam_tokens: int, recompute_ratio: float, probe: str = "kv1") -> str:
+    """The key shadow checks and demotion count under; the default probe keeps the old key."""
+    tail = f",probe={probe}" if recompute_ratio and probe != "kv1" else ""
+    return f"reposition(seam={seam_tokens},r={recompute_ratio:g}{tail})"
 
 
 EXECUTED_PROBE = "kv1"   # the selective-recompute probe prefill executors run (ops.compose's default)

@@ -78,6 +78,8 @@ class SegmentPlan:
     top_k: int = 0                 # edit-in-place: downstream tokens recomputed
     recompute_ratio: float = 0.0   # reposition: share of the chunk's tokens selectively recomputed (ops.blend)
     reason: str = ""               # one line for `explain`
+    probe: str = "kv1"             # reposition with r > 0: how the r tokens are picked (kvruntime.ops.probes:
+                                   # "kv1" layer-1 K deviation; "q..." the question's attention)
 
     @property
     def tokens(self) -> int:
