@@ -23,8 +23,8 @@ from cluster.control.errors import RequestError
 from cluster.control.backends import Backends
 from cluster.control.lifecycle import Finished, RequestRunner
 from cluster.control.metrics import Metrics
-from cluster.control.planner import (FidelityTarget, PlannerConfig, RenderedRequest, SessionContext, TierView,
-                                     choose_edit_kind, frame_variant, plan_request)
+from cluster.control.planner import (FidelityTarget, PlannerConfig, RenderedRequest, RenderedSegment, SessionContext,
+                                     TierView, choose_edit_kind, frame_variant, plan_request)
 from cluster.control.shadow import FidelityGuard, ShadowConfig
 from cluster.control.registry import Registry
 from cluster.control.pricing import TokenBudget, exceeds_message
@@ -109,14 +109,39 @@ class Router:
         self.registry.add_chunk(Registration(tenant, kind, name, text, ids, token_hash(ids), ref.digest,
                                              old.created if old else now, now, True))
         self.metrics.registrations.labels(kind, "cached" if info.cached else "compiled").inc()
-        return {"name": name, "kind": kind, "tokens": len(ids), "key": ref.digest, "cached": info.cached,
-                "bytes": info.bytes, "seconds": info.seconds, "worker": info.worker}
+        out = {"name": name, "kind": kind, "tokens": len(ids), "key": ref.digest, "cached": info.cached,
+               "bytes": info.bytes, "seconds": info.seconds, "worker": info.worker}
+        variant = self._frame_variant(kind, name, ids, ref)
+        if variant is not None:          # the first request after the default frame pays no compile
+            try:
+                v = await self.backends.precompile(variant, first)
+            except Exception as exc:     # registered all the same: the variant compiles on first use
+                self.metrics.record_fallback("frame_variant_precompile_failed")
+                log.warning("precompiling %s %r after the chat frame failed (%s): compiled on first use", kind,
+                            name, exc)
+            else:
+                if not v.cached:
+                    self.metrics.chunk_variants.inc()
+                    log.info("%s %r precompiled after the %d-token chat frame (%d tokens, %.3f s)", kind, name,
+                             len(variant.token_ids) - len(ids), len(variant.token_ids), v.seconds)
+                out["frame_variant"] = {"key": variant.digest, "cached": v.cached, "seconds": v.seconds}
+        return out
+
+    def _frame_variant(self, kind: str, name: str, ids: tuple[int, ...], ref: KVRef) -> KVRef | None:
+        """The chunk's variant after this model's default chat frame (None: the model has none)."""
+        if not self.renderer.spec.chat_user_prefix or not self.renderer.frame():
+            return None
+        return frame_variant((RenderedSegment("frame", None, self.renderer.frame()),
+                              RenderedSegment(kind, name, tuple(ids), kv=ref)))
 
     async def delete_chunk(self, kind: str, tenant: str, name: str) -> dict:
         c = self.registry.remove_chunk(tenant, kind, name)
         shared = any(o.key == c.key for k in ("skill", "memory") for o in self.registry.chunks(tenant, k))
-        evicted = False if shared else await self.backends.evict(self.renderer.chunk_ref(c.token_ids,
-                                                                                         self.salt(tenant)))
+        ref = self.renderer.chunk_ref(c.token_ids, self.salt(tenant))
+        evicted = False if shared else await self.backends.evict(ref)
+        variant = None if shared else self._frame_variant(kind, name, c.token_ids, ref)
+        if variant is not None:
+            await self.backends.evict(variant)
         return {"name": name, "kind": kind, "deleted": True, "evicted": evicted}
 
     async def listing(self, kind: str, tenant: str) -> list[dict]:
