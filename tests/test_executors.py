@@ -314,3 +314,66 @@ def test_the_worker_tier_counts_each_frame_variant_it_compiles(smol):
         tier.compile(KVRef(ids, 1, SALT, prefix=frames[0]))                        # wrong canonical position
     text = generate_latest(worker_registry(store, "prefill-0", False, variants=lambda: tier.variants_compiled)).decode()
     assert 'kvnotes_worker_chunk_variants_compiled_total{worker="prefill-0"} 3.0' in text
+
+
+def _chunk_plan(e, src, n_chunks=4, chunk=24):
+    """Frame + first chunk as one exact reuse, then ``n_chunks - 1`` chunks repositioned (no seam):
+    the tier is read once per step and nothing is computed."""
+    from kvruntime.messages.plan import RequestPlan, SegmentPlan
+    frame, _, q = _segments(e)
+    steps, pos = [], 0
+    for k in range(n_chunks):
+        ids = tuple(e.encode(f" Room {k} of the Varga Museum shows {k * 7} paintings.\n\n"))[:chunk]
+        if k == 0:
+            ref = KVRef(frame.token_ids + ids, 0, SALT, prefix=())
+            steps.append(SegmentPlan(PlanKind.REUSE, "frame+skill:c0", ref.token_ids, 0, 0, len(ref.token_ids), ref))
+        else:
+            ref = KVRef(ids, 1, SALT)
+            steps.append(SegmentPlan(PlanKind.REPOSITION, f"skill:c{k}", ids, pos, 0, len(ids), ref))
+        if src.get(ref) is None:
+            src.compile(ref)
+        pos += len(ref.token_ids)
+    return RequestPlan("r", e.spec.name, Policy.FAST, tuple(steps), q)
+
+
+@pytest.mark.slow
+def test_prefetched_tier_reads_build_the_same_kv_and_keep_fallbacks_and_cancellation(wired):
+    """Reads issued ahead (prefetch 1 and 2) build exactly what reads in line build; a chunk the
+    tier lost is re-warmed, one whose read fails raises as before, and a cancelled build leaves
+    no prefetch thread behind."""
+    import threading
+    from kvruntime.engine import Cancelled
+    e, src, _, _, _ = wired
+    plan = _chunk_plan(e, src)
+    inline = PrefillExecutor(e, src, None, prefetch=0)
+    want, st0 = inline.build(plan)
+    assert st0.tier_hits == 4 and st0.computed == 0 and not st0.fallbacks
+    for depth in (1, 2):
+        ahead = PrefillExecutor(e, src, None, prefetch=depth)
+        kv, st = ahead.build(plan)
+        assert torch.equal(kv.data, want.data) and torch.equal(kv.positions, want.positions)
+        assert (st.tier_lookups, st.tier_hits, st.reused, st.repositioned, st.computed) == \
+            (st0.tier_lookups, st0.tier_hits, st0.reused, st0.repositioned, st0.computed)
+    lost = plan.steps[2].kv
+    saved = src.d.pop(src._k(lost))                                    # the tier lost chunk 2: re-warmed
+    kv, st = PrefillExecutor(e, src, None, prefetch=1).build(plan)
+    assert st.rewarmed == 1 and st.tier_hits == 3 and torch.equal(kv.data, want.data)
+    src.d[src._k(lost)] = saved
+
+    class Failing:                                                      # the read of chunk 3 fails
+        def get(self, ref):
+            if ref == plan.steps[3].kv:
+                raise OSError("tier read failed")
+            return src.get(ref)
+
+        def compile(self, ref):
+            return src.compile(ref)
+
+    with pytest.raises(OSError):
+        PrefillExecutor(e, Failing(), None, prefetch=1).build(plan)
+    calls = []
+    with pytest.raises(Cancelled):
+        PrefillExecutor(e, src, None, prefetch=2).build(plan, cancelled=lambda: calls.append(1) or len(calls) > 2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("kv-prefetch")]
+    with pytest.raises(ValueError):
+        PrefillExecutor(e, src, None, prefetch=-1)
