@@ -48,7 +48,8 @@ class KVRef:
     position: int                  # canonical position of its first slot (chunks: 1 after BOS; contexts: 0)
     tenant_salt: str               # keys.tenant_salt(tenant, cluster secret)
     approx: str = ""               # "" = exact KV; else the digest of the recipe that built it
-    prefix: tuple[int, ...] | None = None  # tokens a chunk is compiled after (the frame); None = the anchor (BOS)
+    prefix: tuple[int, ...] | None = None  # tokens a chunk is compiled after; None = the anchor (BOS);
+                                           # () = nothing: token_ids compiled from position 0 (frame + chunk)
 
     @property
     def exact(self) -> bool:
