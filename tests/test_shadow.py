@@ -269,3 +269,105 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
         asyncio.run(main())
     finally:
         b.rx.stop()
+
+
+# ---- the router with real executors: frame-variant reuse is checked live ------------------------
+
+def _router(smol, tmp_path, executor_cls):
+    from cluster.control.registry import Registry
+    from cluster.control.render import Renderer
+    from cluster.control.router import Router
+    from cluster.control.state import open_state
+    from kvtransport.grpc_transport import GrpcTransport
+    from tests.test_router_fallback import LocalBackends
+
+    class Backends(LocalBackends):
+        async def shadow(self, index, plan):
+            return self.pre.shadow(plan)
+
+    b = Backends(smol, GrpcTransport())
+    b.pre = executor_cls(smol, b.source, GrpcTransport())
+    state = open_state(f"sqlite:///{tmp_path}/state.db")
+    router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state, "m", "float32",
+                    metrics=Metrics(), fidelity_summary=_profile(),
+                    shadow=ShadowConfig(fraction=1.0, window=10, min_samples=2, max_in_flight=4))
+    return b, router
+
+
+async def _ask_default(router, q):
+    """The default policy (none named), the skill first after the chat frame."""
+    fin = None
+    async for ev in router.stream_native("default", [{"skill": "museum"}, {"text": q}], policy=None, session=None,
+                                         sampling=SamplingParams(max_tokens=4, temperature=0)):
+        fin = ev
+    await router.guard.runner.drain(120)
+    return fin
+
+
+MUSEUM = "The Varga Museum opens at 10:00 and closes at 17:30. Entry costs 12 euros."
+QUESTIONS = ("When does it close?", "How much is entry?")
+
+
+@pytest.mark.slow
+def test_default_policy_frame_variant_is_shadow_checked_under_its_own_key(smol, tmp_path):
+    from prefill_workers.executor import PrefillExecutor
+    b, router = _router(smol, tmp_path, PrefillExecutor)
+
+    async def main():
+        await router.register_chunk("skill", "default", "museum", MUSEUM)
+        for q in QUESTIONS:                       # the first compiles the variant, the second reuses it
+            fin = await _ask_default(router, q)
+            assert fin.plan.policy is Policy.BALANCED and fin.plan.approx == ""
+            reuse = [s for s in fin.plan.steps if s.kind is PlanKind.REUSE and s.kv is not None and s.kv.prefix]
+            assert len(reuse) == 1 and reuse[0].source == "skill:museum"
+        op = router.fidelity["operations"][FRAME_REUSE_OP]
+        assert op["samples"] == 2 and op["top1"] == 1.0 and op["greedy_exact"] == 1.0 and op["exact"]
+        assert op["mismatches"] == 0 and not op["demoted"] and set(router.fidelity["operations"]) == {FRAME_REUSE_OP}
+        text = router.metrics.render().decode()
+        assert metric(text, "kvnotes_fidelity_checks_total", op=FRAME_REUSE_OP) == 2
+        assert metric(text, "kvnotes_fidelity_agree_total", op=FRAME_REUSE_OP, metric="top1") == 2
+        assert metric(text, "kvnotes_fidelity_agree_total", op=FRAME_REUSE_OP, metric="greedy16") == 2
+        assert metric(text, "kvnotes_fidelity_kl_count", plan="reuse", op=FRAME_REUSE_OP) == 2
+        assert 'kvnotes_fidelity_exact_mismatch_total{op="reuse(frame)"} 0.0' in text
+        assert metric(text, "kvnotes_shadow_checks_total", result="done") == 2
+    try:
+        asyncio.run(main())
+    finally:
+        b.rx.stop()
+
+
+@pytest.mark.slow
+def test_a_broken_frame_variant_is_counted_as_an_exactness_bug(smol, tmp_path, caplog):
+    import torch
+
+    from prefill_workers.executor import PrefillExecutor
+
+    class BrokenVariant(PrefillExecutor):
+        """Splices the frame variant with corrupted values: what an exactness bug (a wrong key, a
+        stale variant) would serve. Everything else runs as planned."""
+
+        def _frame_reuse(self, kv, step, loaded, st):
+            out = super()._frame_reuse(kv, step, loaded, st)
+            g = torch.Generator().manual_seed(0)
+            noise = torch.randn(out.data[:, 1, :, -step.tokens:].shape, generator=g) * 4
+            out.data[:, 1, :, -step.tokens:] += noise.to(out.data.dtype)
+            return out
+
+    b, router = _router(smol, tmp_path, BrokenVariant)
+
+    async def main():
+        await router.register_chunk("skill", "default", "museum", MUSEUM)
+        with caplog.at_level(logging.ERROR, logger="cluster.control.shadow"):
+            for q in QUESTIONS:
+                await _ask_default(router, q)
+        op = router.fidelity["operations"][FRAME_REUSE_OP]
+        assert op["samples"] == 2 and 1 <= op["mismatches"] <= 2
+        assert not op["demoted"] and router.fidelity["demoted"] == []      # counted and alerted, not demoted
+        text = router.metrics.render().decode()
+        assert metric(text, "kvnotes_fidelity_exact_mismatch_total", op=FRAME_REUSE_OP) == op["mismatches"]
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == op["mismatches"] and all("EXACT operation reuse(frame)" in e for e in errors)
+    try:
+        asyncio.run(main())
+    finally:
+        b.rx.stop()
