@@ -38,7 +38,7 @@ EXACT_OPS = frozenset({FRAME_REUSE_OP})  # claimed bit-exact: a disagreement is 
 
 @dataclass(frozen=True)
 class ShadowConfig:
-    fraction: float = 0.01              # share of approximate requests checked
+    fraction: float = 0.01              # share of approximate and frame-variant requests checked
     opt_out_tenants: frozenset[str] = frozenset()
     max_in_flight: int = 2              # checks running or queued at once; more are dropped (counted)
     window: int = 50                    # results per operation kept for the agreement estimate
