@@ -108,8 +108,8 @@ class ClusterConfig:
     # fidelity targets (cluster.control.planner.choose_compose reads the model's measured profile)
     balanced_min_top1: float = 0.97            # balanced: cheapest compose op whose profile top-1 >= this
     fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target
-    # online shadow checks (cluster.control.shadow): recompute a sample of approximate requests after the response
-    shadow_fraction: float = 0.01              # share of approximate requests checked (0 = off)
+    # online shadow checks (cluster.control.shadow): recompute a sample of approximate and frame-variant requests after the response
+    shadow_fraction: float = 0.01              # share of approximate and frame-variant (reuse(frame)) requests checked (0 = off)
     shadow_opt_out_tenants: tuple = ()         # tenants never checked
     shadow_max_in_flight: int = 2              # checks pending at once; more are dropped (counted)
     shadow_window: int = 50                    # results per operation in the agreement window
