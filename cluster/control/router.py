@@ -21,7 +21,7 @@ from typing import AsyncIterator
 
 from cluster.control.errors import RequestError
 from cluster.control.backends import Backends
-from cluster.control.lifecycle import Finished, RequestRunner
+from cluster.control.lifecycle import CLOCK, Finished, RequestRunner, lap
 from cluster.control.metrics import Metrics
 from cluster.control.planner import (FidelityTarget, PlannerConfig, RenderedRequest, SessionContext, TierView,
                                      choose_edit_kind, frame_variant, plan_request)
@@ -153,8 +153,12 @@ class Router:
         counted (misses included) in ``kvnotes_tier_lookups_total{tier="lmcache"}``."""
         if not refs:
             return set()
+        t = time.perf_counter()
         try:
             got = await self.backends.contains(refs, index)
+            clock = CLOCK.get()
+            if clock is not None:
+                clock.add("tier_lookup", time.perf_counter() - t)
         except WorkerLost as exc:    # plan as if nothing is cached; _run retries the prefill elsewhere
             self.metrics.record_fallback("tier_lookup_worker_lost")
             log.warning("tier lookup failed (%s): planning without cached KV", exc)
@@ -185,6 +189,8 @@ class Router:
                              session: str | None, sampling: SamplingParams, edit: str = "auto",
                              deadline_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
+        clock = CLOCK.get()
+        lap(clock, "validate")               # since the body was read: the API layer's checks
         rid = uuid.uuid4().hex
         salt = self.salt(tenant)
         budget = self.budget(sampling)
@@ -192,6 +198,7 @@ class Router:
         req = replace(await asyncio.to_thread(self.renderer.render, rid, tenant, segments,      # off the event loop
                                               Policy(policy or self.default_policy.value), session, salt, budget),
                       edit_strategy=edit)
+        lap(clock, "render")
         sess = self.sessions.get(tenant, session) if session else None
         pi = self._pick_prefill(f"{tenant}|{session}" if session else None, leases)
         variant = frame_variant(req.context)       # the first chunk after the frame: exact reuse
@@ -202,6 +209,7 @@ class Router:
         for s in req.context:
             if s.kv is not None:
                 self.state.mark_used(tenant, s.kind, s.name, now, s.kv.digest in present)
+        lap(clock, "lookup_state")               # session, pick, tier lookup (explain.control.worker) and mark_used
         if sess is not None and sess.context.digest not in present:
             self.metrics.record_fallback("session_context_evicted")
             log.warning("session %s: cached context no longer in the tier; planning from scratch", session)
@@ -211,7 +219,8 @@ class Router:
         store_as = None
         if session and plan.steps and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
             store_as = KVRef(plan.prefix_ids, 0, salt, plan.approx)
-        async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
+        lap(clock, "plan")
+        async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant, clock):
             if isinstance(ev, Finished) and session:
                 self._remember(tenant, req, sess, plan, store_as if ev.stored else None)
             yield ev
@@ -220,19 +229,24 @@ class Router:
                              sampling: SamplingParams,
                              deadline_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
+        clock = CLOCK.get()
+        lap(clock, "validate")               # since the body was read: the API layer's checks
         rid = uuid.uuid4().hex
         salt = self.salt(tenant)
         self._check_budget(len(prompt_ids), sampling)
         req = self.renderer.render_prompt(rid, prompt_ids, Policy(policy or self.default_policy.value))
         prefix = tuple(req.context[0].token_ids) if req.context else ()
         pi = self._pick_prefill(_h(tenant, prefix[:PROMPT_BLOCK]) if len(prefix) >= PROMPT_BLOCK else None, leases)
+        lap(clock, "render")
         hit_kv, hit = await self._prompt_lookup(tenant, salt, prefix, pi)
+        lap(clock, "lookup_state")
         plan = plan_request(req, TierView(prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv), None,
                             self.renderer.encode, self.planner_config)
         store_as = None
         if len(prefix) >= PROMPT_BLOCK and hit < len(prefix):
             store_as = KVRef(prefix, 0, salt)
-        async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
+        lap(clock, "plan")
+        async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant, clock):
             if isinstance(ev, Finished) and ev.stored:
                 bounds = {*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)}
                 try:

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.http import api, heap
 from cluster.control.errors import RequestError
+from cluster.control import lifecycle as stage_clock      # a module reference, as above
 from cluster.control.state import StateStoreUnavailable
 from cluster.http.errors import error_response
 from cluster.control.limits import RequestLimits
@@ -155,6 +156,8 @@ class RouterIngress:
     async def _call(self, request: Request, handler, *, body: bool = True) -> Response:
         """Run ``handler(body, tenant, request_id)`` for an authenticated request within the limits;
         every failure becomes an OpenAI-shaped error carrying the request id."""
+        clock = stage_clock.StageClock()         # explain.control: this request's control-path laps
+        stage_clock.CLOCK.set(clock)
         rid = _new_rid()
         tenant = None
         acct = request_metrics.begin_request()   # the router marks it when it counts the final status
@@ -164,9 +167,11 @@ class RouterIngress:
             self.inflight.acquire(tenant)
         except Exception as exc:
             return self._counted(error_response(exc, rid), acct)
+        clock.lap("http_auth")
         streaming = False
         try:
             parsed = await read_json(request, self.limits) if body else None
+            clock.lap("http_body")
             resp = await handler(parsed, tenant, rid)
             if isinstance(resp, StreamingResponse):       # the slot is held until the stream ends
                 resp.body_iterator = self._release_after(resp.body_iterator, tenant, acct)
