@@ -71,6 +71,7 @@ class Router:
         self.view: WorkerView = getattr(backends, "view", None) or WorkerView(backends.num_prefill,
                                                                                backends.num_decode)
         self.fault: FaultPolicy = getattr(backends, "fault_policy", None) or FaultPolicy()
+        self._background: set = set()     # state-store writes off the request path (_mark_used_later)
         self.runner = RequestRunner(backends, self.view, self.fault, self.metrics, dtype, self.guard, default_tenant)
         if hasattr(backends, "start_health"):
             backends.start_health(self.metrics)
@@ -206,9 +207,8 @@ class Router:
             + ([variant] if variant is not None else [])
         present = await self._present(refs, pi)
         now = time.time()
-        for s in req.context:
-            if s.kv is not None:
-                self.state.mark_used(tenant, s.kind, s.name, now, s.kv.digest in present)
+        self._mark_used_later(tenant, [(s.kind, s.name, s.kv.digest in present) for s in req.context
+                                       if s.kv is not None], now)
         lap(clock, "lookup_state")               # session, pick, tier lookup (explain.control.worker) and mark_used
         if sess is not None and sess.context.digest not in present:
             self.metrics.record_fallback("session_context_evicted")
@@ -279,6 +279,29 @@ class Router:
                     log.info("prompt prefix of %d tokens no longer in the tier: reusing %d", cands[0], b)
                 return ref, b
         return None, 0
+
+    def _mark_used_later(self, tenant: str, marks: list[tuple[str, str, bool]], now: float) -> None:
+        """Write the registrations' last use and tier status (``marks``: kind, name, in the tier)
+        in a worker thread, off the request's path: bookkeeping for listings and gauges (a listing
+        looks the tier up again), one state-store transaction per registration. A failed write is
+        logged and counted (``kvnotes_fallbacks_total{reason="mark_used_failed"}``); the request
+        goes on."""
+        if not marks:
+            return
+        fut = asyncio.get_running_loop().run_in_executor(None, self._mark_used, tenant, marks, now)
+        self._background.add(fut)
+        fut.add_done_callback(self._marked)
+
+    def _mark_used(self, tenant: str, marks: list[tuple[str, str, bool]], now: float) -> None:
+        for kind, name, in_tier in marks:
+            self.state.mark_used(tenant, kind, name, now, in_tier)
+
+    def _marked(self, fut) -> None:
+        self._background.discard(fut)
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:
+            self.metrics.record_fallback("mark_used_failed")
+            log.warning("recording the registrations' last use failed: %s", exc)
 
     def _prompt_index_unavailable(self, exc: StateStoreUnavailable) -> None:
         self.metrics.record_fallback("prompt_index_unavailable")
