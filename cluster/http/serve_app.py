@@ -53,11 +53,26 @@ def _replica_id() -> str:
         return "local"
 
 
-@app.middleware("http")
-async def _tag_replica(request: Request, call_next):
-    response = await call_next(request)
-    response.headers[REPLICA_HEADER] = _replica_id()
-    return response
+class _TagReplica:
+    """Adds ``x-kvnotes-replica`` to every response. Plain ASGI (a ``@app.middleware("http")``
+    function would pipe every streamed response through an extra task and memory stream)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (REPLICA_HEADER.encode(), _replica_id().encode())]}
+            await send(message)
+        await self.app(scope, receive, tagged)
+
+
+app.add_middleware(_TagReplica)
 
 
 @app.exception_handler(StarletteHTTPException)
