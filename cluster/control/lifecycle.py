@@ -111,6 +111,8 @@ class RequestRunner:
         deadline = t0 + min(deadline_s or self.fault.deadline_s, self.fault.deadline_s)
         tried = {"prefill": set(), "decode": set()}
         attempt, ttft, sent = 0, None, 0
+        # each is a pass over every prefix token (kv_salt hashes the plan's recipe and tokens): once
+        prefix_ids, kv_salt = plan.prefix_ids, plan.kv_salt(salt)
         while True:
             try:
                 di = self.view.pick_decode(exclude=tried["decode"])
@@ -130,14 +132,14 @@ class RequestRunner:
                     try:
                         # the decode actor accepts this block only: credential (the prefill actor's
                         # alone), shape, dtype
-                        grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, plan.prefix_ids)
+                        grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, prefix_ids)
                         # ship nothing twice: the decode actor says how much of the prefix it holds;
                         # build nothing twice: holding up to the plan's forward_from, it computes the
                         # rest itself and no prefill runs (not for a session's context to store)
                         computes_from = None if store_as is not None and plan.session else plan.forward_from
                         lap(clock, "grant")
                         held = await self._before(deadline, "prefill", self.backends.expect(
-                            di, grant, plan.prefix_ids, plan.kv_salt(salt), computes_from))
+                            di, grant, prefix_ids, kv_salt, computes_from))
                         lap(clock, "expect_call")
                         own = decode_computes_rest(held, computes_from)
                         if not own:
@@ -155,7 +157,7 @@ class RequestRunner:
                 fallbacks = list(res.stats.fallbacks) if res else []
                 # -- decode: continued on another decode worker when this one is lost mid-stream, told to
                 # stop past the deadline or when the client leaves (cluster.control.migration)
-                stream = DecodeStream(self.backends, self.view, self.fault, m, plan, sampling, plan.kv_salt(salt),
+                stream = DecodeStream(self.backends, self.view, self.fault, m, plan, sampling, kv_salt,
                                       tried["decode"], lambda aw: self._before(deadline, "decode", aw))
                 try:
                     async for ev in stream.events(di, tid if own or (res is not None and res.transferred) else None,
