@@ -207,23 +207,29 @@ class Router:
             + ([variant] if variant is not None else [])
         present = await self._present(refs, pi)
         now = time.time()
-        self._mark_used_later(tenant, [(s.kind, s.name, s.kv.digest in present) for s in req.context
-                                       if s.kv is not None], now)
-        lap(clock, "lookup_state")               # session, pick, tier lookup (explain.control.worker) and mark_used
-        if sess is not None and sess.context.digest not in present:
-            self.metrics.record_fallback("session_context_evicted")
-            log.warning("session %s: cached context no longer in the tier; planning from scratch", session)
-            sess = None
-        plan = plan_request(req, TierView(frozenset(present)), sess, self.renderer.encode, self.planner_config)
-        self._check_budget(plan.prompt_tokens, sampling)
-        store_as = None
-        if session and plan.steps and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
-            store_as = KVRef(plan.prefix_ids, 0, salt, plan.approx)
-        lap(clock, "plan")
-        async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant, clock):
-            if isinstance(ev, Finished) and session:
-                self._remember(tenant, req, sess, plan, store_as if ev.stored else None)
-            yield ev
+        marks = [(s.kind, s.name, s.kv.digest in present) for s in req.context if s.kv is not None]
+        lap(clock, "lookup_state")               # session, pick, tier lookup (explain.control.worker)
+        try:
+            if sess is not None and sess.context.digest not in present:
+                self.metrics.record_fallback("session_context_evicted")
+                log.warning("session %s: cached context no longer in the tier; planning from scratch", session)
+                sess = None
+            plan = plan_request(req, TierView(frozenset(present)), sess, self.renderer.encode, self.planner_config)
+            self._check_budget(plan.prompt_tokens, sampling)
+            store_as = None
+            if session and plan.steps and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
+                store_as = KVRef(plan.prefix_ids, 0, salt, plan.approx)
+            lap(clock, "plan")
+            async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant, clock):
+                if isinstance(ev, Finished) and session:
+                    self._remember(tenant, req, sess, plan, store_as if ev.stored else None)
+                yield ev
+                if marks:        # the first event is out: the writes stay off the time to first token
+                    self._mark_used_later(tenant, marks, now)
+                    marks = []
+        finally:
+            if marks:            # the request ended before its first event (an error, the client left)
+                self._mark_used_later(tenant, marks, now)
 
     async def _stream_prompt(self, leases: list, tenant: str, prompt_ids: list[int], *, policy: str | None,
                              sampling: SamplingParams,
@@ -282,13 +288,24 @@ class Router:
 
     def _mark_used_later(self, tenant: str, marks: list[tuple[str, str, bool]], now: float) -> None:
         """Write the registrations' last use and tier status (``marks``: kind, name, in the tier)
-        in a worker thread, off the request's path: bookkeeping for listings and gauges (a listing
+        in a worker thread, once the request's first event is out (or it ended without one), off
+        the time to first token: bookkeeping for listings and gauges (a listing
         looks the tier up again), one state-store transaction per registration. A failed write is
         logged and counted (``kvnotes_fallbacks_total{reason="mark_used_failed"}``); the request
         goes on."""
         if not marks:
             return
-        fut = asyncio.get_running_loop().run_in_executor(None, self._mark_used, tenant, marks, now)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:     # a generator closed outside the event loop: written here
+            loop = None
+        if loop is None:
+            try:
+                self._mark_used(tenant, marks, now)
+            except Exception as exc:
+                self._marked_failed(exc)
+            return
+        fut = loop.run_in_executor(None, self._mark_used, tenant, marks, now)
         self._background.add(fut)
         fut.add_done_callback(self._marked)
 
@@ -300,8 +317,11 @@ class Router:
         self._background.discard(fut)
         exc = None if fut.cancelled() else fut.exception()
         if exc is not None:
-            self.metrics.record_fallback("mark_used_failed")
-            log.warning("recording the registrations' last use failed: %s", exc)
+            self._marked_failed(exc)
+
+    def _marked_failed(self, exc: BaseException) -> None:
+        self.metrics.record_fallback("mark_used_failed")
+        log.warning("recording the registrations' last use failed: %s", exc)
 
     def _prompt_index_unavailable(self, exc: StateStoreUnavailable) -> None:
         self.metrics.record_fallback("prompt_index_unavailable")
