@@ -7,6 +7,7 @@ content (:class:`KVRef`), so an executor needs nothing else: no name map, no reg
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -55,7 +56,7 @@ class KVRef:
     def exact(self) -> bool:
         return not self.approx
 
-    @property
+    @functools.cached_property      # a pass over the tokens, asked for many times per request; the fields are frozen
     def digest(self) -> str:
         """Short display id (listings, ``explain``); the tier key adds model, dtype and RoPE."""
         raw = f"{self.tenant_salt}|{self.position}|{self.approx or 'exact'}|{token_hash(self.token_ids)}"
