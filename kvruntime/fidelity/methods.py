@@ -218,6 +218,24 @@ def as_method_rows(*row_sets: dict[str, list[dict]]) -> dict[str, list[dict]]:
     return out
 
 
+def run_decisions(engine, n: int, ops: dict[str, dict]) -> dict[str, list[dict]]:
+    """The first ``n`` yes/no decision cases (``cases.load_decision_cases``: the paper's E2, the
+    memory placed late) under the ``compose_ops`` operations that have a method name."""
+    from kvruntime.fidelity.cases import load_decision_cases, load_passages
+    from kvruntime.fidelity.runner import run_compose
+    if n <= 0:
+        return {}
+    dec, dec_passages = load_decision_cases(n)
+    ops = {k: v for k, v in ops.items() if method_name(k) not in (None, REFERENCE_OP)}
+    return run_compose(engine, dec, {**load_passages(), **dec_passages}, ops=ops)
+
+
+def answers_from_runs(meta: dict, *row_sets: dict[str, list[dict]]) -> dict:
+    """``compose_answers`` from ``run_compose`` rows of ``compose_ops`` operations (compose and
+    decision cases measured apart)."""
+    return answers_section(as_method_rows(*row_sets), meta)
+
+
 def params_of(op: str) -> dict:
     """compose() parameters (+ ``compile``) of a sweep op from its name (``method_ops``' format)."""
     if op == REFERENCE_OP:
