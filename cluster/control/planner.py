@@ -302,9 +302,9 @@ def _choose_by_answers(summary: dict, target: FidelityTarget, demoted: frozenset
                                  + ", ".join(t for _, _, t in crit)
                                  + (f" (demoted online: {', '.join(skipped)})" if skipped else ""), probe)
         misses.append((sum(1 for ok, _, _ in crit if not ok), sum(g for _, g, _ in crit), name, crit))
-    tail = (f" (demoted online: {', '.join(skipped)})" if skipped else "") + (
-        f" (rows compiled after {'/'.join(sorted(other))} are not planned: later chunks are compiled after "
-        f"{PLANNED_COMPILE})" if other else "")
+    tail = f" (demoted online: {', '.join(skipped)})" if skipped else ""
+    note = (f". Rows compiled after {'/'.join(sorted(other))} are not planned (the cluster compiles later "
+            f"chunks after {PLANNED_COMPILE})" if other else "")
     if not misses:
         return ComposeChoice(False, reason=f"balanced: every operation meeting the answer target is demoted{tail}: "
                                            "chunks recomputed")
@@ -312,7 +312,7 @@ def _choose_by_answers(summary: dict, target: FidelityTarget, demoted: frozenset
     return ComposeChoice(False, reason=f"balanced: no operation in the {who}'s profile meets the answer target; "
                                        f"nearest {name}: " + ", ".join(t for ok, _, t in crit if not ok)
                                        + "; met: " + (", ".join(t for ok, _, t in crit if ok) or "none")
-                                       + f"{tail}: chunks recomputed")
+                                       + f"{tail}: chunks recomputed{note}")
 
 
 @dataclass(frozen=True)
