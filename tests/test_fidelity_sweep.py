@@ -171,11 +171,14 @@ def test_shipped_compose_answers_is_what_its_command_computes_from_the_shipped_r
     files, and recomputing it from those rows gives the same numbers."""
     from pathlib import Path
 
-    from kvruntime.fidelity.methods import answers_section
+    from kvruntime.fidelity.methods import answers_section, fill_chunk_counts
     from kvruntime.fidelity.report import load_rows, load_summary
     sec = load_summary(model)["compose_answers"]
     root = Path(__file__).resolve().parents[1]
     assert sec["meta"]["model"] == model and sec["meta"]["rows"] and "--profile-out" in sec["meta"]["command"]
-    again = answers_section(load_rows([root / p for p in sec["meta"]["rows"]]), {})
+    again = answers_section(fill_chunk_counts(load_rows([root / p for p in sec["meta"]["rows"]]), model), {})
     assert again["meta"]["cases"] == sec["meta"]["cases"]
     assert json.loads(json.dumps(again["ops"])) == sec["ops"]
+    for name, row in sec["ops"].items():         # measured chunk share: r plus the seams (frame: first chunk exact)
+        r = row["params"].get("recompute_ratio", 1.0)
+        assert row["chunk_share"] is not None and (r <= row["chunk_share"] <= r + 0.08 or name.startswith("frame")), name

@@ -257,8 +257,10 @@ def answer_criteria(row: dict, target: FidelityTarget) -> list[tuple[bool, float
                 f"accuracy drop <= {bound * 100:.1f} points (95% bound{need}{right})" if bound is not None
                 else f"no judged answers{need}"))
     r_ok = ratio <= target.max_ratio + 1e-12
+    share = row.get("chunk_share")
     out.append((r_ok, 0.0 if r_ok else ratio - target.max_ratio,
-                f"r {_pct(ratio)}" + ("" if r_ok else f" (needs <= {_pct(target.max_ratio)})")))
+                f"r {_pct(ratio)}" + ("" if r_ok else f" (needs <= {_pct(target.max_ratio)})")
+                + (f" ({share:.1%} of chunk tokens recomputed with the seams)" if share is not None else "")))
     for have, need, what in ((n, target.min_cases, "cases"), (an, target.min_answered, "judged answers"),
                              (dn, target.min_decisions, "decision cases")):
         if have < need:

@@ -218,6 +218,37 @@ def as_method_rows(*row_sets: dict[str, list[dict]]) -> dict[str, list[dict]]:
     return out
 
 
+def fill_chunk_counts(rows: dict[str, list[dict]], model: str) -> dict[str, list[dict]]:
+    """Rows written before ``run_compose`` recorded chunk counts get them from the model's tokenizer
+    (the chunk ids as ``run_compose`` encodes them; no weights loaded): ``chunk_tokens`` and
+    ``chunk_recomputed`` = tokens computed minus the text around the chunks (always computed)."""
+    if all("chunk_tokens" in r for rs in rows.values() for r in rs):
+        return rows
+    import transformers
+
+    from kvruntime.checkpoint import ensure_checkpoint
+    from kvruntime.fidelity.cases import DECISION_CASES, load_compose_cases, load_decision_cases, load_passages
+    from kvruntime.models import get_model_spec
+    tok = transformers.AutoTokenizer.from_pretrained(ensure_checkpoint(get_model_spec(model)))
+    dec, dec_passages = load_decision_cases(DECISION_CASES)
+    cases = {c.id: c for c in load_compose_cases() + dec}
+    passages = {**load_passages(), **dec_passages}
+    size: dict[str, int] = {}
+    for rs in rows.values():
+        for r in rs:
+            if "chunk_tokens" in r:
+                continue
+            if r["case"] not in size:
+                size[r["case"]] = sum(len(tok(passages[p].strip() + "\n\n", add_special_tokens=False).input_ids)
+                                      for p in cases[r["case"]].chunks)
+            n = size[r["case"]]
+            r["chunk_tokens"], r["chunk_recomputed"] = n, r["recomputed_tokens"] - (r["context_tokens"] - n)
+            if not 0 <= r["chunk_recomputed"] <= n:
+                raise ValueError(f"{r['op']} {r['case']}: {r['recomputed_tokens']} tokens computed do not fit "
+                                 f"{n} chunk tokens of {r['context_tokens']} (rows of another model?)")
+    return rows
+
+
 def run_decisions(engine, n: int, ops: dict[str, dict]) -> dict[str, list[dict]]:
     """The first ``n`` yes/no decision cases (``cases.load_decision_cases``: the paper's E2, the
     memory placed late) under the ``compose_ops`` operations that have a method name."""
@@ -288,6 +319,8 @@ def main(argv=None) -> int:
         rows = load_rows(args.from_rows)
         if not rows:
             raise ValueError("--from-rows: the files hold no rows")
+        if args.profile_out:
+            fill_chunk_counts(rows, args.model)
     else:
         rows = _measure(args)
     if args.profile_out:
