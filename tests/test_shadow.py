@@ -171,6 +171,7 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
     state = open_state(f"sqlite:///{tmp_path}/state.db")
     router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state, "m", "float32",
                     metrics=Metrics(), fidelity_summary=_profile(),
+                    balanced_target=FidelityTarget("top1", 0.97),     # next-token rows (the answer rule: above)
                     shadow=ShadowConfig(fraction=1.0, window=3, min_samples=3, max_in_flight=4))
 
     async def ask(q):
