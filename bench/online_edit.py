@@ -177,12 +177,15 @@ def targets(r: dict) -> list[dict]:
 
 
 def markdown(r: dict) -> str:
-    lines = [f"model {r['model']} {r['dtype']}, {r['requests']} requests per rate, {r['sessions']} sessions, "
+    ns = {m["n"] for b in r["sizes"].values() for row in b["rates"] for m in row["systems"].values()}
+    per_rate = f"{r['requests']} requests per rate" if ns <= {r["requests"]} else "requests per rate as the table says"
+    lines = [f"model {r['model']} {r['dtype']}, {per_rate}, {r['sessions']} sessions, "
              f"max_tokens {r['max_tokens']}, {r.get('machine', '')}"]
     for size, block in r["sizes"].items():
-        lines += ["", f"### ~{size}-token records (plain vLLM capacity {block['capacity']:.2f} req/s)", "",
-                  "| offered req/s | system | hit rate | p50 TTFT s | p90 TTFT s | achieved req/s | errors | "
-                  "p90 vs vLLM | throughput vs vLLM |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"### ~{size}-token records (plain vLLM capacity {block['capacity']:.2f} req/s, "
+                      f"{block.get('sessions', r['sessions'])} sessions)", "",
+                  "| offered req/s | system | requests | hit rate | p50 TTFT s | p90 TTFT s | achieved req/s | errors | "
+                  "p90 vs vLLM | throughput vs vLLM |", "|---|---|---|---|---|---|---|---|---|---|"]
         for row in block["rates"]:
             v = row["systems"].get("vLLM APC")
             for name in SYSTEMS:
@@ -194,7 +197,7 @@ def markdown(r: dict) -> str:
                     x = v["p90"] / m["p90"]
                     p90x = f"{x:.1f}x lower" if x >= 1 else f"{1 / x:.1f}x higher"
                 thrx = f"{m['throughput'] / v['throughput']:.1f}x" if v and name != "vLLM APC" and v["throughput"] else ""
-                lines.append(f"| {row['rate']:.2f} | {name} | {100 * m['hit']:.1f}% | {m['p50']:.2f} | {m['p90']:.2f} "
+                lines.append(f"| {row['rate']:.2f} | {name} | {m['n']} | {100 * m['hit']:.1f}% | {m['p50']:.2f} | {m['p90']:.2f} "
                              f"| {m['throughput']:.2f} | {m['errors']} | {p90x} | {thrx} |")
     ts = targets(r)
     if ts:
@@ -231,6 +234,17 @@ def plot(r: dict, folder: Path) -> list[Path]:
     return out
 
 
+def merge(runs: list[dict]) -> dict:
+    """Saved runs as one: blocks of the same size get each run's rates (sorted); each block keeps
+    its run's session count and command."""
+    out = {**runs[0], "sizes": {}, "command": " ; ".join(x.get("command", "") for x in runs)}
+    for x in runs:
+        for size, block in x["sizes"].items():
+            b = out["sizes"].setdefault(size, {"capacity": block["capacity"], "rates": [], "sessions": x["sessions"]})
+            b["rates"] = sorted(b["rates"] + block["rates"], key=lambda row: row["rate"])
+    return out
+
+
 def _save(r: dict, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(r, indent=1))
@@ -252,10 +266,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", default="runs/online_edit.json")
     ap.add_argument("--plots", default="", help="folder for PNGs (e.g. docs/img; '' for none)")
-    ap.add_argument("--from-json", metavar="FILE", help="print the tables (and --plots) of a saved run")
+    ap.add_argument("--from-json", metavar="FILE", nargs="+",
+                    help="print the tables (and --plots) of saved runs (several: merged by size and rate)")
     args = ap.parse_args(argv)
     if args.from_json:
-        r = json.loads(Path(args.from_json).read_text())
+        r = merge([json.loads(Path(f).read_text()) for f in args.from_json])
         print(markdown(r))
         if args.plots:
             plot(r, Path(args.plots))

@@ -51,3 +51,16 @@ def test_markdown_shows_every_system_and_the_ratios():
     text = markdown(_run(kv_p90=1.0, kv_thr=4.5, hit=0.99))
     assert sum(line.startswith("| 4.00 |") for line in text.splitlines()) == 3 and "100.0x lower" in text and "5.6x" in text
     assert "| 1024 | kvnotes erratum | hit rate >= 98% (lowest over rates) | 99.0% | met |" in text
+
+
+def test_saved_runs_merge_by_size_and_rate():
+    from bench.online_edit import merge
+    def run(size, rate, sessions, n):
+        m = {"n": n, "errors": 0, "hit": 1.0, "p50": 1.0, "p90": 2.0, "throughput": 0.5}
+        return {"model": "m", "dtype": "float32", "max_tokens": 8, "requests": n, "sessions": sessions, "command": f"c{rate}",
+                "sizes": {str(size): {"capacity": 0.4, "rates": [{"rate": rate, "systems": {k: m for k in SYSTEMS}}]}}}
+    r = merge([run(1024, 1.6, 8, 96), run(1024, 0.2, 8, 24), run(4096, 0.3, 4, 24)])
+    assert [row["rate"] for row in r["sizes"]["1024"]["rates"]] == [0.2, 1.6]
+    assert r["sizes"]["4096"]["sessions"] == 4 and r["command"] == "c1.6 ; c0.2 ; c0.3"
+    text = markdown(r)
+    assert "requests per rate as the table says" in text and "| 0.20 | vLLM APC | 24 |" in text

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.ops.dashboard import DASHBOARD_JSON, METRICS, ROWS, dashboard, panel_queries
+from cluster.ops.dashboard import DASHBOARD_JSON, METRICS, ROWS, Panel, dashboard, panel_queries
 from tests.conftest import prometheus_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,7 +132,7 @@ def _run(*args: str) -> str:
 
 def test_promtool_check_config_loads_the_rules():
     out = _run(PROMTOOL, "check", "config", "deploy/prometheus.yml")
-    assert "1 rule files found" in out and "7 rules found" in out
+    assert "1 rule files found" in out and "8 rules found" in out
 
 
 def test_promtool_check_rules():
@@ -151,8 +151,8 @@ def _alerts() -> dict[str, dict]:
 def test_alert_rules_are_complete_and_wired():
     alerts = _alerts()
     assert set(alerts) == {"KvnotesTTFTP90High", "KvnotesFallbackRateHigh", "KvnotesRetryRateHigh",
-                           "KvnotesFidelityAgreementLow", "KvnotesNoLiveWorker", "KvnotesRemoteTierDown",
-                           "KvnotesStateStoreDown"}
+                           "KvnotesFidelityAgreementLow", "KvnotesExactOperationDisagreed", "KvnotesNoLiveWorker",
+                           "KvnotesRemoteTierDown", "KvnotesStateStoreDown"}
     for name, rule in alerts.items():
         assert re.fullmatch(r"\d+[smh]", rule["for"]), name
         assert rule["labels"]["severity"] in ("warning", "critical"), name
@@ -161,6 +161,8 @@ def test_alert_rules_are_complete_and_wired():
     assert "absent(" in alerts["KvnotesNoLiveWorker"]["expr"]
     assert re.search(r"kvnotes_tier_remote_up\s*==\s*0", alerts["KvnotesRemoteTierDown"]["expr"])
     assert re.search(r"kvnotes_state_store_up\s*==\s*0", alerts["KvnotesStateStoreDown"]["expr"])
+    exact = alerts["KvnotesExactOperationDisagreed"]
+    assert "kvnotes_fidelity_exact_mismatch_total" in exact["expr"] and exact["labels"]["severity"] == "critical"
     prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     assert prom["rule_files"] == ["alerts.yml"]
 
@@ -171,3 +173,40 @@ def test_every_alert_has_a_firing_and_a_quiet_unit_test():
         for case in group["alert_rule_test"]:
             (fires if case["exp_alerts"] else quiet).add(case["alertname"])
     assert fires == quiet == set(_alerts())
+
+
+def _panel(title: str) -> Panel:
+    return next(p for r in ROWS for p in r.panels if p.title == title)
+
+
+def test_fidelity_panels_answer_for_every_operation_key(tmp_path):
+    """The fidelity panels' own queries, evaluated by promtool on series labelled with every kind
+    of operation key: reuse(frame) (claimed exact), a reposition with the default probe and one
+    with a question-guided probe. Each gets its own agreement, sample count and mismatch count."""
+    from cluster.control.planner import compose_op_key
+    from cluster.control.shadow import FRAME_REUSE_OP
+    ops = {FRAME_REUSE_OP: (2, 2, 2, 0), compose_op_key(1, 0.0): (2, 1, 0, None),
+           compose_op_key(1, 0.1, "qlast"): (4, 3, 2, None)}       # op: checks, top1, greedy16 per minute; mismatches
+    assert set(ops) == {"reuse(frame)", "reposition(seam=1,r=0)", "reposition(seam=1,r=0.1,probe=qlast)"}
+    series = []
+    for op, (n, top1, greedy, mism) in ops.items():
+        series += [{"series": f'kvnotes_fidelity_kl_count{{op="{op}",instance="router-1"}}', "values": f"0+{n}x120"},
+                   {"series": f'kvnotes_fidelity_agree_total{{op="{op}",metric="top1"}}', "values": f"0+{top1}x120"},
+                   {"series": f'kvnotes_fidelity_agree_total{{op="{op}",metric="greedy16"}}',
+                    "values": f"0+{greedy}x120"}]
+        if mism is not None:
+            series.append({"series": f'kvnotes_fidelity_exact_mismatch_total{{op="{op}"}}', "values": "0x120"})
+    agree = _panel("Shadow-check agreement by operation").queries[0].expr
+    counts = _panel("Shadow checks per operation (last hour)").queries[0].expr
+    mismatch = _panel("Exact operations: disagreements with recompute (last hour)").queries[0].expr
+    tests = [{"interval": "1m", "input_series": series, "promql_expr_test": [
+        {"expr": agree, "eval_time": "90m", "exp_samples": [
+            {"labels": f'{{op="{op}",metric="{m}"}}', "value": v / n}
+            for op, (n, top1, greedy, _) in ops.items() for m, v in (("top1", top1), ("greedy16", greedy))]},
+        {"expr": counts, "eval_time": "90m", "exp_samples": [
+            {"labels": f'{{op="{op}"}}', "value": n * 60} for op, (n, *_) in ops.items()]},
+        {"expr": mismatch, "eval_time": "90m", "exp_samples": [{"labels": '{op="reuse(frame)"}', "value": 0}]},
+    ]}]
+    f = tmp_path / "panels_test.yml"
+    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": tests}))
+    _run(PROMTOOL, "test", "rules", str(f))

@@ -114,6 +114,20 @@ def workload(cluster, prometheus, tmp_path_factory):
         assert r.status_code == 201, r.text
         q = {"text": "Can I return opened headphones after 10 days? Answer yes or no."}
         kinds = set()
+        # the default policy (none named) with the skill right after the chat frame: exact reuse of
+        # its frame variant, shadow-checked live (shadow_fraction 1.0) under reuse(frame); waited for
+        # before anything else runs, so the check is this request's
+        r = c.post("/v1/notes/completions", json={"segments": [{"skill": "returns"}, q], "max_tokens": 4,
+                                                  "temperature": 0, "explain": True})
+        assert r.status_code == 200, r.text
+        steps = r.json()["explain"]["steps"]
+        assert r.json()["plan"] == "reuse" and any(s["source"] == "skill:returns" and s["kind"] == "reuse"
+                                                   for s in steps), steps
+        kinds.add(r.json()["plan"])
+        deadline = time.monotonic() + 300
+        while metric(c.get("/metrics").text, "kvnotes_fidelity_checks_total", op="reuse(frame)") < 1:
+            assert time.monotonic() < deadline, "the frame-variant request's shadow check never finished"
+            time.sleep(1)
         for policy in ("fast", "exact"):              # reposition (the 2nd skill), then exact reuse + recompute
             r = c.post("/v1/notes/completions", json={"segments": [{"skill": "returns"}, {"skill": "shipping"}, q],
                                                       "max_tokens": 4, "temperature": 0, "kv_policy": policy,
@@ -191,10 +205,10 @@ def test_every_request_is_counted_once_with_its_final_status(cluster, workload):
     if h:
         assert metric(text, "kvnotes_requests_total", plan="none", status="unauthorized", tenant="none") >= 1
     assert metric(text, "kvnotes_requests_total", status="ok", tenant="other") == 0    # one tenant, labelled
-    # 2 compose, 3 session turns, 2 prompts: ok; registrations and the template: ok with plan "none"
+    # 3 compose, 3 session turns, 2 prompts: ok; registrations and the template: ok with plan "none"
     ok_planned = sum(metric(text, "kvnotes_requests_total", plan=p, status="ok", tenant=cfg.tenant)
                      for p in ("reuse", "reposition", "recompute", "erratum", "edit_in_place"))
-    assert ok_planned == 7, text
+    assert ok_planned == 8, text
     assert metric(text, "kvnotes_requests_total", plan="none", status="ok") >= 3
 
 
@@ -238,8 +252,9 @@ def test_alert_rules_are_loaded_and_evaluated(prometheus, workload):
     with urllib.request.urlopen(prometheus + "/api/v1/rules", timeout=10) as r:
         groups = json.loads(r.read())["data"]["groups"]
     rules = {rule["name"]: rule for g in groups for rule in g["rules"]}
-    assert len(rules) == 7 and all(rule["health"] in ("ok", "unknown") for rule in rules.values()), rules
+    assert len(rules) == 8 and all(rule["health"] in ("ok", "unknown") for rule in rules.values()), rules
     assert rules["KvnotesStateStoreDown"]["state"] == "inactive"      # the store answered throughout
+    assert rules["KvnotesExactOperationDisagreed"]["state"] == "inactive"   # frame variants agreed
     assert {s["value"][1] for s in _query(prometheus, "kvnotes_state_store_up")} == {"1"}
 
 
@@ -248,6 +263,8 @@ def test_report_from_the_live_prometheus(prometheus, workload, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     index = (tmp_path / "report" / "index.md").read_text()
     assert "| Requests per plan kind | yes |" in index and "| Tier hit rate per tier | yes |" in index, index
+    assert re.search(r"^\| reuse\(frame\) \| [1-9]\d* \| 100\.0% \| 100\.0% \| 0 \|$", index, re.M), index
+    assert re.search(r"shadow reuse\(frame\): [1-9]\d* checks, top-1 100\.0%", r.stdout), r.stdout
 
 
 def test_admin_cli_lists_status_and_removes(cluster, workload):
@@ -282,3 +299,23 @@ def test_health_shows_the_fidelity_view(cluster, workload):
     assert fid["shadow_fraction"] == 1.0 and set(fid["compose"]) >= {"balanced"}
     assert fid["operations"] and all(o["samples"] >= 1 and o["demoted"] in (True, False)
                                      for o in fid["operations"].values()), fid
+
+
+def test_frame_variant_agreement_is_live_in_prometheus_and_health(cluster, prometheus, workload):
+    """The default policy's frame-variant reuse, shadow-checked: booked under reuse(frame) with
+    agreement 1.0 on both metrics, no exactness mismatch, as the dashboard's own queries read it
+    from the real Prometheus, and in /health's fidelity view with its sample count."""
+    from cluster.ops.dashboard import ROWS
+    cfg, base = cluster
+    panels = {p.title: p for r in ROWS for p in r.panels}
+    agree = {(s["metric"]["op"], s["metric"]["metric"]): float(s["value"][1])
+             for s in _query(prometheus, panels["Shadow-check agreement by operation"].queries[0].expr)}
+    assert agree[("reuse(frame)", "top1")] == 1.0 and agree[("reuse(frame)", "greedy16")] == 1.0, agree
+    counts = {s["metric"]["op"]: float(s["value"][1])
+              for s in _query(prometheus, panels["Shadow checks per operation (last hour)"].queries[0].expr)}
+    assert counts["reuse(frame)"] > 0, counts
+    mism = _query(prometheus, panels["Exact operations: disagreements with recompute (last hour)"].queries[0].expr)
+    assert [(s["metric"]["op"], float(s["value"][1])) for s in mism] == [("reuse(frame)", 0.0)], mism
+    op = httpx.get(f"{base}/health", timeout=30).json()["fidelity"]["operations"]["reuse(frame)"]
+    assert op["samples"] >= 1 and op["top1"] == 1.0 and op["greedy_exact"] == 1.0, op
+    assert op["exact"] and op["mismatches"] == 0 and not op["demoted"], op

@@ -1,12 +1,16 @@
-"""Online shadow checks: windows, demotion and recovery (pure), the bounded runner, and a router
-with real executors where an injected drifting operation gets demoted."""
+"""Online shadow checks: windows, demotion and recovery (pure), the bounded runner, the operation
+a plan is booked under (frame-variant reuse, probes), and a router with real executors where an
+injected drifting operation gets demoted, frame-variant reuse is checked live and booked under its
+own key, and a broken frame variant is counted as an exactness bug."""
 import asyncio
+import logging
 
 import pytest
 
 from cluster.control.metrics import Metrics
 from cluster.control.planner import FidelityTarget, PlannerConfig, compose_op_key
-from cluster.control.shadow import FidelityGuard, FidelityMonitor, ShadowConfig, sampled
+from cluster.control.shadow import (FRAME_REUSE_OP, FidelityGuard, FidelityMonitor, ShadowConfig, checkable, plan_op,
+                                    sampled)
 from kvruntime.messages.decode import SamplingParams
 from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
@@ -136,6 +140,94 @@ def test_a_question_probe_operation_is_checked_and_demoted_under_its_own_key():
     assert qkey in g.monitor.demoted and g.planner_config().balanced.op == compose_op_key(1, 0.1)
 
 
+# ---- the operation a plan is booked under; frame-variant plans are sampled too ---------------------
+
+FRAME = (1, 2, 3)
+
+
+def _frame_plan(rid="f1", policy=Policy.BALANCED, *later):
+    """The chat frame, then a skill reused exactly as its variant compiled after that frame."""
+    ids = tuple(range(10, 30))
+    steps = (SegmentPlan(PlanKind.RECOMPUTE, "frame", FRAME, 0, 3, 0),
+             SegmentPlan(PlanKind.REUSE, "skill:x", ids, 3, 0, 20, KVRef(ids, 3, "s", prefix=FRAME)), *later)
+    return RequestPlan(rid, "m", policy, steps, (7, 8))
+
+
+def _later(r=0.0, probe="kv1"):
+    ids = tuple(range(40, 60))
+    return SegmentPlan(PlanKind.REPOSITION, "skill:y", ids, 23, 3, 17, KVRef(ids, 1, "s"), seam_tokens=1,
+                       recompute_ratio=r, probe=probe)
+
+
+def test_plan_op_books_frame_reuse_and_probes_under_their_own_keys():
+    plan = _frame_plan()
+    assert plan.approx == "" and checkable(plan) and plan_op(plan) == FRAME_REUSE_OP == "reuse(frame)"
+    # a repositioned chunk after it is the approximate operation: the plan answers to its key
+    assert plan_op(_frame_plan("f", Policy.BALANCED, _later())) == OP
+    assert plan_op(_frame_plan("f", Policy.FAST, _later(0.1, "qlast"))) == "reposition(seam=1,r=0.1,probe=qlast)" \
+        == compose_op_key(1, 0.1, "qlast")
+    assert plan_op(_frame_plan("f", Policy.FAST, _later(0.05, "qlate"))) == compose_op_key(1, 0.05, "qlate")
+    assert plan_op(_frame_plan("f", Policy.FAST, _later(0.1, "kv1"))) == compose_op_key(1, 0.1)   # the old key
+    # exact reuse that is no frame variant (a cached prompt prefix) has nothing to check
+    ids = tuple(range(5, 25))
+    prompt = RequestPlan("p", "m", Policy.BALANCED, (SegmentPlan(PlanKind.REUSE, "prompt", ids, 0, 0, 20,
+                                                                 KVRef(ids, 0, "s")),), (7,))
+    assert not checkable(prompt) and plan_op(prompt) == "reuse"
+    assert not checkable(RequestPlan("n", "m", Policy.BALANCED, _frame_plan().steps, ()))   # no question
+
+
+def test_frame_variant_plans_are_sampled_at_the_configured_rate_under_every_policy():
+    async def main():
+        booked = []
+
+        async def shadow(worker, plan):
+            return _res(1)
+        g = FidelityGuard(_profile(), {Policy.BALANCED: FidelityTarget()},
+                          ShadowConfig(fraction=0.3, max_in_flight=10_000, opt_out_tenants=frozenset({"private"})),
+                          Metrics(), shadow, PlannerConfig())
+        for i in range(600):
+            policy = (Policy.BALANCED, Policy.EXACT, Policy.FAST)[i % 3]
+            if g.after_response(_frame_plan(f"q{i}", policy), "acme", 0):
+                booked.append(f"q{i}")
+        assert booked == [f"q{i}" for i in range(600) if sampled(f"q{i}", "acme", g.cfg)]   # the sampler's own choice
+        assert 0.22 < len(booked) / 600 < 0.38
+        assert not any(g.after_response(_frame_plan(f"q{i}"), "private", 0) for i in range(50))
+        await g.runner.drain(10)
+        snap = g.snapshot()["operations"][FRAME_REUSE_OP]
+        assert snap["samples"] == min(len(booked), g.cfg.window) and snap["top1"] == 1.0 and snap["exact"]
+        assert snap["mismatches"] == 0 and snap["target"] == 1.0
+    asyncio.run(main())
+
+
+def test_an_exact_operation_that_disagrees_is_logged_and_counted_but_not_demoted(caplog):
+    async def main():
+        answers = iter([_res(1), _res(1, greedy=0), _res(0), _res(1), _res(0, kl=3.0)])
+
+        async def shadow(worker, plan):
+            return next(answers)
+        m = Metrics()
+        g = FidelityGuard(_profile(), {Policy.BALANCED: FidelityTarget()},
+                          ShadowConfig(fraction=1.0, window=5, min_samples=2, max_in_flight=10), m, shadow,
+                          PlannerConfig())
+        with caplog.at_level(logging.ERROR, logger="cluster.control.shadow"):
+            for i in range(5):
+                assert g.after_response(_frame_plan(f"e{i}"), "acme", 0)
+                await g.runner.drain(10)
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 3 and all("EXACT operation reuse(frame)" in r.getMessage() for r in errors)
+        assert "e1" in errors[0].getMessage() and "greedy-16 DIFFERS" in errors[0].getMessage()
+        text = m.render().decode()
+        assert metric(text, "kvnotes_fidelity_exact_mismatch_total", op=FRAME_REUSE_OP) == 3
+        assert metric(text, "kvnotes_fidelity_checks_total", op=FRAME_REUSE_OP) == 5
+        assert metric(text, "kvnotes_fidelity_agree_total", op=FRAME_REUSE_OP, metric="top1") == 3
+        assert metric(text, "kvnotes_fidelity_demotions_total") == 0
+        f = g.snapshot()
+        op = f["operations"][FRAME_REUSE_OP]
+        assert op["mismatches"] == 3 and op["exact"] and not op["demoted"] and f["demoted"] == []
+        assert f["compose"]["balanced"]["op"] == OP                  # the compose choice is untouched
+    asyncio.run(main())
+
+
 # ---- the router with real executors: a drifting operation is demoted ----------------------------
 
 @pytest.mark.slow
@@ -202,6 +294,108 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
         assert metric(text, "kvnotes_fidelity_checks_total", op=OP) == 3
         assert metric(text, "kvnotes_fidelity_kl_count", plan="reposition", op=OP) == 3
         assert metric(text, "kvnotes_shadow_checks_total", result="done") == 4
+    try:
+        asyncio.run(main())
+    finally:
+        b.rx.stop()
+
+
+# ---- the router with real executors: frame-variant reuse is checked live ------------------------
+
+def _router(smol, tmp_path, executor_cls):
+    from cluster.control.registry import Registry
+    from cluster.control.render import Renderer
+    from cluster.control.router import Router
+    from cluster.control.state import open_state
+    from kvtransport.grpc_transport import GrpcTransport
+    from tests.test_router_fallback import LocalBackends
+
+    class Backends(LocalBackends):
+        async def shadow(self, index, plan):
+            return self.pre.shadow(plan)
+
+    b = Backends(smol, GrpcTransport())
+    b.pre = executor_cls(smol, b.source, GrpcTransport())
+    state = open_state(f"sqlite:///{tmp_path}/state.db")
+    router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state, "m", "float32",
+                    metrics=Metrics(), fidelity_summary=_profile(),
+                    shadow=ShadowConfig(fraction=1.0, window=10, min_samples=2, max_in_flight=4))
+    return b, router
+
+
+async def _ask_default(router, q):
+    """The default policy (none named), the skill first after the chat frame."""
+    fin = None
+    async for ev in router.stream_native("default", [{"skill": "museum"}, {"text": q}], policy=None, session=None,
+                                         sampling=SamplingParams(max_tokens=4, temperature=0)):
+        fin = ev
+    await router.guard.runner.drain(120)
+    return fin
+
+
+MUSEUM = "The Varga Museum opens at 10:00 and closes at 17:30. Entry costs 12 euros."
+QUESTIONS = ("When does it close?", "How much is entry?")
+
+
+@pytest.mark.slow
+def test_default_policy_frame_variant_is_shadow_checked_under_its_own_key(smol, tmp_path):
+    from prefill_workers.executor import PrefillExecutor
+    b, router = _router(smol, tmp_path, PrefillExecutor)
+
+    async def main():
+        await router.register_chunk("skill", "default", "museum", MUSEUM)
+        for q in QUESTIONS:                       # the first compiles the variant, the second reuses it
+            fin = await _ask_default(router, q)
+            assert fin.plan.policy is Policy.BALANCED and fin.plan.approx == ""
+            reuse = [s for s in fin.plan.steps if s.kind is PlanKind.REUSE and s.kv is not None and s.kv.prefix]
+            assert len(reuse) == 1 and reuse[0].source == "skill:museum"
+        op = router.fidelity["operations"][FRAME_REUSE_OP]
+        assert op["samples"] == 2 and op["top1"] == 1.0 and op["greedy_exact"] == 1.0 and op["exact"]
+        assert op["mismatches"] == 0 and not op["demoted"] and set(router.fidelity["operations"]) == {FRAME_REUSE_OP}
+        text = router.metrics.render().decode()
+        assert metric(text, "kvnotes_fidelity_checks_total", op=FRAME_REUSE_OP) == 2
+        assert metric(text, "kvnotes_fidelity_agree_total", op=FRAME_REUSE_OP, metric="top1") == 2
+        assert metric(text, "kvnotes_fidelity_agree_total", op=FRAME_REUSE_OP, metric="greedy16") == 2
+        assert metric(text, "kvnotes_fidelity_kl_count", plan="reuse", op=FRAME_REUSE_OP) == 2
+        assert 'kvnotes_fidelity_exact_mismatch_total{op="reuse(frame)"} 0.0' in text
+        assert metric(text, "kvnotes_shadow_checks_total", result="done") == 2
+    try:
+        asyncio.run(main())
+    finally:
+        b.rx.stop()
+
+
+@pytest.mark.slow
+def test_a_broken_frame_variant_is_counted_as_an_exactness_bug(smol, tmp_path, caplog):
+    import torch
+
+    from prefill_workers.executor import PrefillExecutor
+
+    class BrokenVariant(PrefillExecutor):
+        """Splices the frame variant with corrupted values: what an exactness bug (a wrong key, a
+        stale variant) would serve. Everything else runs as planned."""
+
+        def _frame_reuse(self, kv, step, loaded, st):
+            out = super()._frame_reuse(kv, step, loaded, st)
+            g = torch.Generator().manual_seed(0)
+            noise = torch.randn(out.data[:, 1, :, -step.tokens:].shape, generator=g) * 4
+            out.data[:, 1, :, -step.tokens:] += noise.to(out.data.dtype)
+            return out
+
+    b, router = _router(smol, tmp_path, BrokenVariant)
+
+    async def main():
+        await router.register_chunk("skill", "default", "museum", MUSEUM)
+        with caplog.at_level(logging.ERROR, logger="cluster.control.shadow"):
+            for q in QUESTIONS:
+                await _ask_default(router, q)
+        op = router.fidelity["operations"][FRAME_REUSE_OP]
+        assert op["samples"] == 2 and 1 <= op["mismatches"] <= 2
+        assert not op["demoted"] and router.fidelity["demoted"] == []      # counted and alerted, not demoted
+        text = router.metrics.render().decode()
+        assert metric(text, "kvnotes_fidelity_exact_mismatch_total", op=FRAME_REUSE_OP) == op["mismatches"]
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == op["mismatches"] and all("EXACT operation reuse(frame)" in e for e in errors)
     try:
         asyncio.run(main())
     finally:

@@ -11,6 +11,7 @@ from contextvars import ContextVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from cluster.control.shadow import EXACT_OPS
 from kvruntime.messages.decode import DecodeSummary
 from kvruntime.messages.plan import PlanKind, RequestPlan
 from kvruntime.messages.prefill import PrefillResult
@@ -127,6 +128,10 @@ class Metrics:
                                        ["op"], registry=r)
         self.fidelity_agree = Counter("kvnotes_fidelity_agree_total", "Shadow checks agreeing with recompute, "
                                       "per operation and metric (top1, greedy16)", ["op", "metric"], registry=r)
+        self.fidelity_exact_mismatch = Counter("kvnotes_fidelity_exact_mismatch_total", "Shadow checks of an "
+                                               "operation claimed exact (frame-variant reuse) that disagreed with "
+                                               "a full recompute on the first token or the greedy continuation: "
+                                               "a bug, each one logged at ERROR", ["op"], registry=r)
         self.shadow_checks = Counter("kvnotes_shadow_checks_total", "Shadow checks by outcome "
                                      "(submitted, dropped: queue full, failed, done)", ["result"], registry=r)
         self.fidelity_demotions = Counter("kvnotes_fidelity_demotions_total", "Operations demoted / readmitted "
@@ -177,6 +182,8 @@ class Metrics:
             for reason in ("deadline", "client_gone"):
                 self.cancels.labels(role, reason)
         self.retries.labels("decode", "migrated")
+        for op in EXACT_OPS:                        # zeros: the first mismatch is an increase the alert sees
+            self.fidelity_exact_mismatch.labels(op)
 
     def set_tenant_labels(self, tenants) -> None:
         """Tenants with their own ``tenant`` label (config ``metrics_tenants``); their ok series and

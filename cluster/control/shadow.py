@@ -1,12 +1,18 @@
 """Online shadow checks: is an approximate operation as faithful in production as its profile says?
 
 A configurable fraction of approximate requests (default 1%; tenants can opt out) is recomputed
-in full by a prefill actor AFTER the response was sent (fire and forget, a bounded number in
+in full by a prefill actor AFTER the response was sent; so is the same fraction of requests whose
+first chunk is exact reuse of its variant compiled after the chat frame (:data:`FRAME_REUSE_OP`,
+the default path of every policy), whose claim of exactness is thus checked live (fire and forget, a bounded number in
 flight; a check that finds the queue full is dropped and counted). Each result (first-token KL,
 top-1 and greedy-16 agreement) is recorded per operation in a sliding window; an operation whose
 windowed agreement falls below its policy's target is *demoted*: the router re-plans with it
 skipped (``cluster.control.planner.choose_compose(demoted=...)``) until a cool-down passes, after which it
-is admitted again on probation (fresh window) and stays only if it now meets the target.
+is admitted again on probation (fresh window) and stays only if it now meets the target. An
+*exact* operation (:data:`EXACT_OPS`) has no target to fall below: any disagreement with the
+recompute is a bug, logged at ERROR and counted (``kvnotes_fidelity_exact_mismatch_total{op}``,
+alert ``KvnotesExactOperationDisagreed``); it is never demoted (the planner has no switch to stop
+frame-variant reuse yet).
 
 Everything here is pure (no Ray, no I/O, an injectable clock) except :class:`ShadowRunner`, a
 small asyncio helper that bounds the checks in flight.
@@ -26,11 +32,13 @@ from kvruntime.messages.fidelity import ShadowResult
 log = logging.getLogger(__name__)
 
 METRICS = ("top1", "greedy_exact")      # agreement metrics exported and windowed
+FRAME_REUSE_OP = "reuse(frame)"         # the first chunk after the chat frame, reused exactly (its frame variant)
+EXACT_OPS = frozenset({FRAME_REUSE_OP})  # claimed bit-exact: a disagreement is a bug, not noise
 
 
 @dataclass(frozen=True)
 class ShadowConfig:
-    fraction: float = 0.01              # share of approximate requests checked
+    fraction: float = 0.01              # share of approximate and frame-variant requests checked
     opt_out_tenants: frozenset[str] = frozenset()
     max_in_flight: int = 2              # checks running or queued at once; more are dropped (counted)
     window: int = 50                    # results per operation kept for the agreement estimate
@@ -64,6 +72,8 @@ class _OpState:
     results: deque = field(default_factory=deque)
     demoted_until: float | None = None
     demotions: int = 0
+    exact: bool = False                 # claimed exact: never demoted, every disagreement counted
+    mismatches: int = 0                 # exact ops: results that disagreed with recompute (ever)
 
 
 @dataclass(frozen=True)
@@ -100,10 +110,17 @@ class FidelityMonitor:
         return out
 
     def record(self, op: str, result: ShadowResult, target: float) -> list[Transition]:
-        """Add one shadow result for ``op`` (planned to meet ``target`` on ``cfg.metric``)."""
-        st = self._state(op, target)
+        """Add one shadow result for ``op`` (planned to meet ``target`` on ``cfg.metric``). An
+        exact op (:data:`EXACT_OPS`) answers to agreement 1.0 on every metric: a result below it
+        counts as a mismatch (:func:`disagrees`), and it is never demoted."""
+        exact = op in EXACT_OPS
+        st = self._state(op, 1.0 if exact else target)
+        st.exact = exact
         out = self.tick()
         st.results.append(result)
+        if exact:
+            st.mismatches += disagrees(result)
+            return out
         if st.demoted_until is None and len(st.results) >= self.cfg.min_samples:
             agree = self.agreement(op)
             if agree < st.target:
@@ -135,7 +152,7 @@ class FidelityMonitor:
                        "kl_mean": (sum(r.kl for r in st.results) / n if n else None),
                        "demoted": st.demoted_until is not None and st.demoted_until > now,
                        "demoted_for_s": max(0.0, st.demoted_until - now) if st.demoted_until else 0.0,
-                       "demotions": st.demotions}
+                       "demotions": st.demotions, "exact": st.exact, "mismatches": st.mismatches}
         return {"shadow_fraction": self.cfg.fraction, "window": self.cfg.window, "operations": ops,
                 "demoted": sorted(self.demoted)}
 
@@ -166,14 +183,40 @@ class ShadowRunner:
             await asyncio.wait(list(self._tasks), timeout=timeout)
 
 
+def disagrees(result: ShadowResult) -> bool:
+    """An exact operation's result that is not full agreement: another first token or another
+    greedy continuation than the recompute's."""
+    return result.top1 < 1.0 or result.greedy_exact < 1.0
+
+
+def frame_reuse_step(plan):
+    """The plan's frame-variant step (a chunk reused exactly, compiled after the chat frame:
+    REUSE with ``kv.prefix`` set), or None."""
+    from kvruntime.messages.plan import PlanKind
+    return next((s for s in plan.steps if s.kind is PlanKind.REUSE and s.kv is not None
+                 and s.kv.prefix is not None), None)
+
+
+def checkable(plan) -> bool:
+    """A plan a shadow check can tell something about: an approximate one, or one whose first
+    chunk is a frame variant (claimed exact); both need the question (the suffix)."""
+    return bool(plan.suffix_ids) and (bool(plan.approx) or frame_reuse_step(plan) is not None)
+
+
 def plan_op(plan) -> str:
     """The operation a shadow result is booked under: the compose key of its repositioned chunks
-    (what the planner chose by target and may demote), else the plan kind."""
+    with their probe (what the planner chose by target and may demote); else, for any other
+    approximate plan, the plan kind; else :data:`FRAME_REUSE_OP` when its first chunk is a frame
+    variant (the only thing in the plan that could make it differ from recompute); else the plan
+    kind. A plan with both a frame variant and a repositioned chunk is booked under the latter:
+    the approximate operation answers for the whole plan's agreement."""
     from cluster.control.planner import compose_op_key
     from kvruntime.messages.plan import PlanKind
     for s in plan.steps:
         if s.kind is PlanKind.REPOSITION:
             return compose_op_key(s.seam_tokens, s.recompute_ratio, s.probe)
+    if not plan.approx and frame_reuse_step(plan) is not None:
+        return FRAME_REUSE_OP
     return plan.kind.value
 
 
@@ -219,7 +262,7 @@ class FidelityGuard:
 
     def after_response(self, plan, tenant: str, worker: int) -> bool:
         """Maybe submit a shadow check of ``plan`` (call once the response is complete). True if submitted."""
-        if not plan.approx or not plan.suffix_ids or not sampled(plan.request_id, tenant, self.cfg):
+        if not checkable(plan) or not sampled(plan.request_id, tenant, self.cfg):
             return False
         op, target = plan_op(plan), self.targets.get(plan.policy)
         goal = target.minimum if target is not None and op.startswith("reposition") else 0.0
@@ -244,4 +287,12 @@ class FidelityGuard:
         m.fidelity_checks.labels(op).inc()
         m.fidelity_agree.labels(op, "top1").inc(res.top1)
         m.fidelity_agree.labels(op, "greedy16").inc(res.greedy_exact)
+        if op in EXACT_OPS and disagrees(res):        # a bug in an exact path, not approximation noise
+            m.fidelity_exact_mismatch.labels(op).inc()
+            log.error("fidelity: EXACT operation %s disagreed with a full recompute on request %s (top-1 %s, "
+                      "greedy-16 %s, KL %.3g nats; plan: %s): an exactness bug, counted in "
+                      "kvnotes_fidelity_exact_mismatch_total and alerted (KvnotesExactOperationDisagreed)",
+                      op, plan.request_id, "agrees" if res.top1 >= 1.0 else "DIFFERS",
+                      "agrees" if res.greedy_exact >= 1.0 else "DIFFERS", res.kl,
+                      "; ".join(f"{s.kind.value} {s.source} @{s.position}+{s.tokens}" for s in plan.steps))
         self._apply(self.monitor.record(op, res, goal))

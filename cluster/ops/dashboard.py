@@ -42,6 +42,7 @@ METRICS = (
     "kvnotes_rope_selftest_ok",               # gauge {worker}, 1 = the RoPE self-test passed
     "kvnotes_fidelity_agree_total",           # counter {op, metric}: shadow checks that agreed
     "kvnotes_fidelity_kl",                    # histogram {op}: one observation per shadow check
+    "kvnotes_fidelity_exact_mismatch_total",  # counter {op}: checks of an exact op (reuse(frame)) that disagreed
     "vllm:time_to_first_token_seconds",       # histogram {model_name, engine} (decode actors)
     "vllm:prefix_cache_queries_total",        # counter, prompt tokens looked up in vLLM's cache
     "vllm:prefix_cache_hits_total",           # counter, of those found in vLLM's own cache
@@ -150,7 +151,18 @@ ROWS = (
                   "/ on (op) group_left () sum by (op) (rate(kvnotes_fidelity_kl_count[30m]))",
                   "{{op}} {{metric}}"),
         ), "Share of shadow checks whose output agreed with a full recompute, per KV operation "
-           "and agreement metric (checks = observations of kvnotes_fidelity_kl)."),
+           "and agreement metric (checks = observations of kvnotes_fidelity_kl). Operations: "
+           "reposition(seam=..,r=..[,probe=..]) (a chunk moved after other text, r of its tokens "
+           "recomputed, picked by the probe) and reuse(frame) (the first chunk after the chat frame, "
+           "its variant compiled after that frame: claimed exact, so anything under 100% is a bug)."),
+        Panel("Shadow checks per operation (last hour)", "short", (
+            Query("sum by (op) (increase(kvnotes_fidelity_kl_count[1h]))", "{{op}}"),
+        ), "How many shadow checks each operation's agreement rests on (sample counts, last hour)."),
+        Panel("Exact operations: disagreements with recompute (last hour)", "short", (
+            Query("sum by (op) (increase(kvnotes_fidelity_exact_mismatch_total[1h]))", "{{op}}"),
+        ), "Shadow checks of an operation claimed exact (reuse(frame)) whose next token or greedy "
+           "continuation differed from a full recompute: must stay 0; above it, alert "
+           "KvnotesExactOperationDisagreed fires and the router logs each case at ERROR."),
         Panel("Shadow-check KL p50 / p90 by operation", "short", (
             Query(_q(0.5, "kvnotes_fidelity_kl", "op", "30m"), "p50 {{op}}"),
             Query(_q(0.9, "kvnotes_fidelity_kl", "op", "30m"), "p90 {{op}}"),

@@ -6,6 +6,8 @@ single source of every panel) over a time range through its HTTP API (``/api/v1/
 and draws each row as one PNG with matplotlib, plus ``index.md`` listing every panel, its query
 and whether it returned data. A panel with no series is drawn as "no data" and listed, never
 dropped: an empty panel is a finding (a metric not exported, a plan kind never exercised).
+``index.md`` also tabulates the shadow checks per operation over the range (checks, top-1 and
+greedy-16 agreement, mismatches of exact operations): the numbers the fidelity panels draw.
 """
 from __future__ import annotations
 
@@ -80,6 +82,9 @@ class PrometheusClient:
         if body.get("status") != "success":
             raise RuntimeError(f"{self.base} does not answer as Prometheus: {body.get('error', body)}")
 
+    def query(self, expr: str, at: float) -> dict:
+        return self._get("/api/v1/query", {"query": expr, "time": f"{at:.3f}"})
+
     def query_range(self, expr: str, start: float, end: float, step: float) -> dict:
         return self._get("/api/v1/query_range", {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
                                                  "step": f"{step:g}"})
@@ -111,11 +116,62 @@ def collect(client: PrometheusClient, start: float, end: float, step: float, pro
     return out
 
 
+@dataclass
+class OpFidelity:
+    op: str
+    checks: int
+    agree: dict[str, float]           # metric (top1, greedy16) -> share of the checks that agreed
+    mismatches: int | None            # exact operations only (None: no exactness claim to break)
+
+
+def _totals(client: PrometheusClient, expr: str, at: float, labels: tuple[str, ...]) -> dict[tuple, float]:
+    body = client.query(expr, at)
+    if body.get("status") != "success":
+        raise RuntimeError(f"Prometheus refused {expr}: {body.get('error', body)}")
+    return {tuple(s["metric"].get(k, "") for k in labels): float(s["value"][1]) for s in body["data"]["result"]}
+
+
+def fidelity_by_op(client: PrometheusClient, start: float, end: float) -> list[OpFidelity]:
+    """Shadow checks per operation over [start, end]: counter totals (summed over processes) at
+    ``end`` minus those at ``start`` (a series born in the range counts from 0, a process restart
+    from its new total), so a short workload's counts are exact, not extrapolated like increase()."""
+    def over(expr, labels):
+        a, b = _totals(client, expr, start, labels), _totals(client, expr, end, labels)
+        return {k: (v - a.get(k, 0.0) if v >= a.get(k, 0.0) else v) for k, v in b.items()}
+    checks = over("sum by (op) (kvnotes_fidelity_kl_count)", ("op",))
+    agree = over("sum by (op, metric) (kvnotes_fidelity_agree_total)", ("op", "metric"))
+    mism = over("sum by (op) (kvnotes_fidelity_exact_mismatch_total)", ("op",))
+    out = []
+    for (op,) in sorted(set(checks) | set(mism)):
+        n = int(round(checks.get((op,), 0.0)))
+        if n == 0 and not mism.get((op,)):
+            continue
+        shares = {m: agree.get((op, m), 0.0) / n for m in ("top1", "greedy16")} if n else {}
+        out.append(OpFidelity(op, n, shares, int(round(mism[(op,)])) if (op,) in mism else None))
+    return out
+
+
+def fidelity_lines(rows: list[OpFidelity]) -> list[str]:
+    """``index.md``'s table of :func:`fidelity_by_op`."""
+    lines = ["## Shadow checks by operation", "",
+             "Sampled shadow recomputes in the range, per operation (reuse(frame) is claimed exact: any "
+             "mismatch is a bug).", "",
+             "| operation | checks | top-1 agreement | greedy-16 agreement | exact mismatches |", "|---|---|---|---|---|"]
+    for r in rows:
+        pct = {m: (f"{r.agree[m]:.1%}" if m in r.agree else "-") for m in ("top1", "greedy16")}
+        lines.append(f"| {r.op} | {r.checks} | {pct['top1']} | {pct['greedy16']} | "
+                     f"{'n/a' if r.mismatches is None else r.mismatches} |")
+    if not rows:
+        lines.append("| (no shadow checks in the range) | 0 | - | - | - |")
+    return lines + [""]
+
+
 def _slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
 
 
-def render(results: list[PanelResult], out_dir: Path, start: float, end: float) -> list[Path]:
+def render(results: list[PanelResult], out_dir: Path, start: float, end: float,
+           fidelity: list[OpFidelity] | None = None) -> list[Path]:
     """One PNG per dashboard row (its panels as subplots) and ``index.md``; returns the PNGs."""
     try:
         import matplotlib
@@ -183,6 +239,8 @@ def render(results: list[PanelResult], out_dir: Path, start: float, end: float) 
             state = "yes" if res.has_data else ("error" if res.errors else "no data")
             lines.append(f"| {res.panel.title} | {state} | {len(res.series)} | {q} |")
         lines.append("")
+    if fidelity is not None:
+        lines += fidelity_lines(fidelity)
     (out_dir / "index.md").write_text("\n".join(lines))
     return pngs
 
@@ -205,9 +263,14 @@ def run(prometheus: str, out: str, since: str = "1h", step: str | None = None, e
 
     results = collect(client, start, end, step_s, progress)
     print(file=sys.stderr)
-    pngs = render(results, Path(out), start, end)
+    fidelity = fidelity_by_op(client, start, end)
+    pngs = render(results, Path(out), start, end, fidelity)
     empty = [r.panel.title for r in results if not r.has_data]
     print(f"kvnotes report: {len(pngs)} PNGs and index.md in {out}; {total - len(empty)}/{total} panels have data")
     for t in empty:
         print(f"  no data: {t}")
+    for r in fidelity:
+        print(f"  shadow {r.op}: {r.checks} checks, top-1 {r.agree.get('top1', float('nan')):.1%}, greedy-16 "
+              f"{r.agree.get('greedy16', float('nan')):.1%}"
+              + ("" if r.mismatches is None else f", {r.mismatches} exact mismatches"))
     return 0

@@ -124,8 +124,8 @@ class ClusterConfig:
     balanced_max_recompute_ratio: float = BALANCED_ANSWER_TARGET["max_ratio"]
     balanced_min_cases: int = BALANCED_MIN_CASES["cases"]
     fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target (next-token rows)
-    # online shadow checks (cluster.control.shadow): recompute a sample of approximate requests after the response
-    shadow_fraction: float = 0.01              # share of approximate requests checked (0 = off)
+    # online shadow checks (cluster.control.shadow): recompute a sample of approximate and frame-variant requests after the response
+    shadow_fraction: float = 0.01              # share of approximate and frame-variant (reuse(frame)) requests checked (0 = off)
     shadow_opt_out_tenants: tuple = ()         # tenants never checked
     shadow_max_in_flight: int = 2              # checks pending at once; more are dropped (counted)
     shadow_window: int = 50                    # results per operation in the agreement window
