@@ -3,7 +3,11 @@
     python -m kvruntime.fidelity.methods --model smollm2-135m --threads 1 --answered 24 \
         --decisions 40 --compile bos frame --methods seam1 kv1 qlast qlate --ratios 0.05 0.1 \
         --rows-out /tmp/rows.jsonl
-    python -m kvruntime.fidelity.methods --model smollm2-135m --from-rows /tmp/rows.jsonl
+    python -m kvruntime.fidelity.methods --model smollm2-135m --from-rows /tmp/rows.jsonl \
+        --profile-out kvruntime/fidelity/tables/smollm2-135m.json
+
+``--profile-out`` writes the section ``compose_answers`` (:func:`answers_section`) that
+``balanced``'s answer target is checked against (``cluster.control.planner.choose_compose``).
 
 Operations are named ``<compile> | <method>[ r]``: compile ``bos`` (today: after BOS alone),
 ``frame`` (after the model's chat frame: the first chunk after it is exact reuse), ``nl<k>``
