@@ -182,7 +182,9 @@ def markdown(r: dict) -> str:
     lines = [f"model {r['model']} {r['dtype']}, {per_rate}, {r['sessions']} sessions, "
              f"max_tokens {r['max_tokens']}, {r.get('machine', '')}"]
     for size, block in r["sizes"].items():
-        lines += ["", f"### ~{size}-token records (plain vLLM capacity {block['capacity']:.2f} req/s, "
+        lo, hi = block.get("capacity_range", (block["capacity"], block["capacity"]))
+        cap = f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f} (measured per run)"
+        lines += ["", f"### ~{size}-token records (plain vLLM capacity {cap} req/s, "
                       f"{block.get('sessions', r['sessions'])} sessions)", "",
                   "| offered req/s | system | requests | hit rate | p50 TTFT s | p90 TTFT s | achieved req/s | errors | "
                   "p90 vs vLLM | throughput vs vLLM |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -241,6 +243,8 @@ def merge(runs: list[dict]) -> dict:
     for x in runs:
         for size, block in x["sizes"].items():
             b = out["sizes"].setdefault(size, {"capacity": block["capacity"], "rates": [], "sessions": x["sessions"]})
+            b["capacity_range"] = (min(b.get("capacity_range", (block["capacity"],))[0], block["capacity"]),
+                                   max(b.get("capacity_range", (0, block["capacity"]))[1], block["capacity"]))
             b["rates"] = sorted(b["rates"] + block["rates"], key=lambda row: row["rate"])
     return out
 

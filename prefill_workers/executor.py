@@ -24,8 +24,10 @@ from kvruntime.rope import RepositionDisabled
 from kvtransport.blocks import encode_block
 from kvtransport.endpoints import Sender
 from kvtransport.transport import KVTransport, TransferError
+from prefill_workers.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
+_LOADS = (PlanKind.REUSE, PlanKind.REPOSITION, PlanKind.EDIT_IN_PLACE)   # steps that read the tier first
 _logged: set[str] = set()
 
 
@@ -64,11 +66,15 @@ class KVSource(Protocol):
 class PrefillExecutor:
     def __init__(self, engine, source: KVSource, transport: KVTransport | Sender, *,
                  load_failure_policy: str = "recompute",
-                 transfer_timeout: float = 30.0):
+                 transfer_timeout: float = 30.0, prefetch: int = 1):
         if load_failure_policy not in ("recompute", "fail"):
             raise ValueError("load_failure_policy must be 'recompute' or 'fail'")
+        if prefetch < 0:
+            raise ValueError("prefetch must be >= 0 (tier reads issued ahead of the step using them; 0: none)")
         self.engine, self.source, self.transport = engine, source, transport
         self.policy, self.transfer_timeout = load_failure_policy, transfer_timeout
+        self.prefetch = prefetch
+        self._ahead: Prefetcher | None = None
 
     # ---- building ---------------------------------------------------------------------------
     def build(self, plan: RequestPlan, alloc=None, cancelled=None) -> tuple[KVCache, PrefillStats]:
@@ -76,7 +82,9 @@ class PrefillExecutor:
         ``alloc(shape, dtype) -> Tensor | None``: where every concatenation writes its result
         (``Sender.alloc``: the transport's registered memory, so the final KV ships without a copy).
         ``cancelled() -> bool``: checked before each step and each layer of a computed step; True
-        stops the build with ``kvruntime.engine.Cancelled``."""
+        stops the build with ``kvruntime.engine.Cancelled``. The tier reads of later steps are
+        issued ahead on one background thread (``prefetch`` reads at most), so the read of
+        chunk i+1 overlaps the re-rotation and copy of chunk i (``prefill_workers.prefetch``)."""
         if plan.model != self.engine.spec.name:
             raise ValueError(f"plan is for model {plan.model!r}, this worker runs {self.engine.spec.name!r}")
         kv, st = self.engine.empty_kv(), PrefillStats()
@@ -86,12 +94,19 @@ class PrefillExecutor:
         self._probe, self._question = "kv1", plan.suffix_ids   # q probes rank by the plan's suffix (ops.qselect)
         self._borrowed: set[int] = set()         # storages of loaded KV (a tier's memory): never written
         self._cancelled = cancelled
-        for step in plan.steps:
-            _check(cancelled)
-            if step.kind is not PlanKind.REPOSITION:
-                kv = self._flush_seams(kv, st)        # computed steps must see repaired seams
-            kv = self._step(kv, step, st)
-        kv = self._flush_seams(kv, st)
+        refs = [s.kv for s in plan.steps if s.kind in _LOADS and s.kv is not None]
+        self._ahead = Prefetcher(self.source, refs, self.prefetch) if self.prefetch and len(refs) > 1 else None
+        try:
+            for step in plan.steps:
+                _check(cancelled)
+                if step.kind is not PlanKind.REPOSITION:
+                    kv = self._flush_seams(kv, st)        # computed steps must see repaired seams
+                kv = self._step(kv, step, st)
+            kv = self._flush_seams(kv, st)
+        finally:
+            if self._ahead is not None:
+                self._ahead.close()                       # reads not started are cancelled
+            self._ahead = None
         self._alloc = self._cancelled = None
         return kv, st
 
@@ -171,8 +186,8 @@ class PrefillExecutor:
         if ref is None:
             return None
         st.tier_lookups += 1
-        with _timed(st, "tier_get"):
-            got = self.source.get(ref)
+        with _timed(st, "tier_get"):                     # waiting for it: what overlap did not hide
+            got = self._ahead.take(ref) if self._ahead is not None else self.source.get(ref)
         st.tier_hits += got is not None
         return got
 
@@ -191,10 +206,12 @@ class PrefillExecutor:
         return kv
 
     def _frame_reuse(self, kv: KVCache, step: SegmentPlan, loaded: KVCache | None, st: PrefillStats) -> KVCache:
-        """A chunk compiled after exactly the context built so far (``step.kv.prefix``, the chat
-        frame): spliced as is, bit-for-bit the KV a recompute of prefix + chunk gives it. A variant
-        the tier does not hold is compiled after that prefix now and stored (``variants_compiled``);
-        a context that is not the variant's prefix (a plan/executor mismatch) is a counted fallback."""
+        """KV compiled after exactly the context built so far (``step.kv.prefix``): the planner's
+        frame variant is the chat frame + the first chunk compiled together from position 0
+        (prefix ``()``, the context still empty). Spliced as is, bit-for-bit the KV a recompute
+        gives it. A variant the tier does not hold is compiled now and stored
+        (``variants_compiled``); a context that is not the variant's prefix, or a loaded KV whose
+        ids or positions are not the step's (a plan/executor mismatch) is a counted fallback."""
         prefix = list(step.kv.prefix)
         if kv.token_ids.tolist() != prefix or kv.positions.tolist() != list(range(len(prefix))) \
                 or step.position != len(prefix):
@@ -210,13 +227,14 @@ class PrefillExecutor:
                 self._fallback(step, "kv_load_failed", st)
                 return self._compute(kv, step.token_ids, step.position, st)
             st.variants_compiled += 1
-            log.info("compiled %s (%d tokens) after a %d-token frame into this worker's tier", step.source,
+            log.info("compiled %s (%d tokens, after %d prefix tokens) into this worker's tier", step.source,
                      step.tokens, len(prefix))
-        if loaded.token_ids.tolist() != list(step.token_ids) or int(loaded.positions[0]) != step.position:
+        if loaded.token_ids.tolist() != list(step.token_ids) \
+                or loaded.positions.tolist() != list(range(step.position, step.position + step.tokens)):
             self._fallback(step, "kv_mismatch", st)
             return self._compute(kv, step.token_ids, step.position, st)
         if compiled:
-            st.computed += step.tokens     # the frame was computed again inside the compile: not counted twice
+            st.computed += step.tokens     # a non-empty prefix was computed again inside the compile: not counted
         else:
             st.reused += step.tokens
         return self._cat([kv, loaded.to(self.engine.device, self.engine.dtype)])

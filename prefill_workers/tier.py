@@ -6,7 +6,10 @@ KV dtype and RoPE fingerprint that is exactly one :class:`~kvruntime.messages.ke
 hold, after a restart too (``fs://``, ``lm://``). A registered chunk missing from this worker's
 tiers (evicted, or never loaded on this node) is *re-warmed*: precompiled at its canonical
 position and stored back, counted by the caller. A chunk planned as exact reuse after a frame
-(``KVRef.prefix``) is compiled after that frame on its first use (``variants_compiled``).
+(``KVRef.prefix``) is compiled after that frame on its first use (``variants_compiled``); the
+planner's frame variant is the chat frame + the first chunk compiled together from position 0
+(``prefix=()``): the whole prefill is stored, frame slots included, so the frame is served from
+the tier, never computed again.
 """
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ class PrefillTier:
         return self.store.evict(self.key(ref))
 
     def compile(self, ref: KVRef) -> KVCache:
-        """Prefill ``ref``'s tokens after its compile prefix (``ref.prefix``; None: BOS alone), whose
-        slots are dropped, and store the result. Only exact chunks can be compiled from tokens alone."""
+        """Prefill ``ref``'s tokens after its compile prefix (``ref.prefix``; None: BOS alone; ():
+        nothing, from position 0), whose slots are dropped, and store the result. Only exact
+        chunks can be compiled from tokens alone."""
         from kvruntime.ops import precompile_chunk
 
         if not ref.exact:

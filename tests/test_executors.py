@@ -250,10 +250,11 @@ def _frame_with(e, system: str) -> tuple[int, ...]:
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", [Policy.EXACT, Policy.BALANCED, Policy.FAST])
 def test_the_same_skill_after_two_system_prompts_is_compiled_twice_and_each_prefix_is_exact(wired, policy):
-    """The first chunk after the frame is exact reuse of its frame-compiled variant: one variant per
-    frame (two tier entries, two compiles), then tier hits; the chunk's KV in the composed prefix is
-    bit-for-bit the KV of one forward over frame + chunk, the frame's within fp noise (it is computed
-    alone), and the greedy output through a decode worker is the recompute's."""
+    """The frame and the first chunk after it are one exact reuse of their variant compiled
+    together from position 0: one variant per frame (two tier entries, two compiles), then tier
+    hits that compute no token at all; the composed prefix (frame included) is bit-for-bit the KV
+    of one forward over frame + chunk, and the greedy output through a decode worker is the
+    recompute's."""
     e, src, pre, dec, addr = wired
     _, skill, q = _segments(e)
     frames = [_frame_with(e, "You answer museum questions."), _frame_with(e, "You are a terse clerk.")]
@@ -263,18 +264,18 @@ def test_the_same_skill_after_two_system_prompts_is_compiled_twice_and_each_pref
     for f in frames:
         frame = RenderedSegment("frame", None, f)
         plan = plan_request(RenderedRequest("r", e.spec.name, policy, (frame, skill), q), TierView(), None, e.encode)
-        step = plan.steps[1]
-        assert step.kind is PlanKind.REUSE and step.kv.prefix == f and step.position == len(f) and plan.approx == ""
+        (step,) = plan.steps
+        assert step.kind is PlanKind.REUSE and step.kv.prefix == () and step.kv.token_ids == f + skill.token_ids
+        assert step.position == 0 and plan.approx == ""
         kv, st = pre.build(plan)
         assert st.variants_compiled == 1 and st.fallbacks == [] and st.computed == len(f) + len(skill.token_ids)
         keys.add(src._k(step.kv))
         full = recompute(e, list(f + skill.token_ids), logits=False).kv
-        n0 = len(f)
-        assert torch.equal(kv.data[:, :, :, n0:], full.data[:, :, :, n0:])          # the chunk: exact
-        assert torch.allclose(kv.data[:, :, :, :n0], full.data[:, :, :, :n0], atol=1e-4)
-        assert kv.positions.tolist() == list(range(n0 + len(skill.token_ids)))
-        res, toks, summary = _run(pre, dec, addr, plan)                              # stored: now a tier hit
-        assert res.stats.variants_compiled == 0 and res.stats.reused == len(skill.token_ids)
+        assert torch.equal(kv.data, full.data)                          # frame and chunk: exact
+        assert kv.positions.tolist() == list(range(len(f) + len(skill.token_ids)))
+        res, toks, summary = _run(pre, dec, addr, plan)                  # stored: now a tier hit
+        assert res.stats.variants_compiled == 0 and res.stats.computed == 0
+        assert res.stats.reused == len(f) + len(skill.token_ids)
         assert res.stats.tier_hits == 1 and res.stats.fallbacks == [] and summary.fallbacks == ()
         whole = recompute(e, list(f + skill.token_ids + q))
         assert toks == [t for t in e.greedy(whole.kv, whole.logits, 12, stop_at_eos=True) if t not in e.eos_ids]
@@ -284,16 +285,26 @@ def test_the_same_skill_after_two_system_prompts_is_compiled_twice_and_each_pref
 
 
 @pytest.mark.slow
-def test_a_frame_variant_planned_after_other_context_is_a_counted_fallback(wired):
-    """The executor never re-plans: a variant whose prefix is not the context built so far (a
-    plan/executor mismatch) is recomputed in context and counted, never spliced."""
+def test_a_frame_variant_that_does_not_match_is_a_counted_fallback(wired):
+    """The executor never re-plans: a variant planned after other context (its prefix is not the
+    context built so far), or a loaded variant whose ids or positions are not the step's, is
+    recomputed in context and counted, never spliced."""
     e, src, pre, dec, addr = wired
     frame, skill, q = _segments(e)
     plan = plan_request(RenderedRequest("r", e.spec.name, Policy.FAST, (frame, skill), q), TierView(), None, e.encode)
-    bad = dataclasses.replace(plan, steps=(dataclasses.replace(plan.steps[0], token_ids=plan.steps[0].token_ids[:-1]),
-                                           dataclasses.replace(plan.steps[1], position=len(frame.token_ids) - 1)))
+    (step,) = plan.steps
+    bad = dataclasses.replace(plan, steps=(
+        dataclasses.replace(step, kind=PlanKind.RECOMPUTE, token_ids=step.token_ids[:1], kv=None, computed=1),
+        dataclasses.replace(step, token_ids=step.token_ids[1:], position=1)))
     kv, st = pre.build(bad)
     assert st.fallbacks == ["kv_mismatch"] and st.variants_compiled == 0 and st.computed == bad.prefix_tokens
+    full = recompute(e, list(step.token_ids), logits=False).kv
+    shifted = dataclasses.replace(full, positions=full.positions + 1)      # the right ids at the wrong positions
+    src.put(step.kv, shifted)
+    kv, st = pre.build(plan)
+    assert st.fallbacks == ["kv_mismatch"] and st.tier_hits == 1 and st.reused == 0
+    assert st.computed == step.tokens and torch.equal(kv.positions, full.positions)
+    src.d.pop(src._k(step.kv))
 
 
 @pytest.mark.slow
@@ -330,8 +341,77 @@ def test_the_worker_tier_counts_each_frame_variant_it_compiles(smol):
         assert kv.positions.tolist() == list(range(len(f), len(f) + len(ids)))
     tier.compile(KVRef(ids, 1 if smol.bos_id is not None else 0, SALT))          # the default anchor: no variant
     assert tier.variants_compiled == 2 and len(store.d) == 3
-    assert tier.precompile(KVRef(ids, len(frames[0]), SALT, prefix=frames[0])).cached and tier.variants_compiled == 2
+    whole = tier.compile(KVRef(frames[0] + ids, 0, SALT, prefix=()))             # the planner's frame variant
+    assert whole.positions.tolist() == list(range(len(frames[0]) + len(ids)))     # frame slots kept
+    assert torch.equal(whole.data, recompute(smol, list(frames[0] + ids), logits=False).kv.data)
+    assert tier.variants_compiled == 3 and len(store.d) == 4
+    with pytest.raises(ValueError):
+        tier.compile(KVRef(frames[0] + ids, 1, SALT, prefix=()))                    # from position 0 only
+    assert tier.precompile(KVRef(ids, len(frames[0]), SALT, prefix=frames[0])).cached and tier.variants_compiled == 3
     with pytest.raises(ValueError):
         tier.compile(KVRef(ids, 1, SALT, prefix=frames[0]))                        # wrong canonical position
     text = generate_latest(worker_registry(store, "prefill-0", False, variants=lambda: tier.variants_compiled)).decode()
-    assert 'kvnotes_worker_chunk_variants_compiled_total{worker="prefill-0"} 2.0' in text
+    assert 'kvnotes_worker_chunk_variants_compiled_total{worker="prefill-0"} 3.0' in text
+
+
+def _chunk_plan(e, src, n_chunks=4, chunk=24):
+    """Frame + first chunk as one exact reuse, then ``n_chunks - 1`` chunks repositioned (no seam):
+    the tier is read once per step and nothing is computed."""
+    from kvruntime.messages.plan import RequestPlan, SegmentPlan
+    frame, _, q = _segments(e)
+    steps, pos = [], 0
+    for k in range(n_chunks):
+        ids = tuple(e.encode(f" Room {k} of the Varga Museum shows {k * 7} paintings.\n\n"))[:chunk]
+        if k == 0:
+            ref = KVRef(frame.token_ids + ids, 0, SALT, prefix=())
+            steps.append(SegmentPlan(PlanKind.REUSE, "frame+skill:c0", ref.token_ids, 0, 0, len(ref.token_ids), ref))
+        else:
+            ref = KVRef(ids, 1, SALT)
+            steps.append(SegmentPlan(PlanKind.REPOSITION, f"skill:c{k}", ids, pos, 0, len(ids), ref))
+        if src.get(ref) is None:
+            src.compile(ref)
+        pos += len(ref.token_ids)
+    return RequestPlan("r", e.spec.name, Policy.FAST, tuple(steps), q)
+
+
+@pytest.mark.slow
+def test_prefetched_tier_reads_build_the_same_kv_and_keep_fallbacks_and_cancellation(wired):
+    """Reads issued ahead (prefetch 1 and 2) build exactly what reads in line build; a chunk the
+    tier lost is re-warmed, one whose read fails raises as before, and a cancelled build leaves
+    no prefetch thread behind."""
+    import threading
+    from kvruntime.engine import Cancelled
+    e, src, _, _, _ = wired
+    plan = _chunk_plan(e, src)
+    inline = PrefillExecutor(e, src, None, prefetch=0)
+    want, st0 = inline.build(plan)
+    assert st0.tier_hits == 4 and st0.computed == 0 and not st0.fallbacks
+    for depth in (1, 2):
+        ahead = PrefillExecutor(e, src, None, prefetch=depth)
+        kv, st = ahead.build(plan)
+        assert torch.equal(kv.data, want.data) and torch.equal(kv.positions, want.positions)
+        assert (st.tier_lookups, st.tier_hits, st.reused, st.repositioned, st.computed) == \
+            (st0.tier_lookups, st0.tier_hits, st0.reused, st0.repositioned, st0.computed)
+    lost = plan.steps[2].kv
+    saved = src.d.pop(src._k(lost))                                    # the tier lost chunk 2: re-warmed
+    kv, st = PrefillExecutor(e, src, None, prefetch=1).build(plan)
+    assert st.rewarmed == 1 and st.tier_hits == 3 and torch.equal(kv.data, want.data)
+    src.d[src._k(lost)] = saved
+
+    class Failing:                                                      # the read of chunk 3 fails
+        def get(self, ref):
+            if ref == plan.steps[3].kv:
+                raise OSError("tier read failed")
+            return src.get(ref)
+
+        def compile(self, ref):
+            return src.compile(ref)
+
+    with pytest.raises(OSError):
+        PrefillExecutor(e, Failing(), None, prefetch=1).build(plan)
+    calls = []
+    with pytest.raises(Cancelled):
+        PrefillExecutor(e, src, None, prefetch=2).build(plan, cancelled=lambda: calls.append(1) or len(calls) > 2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("kv-prefetch")]
+    with pytest.raises(ValueError):
+        PrefillExecutor(e, src, None, prefetch=-1)

@@ -55,33 +55,38 @@ def test_reposition_when_policy_allows_and_an_evicted_chunk_is_rewarmed():
 
 
 @pytest.mark.parametrize("policy", [Policy.EXACT, Policy.BALANCED, Policy.FAST])
-def test_the_first_chunk_after_the_frame_is_exact_reuse_of_its_frame_variant_under_every_policy(policy):
-    """The chunk that comes first after the chat frame is planned as exact reuse of its variant
-    compiled after that frame (KVRef.prefix = the frame ids, at position len(frame)); the chunk
-    after it keeps the policy's rule (exact: recompute; balanced without a profile row meeting the
-    target: recompute; fast: reposition)."""
-    variant = dataclasses.replace(SKILL.kv, position=3, prefix=FRAME.token_ids)
+def test_the_frame_and_the_first_chunk_are_one_exact_reuse_of_their_variant_under_every_policy(policy):
+    """The chat frame and the chunk that comes first after it are planned as one exact reuse step
+    from position 0 of their variant compiled together (KVRef of frame + chunk ids, prefix ()):
+    the frame is never a forward pass once the variant is in the tier. The chunk after it keeps
+    the policy's rule (exact: recompute; balanced without a profile row meeting the target:
+    recompute; fast: reposition)."""
+    variant = KVRef(FRAME.token_ids + SKILL.token_ids, 0, SALT, prefix=())
     assert variant.digest != SKILL.kv.digest and frame_variant((FRAME, SKILL, MEM)) == variant
+    assert variant.digest != KVRef(variant.token_ids, 0, SALT).digest     # not a plain prompt prefix's key
     assert frame_variant((FRAME, TXT, SKILL)) is None and frame_variant((FRAME,)) is None
     tier = TierView(frozenset({SKILL.kv.digest, MEM.kv.digest, variant.digest}))
     no_row = PlannerConfig(balanced=ComposeChoice(False, reason="no compose operation meets top1 >= 97%"))
     p = plan_request(req(FRAME, SKILL, MEM, policy=policy), tier, None, encode, no_row)
-    first, second = p.steps[1], p.steps[2]
+    assert len(p.steps) == 2 and p.prefix_ids == FRAME.token_ids + SKILL.token_ids + MEM.token_ids
+    first, second = p.steps
     assert first.kind is PlanKind.REUSE and first.kv == variant and not first.approximate
-    assert (first.position, first.computed, first.reused) == (3, 0, 40)
-    assert "compiled after the frame" in first.reason and ": exact" in first.reason
-    assert "compiled after the frame" in p.explain()["steps"][1]["reason"]
+    assert first.source == "frame+skill:refund-policy" and first.token_ids == variant.token_ids
+    assert (first.position, first.computed, first.reused) == (0, 0, 43)
+    assert "chat frame (3 tokens) + skill:refund-policy compiled together: exact" in first.reason
+    assert "no frame forward pass" in p.explain()["steps"][0]["reason"]
     later = {Policy.EXACT: PlanKind.RECOMPUTE, Policy.BALANCED: PlanKind.RECOMPUTE, Policy.FAST: PlanKind.REPOSITION}
-    assert second.kind is later[policy] and second.kv in (None, MEM.kv)
+    assert second.kind is later[policy] and second.kv in (None, MEM.kv) and second.position == 43
     alone = plan_request(req(FRAME, SKILL, policy=policy), tier, None, encode, no_row)
-    assert alone.approx == "" and alone.kind is PlanKind.REUSE and alone.reused_tokens == 40
+    assert alone.approx == "" and alone.kind is PlanKind.REUSE and alone.reused_tokens == 43
+    assert alone.computed_tokens == 3                                        # the question only
     # not in the tier yet: still exact reuse, compiled by the prefill worker on first use (noted)
     cold = plan_request(req(FRAME, SKILL, policy=policy), TierView(), None, encode, no_row)
-    assert cold.steps[1].kind is PlanKind.REUSE and cold.steps[1].kv == variant and cold.steps[1].computed == 40
-    assert "first use" in cold.steps[1].reason and any("compiled after the frame" in n for n in cold.notes)
+    assert cold.steps[0].kind is PlanKind.REUSE and cold.steps[0].kv == variant and cold.steps[0].computed == 43
+    assert "first use" in cold.steps[0].reason and any("compiled on first use" in n for n in cold.notes)
     # another frame (another system prompt) is another variant
     other = RenderedSegment("frame", None, (1, 2, 4, 5))
-    assert plan_request(req(other, SKILL, policy=policy), tier, None, encode, no_row).steps[1].kv.digest \
+    assert plan_request(req(other, SKILL, policy=policy), tier, None, encode, no_row).steps[0].kv.digest \
         not in (variant.digest, SKILL.kv.digest)
 
 
@@ -89,7 +94,7 @@ def test_exact_never_reuses_an_approximate_session_context():
     approx_sess = session_of(FRAME, SKILL, booking("ON TIME"), approx="c0ffee")
     p = plan_request(req(FRAME, SKILL, booking("ON TIME"), policy=Policy.EXACT, session="agent-17"), TierView(),
                      approx_sess, encode)
-    assert [s.kind for s in p.steps] == [PlanKind.RECOMPUTE, PlanKind.REUSE, PlanKind.RECOMPUTE]   # frame variant
+    assert [s.kind for s in p.steps] == [PlanKind.REUSE, PlanKind.RECOMPUTE]   # frame + skill variant
     assert not any(s.approximate for s in p.steps) and p.approx == ""
     assert any("approximate" in n for n in p.notes)
     exact_sess = session_of(FRAME, SKILL, booking("ON TIME"))
@@ -460,7 +465,7 @@ def test_a_cold_prompt_goes_whole_to_a_decode_engine_that_computes_it():
     comp = plan_request(req(FRAME, TXT, SKILL), TierView(frozenset({SKILL.kv.digest})), None, encode, cold)
     assert [s.kind for s in comp.steps] == [PlanKind.RECOMPUTE, PlanKind.RECOMPUTE, PlanKind.REPOSITION]
     first = plan_request(req(FRAME, SKILL, policy=Policy.EXACT), TierView(), None, encode, cold)
-    assert [s.kind for s in first.steps] == [PlanKind.RECOMPUTE, PlanKind.REUSE]     # exact reuse keeps its prefill
+    assert [s.kind for s in first.steps] == [PlanKind.REUSE]     # exact reuse (frame + skill) keeps its prefill
     first_turn = plan_request(req(FRAME, session="agent-17"), TierView(), None, encode, cold)
     assert [s.kind for s in first_turn.steps] == [PlanKind.RECOMPUTE]
     # the reference decode engine (default) keeps the prefill worker's recompute

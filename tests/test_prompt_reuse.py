@@ -222,7 +222,8 @@ def test_a_repeat_request_computes_no_frame_token(smol, rig):
     for policy in ("exact", "fast"):
         segs = [{"skill": "lease"}, {"text": "Who keeps unit 13 tidy?"}]
         toks, first = asyncio.run(_native(router, segs, policy))
-        assert first.plan.steps[0].source == "frame" and first.plan.steps[0].kind is PlanKind.RECOMPUTE
+        assert first.plan.steps[0].source == "frame+skill:lease" and first.plan.steps[0].kind is PlanKind.REUSE
+        assert first.plan.steps[0].token_ids[:len(frame)] == frame and first.plan.steps[0].computed == 0
         pre0 = b.calls["prefill"]
         toks2, again = asyncio.run(_native(router, [{"skill": "lease"}, {"text": "And unit 26?"}], policy))
         assert again.plan.prefix_ids == first.plan.prefix_ids and b.calls["prefill"] == pre0
@@ -230,6 +231,45 @@ def test_a_repeat_request_computes_no_frame_token(smol, rig):
         # the decode engine computed only tokens after what it held, and it held past the frame
         assert src["decode_cache"] >= len(again.plan.prefix_ids) - 1 >= len(frame), (policy, src)
         assert src["computed"] == again.prompt_tokens - src["decode_cache"]
+
+
+def test_another_chunk_order_after_the_same_frame_computes_no_frame_token(smol, rig):
+    """Registration precompiles each chunk after the default chat frame (counted); a composed
+    request, then another order of the same chunks after the same frame: the prefill worker loads
+    frame + first chunk from the tier in one exact step and computes no frame token (its stage
+    records), that KV is bit-for-bit a recompute of frame + chunk, and cached_tokens counts the
+    frame's tokens as reused."""
+    from kvruntime.ops import recompute
+    router, b = rig
+    built, results = [], []
+    build, execute = b.pre.build, b.pre.execute
+    b.pre.build = lambda *a, **kw: built.append(build(*a, **kw)) or built[-1]
+    b.pre.execute = lambda *a, **kw: results.append(execute(*a, **kw)) or results[-1]
+    m0 = metric(router.metrics.render().decode(), "kvnotes_chunk_variants_compiled_total")
+    words = WORDS.split(". ")
+    regs = [asyncio.run(router.register_chunk("skill", "default", name, ". ".join(words[k::2]) + "."))
+            for k, name in enumerate(("alpha", "beta"))]
+    assert all(r["frame_variant"]["cached"] is False for r in regs)
+    assert metric(router.metrics.render().decode(), "kvnotes_chunk_variants_compiled_total") == m0 + 2
+    frame = router.renderer.frame()
+    asyncio.run(_native(router, [{"skill": "alpha"}, {"skill": "beta"}, {"text": "Who keeps unit 13 tidy?"}],
+                        "exact"))
+    for order, q in ((("beta", "alpha"), "And unit 26?"), (("beta",), "And unit 39?")):
+        b.dec.held = HeldPrefixes(256 << 20)             # the decode engine holds no frame: the tier serves it
+        toks, fin = asyncio.run(_native(router, [{"skill": n} for n in order] + [{"text": q}], "exact"))
+        head = fin.plan.steps[0]
+        assert head.kind is PlanKind.REUSE and head.source == "frame+skill:beta" and head.computed == 0
+        assert "no frame forward pass" in head.reason and fin.plan.approx == ""
+        st = results[-1].stats
+        assert st.variants_compiled == 0 and st.fallbacks == [] and st.reused == head.tokens
+        assert st.computed == fin.plan.prefix_tokens - head.tokens           # the later chunk only: no frame token
+        kv, _ = built[-1]
+        n = head.tokens
+        assert torch.equal(kv.data[:, :, :, :n], recompute(smol, list(head.token_ids), logits=False).kv.data)
+        assert kv.token_ids[:len(frame)].tolist() == list(frame)
+        src = _check_sources(fin)
+        assert src["reused"] == n and src["computed"] == fin.prompt_tokens - n - src["decode_cache"]
+    assert metric(router.metrics.render().decode(), "kvnotes_chunk_variants_compiled_total") == m0 + 2
 
 
 def test_concurrent_requests_sharing_a_long_prefix_reuse_it(smol, rig):

@@ -175,7 +175,8 @@ def test_an_evicted_chunk_is_listed_out_of_tier_counted_as_a_miss_and_rewarmed(s
         toks, fin = asyncio.run(_complete(router, LATE_SKILL, "fast"))
         assert len(toks) > 0 and fin.fallbacks == ()
         assert fin.plan.steps[-1].kind.value == "reposition" and "re-warmed" in fin.plan.steps[-1].reason
-        assert any("not in the tier: re-warmed" in n for n in fin.plan.notes) and b.source.compiled == 2
+        # registration compiled the chunk and its frame variant; the re-warm compiles it once more
+        assert any("not in the tier: re-warmed" in n for n in fin.plan.notes) and b.source.compiled == 3
         text = router.metrics.render().decode()
         assert "kvnotes_tier_rewarms_total 1.0" in text
         assert _metric(text, 'kvnotes_tier_lookups_total{tier="lmcache"}') - \
@@ -183,7 +184,7 @@ def test_an_evicted_chunk_is_listed_out_of_tier_counted_as_a_miss_and_rewarmed(s
         assert _metric(text, 'kvnotes_tier_hits_total{tier="lmcache"}') == _metric(m0, 'kvnotes_tier_hits_total{tier="lmcache"}')
         toks2, fin2 = asyncio.run(_complete(router, LATE_SKILL, "fast"))
         assert toks2 == toks and "re-warmed" not in fin2.plan.steps[-1].reason     # the next use hits
-        assert b.source.compiled == 2 and [x["in_tier"] for x in asyncio.run(router.listing("skill", "default"))] == [True]
+        assert b.source.compiled == 3 and [x["in_tier"] for x in asyncio.run(router.listing("skill", "default"))] == [True]
     finally:
         b.rx.stop()
 
@@ -197,27 +198,34 @@ def _metric(text: str, name: str) -> float:
 
 def test_the_default_policy_reuses_a_skill_after_the_frame_exactly_one_variant_per_frame(smol, tmp_path):
     """The README's demo with the default policy (balanced; SmolLM2's profile meets no compose
-    target): the skill comes first after the chat frame, so it is exact reuse of its variant
-    compiled after the frame, compiled on first use (counted) and a tier hit after; the answer is
-    the recompute's, token for token."""
+    target): the skill comes first after the chat frame, so frame + skill are one exact reuse of
+    their variant compiled together, precompiled at registration (counted): the first request
+    computes no prefix token; a variant the tier lost is compiled on first use (counted) and a
+    tier hit after; the answer is the recompute's, token for token."""
     from kvruntime.ops import recompute
     router, b = _router(smol, GrpcTransport(), tmp_path)
     try:
-        asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
+        info = asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
+        assert info["frame_variant"]["cached"] is False
+        assert _metric(router.metrics.render().decode(), "kvnotes_chunk_variants_compiled_total") == 1
         segs = [{"skill": "museum"}, {"text": "When does it close?"}]
         toks, fin = asyncio.run(_complete(router, segs, None))
-        step = fin.plan.steps[1]
+        (step,) = fin.plan.steps
         assert fin.plan.policy.value == "balanced" and fin.fallbacks == ()
-        assert step.kind.value == "reuse" and "compiled after the frame" in step.reason and fin.plan.approx == ""
-        assert step.kv.prefix == fin.plan.steps[0].token_ids and step.position == len(step.kv.prefix)
-        text = router.metrics.render().decode()
-        assert _metric(text, "kvnotes_chunk_variants_compiled_total") == 1
+        assert step.kind.value == "reuse" and "compiled together: exact, reused" in step.reason and fin.plan.approx == ""
+        assert step.kv.prefix == () and step.position == 0 and step.token_ids[:len(router.renderer.frame())] == \
+            router.renderer.frame()
+        assert step.reused == step.tokens and info["frame_variant"]["key"] == step.kv.digest
         full = recompute(smol, list(fin.plan.prefix_ids + fin.plan.suffix_ids))
         assert toks == [t for t in smol.greedy(full.kv, full.logits, 10, stop_at_eos=True) if t not in smol.eos_ids]
-        toks2, fin2 = asyncio.run(_complete(router, segs, None))                   # the variant is in the tier now
-        assert toks2 == toks and fin2.plan.steps[1].reused == fin2.plan.steps[1].tokens
-        assert _metric(router.metrics.render().decode(), "kvnotes_chunk_variants_compiled_total") == 1
-        exact, fin3 = asyncio.run(_complete(router, segs, "exact"))                # same variant, same answer
-        assert exact == toks and fin3.plan.steps[1].kv == fin2.plan.steps[1].kv
+        b.source.d.pop(b.source._k(step.kv))                                       # the tier lost the variant
+        toks2, fin2 = asyncio.run(_complete(router, segs, None))
+        assert toks2 == toks and fin2.plan.steps[0].computed == step.tokens and "first use" in fin2.plan.steps[0].reason
+        assert _metric(router.metrics.render().decode(), "kvnotes_chunk_variants_compiled_total") == 2
+        toks3, fin3 = asyncio.run(_complete(router, segs, None))                   # in the tier again
+        assert toks3 == toks and fin3.plan.steps[0].reused == step.tokens
+        assert _metric(router.metrics.render().decode(), "kvnotes_chunk_variants_compiled_total") == 2
+        exact, fin4 = asyncio.run(_complete(router, segs, "exact"))                # same variant, same answer
+        assert exact == toks and fin4.plan.steps[0].kv == step.kv
     finally:
         b.rx.stop()

@@ -344,11 +344,12 @@ def test_default_policy_frame_variant_is_shadow_checked_under_its_own_key(smol, 
 
     async def main():
         await router.register_chunk("skill", "default", "museum", MUSEUM)
-        for q in QUESTIONS:                       # the first compiles the variant, the second reuses it
+        for q in QUESTIONS:                       # registration compiled the variant: both reuse it
             fin = await _ask_default(router, q)
             assert fin.plan.policy is Policy.BALANCED and fin.plan.approx == ""
-            reuse = [s for s in fin.plan.steps if s.kind is PlanKind.REUSE and s.kv is not None and s.kv.prefix]
-            assert len(reuse) == 1 and reuse[0].source == "skill:museum"
+            reuse = [s for s in fin.plan.steps if s.kind is PlanKind.REUSE and s.kv is not None
+                     and s.kv.prefix is not None]
+            assert len(reuse) == 1 and reuse[0].source == "frame+skill:museum"
         op = router.fidelity["operations"][FRAME_REUSE_OP]
         assert op["samples"] == 2 and op["top1"] == 1.0 and op["greedy_exact"] == 1.0 and op["exact"]
         assert op["mismatches"] == 0 and not op["demoted"] and set(router.fidelity["operations"]) == {FRAME_REUSE_OP}

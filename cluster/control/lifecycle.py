@@ -11,10 +11,11 @@ new plan. It talks to workers only through the ``Backends`` protocol (:mod:`clus
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
 from cluster.control.cancel import prefill_or_cancel
@@ -39,6 +40,40 @@ STORE_ONLY_FALLBACKS = frozenset({"tier_store_failed", "kv_send_pool_full", "kv_
                                   "kv_transport_nixl_to_grpc"})
 
 
+@dataclass
+class StageClock:
+    """One request's control-path clock: consecutive laps (``lap(name)``: seconds since the previous
+    lap, so the laps add up to the time since ``start``) plus named amounts measured elsewhere
+    (``add``). ``start`` and ``first_token`` are ``time.perf_counter()`` values (CLOCK_MONOTONIC on
+    Linux: comparable with a client's on the same machine). Shown as ``explain.control``."""
+    start: float = field(default_factory=time.perf_counter)
+    laps: list = field(default_factory=list)          # (stage, seconds), in order
+    extra: dict = field(default_factory=dict)          # stage -> seconds measured by a worker
+    first_token: float | None = None
+    _last: float | None = None
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps.append((name, now - (self._last if self._last is not None else self.start)))
+        self._last = now
+
+    def add(self, name: str, seconds: float) -> None:
+        self.extra[name] = self.extra.get(name, 0.0) + seconds
+
+    def as_json(self) -> dict:
+        return {"start": self.start, "first_token": self.first_token,
+                "laps": [[k, round(v, 6)] for k, v in self.laps], "worker": {k: round(v, 6) for k, v in self.extra.items()}}
+
+
+#: the clock of the request being served (set by the HTTP layer; None outside a request: no laps)
+CLOCK: contextvars.ContextVar[StageClock | None] = contextvars.ContextVar("kvnotes_stage_clock", default=None)
+
+
+def lap(clock: StageClock | None, name: str) -> None:
+    if clock is not None:
+        clock.lap(name)
+
+
 @dataclass(frozen=True)
 class Finished:
     """Last event of a request: what the API layer needs for ``usage`` and ``explain``."""
@@ -52,6 +87,7 @@ class Finished:
     stages: tuple[tuple[str, float], ...] = ()   # KV path seconds per stage (transfer.STAGES order)
     transport: str = ""            # what carried the prefix KV (nixl | grpc; "" if none was sent)
     sources: tuple[tuple[str, int], ...] = ()   # prompt tokens by where their KV came from (metrics.prompt_sources)
+    clock: StageClock | None = None  # control-path laps (explain.control), None outside an HTTP request
 
 
 class RequestRunner:
@@ -63,7 +99,7 @@ class RequestRunner:
     async def run(self, plan: RequestPlan, sampling: SamplingParams, t0: float,
                   store_as: KVRef | None, pi: int, salt: str,
                   deadline_s: float | None = None, leases: list = (),
-                  tenant: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
+                  tenant: str | None = None, clock: StageClock | None = None) -> AsyncIterator[TokenEvent | Finished]:
         """Prefill then decode, on the least loaded live decode worker. A worker lost before the
         first token: retried on another one (``request_retries``); a decode worker lost mid-stream:
         the stream continues on another one (``decode_migrations``, cluster.control.migration), and
@@ -75,6 +111,8 @@ class RequestRunner:
         deadline = t0 + min(deadline_s or self.fault.deadline_s, self.fault.deadline_s)
         tried = {"prefill": set(), "decode": set()}
         attempt, ttft, sent = 0, None, 0
+        # each is a pass over every prefix token (kv_salt hashes the plan's recipe and tokens): once
+        prefix_ids, kv_salt = plan.prefix_ids, plan.kv_salt(salt)
         while True:
             try:
                 di = self.view.pick_decode(exclude=tried["decode"])
@@ -94,25 +132,32 @@ class RequestRunner:
                     try:
                         # the decode actor accepts this block only: credential (the prefill actor's
                         # alone), shape, dtype
-                        grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, plan.prefix_ids)
+                        grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, prefix_ids)
                         # ship nothing twice: the decode actor says how much of the prefix it holds;
                         # build nothing twice: holding up to the plan's forward_from, it computes the
                         # rest itself and no prefill runs (not for a session's context to store)
                         computes_from = None if store_as is not None and plan.session else plan.forward_from
+                        lap(clock, "grant")
                         held = await self._before(deadline, "prefill", self.backends.expect(
-                            di, grant, plan.prefix_ids, plan.kv_salt(salt), computes_from))
+                            di, grant, prefix_ids, kv_salt, computes_from))
+                        lap(clock, "expect_call")
                         own = decode_computes_rest(held, computes_from)
                         if not own:
                             # past the deadline or with the client gone, the prefill worker is told to stop
                             res = await prefill_or_cancel(self.backends, m, pi, tid, plan.request_id, self._before(
                                 deadline, "prefill", self.backends.prefill(pi, plan, di, tid, store_as, credential=cred,
                                                                            send_from=held)))
+                            lap(clock, "prefill_call")
+                            if clock is not None:     # what the prefill actor itself measured of that call
+                                clock.add("prefill_build", res.seconds)
+                                clock.add("prefill_send", sum(v for k, v in res.stats.stages.items()
+                                                              if k in ("serialise", "transfer")))
                     finally:
                         self.view.end("prefill", pi, plan.prompt_tokens)
                 fallbacks = list(res.stats.fallbacks) if res else []
                 # -- decode: continued on another decode worker when this one is lost mid-stream, told to
                 # stop past the deadline or when the client leaves (cluster.control.migration)
-                stream = DecodeStream(self.backends, self.view, self.fault, m, plan, sampling, plan.kv_salt(salt),
+                stream = DecodeStream(self.backends, self.view, self.fault, m, plan, sampling, kv_salt,
                                       tried["decode"], lambda aw: self._before(deadline, "decode", aw))
                 try:
                     async for ev in stream.events(di, tid if own or (res is not None and res.transferred) else None,
@@ -120,6 +165,9 @@ class RequestRunner:
                         if isinstance(ev, TokenEvent):
                             if ttft is None:           # observed below, labelled with what executed
                                 ttft = time.perf_counter() - t0
+                                if clock is not None:
+                                    lap(clock, "decode_call")
+                                    clock.first_token = time.perf_counter()
                             sent += 1
                             yield ev
                         else:
@@ -163,11 +211,11 @@ class RequestRunner:
             finally:
                 self.view.end("decode", di, sampling.max_tokens)
 
-        yield self._account(plan, t0, ttft, res, summary, fallbacks, pi, tenant)
+        yield self._account(plan, t0, ttft, res, summary, fallbacks, pi, tenant, clock)
 
     def _account(self, plan: RequestPlan, t0: float, ttft: float | None,
                  res: PrefillResult | None, summary: DecodeSummary, fallbacks: list[str], pi: int,
-                 tenant: str | None) -> Finished:
+                 tenant: str | None, clock: StageClock | None = None) -> Finished:
         """Record what executed (not what was planned) and build the request's last event."""
         m = self.metrics
         kind = plan.kind.value
@@ -198,7 +246,7 @@ class RequestRunner:
             m.stage_seconds.labels(k, transport or "none").observe(sec)
         self.guard.after_response(plan, tenant or self.default_tenant, pi)   # shadow check: fire and forget
         return Finished(plan, summary, ttft, plan.prompt_tokens, cached, tuple(fallbacks),
-                        bool(res is not None and res.stored), stages, transport, tuple(sources.items()))
+                        bool(res is not None and res.stored), stages, transport, tuple(sources.items()), clock)
 
     @staticmethod
     async def _before(deadline: float, stage: str, aw):

@@ -6,10 +6,12 @@ Rules (per segment, left to right; DESIGN.md section 3):
   context KV is exact; a context whose template was re-registered is planned from scratch)
 - session context with edited template fields  -> erratum or edit-in-place (policy ``fast``;
   which one comes from the model's fidelity table, see :func:`choose_edit_kind`)
-- skill / memory right after the chat frame   -> exact reuse of its variant compiled after that frame
-  (``KVRef.prefix`` = the frame ids, :func:`frame_variant`), under every policy: no rotation, no
-  seam, the KV of a recompute of frame + chunk. A variant the tier does not hold yet is compiled
-  on first use by the prefill worker (counted) and stored
+- chat frame + the skill / memory right after it -> one exact reuse step from position 0 of the
+  tier entry holding both (:func:`frame_variant`: frame + chunk compiled together, ``KVRef.prefix``
+  = (), nothing before them), under every policy: no rotation, no seam, no frame forward pass; the
+  KV of a recompute of frame + chunk, bit for bit. A variant the tier does not hold yet is
+  compiled on first use by the prefill worker (counted) and stored; registration precompiles the
+  default frame's variant (``Router.register_chunk``)
 - later skills / memories                     -> reposition + seam + selective recompute of r of its
   tokens (``balanced``, ``fast``), with the cheapest (seam, r, probe) whose row in the model's
   measured fidelity profile meets the policy's target (:func:`choose_compose`: ``balanced`` by
@@ -365,8 +367,10 @@ def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext |
     steps, pos = [], 0
     first = first_after_frame(req.context)
     for i, seg in enumerate(req.context):
-        if i == first:
-            steps += _plan_frame_reuse(seg, pos, req.context, tier, notes)
+        if first is not None and i < first:
+            pass                                # the frame: inside the first chunk's variant step
+        elif i == first:
+            steps += _plan_frame_reuse(req.context, tier, notes)
         else:
             steps += _plan_segment(seg, pos, req.policy, tier, config, notes)
         pos += len(seg.token_ids)
@@ -392,28 +396,36 @@ def first_after_frame(context: tuple[RenderedSegment, ...]) -> int | None:
 
 
 def frame_variant(context: tuple[RenderedSegment, ...]) -> KVRef | None:
-    """Content address of the first chunk's variant compiled after the frame (the ids before it):
-    exact reuse at position len(frame). None when no registered chunk comes right after the frame.
-    The router looks it up in the tier with the chunks' own refs."""
+    """Content address of the chat frame (every segment before the first chunk) and the first
+    chunk after it, compiled together from position 0 (``prefix=()``: nothing before them, so
+    its tier key differs from the chunk's own): one exact entry, the KV of a recompute of frame +
+    chunk. None when no registered exact chunk comes right after the frame. The key covers the
+    frame ids and the chunk ids (and, in the tier, model, dtype and RoPE): another system prompt
+    is another variant. The router looks it up in the tier with the chunks' own refs."""
     i = first_after_frame(context)
     if i is None:
         return None
-    frame = tuple(t for seg in context[:i] for t in seg.token_ids)
-    return replace(context[i].kv, position=len(frame), prefix=frame)
+    ids = tuple(t for seg in context[:i + 1] for t in seg.token_ids)
+    return KVRef(ids, 0, context[i].kv.tenant_salt, prefix=())
 
 
-def _plan_frame_reuse(seg: RenderedSegment, pos: int, context: tuple[RenderedSegment, ...], tier: TierView,
-                      notes: list[str]) -> list[SegmentPlan]:
-    source, n, ref = f"{seg.kind}:{seg.name}", len(seg.token_ids), frame_variant(context)
+def _plan_frame_reuse(context: tuple[RenderedSegment, ...], tier: TierView, notes: list[str]) -> list[SegmentPlan]:
+    """One REUSE step from position 0 covering the frame and the first chunk (``frame+skill:NAME``)."""
+    i = first_after_frame(context)
+    seg, ref = context[i], frame_variant(context)
+    n, nf = len(ref.token_ids), len(ref.token_ids) - len(seg.token_ids)
+    source = f"frame+{seg.kind}:{seg.name}" if nf else f"{seg.kind}:{seg.name}"
+    what = f"chat frame ({nf} tokens) + {seg.kind}:{seg.name} compiled together" if nf else \
+        f"{seg.kind}:{seg.name} compiled at position 0"
     if ref.digest in tier.chunk_keys:
-        return [SegmentPlan(PlanKind.REUSE, source, seg.token_ids, pos, 0, n, ref,
-                            reason=f"compiled after the frame ({pos} tokens): exact, reused from the tier "
-                                   "(no rotation, no seam)")]
-    notes.append(f"{source} after this frame is not in the tier yet: its variant is compiled after the frame "
-                 "on first use and stored")
-    return [SegmentPlan(PlanKind.REUSE, source, seg.token_ids, pos, n, 0, ref,
-                        reason=f"compiled after the frame ({pos} tokens): exact; this variant is compiled on "
-                               "first use (no rotation, no seam)")]
+        return [SegmentPlan(PlanKind.REUSE, source, ref.token_ids, 0, 0, n, ref,
+                            reason=f"{what}: exact, reused from the tier (no frame forward pass, no rotation, "
+                                   "no seam)")]
+    notes.append(f"{source} is not in the tier yet: compiled on first use (one forward pass from position 0) "
+                 "and stored")
+    return [SegmentPlan(PlanKind.REUSE, source, ref.token_ids, 0, n, 0, ref,
+                        reason=f"{what}: exact; this variant is compiled on first use and stored (no rotation, "
+                               "no seam)")]
 
 
 def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView, config: PlannerConfig,

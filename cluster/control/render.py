@@ -25,6 +25,7 @@ class Renderer:
     def __init__(self, tokenizer, spec, registry: Registry, bos_id: int | None):
         self.tok, self.spec, self.registry, self.bos_id = tokenizer, spec, registry, bos_id
         self.max_chars = max_token_chars(tokenizer)     # characters one token stands for, at most (None: no bound)
+        self._frame: tuple[int, ...] | None = None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of user text: special-token strings in it (``<|im_start|>``...) stay plain text."""
@@ -66,8 +67,10 @@ class Renderer:
         return ids + tail
 
     def frame(self) -> tuple[int, ...]:
-        ids = [self.bos_id] if self.spec.prepend_bos and self.bos_id is not None else []
-        return tuple(ids + self.markup(self.spec.chat_user_prefix))
+        if self._frame is None:          # the same for every request: tokenised once
+            ids = [self.bos_id] if self.spec.prepend_bos and self.bos_id is not None else []
+            self._frame = tuple(ids + self.markup(self.spec.chat_user_prefix))
+        return self._frame
 
     def user_then_markup(self, user: str, markup: str) -> list[int]:
         """``user`` text followed by chat markup, tokenized as one string would be up to the

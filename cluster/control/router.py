@@ -21,10 +21,10 @@ from typing import AsyncIterator
 
 from cluster.control.errors import RequestError
 from cluster.control.backends import Backends
-from cluster.control.lifecycle import Finished, RequestRunner
+from cluster.control.lifecycle import CLOCK, Finished, RequestRunner, lap
 from cluster.control.metrics import Metrics
-from cluster.control.planner import (FidelityTarget, PlannerConfig, RenderedRequest, SessionContext, TierView,
-                                     choose_edit_kind, frame_variant, plan_request)
+from cluster.control.planner import (FidelityTarget, PlannerConfig, RenderedRequest, RenderedSegment, SessionContext,
+                                     TierView, choose_edit_kind, frame_variant, plan_request)
 from cluster.control.shadow import FidelityGuard, ShadowConfig
 from cluster.control.registry import Registry
 from cluster.control.pricing import TokenBudget, exceeds_message
@@ -72,6 +72,7 @@ class Router:
         self.view: WorkerView = getattr(backends, "view", None) or WorkerView(backends.num_prefill,
                                                                                backends.num_decode)
         self.fault: FaultPolicy = getattr(backends, "fault_policy", None) or FaultPolicy()
+        self._background: set = set()     # state-store writes off the request path (_mark_used_later)
         self.runner = RequestRunner(backends, self.view, self.fault, self.metrics, dtype, self.guard, default_tenant)
         if hasattr(backends, "start_health"):
             backends.start_health(self.metrics)
@@ -110,14 +111,39 @@ class Router:
         self.registry.add_chunk(Registration(tenant, kind, name, text, ids, token_hash(ids), ref.digest,
                                              old.created if old else now, now, True))
         self.metrics.registrations.labels(kind, "cached" if info.cached else "compiled").inc()
-        return {"name": name, "kind": kind, "tokens": len(ids), "key": ref.digest, "cached": info.cached,
-                "bytes": info.bytes, "seconds": info.seconds, "worker": info.worker}
+        out = {"name": name, "kind": kind, "tokens": len(ids), "key": ref.digest, "cached": info.cached,
+               "bytes": info.bytes, "seconds": info.seconds, "worker": info.worker}
+        variant = self._frame_variant(kind, name, ids, ref)
+        if variant is not None:          # the first request after the default frame pays no compile
+            try:
+                v = await self.backends.precompile(variant, first)
+            except Exception as exc:     # registered all the same: the variant compiles on first use
+                self.metrics.record_fallback("frame_variant_precompile_failed")
+                log.warning("precompiling %s %r after the chat frame failed (%s): compiled on first use", kind,
+                            name, exc)
+            else:
+                if not v.cached:
+                    self.metrics.chunk_variants.inc()
+                    log.info("%s %r precompiled after the %d-token chat frame (%d tokens, %.3f s)", kind, name,
+                             len(variant.token_ids) - len(ids), len(variant.token_ids), v.seconds)
+                out["frame_variant"] = {"key": variant.digest, "cached": v.cached, "seconds": v.seconds}
+        return out
+
+    def _frame_variant(self, kind: str, name: str, ids: tuple[int, ...], ref: KVRef) -> KVRef | None:
+        """The chunk's variant after this model's default chat frame (None: the model has none)."""
+        if not self.renderer.spec.chat_user_prefix or not self.renderer.frame():
+            return None
+        return frame_variant((RenderedSegment("frame", None, self.renderer.frame()),
+                              RenderedSegment(kind, name, tuple(ids), kv=ref)))
 
     async def delete_chunk(self, kind: str, tenant: str, name: str) -> dict:
         c = self.registry.remove_chunk(tenant, kind, name)
         shared = any(o.key == c.key for k in ("skill", "memory") for o in self.registry.chunks(tenant, k))
-        evicted = False if shared else await self.backends.evict(self.renderer.chunk_ref(c.token_ids,
-                                                                                         self.salt(tenant)))
+        ref = self.renderer.chunk_ref(c.token_ids, self.salt(tenant))
+        evicted = False if shared else await self.backends.evict(ref)
+        variant = None if shared else self._frame_variant(kind, name, c.token_ids, ref)
+        if variant is not None:
+            await self.backends.evict(variant)
         return {"name": name, "kind": kind, "deleted": True, "evicted": evicted}
 
     async def listing(self, kind: str, tenant: str) -> list[dict]:
@@ -154,8 +180,12 @@ class Router:
         counted (misses included) in ``kvnotes_tier_lookups_total{tier="lmcache"}``."""
         if not refs:
             return set()
+        t = time.perf_counter()
         try:
             got = await self.backends.contains(refs, index)
+            clock = CLOCK.get()
+            if clock is not None:
+                clock.add("tier_lookup", time.perf_counter() - t)
         except WorkerLost as exc:    # plan as if nothing is cached; _run retries the prefill elsewhere
             self.metrics.record_fallback("tier_lookup_worker_lost")
             log.warning("tier lookup failed (%s): planning without cached KV", exc)
@@ -186,6 +216,8 @@ class Router:
                              session: str | None, sampling: SamplingParams, edit: str = "auto",
                              deadline_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
+        clock = CLOCK.get()
+        lap(clock, "validate")               # since the body was read: the API layer's checks
         rid = uuid.uuid4().hex
         salt = self.salt(tenant)
         budget = self.budget(sampling)
@@ -193,6 +225,7 @@ class Router:
         req = replace(await asyncio.to_thread(self.renderer.render, rid, tenant, segments,      # off the event loop
                                               Policy(policy or self.default_policy.value), session, salt, budget),
                       edit_strategy=edit)
+        lap(clock, "render")
         sess = self.sessions.get(tenant, session) if session else None
         pi = self._pick_prefill(f"{tenant}|{session}" if session else None, leases)
         variant = frame_variant(req.context)       # the first chunk after the frame: exact reuse
@@ -200,40 +233,52 @@ class Router:
             + ([variant] if variant is not None else [])
         present = await self._present(refs, pi)
         now = time.time()
-        for s in req.context:
-            if s.kv is not None:
-                self.state.mark_used(tenant, s.kind, s.name, now, s.kv.digest in present)
-        if sess is not None and sess.context.digest not in present:
-            self.metrics.record_fallback("session_context_evicted")
-            log.warning("session %s: cached context no longer in the tier; planning from scratch", session)
-            sess = None
-        plan = plan_request(req, TierView(frozenset(present)), sess, self.renderer.encode, self.planner_config)
-        self._check_budget(plan.prompt_tokens, sampling)
-        store_as = None
-        if session and plan.steps and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
-            store_as = KVRef(plan.prefix_ids, 0, salt, plan.approx)
-        async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
-            if isinstance(ev, Finished) and session:
-                self._remember(tenant, req, sess, plan, store_as if ev.stored else None)
-            yield ev
+        marks = [(s.kind, s.name, s.kv.digest in present) for s in req.context if s.kv is not None]
+        lap(clock, "lookup_state")               # session, pick, tier lookup (explain.control.worker)
+        try:
+            if sess is not None and sess.context.digest not in present:
+                self.metrics.record_fallback("session_context_evicted")
+                log.warning("session %s: cached context no longer in the tier; planning from scratch", session)
+                sess = None
+            plan = plan_request(req, TierView(frozenset(present)), sess, self.renderer.encode, self.planner_config)
+            self._check_budget(plan.prompt_tokens, sampling)
+            store_as = None
+            if session and plan.steps and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
+                store_as = KVRef(plan.prefix_ids, 0, salt, plan.approx)
+            lap(clock, "plan")
+            async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant, clock):
+                if isinstance(ev, Finished) and session:
+                    self._remember(tenant, req, sess, plan, store_as if ev.stored else None)
+                yield ev
+                if marks:        # the first event is out: the writes stay off the time to first token
+                    self._mark_used_later(tenant, marks, now)
+                    marks = []
+        finally:
+            if marks:            # the request ended before its first event (an error, the client left)
+                self._mark_used_later(tenant, marks, now)
 
     async def _stream_prompt(self, leases: list, tenant: str, prompt_ids: list[int], *, policy: str | None,
                              sampling: SamplingParams,
                              deadline_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
+        clock = CLOCK.get()
+        lap(clock, "validate")               # since the body was read: the API layer's checks
         rid = uuid.uuid4().hex
         salt = self.salt(tenant)
         self._check_budget(len(prompt_ids), sampling)
         req = self.renderer.render_prompt(rid, prompt_ids, Policy(policy or self.default_policy.value))
         prefix = tuple(req.context[0].token_ids) if req.context else ()
         pi = self._pick_prefill(_h(tenant, prefix[:PROMPT_BLOCK]) if len(prefix) >= PROMPT_BLOCK else None, leases)
+        lap(clock, "render")
         hit_kv, hit = await self._prompt_lookup(tenant, salt, prefix, pi)
+        lap(clock, "lookup_state")
         plan = plan_request(req, TierView(prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv), None,
                             self.renderer.encode, self.planner_config)
         store_as = None
         if len(prefix) >= PROMPT_BLOCK and hit < len(prefix):
             store_as = KVRef(prefix, 0, salt)
-        async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant):
+        lap(clock, "plan")
+        async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant, clock):
             if isinstance(ev, Finished) and ev.stored:
                 bounds = {*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)}
                 try:
@@ -266,6 +311,43 @@ class Router:
                     log.info("prompt prefix of %d tokens no longer in the tier: reusing %d", cands[0], b)
                 return ref, b
         return None, 0
+
+    def _mark_used_later(self, tenant: str, marks: list[tuple[str, str, bool]], now: float) -> None:
+        """Write the registrations' last use and tier status (``marks``: kind, name, in the tier)
+        in a worker thread, once the request's first event is out (or it ended without one), off
+        the time to first token: bookkeeping for listings and gauges (a listing
+        looks the tier up again), one state-store transaction per registration. A failed write is
+        logged and counted (``kvnotes_fallbacks_total{reason="mark_used_failed"}``); the request
+        goes on."""
+        if not marks:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:     # a generator closed outside the event loop: written here
+            loop = None
+        if loop is None:
+            try:
+                self._mark_used(tenant, marks, now)
+            except Exception as exc:
+                self._marked_failed(exc)
+            return
+        fut = loop.run_in_executor(None, self._mark_used, tenant, marks, now)
+        self._background.add(fut)
+        fut.add_done_callback(self._marked)
+
+    def _mark_used(self, tenant: str, marks: list[tuple[str, str, bool]], now: float) -> None:
+        for kind, name, in_tier in marks:
+            self.state.mark_used(tenant, kind, name, now, in_tier)
+
+    def _marked(self, fut) -> None:
+        self._background.discard(fut)
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:
+            self._marked_failed(exc)
+
+    def _marked_failed(self, exc: BaseException) -> None:
+        self.metrics.record_fallback("mark_used_failed")
+        log.warning("recording the registrations' last use failed: %s", exc)
 
     def _prompt_index_unavailable(self, exc: StateStoreUnavailable) -> None:
         self.metrics.record_fallback("prompt_index_unavailable")

@@ -39,6 +39,8 @@ def _kvnotes(fin: Finished, explain: bool) -> dict:
     if explain:
         out["explain"] = {**fin.plan.explain(), "transport": fin.transport,
                           "stages": {k: round(v, 6) for k, v in fin.stages}}
+        if fin.clock is not None:     # control-path laps (cluster.control.lifecycle.StageClock)
+            out["explain"]["control"] = fin.clock.as_json()
     return out
 
 

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.http import api, heap
 from cluster.control.errors import RequestError
+from cluster.control import lifecycle as stage_clock      # a module reference, as above
 from cluster.control.state import StateStoreUnavailable
 from cluster.http.errors import error_response
 from cluster.control.limits import RequestLimits
@@ -52,11 +53,26 @@ def _replica_id() -> str:
         return "local"
 
 
-@app.middleware("http")
-async def _tag_replica(request: Request, call_next):
-    response = await call_next(request)
-    response.headers[REPLICA_HEADER] = _replica_id()
-    return response
+class _TagReplica:
+    """Adds ``x-kvnotes-replica`` to every response. Plain ASGI (a ``@app.middleware("http")``
+    function would pipe every streamed response through an extra task and memory stream)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (REPLICA_HEADER.encode(), _replica_id().encode())]}
+            await send(message)
+        await self.app(scope, receive, tagged)
+
+
+app.add_middleware(_TagReplica)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -156,6 +172,8 @@ class RouterIngress:
     async def _call(self, request: Request, handler, *, body: bool = True) -> Response:
         """Run ``handler(body, tenant, request_id)`` for an authenticated request within the limits;
         every failure becomes an OpenAI-shaped error carrying the request id."""
+        clock = stage_clock.StageClock()         # explain.control: this request's control-path laps
+        stage_clock.CLOCK.set(clock)
         rid = _new_rid()
         tenant = None
         acct = request_metrics.begin_request()   # the router marks it when it counts the final status
@@ -165,9 +183,11 @@ class RouterIngress:
             self.inflight.acquire(tenant)
         except Exception as exc:
             return self._counted(error_response(exc, rid), acct)
+        clock.lap("http_auth")
         streaming = False
         try:
             parsed = await read_json(request, self.limits) if body else None
+            clock.lap("http_body")
             resp = await handler(parsed, tenant, rid)
             if isinstance(resp, StreamingResponse):       # the slot is held until the stream ends
                 resp.body_iterator = self._release_after(resp.body_iterator, tenant, acct)

@@ -7,6 +7,7 @@ content (:class:`KVRef`), so an executor needs nothing else: no name map, no reg
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -48,13 +49,14 @@ class KVRef:
     position: int                  # canonical position of its first slot (chunks: 1 after BOS; contexts: 0)
     tenant_salt: str               # keys.tenant_salt(tenant, cluster secret)
     approx: str = ""               # "" = exact KV; else the digest of the recipe that built it
-    prefix: tuple[int, ...] | None = None  # tokens a chunk is compiled after (the frame); None = the anchor (BOS)
+    prefix: tuple[int, ...] | None = None  # tokens a chunk is compiled after; None = the anchor (BOS);
+                                           # () = nothing: token_ids compiled from position 0 (frame + chunk)
 
     @property
     def exact(self) -> bool:
         return not self.approx
 
-    @property
+    @functools.cached_property      # a pass over the tokens, asked for many times per request; the fields are frozen
     def digest(self) -> str:
         """Short display id (listings, ``explain``); the tier key adds model, dtype and RoPE."""
         raw = f"{self.tenant_salt}|{self.position}|{self.approx or 'exact'}|{token_hash(self.token_ids)}"
