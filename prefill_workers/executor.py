@@ -91,6 +91,7 @@ class PrefillExecutor:
         self._alloc, self._pool_misses = (self._counting(alloc) if alloc is not None else None), 0
         self._seams: list[int] = []               # chunk starts awaiting one batched seam repair
         self._seam_k, self._ratio = 0, 0.0       # ratio > 0: selective recompute (ops.blend)
+        self._probe, self._question = "kv1", plan.suffix_ids   # q probes rank by the plan's suffix (ops.qselect)
         self._borrowed: set[int] = set()         # storages of loaded KV (a tier's memory): never written
         self._cancelled = cancelled
         refs = [s.kv for s in plan.steps if s.kind in _LOADS and s.kv is not None]
@@ -140,13 +141,18 @@ class PrefillExecutor:
                        torch.cat([kv.token_ids, moved.token_ids.to(kv.token_ids.device)]))
 
     def _flush_seams(self, kv: KVCache, st: PrefillStats) -> KVCache:
+        """Repair the pending chunks' seams; with the plan's r > 0 also recompute the top-r chunk
+        tokens in the same forward, ranked by the step's probe: ``kv1`` (``ops.blend``: layer-1 K
+        deviation) or a question probe ``q...`` (``ops.qselect``: the attention the plan's suffix,
+        the question, pays to each chunk slot when run right after the composed KV; exactly
+        ``compose(...)``'s choice when the chunks are the last prefix step). A q probe with no
+        suffix to rank by falls back to kv1 (``st.fallbacks``: "question_probe_without_suffix")."""
         # the fresh KV is written into kv's buffer when it is a cat's copy, not a tier's chunk
         owned = kv.data.untyped_storage().data_ptr() not in self._borrowed
         if self._seams and self._ratio > 0:       # the plan's r: seams + top-r chunk tokens, one forward
             seams = {i for c in self._seams for i in range(c, min(c + self._seam_k, kv.num_tokens))}
             with _timed(st, "forward"):
-                res = selective_recompute(self.engine, kv, self._seams[0], self._ratio, seam_slots=seams,
-                                          in_place=owned)
+                res = self._select(kv, seams, owned, st)
             extra = len(res.recomputed_slots) - len(seams)
             st.computed += extra
             st.repositioned -= extra
@@ -156,6 +162,19 @@ class PrefillExecutor:
                 kv = seam_repair(self.engine, kv, self._seams, self._seam_k, in_place=owned)
             self._seams = []
         return kv
+
+    def _select(self, kv: KVCache, seams: set[int], owned: bool, st: PrefillStats):
+        """The pending chunks' selective recompute by the plan's probe (see :meth:`_flush_seams`)."""
+        from kvruntime.ops.probes import is_question_probe
+        if is_question_probe(self._probe) and self._question:
+            from kvruntime.ops.qselect import question_recompute
+            return question_recompute(self.engine, kv, self._seams[0], self._ratio, list(self._question),
+                                      seam_slots=seams, probe=self._probe, in_place=owned)
+        if self._probe != "kv1":
+            reason = "question_probe_without_suffix" if is_question_probe(self._probe) else "unknown_probe"
+            st.fallbacks.append(reason)
+            _log_once(reason, f"selective recompute: probe {self._probe!r} cannot run here ({reason}); kv1 used")
+        return selective_recompute(self.engine, kv, self._seams[0], self._ratio, seam_slots=seams, in_place=owned)
 
     def _fallback(self, step: SegmentPlan, reason: str, st: PrefillStats) -> None:
         st.fallbacks.append(reason)
@@ -260,11 +279,12 @@ class PrefillExecutor:
             if not self.engine.rope.enabled:
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
-            if self._seams and (step.seam_tokens, step.recompute_ratio) != (self._seam_k, self._ratio):
+            if self._seams and (step.seam_tokens, step.recompute_ratio, step.probe) != (self._seam_k, self._ratio,
+                                                                                        self._probe):
                 kv = self._flush_seams(kv, st)
             if step.seam_tokens or step.recompute_ratio:
                 self._seams.append(kv.num_tokens)
-                self._seam_k, self._ratio = step.seam_tokens, step.recompute_ratio
+                self._seam_k, self._ratio, self._probe = step.seam_tokens, step.recompute_ratio, step.probe
             kv = self._cat_repositioned(kv, loaded, step.position - int(loaded.positions[0]), st)
             st.computed += step.seam_tokens
             st.repositioned += step.tokens - step.seam_tokens

@@ -179,6 +179,44 @@ def test_reposition_plan_executes_the_planned_recompute_ratio(wired, ratio):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ratio", [0.3, 1.0])
+def test_a_question_probe_plan_recomputes_the_tokens_the_question_picks(wired, ratio):
+    """A REPOSITION step with r > 0 and a question probe: the executor ranks the chunk's tokens by
+    the attention the plan's suffix pays to them (ops.qselect), so its KV is exactly the prefix of
+    what ops.compose(probe="qlate") builds in process for the same inputs (the question as the
+    text after the chunk); r = 1 equals a full recompute. Without a suffix it falls back to kv1,
+    counted in the stats."""
+    from cluster.control.planner import ComposeChoice, PlannerConfig, compose_op_key
+    from kvruntime.ops import ChunkSegment, TextSegment, blend_count, compose
+    e, src, pre, dec, addr = wired
+    frame, skill, q = _segments(e)
+    src.put(skill.kv, precompile_chunk(e, list(skill.token_ids)))
+    key = compose_op_key(1, ratio, "qlate")
+    cfg = PlannerConfig(balanced=ComposeChoice(True, 1, ratio, key, "test", probe="qlate"))
+    plan = plan_request(RenderedRequest("rq", e.spec.name, Policy.BALANCED, (_as_text(frame), skill), q),
+                        TierView(frozenset({skill.kv.digest})), None, e.encode, cfg)
+    assert plan.steps[1].probe == "qlate" and plan.steps[1].recompute_ratio == ratio and key.endswith("probe=qlate)")
+    chunk_before = src.get(skill.kv).data.clone()
+    kv, st = pre.build(plan)
+    assert torch.equal(src.get(skill.kv).data, chunk_before) and not st.fallbacks
+    want = compose(e, [TextSegment(list(frame.token_ids)), ChunkSegment(src.get(skill.kv)), TextSegment(list(q))],
+                   seam_tokens=1, recompute_ratio=ratio, probe="qlate")
+    assert torch.equal(kv.data, want.kv.data[:, :, :, :kv.num_tokens])
+    n = len(skill.token_ids)
+    extra = blend_count(ratio, n - 1)
+    assert st.computed == len(frame.token_ids) + 1 + extra and st.repositioned == n - 1 - extra
+    kv1 = compose(e, [TextSegment(list(frame.token_ids)), ChunkSegment(src.get(skill.kv))], seam_tokens=1,
+                  recompute_ratio=ratio)
+    if ratio == 1.0:
+        full = recompute(e, list(frame.token_ids + skill.token_ids), logits=False).kv
+        assert torch.allclose(kv.data, full.data, atol=5e-4)
+    else:       # the question picks other tokens than the layer-1 deviation probe
+        assert not torch.equal(kv.data, kv1.kv.data)
+    no_q, st2 = pre.build(dataclasses.replace(plan, suffix_ids=()))
+    assert st2.fallbacks == ["question_probe_without_suffix"] and torch.equal(no_q.data, kv1.kv.data)
+
+
+@pytest.mark.slow
 def test_shadow_check_of_an_exact_plan_agrees_and_of_a_naive_one_measures_the_drift(wired):
     """PrefillExecutor.shadow: the plan as executed vs a full recompute. An exact plan agrees
     fully (KL ~ 0); a reposition plan reports its real KL (> 0), the same the harness measures."""

@@ -55,6 +55,12 @@ def test_compose_only_sweep_writes_a_profile_row_per_ratio(tmp_path):
     assert ops[blend_op(0.1)]["probed_tokens_mean"] > 0
     assert ops[blend_op(1.0)]["recomputed_tokens_mean"] == ops[REFERENCE_OP]["recomputed_tokens_mean"]
     assert "| " + blend_op(0.1) + " |" in r.stdout
+    ans = json.loads((tmp_path / "smollm2-135m.json").read_text())["compose_answers"]
+    assert ans["meta"]["cases"] == {"compose": 1, "decision": 1}           # --limit caps the decision cases too
+    assert set(ans["ops"]) == {REFERENCE_OP, "bos | seam 1", "bos | kv1 10%", "bos | kv1 100%"}
+    one = ans["ops"]["bos | kv1 100%"]
+    assert one["n"] == 2 and one["decision_n"] == 1 and one["answered"] == 2 and one["top1"] == 1.0
+    assert one["drop_bound"] is not None and one["chunk_share"] == 1.0 and one["decision"] == 1.0
 
 
 def test_bad_ratio_is_a_one_line_error():
@@ -110,3 +116,69 @@ def test_bad_sweep_options_are_one_line_errors(argv, needle):
     r = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "eval", "fidelity", "--compose-only", *argv],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr[-500:]
+
+
+def _rows(op, kind, vals, **kw):
+    return [dict(op=op, case=f"{kind[0]}{i}", kind=kind, kl=0.01, cosine=1.0, top1=t, greedy_exact=g,
+                 greedy_prefix=1.0, recomputed_tokens=10, context_tokens=100, chunk_tokens=80,
+                 chunk_recomputed=80 if op == REFERENCE_OP else 8, seconds=0.5, answer_ok=a,
+                 **({"decision_agree": d} if kind == "decision" else {}), **kw)
+            for i, (t, g, a, d) in enumerate(vals)]
+
+
+def test_compose_answers_section_from_rows_counts_intervals_and_the_paired_bound(tmp_path):
+    """``methods --from-rows --profile-out``: per op its parameters, top-1 / greedy / decision
+    agreement with Wilson intervals, answers paired with recompute's (Newcombe bound), measured
+    chunk share; written into the profile next to its other sections."""
+    from kvruntime.fidelity.methods import main, newcombe_paired_upper
+    from kvruntime.fidelity.report import wilson
+    ref = _rows(REFERENCE_OP, "compose", [(1, 1, 1, 0)] * 6 + [(1, 1, 0, 0)] * 4) \
+        + _rows(REFERENCE_OP, "decision", [(1, 1, 1, 1)] * 5)
+    op = _rows("bos | qlate 10%", "compose", [(1, 0, 1, 0)] * 5 + [(0, 0, 0, 0)] + [(1, 1, 1, 0)] + [(1, 0, 0, 0)] * 3) \
+        + _rows("bos | qlate 10%", "decision", [(1, 1, 1, 1)] * 4 + [(0, 0, 0, 0)])
+    f = tmp_path / "rows.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in ref + op) + "\n")
+    prof = tmp_path / "m.json"
+    prof.write_text(json.dumps({"meta": {"model": "m"}, "compose": {"x": {"n": 1}}}))
+    assert main(["--model", "m", "--from-rows", str(f), "--profile-out", str(prof)]) == 0
+    out = json.loads(prof.read_text())
+    assert out["compose"] == {"x": {"n": 1}}                                 # other sections kept
+    sec = out["compose_answers"]
+    assert sec["meta"]["cases"] == {"compose": 10, "decision": 5} and "--profile-out" in sec["meta"]["command"]
+    row = sec["ops"]["bos | qlate 10%"]
+    assert row["params"] == {"compile": "bos", "rotate": True, "seam_tokens": 1, "recompute_ratio": 0.1,
+                             "probe": "qlate"}
+    assert row["n"] == 15 and row["top1"] == 13 / 15 and row["top1_ci"] == list(wilson(13, 15))
+    assert row["greedy16"] == 5 / 15 and row["greedy16_ci"] == list(wilson(5, 15))
+    assert (row["decision_n"], row["decision"], row["decision_ci"]) == (5, 0.8, list(wilson(4, 5)))
+    # pairs (recompute, op), by hand from the rows above
+    a = 5 + 4                         # both right: x0-x4, d0-d3
+    b = 1 + 1                         # recompute right, op wrong: x5, d4
+    c = 1                             # op right, recompute wrong: x6
+    d = 3                             # both wrong: x7-x9
+    assert row["answered"] == 15 and row["lost"] == b and row["gained"] == c
+    assert row["accuracy"] == (a + c) / 15 and row["accuracy_recompute"] == (a + b) / 15
+    assert row["drop_bound"] == newcombe_paired_upper(a, b, c, d) and row["drop_bound"] > 2 / 15
+    assert row["chunk_share"] == 0.1 and row["ms_per_request"] == 500.0
+    assert sec["ops"][REFERENCE_OP]["params"] == {"recompute": True} and sec["ops"][REFERENCE_OP]["drop_bound"] is None
+    with pytest.raises(ValueError, match="profile of m"):
+        main(["--model", "other", "--from-rows", str(f), "--profile-out", str(prof)])
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_shipped_compose_answers_is_what_its_command_computes_from_the_shipped_rows(model):
+    """The section in the shipped table is reproducible: its meta names the command and the rows
+    files, and recomputing it from those rows gives the same numbers."""
+    from pathlib import Path
+
+    from kvruntime.fidelity.methods import answers_section, fill_chunk_counts
+    from kvruntime.fidelity.report import load_rows, load_summary
+    sec = load_summary(model)["compose_answers"]
+    root = Path(__file__).resolve().parents[1]
+    assert sec["meta"]["model"] == model and sec["meta"]["rows"] and "--profile-out" in sec["meta"]["command"]
+    again = answers_section(fill_chunk_counts(load_rows([root / p for p in sec["meta"]["rows"]]), model), {})
+    assert again["meta"]["cases"] == sec["meta"]["cases"]
+    assert json.loads(json.dumps(again["ops"])) == sec["ops"]
+    for name, row in sec["ops"].items():         # measured chunk share: r plus the seams (frame: first chunk exact)
+        r = row["params"].get("recompute_ratio", 1.0)
+        assert row["chunk_share"] is not None and (r <= row["chunk_share"] <= r + 0.08 or name.startswith("frame")), name

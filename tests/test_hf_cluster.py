@@ -161,7 +161,8 @@ def test_calibrated_profile_is_found_by_content_hash(tiny_checkpoints, tmp_path)
     summary = json.loads(path.read_text())
     assert summary["meta"]["content_hash"] == spec.content_hash and summary["compose"] and summary["compose_sweep"]
     # the operating point printed is the planner's own choice on that profile
-    choice = choose_compose(summary, FidelityTarget("top1", 0.97), model=spec.name)
+    choice = choose_compose(summary, FidelityTarget.answers(), model=spec.name)
+    assert summary["compose_answers"]["meta"]["cases"] == {"compose": 2, "decision": 2}
     assert choice.reason in res.stdout
     copy = shutil.copytree(src, tmp_path / "elsewhere" / src.name)
     found = find_profile(get_model_spec(str(copy)), out)

@@ -211,7 +211,8 @@ def test_choose_edit_kind_reads_the_fidelity_table():
 
 
 # ---- fidelity-targeted composition --------------------------------------------------------------
-from cluster.control.planner import ComposeChoice, FidelityTarget, choose_compose, compose_op_key  # noqa: E402
+from cluster.control.planner import (ComposeChoice, FidelityTarget, answer_criteria, choose_compose,  # noqa: E402
+                                     compose_op_key, executable_probe)
 
 
 def _row(top1, n=12, seam=1, r=0.0, rotate=True, **extra):
@@ -306,7 +307,7 @@ def _shipped_rows(prof):
     return [(sec, name, r) for sec, rows in (("compose", prof.get("compose", {})),
                                              ("compose_sweep", prof.get("compose_sweep", {}).get("ops", {})))
             for name, r in rows.items() if r.get("params", {}).get("rotate")
-            and r["params"].get("probe", "kv1") == "kv1" and not r["params"].get("recompute")]
+            and executable_probe(r["params"].get("probe", "kv1")) and not r["params"].get("recompute")]
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
@@ -338,6 +339,105 @@ def test_shipped_profiles_are_read_and_balanced_never_picks_a_row_that_misses_th
         assert not any(meets.values()), (model, meets)
         assert plan.steps[2].kind is PlanKind.RECOMPUTE
         assert f"no compose operation in the {model}'s fidelity profile meets top1 >= 97%" in reason, reason
+
+
+# ---- balanced's answer target (section compose_answers) ---------------------------------------
+ANSWERS = FidelityTarget.answers()
+
+
+def _arow(top1=0.97, n=130, dec=1.0, dn=40, bound=0.01, an=130, r=0.1, probe="kv1", compile="bos", seam=1, ms=100.0):
+    from kvruntime.fidelity.report import wilson
+    return {"params": {"compile": compile, "rotate": True, "seam_tokens": seam, "recompute_ratio": r, "probe": probe},
+            "n": n, "top1": top1, "top1_ci": list(wilson(round(top1 * n), n)), "decision_n": dn, "decision": dec,
+            "decision_ci": list(wilson(round(dec * dn), dn)) if dn else None, "answered": an, "accuracy": 0.5,
+            "accuracy_recompute": 0.5, "drop_bound": bound, "ms_per_request": ms}
+
+
+def _aprof(ops):
+    return {"compose_answers": {"meta": {}, "ops": ops}}
+
+
+def test_the_answer_target_needs_every_criterion_on_enough_cases():
+    """Each criterion alone keeps an operation out; so do too few cases of any kind. The counts
+    come from the config (BALANCED_MIN_CASES): 30 cases, 30 judged answers, 20 decision cases."""
+    from kvruntime.messages.config import BALANCED_MIN_CASES, ClusterConfig
+    assert (ANSWERS.min_cases, ANSWERS.min_answered, ANSWERS.min_decisions) == tuple(BALANCED_MIN_CASES.values())
+    assert FidelityTarget.from_config(ClusterConfig()) == ANSWERS
+    assert ANSWERS.basis == "answers" and (ANSWERS.minimum, ANSWERS.max_drop, ANSWERS.min_decision,
+                                           ANSWERS.max_ratio) == (0.95, 0.02, 0.98, 0.10)
+    assert choose_compose(_aprof({"ok": _arow()}), ANSWERS).allowed
+    for bad in (dict(top1=0.94), dict(dec=0.97), dict(bound=0.021), dict(r=0.15), dict(n=29), dict(an=29),
+                dict(dn=19), dict(dec=None, dn=0), dict(bound=None, an=0)):
+        c = choose_compose(_aprof({"op": _arow(**bad)}), ANSWERS, model="m")
+        assert not c.allowed and "nearest op" in c.reason, bad
+    with pytest.raises(ValueError):
+        ClusterConfig(balanced_min_decision=1.5)
+
+
+def test_balanced_by_answers_picks_the_cheapest_row_that_meets_it_and_cites_its_intervals():
+    prof = _aprof({"bos | seam 1": _arow(top1=0.9, r=0.0), "bos | kv1 10%": _arow(ms=200.0),
+                   "bos | qlate 10%": _arow(probe="qlate", ms=150.0), "bos | kv1 5%": _arow(r=0.05, dec=0.95),
+                   "frame | kv1 5%": _arow(r=0.05, compile="frame")})
+    c = choose_compose(prof, ANSWERS, model="m")
+    row = prof["compose_answers"]["ops"]["bos | qlate 10%"]
+    assert c.allowed and (c.seam_tokens, c.recompute_ratio, c.probe) == (1, 0.1, "qlate")   # cheaper in ms
+    assert c.op == compose_op_key(1, 0.1, "qlate") == "reposition(seam=1,r=0.1,probe=qlate)"
+    lo, hi = row["top1_ci"]
+    assert f"'bos | qlate 10%': top-1 agreement 97% [{lo * 100:.0f}-{hi * 100:.0f}%] on 130 cases" in c.reason
+    assert f"accuracy drop <= {row['drop_bound'] * 100:.1f} points (95% bound" in c.reason
+    tier = TierView(frozenset({SKILL.kv.digest}))
+    plan = plan_request(req(FRAME, TXT, SKILL, policy=Policy.BALANCED), tier, None, encode, PlannerConfig(balanced=c))
+    step = plan.steps[2]
+    assert step.kind is PlanKind.REPOSITION and step.probe == "qlate" and step.recompute_ratio == 0.1
+    assert "picked by the question" in step.reason and "answer target met" in step.reason
+    demoted = choose_compose(prof, ANSWERS, demoted=frozenset({c.op}))
+    assert demoted.op == compose_op_key(1, 0.1) and demoted.probe == "kv1" and "demoted online" in demoted.reason
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_shipped_profiles_explain_balanced_by_answers_with_the_profiles_numbers(model):
+    """On the shipped profiles (compose_answers from the issue-24 rows) balanced is allowed only
+    if a planned row meets every criterion; otherwise the reason names the nearest candidate and
+    quotes, from the profile, each criterion it missed with its interval and case count."""
+    from kvruntime.fidelity.report import load_summary
+    prof = load_summary(model)
+    ops = prof["compose_answers"]["ops"]
+    planned = {k: v for k, v in ops.items() if v["params"].get("compile") == "bos" and not v["params"].get("recompute")}
+    assert planned, model
+    meets = {k: all(ok for ok, _, _ in answer_criteria(v, ANSWERS)) for k, v in planned.items()}
+    c = choose_compose(prof, ANSWERS, model=model)
+    tier = TierView(frozenset({SKILL.kv.digest}))
+    plan = plan_request(req(FRAME, TXT, SKILL, policy=Policy.BALANCED), tier, None, encode, PlannerConfig(balanced=c))
+    reason = plan.explain()["steps"][2]["reason"]
+    if c.allowed:
+        name = next(k for k, v in planned.items() if compose_op_key(1, v["params"]["recompute_ratio"],
+                                                                    v["params"]["probe"]) == c.op and meets[k])
+        assert f"row '{name}'" in reason
+        return
+    assert not any(meets.values()) and plan.steps[2].kind is PlanKind.RECOMPUTE
+    assert f"no operation in the {model}'s profile meets the answer target; nearest " in reason, reason
+    name = reason.split("nearest ", 1)[1].split(": ", 1)[0]
+    row = planned[name]
+    missed = [t for ok, _, t in answer_criteria(row, ANSWERS) if not ok]
+    assert missed and all(t in reason for t in missed)
+    if row["top1"] < 0.95:
+        lo, hi = row["top1_ci"]
+        assert (f"top-1 agreement {row['top1']:.1%}".replace(".0%", "%") in reason
+                and f"[{lo * 100:.0f}-{hi * 100:.0f}%] on {row['n']} cases (needs >= 95%)" in reason), reason
+    if row["drop_bound"] is not None and row["drop_bound"] > 0.02:
+        assert f"accuracy drop <= {row['drop_bound'] * 100:.1f} points (95% bound, needs <= 2" in reason, reason
+    others = [v for k, v in planned.items() if k != name]
+    n_missed = len(missed)
+    assert all(sum(1 for ok, _, _ in answer_criteria(v, ANSWERS) if not ok) >= n_missed for v in others)
+
+
+def test_question_probe_rows_are_planned_and_other_probes_are_not():
+    assert executable_probe("kv1") and executable_probe("qlate") and executable_probe("q3-g1")
+    assert not executable_probe("progressive") and not executable_probe("kv4") and not executable_probe("qnope")
+    q = _row(0.98, r=0.1)
+    q["params"]["probe"] = "qlast"
+    c = choose_compose(_profile({"seam": _row(0.9), "r10 qlast": q, "r50": _row(0.99, r=0.5)}), BALANCED)
+    assert c.allowed and (c.recompute_ratio, c.probe) == (0.1, "qlast") and c.op == compose_op_key(1, 0.1, "qlast")
 
 
 def test_fidelity_target_validates():

@@ -112,6 +112,34 @@ def test_guard_bounds_checks_in_flight_counts_drops_and_skips_opted_out_tenants(
     asyncio.run(main())
 
 
+def test_a_question_probe_operation_is_checked_and_demoted_under_its_own_key():
+    """balanced by answers picks a q-probe row; shadow results are booked under the plan step's
+    probe-named key, so a demotion skips exactly that op and the guard re-chooses the next one."""
+    import dataclasses
+
+    from cluster.control.shadow import plan_op
+
+    def arow(probe, ms):
+        return {"params": {"compile": "bos", "rotate": True, "seam_tokens": 1, "recompute_ratio": 0.1, "probe": probe},
+                "n": 130, "top1": 0.97, "top1_ci": [0.92, 0.99], "decision_n": 40, "decision": 1.0,
+                "decision_ci": [0.91, 1.0], "answered": 130, "accuracy": 0.5, "accuracy_recompute": 0.5,
+                "drop_bound": 0.01, "ms_per_request": ms}
+    prof = {"meta": {"model": "m"}, "compose_answers": {"ops": {"q": arow("qlate", 1.0), "k": arow("kv1", 2.0)}}}
+    target = FidelityTarget.answers()
+    g = FidelityGuard(prof, {Policy.BALANCED: target}, ShadowConfig(fraction=1.0, window=5, min_samples=5),
+                      Metrics(), None, PlannerConfig())
+    qkey = compose_op_key(1, 0.1, "qlate")
+    assert g.planner_config().balanced.op == qkey and g.planner_config().balanced.probe == "qlate"
+    assert g.snapshot()["targets"]["balanced"]["accuracy_drop_bound"] == 0.02
+    plan = _plan()
+    step = dataclasses.replace(plan.steps[1], recompute_ratio=0.1, probe="qlate")
+    qplan = dataclasses.replace(plan, steps=(plan.steps[0], step))
+    assert plan_op(qplan) == qkey
+    for _ in range(5):
+        g._apply(g.monitor.record(plan_op(qplan), _res(0), target.minimum))
+    assert qkey in g.monitor.demoted and g.planner_config().balanced.op == compose_op_key(1, 0.1)
+
+
 # ---- the operation a plan is booked under; frame-variant plans are sampled too ---------------------
 
 FRAME = (1, 2, 3)
@@ -235,6 +263,7 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
     state = open_state(f"sqlite:///{tmp_path}/state.db")
     router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state, "m", "float32",
                     metrics=Metrics(), fidelity_summary=_profile(),
+                    balanced_target=FidelityTarget("top1", 0.97),     # next-token rows (the answer rule: above)
                     shadow=ShadowConfig(fraction=1.0, window=3, min_samples=3, max_in_flight=4))
 
     async def ask(q):

@@ -47,7 +47,8 @@ class Router:
     def __init__(self, backends: Backends, renderer: Renderer, state: StateStore, model_id: str, dtype: str, *,
                  metrics: Metrics | None = None, default_policy: str = "balanced", seam_tokens: int = 1,
                  fidelity_summary: dict | None = None, context_window: int = 8192, max_tokens_limit: int = 2048,
-                 default_tenant: str = "default", balanced_min_top1: float = 0.97,
+                 default_tenant: str = "default", balanced_min_top1: float = 0.95,
+                 balanced_target: FidelityTarget | None = None,
                  fast_min_top1: float | None = None, shadow: ShadowConfig | None = None,
                  decode_computes_cold: bool = False, served_model: str | None = None):
         self.backends, self.renderer, self.state = backends, renderer, state
@@ -58,7 +59,7 @@ class Router:
         self.sessions = SessionStore(state)
         self.default_policy = Policy(default_policy)
         self.edit_choice = choose_edit_kind(fidelity_summary)
-        targets = {Policy.BALANCED: FidelityTarget("top1", balanced_min_top1)}
+        targets = {Policy.BALANCED: balanced_target or FidelityTarget.answers(min_top1=balanced_min_top1)}
         if fast_min_top1 is not None:
             targets[Policy.FAST] = FidelityTarget("top1", fast_min_top1)
         self.guard = FidelityGuard(fidelity_summary, targets, shadow or ShadowConfig(), self.metrics,

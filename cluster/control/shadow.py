@@ -257,7 +257,7 @@ class FidelityGuard:
         c = self._config
         choices = {name: {"allowed": x.allowed, "op": x.op, "reason": x.reason}
                    for name, x in (("balanced", c.balanced), ("fast", c.fast)) if x is not None}
-        return {"targets": {p.value: {t.metric: t.minimum} for p, t in self.targets.items()},
+        return {"targets": {p.value: t.describe() for p, t in self.targets.items()},
                 "compose": choices, **self.monitor.snapshot()}
 
     def after_response(self, plan, tenant: str, worker: int) -> bool:

@@ -100,6 +100,7 @@ class RouterIngress:
         from cluster.control.ray_backends import RayBackends
         from cluster.control.registry import Registry
         from cluster.control.render import Renderer
+        from cluster.control.planner import FidelityTarget
         from cluster.control.router import Router
         from cluster.control.shadow import ShadowConfig
         from cluster.control.state import StoreLimits, open_state
@@ -125,7 +126,7 @@ class RouterIngress:
                              default_policy=cfg.default_policy, seam_tokens=cfg.seam_tokens,
                              fidelity_summary=self.profile.summary, context_window=spec.context_window,
                              max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant,
-                             balanced_min_top1=cfg.balanced_min_top1, fast_min_top1=cfg.fast_min_top1,
+                             balanced_target=FidelityTarget.from_config(cfg), fast_min_top1=cfg.fast_min_top1,
                              shadow=ShadowConfig(cfg.shadow_fraction, frozenset(cfg.shadow_opt_out_tenants),
                                                  cfg.shadow_max_in_flight, cfg.shadow_window,
                                                  cfg.shadow_min_samples, cfg.shadow_demote_s),

@@ -38,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="default: the config's dtype, else float32")
     c.add_argument("--device", default="cpu")
     c.add_argument("--threads", type=int, default=None)
-    c.add_argument("--config", default=None, help="the cluster's config (profiles_dir, dtype, balanced_min_top1)")
+    c.add_argument("--decisions", type=int, default=None,
+                   help="yes/no decision cases for the answer target (default 20, capped by --cases; 0: none)")
+    c.add_argument("--config", default=None, help="the cluster's config (profiles_dir, dtype, balanced_* target)")
 
     k = sub.add_parser("keys", help="API keys: each maps to a tenant (only its hash is stored)")
     ksub = k.add_subparsers(dest="action", required=True)
@@ -64,7 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.10, 0.15, 0.25, 0.50],
                    help="selective-recompute ratios swept with --compose-only")
     f.add_argument("--probes", nargs="+", default=["kv1"],
-                   help="selective-recompute probes swept with --compose-only (kv<N>, progressive)")
+                   help="selective-recompute probes swept with --compose-only (kv<N>, progressive, q<last|late|N>)")
+    f.add_argument("--decisions", type=int, default=None,
+                   help="yes/no decision cases (E2: memory placed late) for the section compose_answers "
+                        "(default 20, capped by --limit; 0: none)")
     f.add_argument("--seams", type=int, nargs="+", default=[1], help="seam tokens swept with --compose-only")
     f.add_argument("--rows-out", default=None, help="also write every per-case row as JSON lines to this file")
     f.add_argument("--from-rows", nargs="+", default=None,
@@ -151,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.ops.calibrate import calibrate
             from kvruntime.messages.config import ClusterConfig
             cfg = ClusterConfig.from_file(args.config) if args.config else None
-            calibrate(args.model, cases=args.cases, out=args.out or (cfg.profiles_dir if cfg else None),
+            from cluster.control.planner import FidelityTarget
+            calibrate(args.model, cases=args.cases, decisions=args.decisions,
+                      out=args.out or (cfg.profiles_dir if cfg else None),
                       dtype=args.dtype or (cfg.dtype if cfg else "float32"), device=args.device, threads=args.threads,
-                      min_top1=cfg.balanced_min_top1 if cfg else 0.97,
+                      target=FidelityTarget.from_config(cfg) if cfg else FidelityTarget.answers(),
                       command="kvnotes " + " ".join(argv if argv is not None else sys.argv[1:]))
             return 0
         if args.cmd == "demo":

@@ -9,8 +9,11 @@ import time
 from pathlib import Path
 
 from kvruntime.fidelity import report
-from kvruntime.fidelity.cases import load_compose_cases, load_edit_cases, load_passages
-from kvruntime.fidelity.runner import compose_ops, run_compose, run_edit
+from kvruntime.fidelity.cases import DECISION_CASES, load_compose_cases, load_edit_cases, load_passages
+from kvruntime.fidelity.methods import answers_from_runs, run_decisions
+from kvruntime.fidelity.runner import COMPOSE_OPS, compose_ops, run_compose, run_edit
+
+DEFAULT_DECISIONS = 20      # yes/no decision cases per run (the answer target needs >= 20: BALANCED_MIN_CASES)
 
 BEGIN, END = "<!-- BEGIN GENERATED: kvnotes eval report -->", "<!-- END GENERATED -->"
 
@@ -51,9 +54,11 @@ def eval_fidelity(args, argv: list[str]) -> int:
         for p in probes:
             probe_layer_of(p, engine.num_layers)
         return _compose_sweep(args, argv, engine, compose_cases, ratios, started, probes, seams)
-    print(f"kvnotes: fidelity of {args.model}: {len(compose_cases)} compose cases, "
+    decisions = _decisions(args)
+    print(f"kvnotes: fidelity of {args.model}: {len(compose_cases)} compose cases, {decisions} decision cases, "
           f"{len(edit_cases)} edit cases{'' if args.no_cot else ' (+ CoT variant)'}", file=sys.stderr)
     compose_rows = run_compose(engine, compose_cases, load_passages())
+    decision_rows = run_decisions(engine, decisions, COMPOSE_OPS)
     edit_rows, informative = run_edit(engine, edit_cases)
     cot_rows, cot_inf = ({}, {}) if args.no_cot else run_edit(engine, edit_cases, cot=True, greedy_n=32)
     meta = {
@@ -62,10 +67,11 @@ def eval_fidelity(args, argv: list[str]) -> int:
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {__import__('torch').get_num_threads()}",
         "seconds": time.monotonic() - started,
-        "cases": {"compose": len(compose_cases), "edit": len(edit_cases),
+        "cases": {"compose": len(compose_cases), "decision": decisions, "edit": len(edit_cases),
                   "informative": sum(informative.values()), "cot_informative": sum(cot_inf.values())},
     }
     summary = report.build_summary(meta, compose_rows, edit_rows, informative, cot_rows, cot_inf)
+    summary["compose_answers"] = answers_from_runs(meta, compose_rows, decision_rows)
     tables_dir = Path(args.tables_dir) if args.tables_dir else report.TABLES_DIR
     previous = report.load_summary(args.model, tables_dir) or {}
     if previous.get("compose_sweep"):              # kept: a full run does not re-measure the r sweep
@@ -83,22 +89,25 @@ def _compose_sweep(args, argv, engine, cases, ratios, started, probes=("kv1",), 
     print(f"kvnotes: compose sweep of {args.model}: {len(cases)} cases, ratios {list(ratios)}", file=sys.stderr)
     ops = {k: v for k, v in compose_ops(ratios, probes, seams).items()
            if k in ("reposition + seam 1", "reposition + seam 4") and v["seam_tokens"] in seams or v.get("recompute_ratio")}
+    decisions = _decisions(args)
     rows_out = open(args.rows_out, "w") if getattr(args, "rows_out", None) else None
     try:
         rows = run_compose(engine, cases, load_passages(), ops=ops, rows_out=rows_out)
     finally:
         if rows_out is not None:
             rows_out.close()
+    decision_rows = run_decisions(engine, decisions, ops)
     meta = {"model": args.model, "dtype": args.dtype, "device": args.device,
             "command": "kvnotes " + " ".join(_without_option(argv, "--tables-dir")),
             "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {__import__('torch').get_num_threads()}",
-            "seconds": time.monotonic() - started, "cases": {"compose": len(cases)}}
+            "seconds": time.monotonic() - started, "cases": {"compose": len(cases), "decision": decisions}}
     tables_dir = Path(args.tables_dir) if args.tables_dir else report.TABLES_DIR
     summary = report.load_summary(args.model, tables_dir) or {"meta": meta}
     if summary.get("compose"):
         summary["compose"] = report.with_params(summary["compose"])
     summary["compose_sweep"] = report.build_sweep(meta, rows, ops)
+    summary["compose_answers"] = answers_from_runs(meta, rows, decision_rows)
     path = report.save_summary(args.model, summary, tables_dir)
     print(report.render_markdown(summary))
     print(f"kvnotes: summary written to {path}", file=sys.stderr)
@@ -128,6 +137,17 @@ def _sweep_from_rows(args, argv) -> int:
     print("#### Top-1 flips\n\n" + report.flips_table(rows))
     print(f"kvnotes: summary written to {path}", file=sys.stderr)
     return 0
+
+
+def _decisions(args) -> int:
+    """Yes/no decision cases to run (``--decisions``, capped by ``--limit``; 0 with --unanswered)."""
+    n = getattr(args, "decisions", None)
+    n = DEFAULT_DECISIONS if n is None else n
+    if n < 0 or n > DECISION_CASES:
+        raise ValueError(f"--decisions must be in 0..{DECISION_CASES}, got {n}")
+    if getattr(args, "unanswered", False):
+        return 0
+    return min(n, args.limit) if args.limit is not None else n
 
 
 def _without_option(argv: list[str], opt: str) -> list[str]:

@@ -3,7 +3,11 @@
     python -m kvruntime.fidelity.methods --model smollm2-135m --threads 1 --answered 24 \
         --decisions 40 --compile bos frame --methods seam1 kv1 qlast qlate --ratios 0.05 0.1 \
         --rows-out /tmp/rows.jsonl
-    python -m kvruntime.fidelity.methods --model smollm2-135m --from-rows /tmp/rows.jsonl
+    python -m kvruntime.fidelity.methods --model smollm2-135m --from-rows /tmp/rows.jsonl \
+        --profile-out kvruntime/fidelity/tables/smollm2-135m.json
+
+``--profile-out`` writes the section ``compose_answers`` (:func:`answers_section`) that
+``balanced``'s answer target is checked against (``cluster.control.planner.choose_compose``).
 
 Operations are named ``<compile> | <method>[ r]``: compile ``bos`` (today: after BOS alone),
 ``frame`` (after the model's chat frame: the first chunk after it is exact reuse), ``nl<k>``
@@ -18,14 +22,35 @@ recomputed and mean wall time per request (compose + question, 1 thread; probes 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import math
 import re
 import sys
+from pathlib import Path
 
 from kvruntime.fidelity.report import load_rows, wilson
 from kvruntime.fidelity.runner import REFERENCE_OP
+from kvruntime.messages.config import BALANCED_ANSWER_TARGET
 
-TARGET = dict(drop_bound=0.02, decision=0.98, top1=0.95, max_ratio=0.10)
+TARGET = dict(BALANCED_ANSWER_TARGET)   # drop_bound, decision, top1, max_ratio (the config's defaults)
+
+
+def write_section(path: Path, section: dict, model: str) -> None:
+    """Put ``compose_answers`` into the profile at ``path`` (created with a meta if absent)."""
+    if path.exists():
+        summary = json.loads(path.read_text())
+        have = (summary.get("meta") or {}).get("model")
+        if have and have != model:
+            raise ValueError(f"{path} is the profile of {have}, not {model}")
+    else:
+        summary = {"meta": {"model": model, "command": section["meta"]["command"], "dtype": "float32",
+                            "device": "cpu", "date": section["meta"]["date"], "machine": "", "cases": {}}}
+    summary["compose_answers"] = section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True, default=lambda x: None))
+    print(f"compose_answers ({len(section['ops'])} ops, cases {section['meta']['cases']}) written to {path}",
+          file=sys.stderr)
 
 
 def method_ops(compiles, methods, ratios) -> dict[str, dict]:
@@ -65,44 +90,199 @@ def _pct(k, n):
     return f"{k}/{n} = {k / n:.0%} ({lo:.0%}-{hi:.0%})"
 
 
-def summary_table(rows: dict[str, list[dict]], kinds=("compose", "decision")) -> str:
-    ref = {r["case"]: r for r in rows.get(REFERENCE_OP, [])}
+def common_cases(rows: dict[str, list[dict]]) -> set[str]:
+    """Cases every operation finished (the reference row does not narrow them)."""
     sets = [{r["case"] for r in rs} for op, rs in rows.items() if op != REFERENCE_OP]
-    common = set.intersection(*sets) if sets else set()     # cases every operation finished
+    return set.intersection(*sets) if sets else set()
+
+
+def op_stats(op: str, rows: dict[str, list[dict]], common: set[str] | None, kinds=("compose", "decision")) -> dict | None:
+    """One operation's counts on ``common`` cases (None: every case it measured) of ``kinds``,
+    paired with recompute's rows."""
+    ref = {r["case"]: r for r in rows.get(REFERENCE_OP, [])}
+    rs = [r for r in rows[op] if r.get("kind", "compose") in kinds and (common is None or r["case"] in common)]
+    if not rs:
+        return None
+    pairs = [(ref[r["case"]]["answer_ok"], r["answer_ok"]) for r in rs
+             if r.get("answer_ok") is not None and r["case"] in ref and ref[r["case"]].get("answer_ok") is not None]
+    a = sum(1 for x, y in pairs if x and y)
+    b = sum(1 for x, y in pairs if x and not y)
+    c = sum(1 for x, y in pairs if y and not x)
+    dec = [r["decision_agree"] for r in rs if "decision_agree" in r]
+    chunk = [(r["chunk_recomputed"], r["chunk_tokens"]) for r in rs if "chunk_tokens" in r]
+    secs = [r["seconds"] for r in rs if "seconds" in r]
+    ref_secs = [ref[r["case"]]["seconds"] for r in rs if r["case"] in ref and "seconds" in ref[r["case"]]]
+    return dict(n=len(rs), kl=sum(r["kl"] for r in rs) / len(rs), top1=round(sum(r["top1"] for r in rs)),
+                exact=round(sum(r["greedy_exact"] for r in rs)), pairs=len(pairs), a=a, b=b, c=c,
+                d=len(pairs) - a - b - c,
+                bound=newcombe_paired_upper(a, b, c, len(pairs) - a - b - c) if pairs else math.nan,
+                dec_n=len(dec), dec_k=round(sum(dec)),
+                computed=sum(r["recomputed_tokens"] for r in rs) / len(rs),
+                context=sum(r["context_tokens"] for r in rs) / len(rs),
+                chunk_share=(sum(x for x, _ in chunk) / sum(y for _, y in chunk)
+                             if len(chunk) == len(rs) and sum(y for _, y in chunk) else None),
+                ms=1000 * _median(secs) if secs else None, ref_ms=1000 * _median(ref_secs) if ref_secs else None)
+
+
+def meets(op: str, s: dict, target: dict = TARGET) -> bool:
+    """The answer-based target on one op's stats (the planner applies the same rule to the
+    profile, with minimum case counts: ``cluster.control.planner.FidelityTarget``)."""
+    ratio = _ratio_of(op)
+    return (op != REFERENCE_OP and ratio is not None and ratio <= target["max_ratio"]
+            and s["top1"] / s["n"] >= target["top1"]
+            and (not s["pairs"] or s["bound"] <= target["drop_bound"])
+            and (not s["dec_n"] or s["dec_k"] / s["dec_n"] >= target["decision"]))
+
+
+def summary_table(rows: dict[str, list[dict]], kinds=("compose", "decision")) -> str:
+    common = common_cases(rows)
     lines = ["| operation | n | KL mean | top-1 agree (95% CI) | greedy-16 exact (95% CI) | answers right (recompute) | "
              "lost / gained | accuracy drop, 1-sided 95% bound | decision agree (95% CI) | "
              "tokens computed / context | ms / request, median (recompute) | meets target |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for op in rows:
-        rs = [r for r in rows[op] if r.get("kind", "compose") in kinds and r["case"] in common]
-        n = len(rs)
-        if not n:
+        s = op_stats(op, rows, common, kinds)
+        if s is None:
             continue
-        top1, exact = round(sum(r["top1"] for r in rs)), round(sum(r["greedy_exact"] for r in rs))
-        pairs = [(ref[r["case"]]["answer_ok"], r["answer_ok"]) for r in rs
-                 if r.get("answer_ok") is not None and r["case"] in ref]
-        a = sum(1 for x, y in pairs if x and y)
-        b = sum(1 for x, y in pairs if x and not y)
-        c = sum(1 for x, y in pairs if y and not x)
-        d = len(pairs) - a - b - c
-        bound = newcombe_paired_upper(a, b, c, d) if pairs else math.nan
-        dec = [r["decision_agree"] for r in rs if "decision_agree" in r]
-        k_dec = round(sum(dec))
-        chunk = [(r["recomputed_tokens"], r["context_tokens"]) for r in rs]
-        secs = [r["seconds"] for r in rs if "seconds" in r]
-        ref_secs = [ref[r["case"]]["seconds"] for r in rs if r["case"] in ref and "seconds" in ref[r["case"]]]
-        ratio = _ratio_of(op)
-        ok = (op != REFERENCE_OP and ratio is not None and ratio <= TARGET["max_ratio"] and top1 / n >= TARGET["top1"]
-              and (not pairs or bound <= TARGET["drop_bound"]) and (not dec or k_dec / len(dec) >= TARGET["decision"]))
+        n, a, b, c, pairs = s["n"], s["a"], s["b"], s["c"], s["pairs"]
         lines.append(
-            f"| {op} | {n} | {sum(r['kl'] for r in rs) / n:.3f} | {_pct(top1, n)} | {_pct(exact, n)} | "
-            + (f"{a + c}/{len(pairs)} ({a + b}/{len(pairs)}) | {b} / {c} | "
-               + ("- | " if op == REFERENCE_OP else f"{bound:+.1%} | ") if pairs else "n/a | n/a | n/a | ")
-            + f"{_pct(k_dec, len(dec)) if dec else 'n/a'} | "
-            + f"{sum(x for x, _ in chunk) / n:.0f} / {sum(y for _, y in chunk) / n:.0f} | "
-            + (f"{1000 * _median(secs):.0f} ({1000 * _median(ref_secs):.0f})" if secs and ref_secs else "n/a")
-            + f" | {'yes' if ok else 'no'} |")
+            f"| {op} | {n} | {s['kl']:.3f} | {_pct(s['top1'], n)} | {_pct(s['exact'], n)} | "
+            + (f"{a + c}/{pairs} ({a + b}/{pairs}) | {b} / {c} | "
+               + ("- | " if op == REFERENCE_OP else f"{s['bound']:+.1%} | ") if pairs else "n/a | n/a | n/a | ")
+            + f"{_pct(s['dec_k'], s['dec_n']) if s['dec_n'] else 'n/a'} | "
+            + f"{s['computed']:.0f} / {s['context']:.0f} | "
+            + (f"{s['ms']:.0f} ({s['ref_ms']:.0f})" if s["ms"] is not None and s["ref_ms"] is not None else "n/a")
+            + f" | {'yes' if meets(op, s) else 'no'} |")
     return "\n".join(lines)
+
+
+def _interval(k: int, n: int) -> list[float] | None:
+    return list(wilson(k, n)) if n else None
+
+
+def answers_section(rows: dict[str, list[dict]], meta: dict) -> dict:
+    """The profile section ``compose_answers`` (what ``balanced``'s answer target is checked
+    against, ``cluster.control.planner.choose_compose``): per op its compose() parameters and,
+    on the cases every op finished, top-1 / greedy-16 / decision agreement with recompute (each
+    with its 95% Wilson interval), answer accuracy of the op and of recompute on the same judged
+    cases, the one-sided 95% upper bound of the accuracy drop (Newcombe, paired), the share of
+    chunk tokens recomputed (measured; None for rows written before it was recorded) and the
+    median wall time per request. Each op counts every case it measured (runs with different op
+    sets add up; ``n`` says how many), unlike the printed tables, which keep the common cases."""
+    kinds = {r.get("kind", "compose") for rs in rows.values() for r in rs}
+    ops = {}
+    for op in rows:
+        s = op_stats(op, rows, None)
+        if s is None:
+            continue
+        n, pairs = s["n"], s["pairs"]
+        ops[op] = {
+            "params": params_of(op), "n": n, "kl_mean": s["kl"],
+            "top1": s["top1"] / n, "top1_k": s["top1"], "top1_ci": _interval(s["top1"], n),
+            "greedy16": s["exact"] / n, "greedy16_k": s["exact"], "greedy16_ci": _interval(s["exact"], n),
+            "decision_n": s["dec_n"], "decision_k": s["dec_k"],
+            "decision": s["dec_k"] / s["dec_n"] if s["dec_n"] else None,
+            "decision_ci": _interval(s["dec_k"], s["dec_n"]),
+            "answered": pairs, "accuracy": (s["a"] + s["c"]) / pairs if pairs else None,
+            "accuracy_recompute": (s["a"] + s["b"]) / pairs if pairs else None,
+            "lost": s["b"], "gained": s["c"],
+            "drop_bound": None if op == REFERENCE_OP or not pairs else s["bound"],
+            "chunk_share": 1.0 if op == REFERENCE_OP else s["chunk_share"],
+            "tokens_computed_mean": s["computed"], "context_tokens_mean": s["context"],
+            "ms_per_request": s["ms"], "ms_recompute": s["ref_ms"],
+        }
+    counts = {k: len({r["case"] for rs in rows.values() for r in rs if r.get("kind", "compose") == k})
+              for k in sorted(kinds)}
+    return {"meta": {**meta, "cases": counts, "target": dict(TARGET)}, "ops": ops}
+
+
+def method_name(sweep_op: str) -> str | None:
+    """The ``<compile> | <method>[ r]`` name of a ``runner.compose_ops`` operation (compiled after
+    BOS: "bos"); None for ops this table does not carry (naive splice)."""
+    from kvruntime.fidelity.report import params_of as sweep_params
+    if sweep_op == REFERENCE_OP:
+        return REFERENCE_OP
+    try:
+        p = sweep_params(sweep_op)
+    except ValueError:
+        return None
+    if p["recompute_ratio"]:
+        return f"bos | {p.get('probe', 'kv1')} {p['recompute_ratio']:.0%}" if p["seam_tokens"] == 1 else None
+    return f"bos | seam {p['seam_tokens']}"
+
+
+def as_method_rows(*row_sets: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """``run_compose`` rows of ``compose_ops`` operations (several case sets) under method names."""
+    out: dict[str, list[dict]] = {}
+    for rows in row_sets:
+        for op, rs in rows.items():
+            name = method_name(op)
+            if name is not None:
+                out.setdefault(name, []).extend(rs)
+    return out
+
+
+def fill_chunk_counts(rows: dict[str, list[dict]], model: str) -> dict[str, list[dict]]:
+    """Rows written before ``run_compose`` recorded chunk counts get them from the model's tokenizer
+    (the chunk ids as ``run_compose`` encodes them; no weights loaded): ``chunk_tokens`` and
+    ``chunk_recomputed`` = tokens computed minus the text around the chunks (always computed)."""
+    if all("chunk_tokens" in r for rs in rows.values() for r in rs):
+        return rows
+    import transformers
+
+    from kvruntime.checkpoint import ensure_checkpoint
+    from kvruntime.fidelity.cases import DECISION_CASES, load_compose_cases, load_decision_cases, load_passages
+    from kvruntime.models import get_model_spec
+    tok = transformers.AutoTokenizer.from_pretrained(ensure_checkpoint(get_model_spec(model)))
+    dec, dec_passages = load_decision_cases(DECISION_CASES)
+    cases = {c.id: c for c in load_compose_cases() + dec}
+    passages = {**load_passages(), **dec_passages}
+    size: dict[str, int] = {}
+    for rs in rows.values():
+        for r in rs:
+            if "chunk_tokens" in r:
+                continue
+            if r["case"] not in size:
+                size[r["case"]] = sum(len(tok(passages[p].strip() + "\n\n", add_special_tokens=False).input_ids)
+                                      for p in cases[r["case"]].chunks)
+            n = size[r["case"]]
+            r["chunk_tokens"], r["chunk_recomputed"] = n, r["recomputed_tokens"] - (r["context_tokens"] - n)
+            if not 0 <= r["chunk_recomputed"] <= n:
+                raise ValueError(f"{r['op']} {r['case']}: {r['recomputed_tokens']} tokens computed do not fit "
+                                 f"{n} chunk tokens of {r['context_tokens']} (rows of another model?)")
+    return rows
+
+
+def run_decisions(engine, n: int, ops: dict[str, dict]) -> dict[str, list[dict]]:
+    """The first ``n`` yes/no decision cases (``cases.load_decision_cases``: the paper's E2, the
+    memory placed late) under the ``compose_ops`` operations that have a method name."""
+    from kvruntime.fidelity.cases import load_decision_cases, load_passages
+    from kvruntime.fidelity.runner import run_compose
+    if n <= 0:
+        return {}
+    dec, dec_passages = load_decision_cases(n)
+    ops = {k: v for k, v in ops.items() if method_name(k) not in (None, REFERENCE_OP)}
+    return run_compose(engine, dec, {**load_passages(), **dec_passages}, ops=ops)
+
+
+def answers_from_runs(meta: dict, *row_sets: dict[str, list[dict]]) -> dict:
+    """``compose_answers`` from ``run_compose`` rows of ``compose_ops`` operations (compose and
+    decision cases measured apart)."""
+    return answers_section(as_method_rows(*row_sets), meta)
+
+
+def params_of(op: str) -> dict:
+    """compose() parameters (+ ``compile``) of a sweep op from its name (``method_ops``' format)."""
+    if op == REFERENCE_OP:
+        return {"recompute": True}
+    m = re.fullmatch(r"(\w+) \| (?:seam (\d+)|(\w[\w-]*) (\d+)%)", op)
+    if not m:
+        raise ValueError(f"not a sweep operation: {op!r}")
+    if m.group(2):
+        return {"compile": m.group(1), "rotate": True, "seam_tokens": int(m.group(2)), "recompute_ratio": 0.0,
+                "probe": "kv1"}
+    return {"compile": m.group(1), "rotate": True, "seam_tokens": 1, "recompute_ratio": int(m.group(4)) / 100,
+            "probe": m.group(3)}
 
 
 def _median(xs):
@@ -132,11 +312,28 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", help="measure only these op names of the grid (e.g. 'frame | kv1 10%%')")
     ap.add_argument("--rows-out")
     ap.add_argument("--from-rows", nargs="+")
+    ap.add_argument("--profile-out", nargs="+", metavar="JSON",
+                    help="write the section compose_answers (intervals per op) into these profile files "
+                         "(e.g. kvruntime/fidelity/tables/<model>.json; the other sections are kept)")
     args = ap.parse_args(argv)
     if args.from_rows:
+        for f in args.from_rows:
+            if not Path(f).is_file():
+                raise ValueError(f"--from-rows: {f} does not exist")
         rows = load_rows(args.from_rows)
+        if not rows:
+            raise ValueError("--from-rows: the files hold no rows")
+        if args.profile_out:
+            fill_chunk_counts(rows, args.model)
     else:
         rows = _measure(args)
+    if args.profile_out:
+        section = answers_section(rows, {
+            "model": args.model, "command": "python -m kvruntime.fidelity.methods " + " ".join(
+                sys.argv[1:] if argv is None else argv),
+            "date": datetime.date.today().isoformat(), "rows": list(args.from_rows or [])})
+        for path in args.profile_out:
+            write_section(Path(path), section, args.model)
     print(f"#### {args.model}: all cases\n\n{summary_table(rows)}\n")
     for kind in ("compose", "decision"):
         if any(r.get("kind", "compose") == kind for rs in rows.values() for r in rs):

@@ -134,10 +134,12 @@ def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, g
                 return dict(answer_ok=float(dec == case.answers[0]), decision=dec,
                             decision_agree=float(dec == oracle_dec), oracle_decision_margin=dec_margin)
             return dict(answer_ok=answer_correct(engine.decode(g), case.answers) if case.answers else None)
-        common = dict(case=case.id, kind=case.kind, context_tokens=len(ids), oracle_margin=margin)
+        n_chunk = sum(len(chunk_ids[pid]) for pid in case.chunks)
+        common = dict(case=case.id, kind=case.kind, context_tokens=len(ids), oracle_margin=margin, chunk_tokens=n_chunk)
         if case.answers:
             row = compare(oracle.logits, oracle_greedy, oracle.logits, oracle_greedy)
-            row.update(common, recomputed_tokens=len(ids), seconds=oracle_s, **judged(oracle_greedy, oracle.logits))
+            row.update(common, recomputed_tokens=len(ids), chunk_recomputed=n_chunk, seconds=oracle_s,
+                       **judged(oracle_greedy, oracle.logits))
             rows[REFERENCE_OP].append(row)
             _dump(rows_out, REFERENCE_OP, row, oracle_greedy, engine)
         probe_cache: dict = {}                      # one probe per context, shared by every ratio
@@ -151,6 +153,7 @@ def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, g
             g = engine.greedy(res.kv, res.logits, greedy_n, stop_at_eos=True)
             row = compare(oracle.logits, oracle_greedy, res.logits, g)
             row.update(common, recomputed_tokens=res.computed_tokens, probed_tokens=res.probed_tokens,
+                       chunk_recomputed=res.computed_tokens - (len(ids) - n_chunk),   # text is always computed
                        seconds=secs, **judged(g, res.logits))
             rows[name].append(row)
             _dump(rows_out, name, row, g, engine)

@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+# ``balanced``'s answer target (issue 24), checked against a profile's ``compose_answers`` section:
+# an operation is allowed when its accuracy drop vs recompute is at most drop_bound (one-sided 95%
+# upper bound), its yes/no decision agreement with recompute >= decision, its top-1 agreement
+# >= top1 and its recompute ratio r <= max_ratio. The defaults of the ClusterConfig fields below.
+BALANCED_ANSWER_TARGET = dict(drop_bound=0.02, decision=0.98, top1=0.95, max_ratio=0.10)
+BALANCED_MIN_CASES = dict(cases=30, answered=30, decisions=20)   # fewer measured: the op is not trusted
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     count: int = 1                     # actors of this kind
@@ -106,8 +114,16 @@ class ClusterConfig:
     start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
     ray_start_attempts: int = 2                # a local Ray whose raylet does not come up is shut down and started again, logged
     # fidelity targets (cluster.control.planner.choose_compose reads the model's measured profile)
-    balanced_min_top1: float = 0.97            # balanced: cheapest compose op whose profile top-1 >= this
-    fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target
+    # balanced: the cheapest compose op whose `compose_answers` row (cluster.control.planner.FidelityTarget.answers)
+    # has top-1 agreement >= balanced_min_top1, accuracy drop vs recompute <= balanced_max_accuracy_drop
+    # (one-sided 95% bound), decision agreement >= balanced_min_decision, r <= balanced_max_recompute_ratio,
+    # measured on >= balanced_min_cases cases (and as many judged answers; decision cases: BALANCED_MIN_CASES)
+    balanced_min_top1: float = BALANCED_ANSWER_TARGET["top1"]
+    balanced_max_accuracy_drop: float = BALANCED_ANSWER_TARGET["drop_bound"]
+    balanced_min_decision: float = BALANCED_ANSWER_TARGET["decision"]
+    balanced_max_recompute_ratio: float = BALANCED_ANSWER_TARGET["max_ratio"]
+    balanced_min_cases: int = BALANCED_MIN_CASES["cases"]
+    fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target (next-token rows)
     # online shadow checks (cluster.control.shadow): recompute a sample of approximate and frame-variant requests after the response
     shadow_fraction: float = 0.01              # share of approximate and frame-variant (reuse(frame)) requests checked (0 = off)
     shadow_opt_out_tenants: tuple = ()         # tenants never checked
@@ -190,10 +206,13 @@ class ClusterConfig:
             raise ValueError("ray_start_attempts must be >= 1")
         self.prefill.validate("prefill")
         self.decode.validate("decode")
-        for name in ("balanced_min_top1", "fast_min_top1"):
+        for name in ("balanced_min_top1", "fast_min_top1", "balanced_max_accuracy_drop", "balanced_min_decision",
+                     "balanced_max_recompute_ratio"):
             v = getattr(self, name)
             if v is not None and not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]")
+        if not isinstance(self.balanced_min_cases, int) or self.balanced_min_cases < 1:
+            raise ValueError(f"balanced_min_cases must be an integer >= 1, got {self.balanced_min_cases!r}")
         if not 0.0 <= self.shadow_fraction <= 1.0:
             raise ValueError("shadow_fraction must be in [0, 1]")
         if not isinstance(self.shadow_opt_out_tenants, (list, tuple)) or \
