@@ -32,6 +32,9 @@ from kvruntime.kv import KVCache
 
 PROGRESSIVE_STEPS = ((2, 2), (3, 1))   # (layer, keep multiple of k) after the layer-1 top-3k
 PROGRESSIVE_FIRST = 3
+# a probe over many tokens runs them in query chunks of this many: one-shot, D queries against
+# P + D keys materialise [heads, D, P + D] scores and a [D, P + D] float mask per layer (GBs at 8k)
+PROBE_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,15 @@ class _Stop(Exception):
     pass
 
 
-def _layer_kv(engine, token_ids, positions, past: KVCache, layer: int) -> torch.Tensor:
+def _layer_kv(engine, token_ids, positions, past: KVCache, layer: int, *,
+              all_layers: bool = False) -> torch.Tensor:
     """K/V ([2, kv_heads, n, head_dim]) that ``layer`` computes for the new tokens attending to
     ``past`` + themselves. The forward stops as soon as that layer has projected (and rotated)
     its keys and values: the layer's attention and MLP, and every later layer, never run. Same
     mask and cache as ``engine.prefill`` (whose ``stop_after_layer`` would also run the layer's
-    attention and MLP): the K/V are identical, the probe costs ``layer`` layers plus projections."""
+    attention and MLP): the K/V are identical, the probe costs ``layer`` layers plus projections.
+    ``all_layers=True``: layers 0..``layer``'s K/V ([layer+1, 2, kv_heads, n, head_dim]); only
+    layers 0..``layer`` of ``past`` are read (it may hold just those)."""
     from transformers import DynamicCache
 
     class StopCache(DynamicCache):
@@ -104,14 +110,45 @@ def _layer_kv(engine, token_ids, positions, past: KVCache, layer: int) -> torch.
             raise RuntimeError(f"layer {layer} never updated its cache")
         except _Stop:
             pass
+    if all_layers:
+        return torch.stack([torch.stack([cache.layers[i].keys[0, :, n_past:], cache.layers[i].values[0, :, n_past:]])
+                            for i in range(layer + 1)])
     lyr = cache.layers[layer]
     return torch.stack([lyr.keys[0, :, n_past:], lyr.values[0, :, n_past:]]).clone()
+
+
+def probe_kv(engine, token_ids, positions, past: KVCache, layer: int, *,
+             chunk: int | None = None) -> torch.Tensor:
+    """K/V ([2, kv_heads, n, head_dim]) that ``layer`` computes for the new tokens attending to
+    ``past`` + themselves (as :func:`_layer_kv`), run in query chunks of ``chunk`` tokens
+    (default :data:`PROBE_CHUNK`): chunk i attends to ``past`` and to the fresh layer-0..``layer``
+    K/V of chunks < i, which is the one-shot probe up to float rounding. Only layers
+    0..``layer`` of ``past`` are copied. Cost: O(n * (P + n) * layer) attention, memory
+    O(chunk * (P + n)) per layer instead of O(n * (P + n))."""
+    chunk = PROBE_CHUNK if chunk is None else chunk
+    if chunk < 1:
+        raise ValueError(f"probe chunk must be >= 1 token, got {chunk}")
+    dev = engine.device
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
+    pos = torch.as_tensor(positions, dtype=torch.long, device=dev)
+    n, p = ids.numel(), past.num_tokens
+    if n == 0:
+        raise ValueError("probe needs at least one token")
+    buf = torch.empty(layer + 1, 2, engine.kv_heads, p + n, engine.head_dim, dtype=engine.dtype, device=dev)
+    buf[:, :, :, :p] = past.data[:layer + 1]
+    all_pos = torch.cat([past.positions.to(dev), pos])
+    all_ids = torch.cat([past.token_ids.to(dev), ids])
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        ctx = KVCache(buf[:, :, :, :p + s], all_pos[:p + s], all_ids[:p + s])
+        buf[:, :, :, p + s:p + e] = _layer_kv(engine, ids[s:e], pos[s:e], ctx, layer, all_layers=True)
+    return buf[layer, :, :, p:]
 
 
 def _probe_all(engine, kv: KVCache, start: int, layer: int) -> torch.Tensor:
     """Deviation at ``layer`` of every slot in [start, n) re-run through layers 0..layer."""
     tail = kv.slice(start)
-    fresh = _layer_kv(engine, tail.token_ids, tail.positions, kv.slice(0, start), layer)
+    fresh = probe_kv(engine, tail.token_ids, tail.positions, kv.slice(0, start), layer)
     return _dev(fresh, tail.data[layer])
 
 

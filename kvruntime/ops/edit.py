@@ -8,6 +8,7 @@ import torch
 
 from kvruntime.errata import DEFAULT_ERRATUM_STYLE, erratum_text
 from kvruntime.kv import KVCache
+from kvruntime.ops.blend import probe_kv, recompute_slots
 from kvruntime.ops.compose import reposition
 
 
@@ -39,7 +40,7 @@ class EditResult:
 
 
 def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_tokens: list[int],
-                  top_k: int, *, probe_layer: int = 1) -> EditResult:
+                  top_k: int, *, probe_layer: int = 1, probe_chunk: int | None = None) -> EditResult:
     """Replace slots ``[a, b)`` of ``cached`` (the field's old tokens) by ``new_tokens``.
 
     1. The field is recomputed in context (prefix + new field); downstream slots are
@@ -48,9 +49,12 @@ def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_toke
        0..``probe_layer`` only; the ``top_k`` with the largest KV deviation at ``probe_layer``
        (sum of squared key and value differences) are chosen. Layer 0 cannot see the edit
        (its KV depends only on the token and position), so the probe starts at layer 1.
+       The probe stops once layer ``probe_layer`` has its K/V and runs the downstream tokens in
+       query chunks of ``probe_chunk`` (default ``blend.PROBE_CHUNK``): one-shot, D queries x
+       (P + D) keys would materialise GBs of scores and mask per layer at 8k.
     3. The chosen tokens are recomputed through all layers attending to the prefix, the new
        field and every downstream slot at or before their position (cached or fresh).
-    Cost: O(f * P * L) for f field tokens + O(D * P * (probe_layer+1)) probe + O(K * P * L).
+    Cost: O(f * P * L) for f field tokens + O(D * P * probe_layer) probe + O(K * P * L).
     ``top_k == 0`` is "field only".
     """
     a, b = field_span
@@ -60,6 +64,8 @@ def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_toke
         raise ValueError("new field value has no tokens")
     if top_k < 0:
         raise ValueError("top_k must be >= 0")
+    if not 0 <= probe_layer < engine.num_layers:
+        raise ValueError(f"probe_layer must be in [0, {engine.num_layers - 1}], got {probe_layer}")
     prefix, down = cached.slice(0, a), cached.slice(b)
     start = int(cached.positions[a]) if a < cached.num_tokens else (int(cached.positions[-1]) + 1 if a else 0)
     field = engine.prefill(new_tokens, torch.arange(start, start + len(new_tokens)), prefix).kv
@@ -70,14 +76,11 @@ def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_toke
     k = min(top_k, down.num_tokens)
     if k == 0:
         return EditResult(KVCache.cat([head, down]), len(new_tokens), 0, [])
-    probe = engine.prefill(down.token_ids, down.positions, head, stop_after_layer=probe_layer).kv
-    dev = ((probe.data[probe_layer] - down.data[probe_layer]).float() ** 2).sum(dim=(0, 1, 3))  # [D]
+    probe = probe_kv(engine, down.token_ids, down.positions, head, probe_layer, chunk=probe_chunk)
+    dev = ((probe - down.data[probe_layer]).float() ** 2).sum(dim=(0, 1, 3))  # [D]
     chosen = torch.topk(dev, k).indices.sort().values
-    keep = torch.ones(down.num_tokens, dtype=torch.bool, device=down.positions.device)
-    keep[chosen] = False
-    rest = down.select(torch.nonzero(keep).flatten())
-    fresh = engine.prefill(down.token_ids[chosen], down.positions[chosen], KVCache.cat([head, rest])).kv
-    data = down.data.clone()
-    data[:, :, :, chosen] = fresh.data
-    edited = KVCache.cat([head, KVCache(data, down.positions, down.token_ids)])
-    return EditResult(edited, len(new_tokens) + k, down.num_tokens, [head.num_tokens + int(i) for i in chosen])
+    slots = [head.num_tokens + int(i) for i in chosen]
+    # the chosen slots attend to head + the other downstream slots (cached) + each other (fresh);
+    # written into the one new buffer of the edited context
+    edited = recompute_slots(engine, KVCache.cat([head, down]), slots, in_place=True)
+    return EditResult(edited, len(new_tokens) + k, down.num_tokens, slots)
