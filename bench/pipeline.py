@@ -4,7 +4,7 @@ process on the real LMCache-backed tier (``prefill_workers.tier.PrefillTier``).
 A composed context of ``--size`` tokens: the chat frame + the first chunk as one exact reuse
 (the planner's frame variant), then chunks of ``--chunk-tokens`` repositioned (seam
 ``--seam``). With prefetch the tier read of chunk i+1 runs on a background thread while chunk i
-is re-rotated and concatenated; without, reads and rotation alternate. Both variants build the
+is re-rotated into the prefix buffer; without, reads and rotation alternate. Both variants build the
 same plan against the same tier, interleaved ``--reps`` times; medians of the build time and
 of its stages (``tier_get`` is the time the build waited for a read), and of what the stages do
 not cover: copying KV into the prefix buffer (the exact reuse's slots; before the buffer was
