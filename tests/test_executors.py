@@ -448,3 +448,17 @@ def test_an_eight_step_build_writes_one_buffer_allocated_once_and_equals_the_con
     hit = dataclasses.replace(plan, steps=plan.steps[:1])
     kv, st = PrefillExecutor(e, src, None).build(hit, alloc)
     assert len(calls) == 2 and kv.data.data_ptr() == src.get(hit.steps[0].kv).data.data_ptr()
+
+
+def test_a_kv_buffer_is_written_left_to_right_and_refuses_to_overflow():
+    from kvruntime.kv import KVBuffer, KVCache
+    buf = KVBuffer(torch.zeros(2, 2, 1, 5, 4))
+    part = KVCache(torch.randn(2, 2, 1, 3, 4, dtype=torch.float64), torch.arange(3), torch.tensor([7, 8, 9]))
+    kv = buf.append(part)
+    assert kv.num_tokens == 3 and kv.data.data_ptr() == buf.data.data_ptr() and kv.data.dtype == torch.float32
+    assert torch.equal(kv.data, part.data.float()) and kv.token_ids.tolist() == [7, 8, 9]
+    buf.slot(2).fill_(1.0)
+    kv = buf.commit(torch.tensor([3, 4]), torch.tensor([1, 2]))
+    assert kv.positions.tolist() == [0, 1, 2, 3, 4] and bool((buf.data[:, :, :, 3:] == 1).all())
+    with pytest.raises(ValueError, match="overflow"):
+        buf.append(part.slice(0, 1))
