@@ -4,9 +4,11 @@ process on the real LMCache-backed tier (``prefill_workers.tier.PrefillTier``).
 A composed context of ``--size`` tokens: the chat frame + the first chunk as one exact reuse
 (the planner's frame variant), then chunks of ``--chunk-tokens`` repositioned (seam
 ``--seam``). With prefetch the tier read of chunk i+1 runs on a background thread while chunk i
-is re-rotated and concatenated; without, reads and rotation alternate. Both variants build the
+is re-rotated into the prefix buffer; without, reads and rotation alternate. Both variants build the
 same plan against the same tier, interleaved ``--reps`` times; medians of the build time and
-of its stages (``tier_get`` is the time the build waited for a read). The chunks' KV is stored
+of its stages (``tier_get`` is the time the build waited for a read), and of what the stages do
+not cover: copying KV into the prefix buffer (the exact reuse's slots; before the buffer was
+allocated once, the whole KV built so far at every step) and the executor's own overhead. The chunks' KV is stored
 once before timing: random values of the model's KV shape (neither the tier nor the rotation
 depends on them), so no forward pass is needed to set up.
 
@@ -79,29 +81,33 @@ def main(argv=None) -> int:
         print(f"# prefill build, tier read prefetch off vs on (depth {a.ahead}): {a.model} {a.dtype}, "
               f"{a.threads} torch thread(s), {torch.get_num_threads()} in use, chunks of {a.chunk_tokens} tokens, "
               f"seam {a.seam}, LMCache local CPU tier, median of {a.reps} interleaved reps")
-        print("| tokens | chunks | build off (ms) | build on (ms) | on / off | tier_get wait off / on (ms) | "
-              "rerotate off / on (ms) |")
-        print("|---|---|---|---|---|---|---|")
+        print("| tokens | chunks | KV (MB) | build off (ms) | build on (ms) | on / off | tier_get wait off / on (ms) | "
+              "rerotate off / on (ms) | copy + rest off / on (ms) | copy + rest share off / on |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for n, plan in plans.items():
             for e in ex.values():                          # warm-up: page faults, the native rotation
                 kv, st = e.build(plan)
                 assert not st.fallbacks and st.tier_hits == len(plan.steps), st
             times = {d: [] for d in ex}
-            stages = {d: {"tier_get": [], "rerotate": []} for d in ex}
+            stages = {d: {"tier_get": [], "rerotate": [], "rest": []} for d in ex}
             for _ in range(a.reps):
                 for d, e in ex.items():
                     t = time.perf_counter()
                     kv, st = e.build(plan)
                     times[d].append(time.perf_counter() - t)
-                    for s in stages[d]:
+                    for s in ("tier_get", "rerotate"):
                         stages[d][s].append(st.stages.get(s, 0.0))
+                    stages[d]["rest"].append(times[d][-1] - sum(st.stages.values()))   # copies + overhead
+                    mb = kv.nbytes / 1e6
                     del kv
             med = {d: statistics.median(v) * 1e3 for d, v in times.items()}
             sm = {d: {s: statistics.median(v) * 1e3 for s, v in stages[d].items()} for d in ex}
             off, on = 0, a.ahead
-            print(f"| {plan.prefix_tokens} | {len(plan.steps)} | {med[off]:.1f} | {med[on]:.1f} | "
+            print(f"| {plan.prefix_tokens} | {len(plan.steps)} | {mb:.0f} | {med[off]:.1f} | {med[on]:.1f} | "
                   f"{med[on] / med[off]:.2f} | {sm[off]['tier_get']:.1f} / {sm[on]['tier_get']:.1f} | "
-                  f"{sm[off]['rerotate']:.1f} / {sm[on]['rerotate']:.1f} |", flush=True)
+                  f"{sm[off]['rerotate']:.1f} / {sm[on]['rerotate']:.1f} | {sm[off]['rest']:.1f} / "
+                  f"{sm[on]['rest']:.1f} | {sm[off]['rest'] / med[off]:.0%} / {sm[on]['rest'] / med[on]:.0%} |",
+                  flush=True)
     finally:
         store.close()
     return 0

@@ -93,3 +93,49 @@ class KVCache:
 
     def to(self, device=None, dtype=None) -> "KVCache":
         return KVCache(self.data.to(device=device, dtype=dtype), self.positions.to(device), self.token_ids.to(device))
+
+
+class KVBuffer:
+    """A KV whose final size is known, written left to right into ``data`` ([layers, 2, kv_heads,
+    capacity, head_dim], allocated once by the caller, e.g. in a transport's registered memory)
+    instead of being concatenated step by step (which copies everything before at every step:
+    quadratic in the number of steps). :meth:`view` is the KV written so far: views of ``data``,
+    so a forward attending to it reads the buffer in place and an in-place repair writes into it."""
+
+    def __init__(self, data: torch.Tensor):
+        if data.dim() != 5 or data.shape[1] != 2:
+            raise ValueError(f"KV buffer must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(data.shape)}")
+        self.data = data
+        self.positions = torch.empty(data.shape[3], dtype=torch.long, device=data.device)
+        self.token_ids = torch.empty(data.shape[3], dtype=torch.long, device=data.device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[3]
+
+    def view(self) -> KVCache:
+        n = self.length
+        return KVCache(self.data[:, :, :, :n], self.positions[:n], self.token_ids[:n])
+
+    def slot(self, n: int) -> torch.Tensor:
+        """The next ``n`` slots' data ([layers, 2, kv_heads, n, head_dim] view) to write into; they
+        count as written once :meth:`commit` is called."""
+        if self.length + n > self.capacity:
+            raise ValueError(f"{n} more slots overflow the KV buffer ({self.length} of {self.capacity} written)")
+        return self.data[:, :, :, self.length:self.length + n]
+
+    def commit(self, positions: torch.Tensor, token_ids: torch.Tensor) -> KVCache:
+        """The next ``len(positions)`` slots (their data written through :meth:`slot`) hold these
+        positions and tokens; returns :meth:`view`."""
+        n = positions.shape[0]
+        self.slot(n)
+        self.positions[self.length:self.length + n] = positions
+        self.token_ids[self.length:self.length + n] = token_ids
+        self.length += n
+        return self.view()
+
+    def append(self, part: KVCache) -> KVCache:
+        """Copy ``part`` (any dtype / device: cast while copied) after the slots written so far."""
+        self.slot(part.num_tokens).copy_(part.data)
+        return self.commit(part.positions, part.token_ids)

@@ -3,7 +3,7 @@ registered memory, stream it (:meth:`NixlSender.send_kv`) and wait for the recei
 
 Two ways a payload gets into registered memory:
 - **it already lives there** (zero copy): the prefill built its KV in a lease of this
-  transport's pool (``endpoints.Sender.alloc`` -> ``KVCache.cat(..., alloc=...)``). ``send_kv``
+  transport's pool (``endpoints.Sender.alloc``: the prefill executor's one prefix buffer). ``send_kv``
   then copies nothing: it CRC-32Cs piece k and announces it, so the receiver READs piece k while
   piece k+1 is CRC'd (the READ is ~4x slower than the CRC: the sender stays ahead). Counted in
   ``counters["zero_copy_sends"]``.

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from kvruntime.engine import Cancelled
-from kvruntime.kv import KVCache
+from kvruntime.kv import KVBuffer, KVCache
 from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan, SegmentPlan
 from kvruntime.messages.prefill import PrefillResult, PrefillStats
@@ -79,8 +79,14 @@ class PrefillExecutor:
     # ---- building ---------------------------------------------------------------------------
     def build(self, plan: RequestPlan, alloc=None, cancelled=None) -> tuple[KVCache, PrefillStats]:
         """Execute ``plan.steps`` in order; returns the prefix KV (slots in position order).
-        ``alloc(shape, dtype) -> Tensor | None``: where every concatenation writes its result
-        (``Sender.alloc``: the transport's registered memory, so the final KV ships without a copy).
+        The KV is written into ONE buffer of the plan's final size (``plan.prefix_tokens`` slots,
+        the engine's dtype), allocated at the first write: each step writes its slots once
+        (loaded KV copied, a repositioned chunk re-rotated straight into its slots, a computed
+        step's new KV copied after attending to the slots before it), nothing is concatenated.
+        A plan of one step returns that step's KV as is (an exact hit: no copy).
+        ``alloc(shape, dtype) -> Tensor | None``: where that buffer is allocated
+        (``Sender.alloc``: the transport's registered memory, so the final KV ships without a copy;
+        None: ordinary memory, counted by :meth:`execute` as ``kv_send_pool_full``).
         ``cancelled() -> bool``: checked before each step and each layer of a computed step; True
         stops the build with ``kvruntime.engine.Cancelled``. The tier reads of later steps are
         issued ahead on one background thread (``prefetch`` reads at most), so the read of
@@ -94,19 +100,23 @@ class PrefillExecutor:
         self._probe, self._question = "kv1", plan.suffix_ids   # q probes rank by the plan's suffix (ops.qselect)
         self._borrowed: set[int] = set()         # storages of loaded KV (a tier's memory): never written
         self._cancelled = cancelled
+        self._out: KVBuffer | None = None        # the prefix KV's buffer, allocated at the first write
+        self._capacity, self._final = plan.prefix_tokens, False
         refs = [s.kv for s in plan.steps if s.kind in _LOADS and s.kv is not None]
         self._ahead = Prefetcher(self.source, refs, self.prefetch) if self.prefetch and len(refs) > 1 else None
         try:
-            for step in plan.steps:
+            for i, step in enumerate(plan.steps):
                 _check(cancelled)
                 if step.kind is not PlanKind.REPOSITION:
-                    kv = self._flush_seams(kv, st)        # computed steps must see repaired seams
+                    kv = self._adopt(self._flush_seams(kv, st))   # computed steps must see repaired seams
+                self._final = i == len(plan.steps) - 1
                 kv = self._step(kv, step, st)
-            kv = self._flush_seams(kv, st)
+            kv = self._adopt(self._flush_seams(kv, st))
         finally:
             if self._ahead is not None:
                 self._ahead.close()                       # reads not started are cancelled
             self._ahead = None
+            self._out = None                              # a cancelled build's pool lease ends with it
         self._alloc = self._cancelled = None
         return kv, st
 
@@ -117,28 +127,49 @@ class PrefillExecutor:
             return out
         return counted
 
-    def _cat(self, parts: list[KVCache]) -> KVCache:
-        return KVCache.cat(parts, alloc=self._alloc)
+    def _buffer(self, kv: KVCache) -> KVBuffer:
+        """The prefix KV's buffer (``plan.prefix_tokens`` slots in the engine's dtype, in
+        ``self._alloc``'s registered memory when it has room), allocated at the first write;
+        ``kv`` is the KV built so far, always the slots already written there."""
+        if self._out is None:
+            e = self.engine
+            shape = (e.num_layers, 2, e.kv_heads, self._capacity, e.head_dim)
+            data = self._alloc(shape, e.dtype) if self._alloc is not None and e.device.type == "cpu" else None
+            self._out = KVBuffer(data if data is not None else torch.empty(shape, dtype=e.dtype, device=e.device))
+        if kv.num_tokens != self._out.length:
+            raise RuntimeError(f"KV built so far ({kv.num_tokens} slots) is not the buffer's "
+                               f"({self._out.length} written)")
+        return self._out
 
-    def _cat_repositioned(self, kv: KVCache, chunk: KVCache, delta: int, st: PrefillStats) -> KVCache:
+    def _splice(self, kv: KVCache, part: KVCache) -> KVCache:
+        """``kv`` + ``part`` (loaded or freshly computed KV): ``part`` is copied into its slots of
+        the buffer (cast to the engine's dtype as it is written; a tier's memory is only read).
+        Cost: one copy of ``part``. A plan whose whole KV is ``part`` gets it as is."""
+        if not part.num_tokens:
+            return kv
+        if self._final and self._out is None and not kv.num_tokens:
+            return part.to(self.engine.device, self.engine.dtype)
+        return self._buffer(kv).append(part)
+
+    def _adopt(self, kv: KVCache) -> KVCache:
+        """``kv`` after a seam repair: written in place into the buffer (nothing to do), or, if
+        the repair returned a copy, copied back so that later steps and the result see it."""
+        out = self._out
+        if out is None or not kv.num_tokens or kv.data.data_ptr() == out.data.data_ptr():
+            return kv
+        out.data[:, :, :, :kv.num_tokens].copy_(kv.data)
+        return out.view()
+
+    def _reposition_into(self, kv: KVCache, chunk: KVCache, delta: int, st: PrefillStats) -> KVCache:
         """``kv`` + ``chunk`` moved by ``delta``: the chunk's keys are re-rotated straight into
-        the concatenation's buffer (``self._alloc``'s registered memory when it has room), in the
-        engine's dtype; ``chunk`` (a tier's memory) is only read. Cost: one copy of ``kv``, one
-        pass over the chunk."""
-        e = self.engine
-        n0, dtype = kv.num_tokens, e.dtype
-        shape = (*kv.data.shape[:3], n0 + chunk.num_tokens, kv.data.shape[4])
-        out = self._alloc(shape, dtype) if self._alloc is not None and e.device.type == "cpu" else None
-        if out is None:
-            out = torch.empty(shape, dtype=dtype, device=e.device)
-        if n0:
-            out[:, :, :, :n0].copy_(kv.data)
+        its slots of the buffer (registered memory when the pool had room), in the engine's
+        dtype; ``chunk`` (a tier's memory) is only read. Cost: one pass over the chunk."""
+        e, out = self.engine, self._buffer(kv)
         with _timed(st, "rerotate"):
             src = chunk.to(e.device)      # the rotation casts to the engine's dtype as it writes
-            moved = reposition(e.rope, src, delta, out=out[:, :, :, n0:])
+            moved = reposition(e.rope, src, delta, out=out.slot(chunk.num_tokens))
         self._borrowed.add(src.data.untyped_storage().data_ptr())
-        return KVCache(out, torch.cat([kv.positions, moved.positions.to(kv.positions.device)]),
-                       torch.cat([kv.token_ids, moved.token_ids.to(kv.token_ids.device)]))
+        return out.commit(moved.positions, moved.token_ids)
 
     def _flush_seams(self, kv: KVCache, st: PrefillStats) -> KVCache:
         """Repair the pending chunks' seams; with the plan's r > 0 also recompute the top-r chunk
@@ -147,7 +178,7 @@ class PrefillExecutor:
         the question, pays to each chunk slot when run right after the composed KV; exactly
         ``compose(...)``'s choice when the chunks are the last prefix step). A q probe with no
         suffix to rank by falls back to kv1 (``st.fallbacks``: "question_probe_without_suffix")."""
-        # the fresh KV is written into kv's buffer when it is a cat's copy, not a tier's chunk
+        # the fresh KV is written into kv's buffer when it is the build's buffer, not a tier's chunk
         owned = kv.data.untyped_storage().data_ptr() not in self._borrowed
         if self._seams and self._ratio > 0:       # the plan's r: seams + top-r chunk tokens, one forward
             seams = {i for c in self._seams for i in range(c, min(c + self._seam_k, kv.num_tokens))}
@@ -237,7 +268,7 @@ class PrefillExecutor:
             st.computed += step.tokens     # a non-empty prefix was computed again inside the compile: not counted
         else:
             st.reused += step.tokens
-        return self._cat([kv, loaded.to(self.engine.device, self.engine.dtype)])
+        return self._splice(kv, loaded)
 
     def _compute(self, kv: KVCache, ids, position: int, st: PrefillStats) -> KVCache:
         if not ids:
@@ -246,7 +277,7 @@ class PrefillExecutor:
             out = self.engine.prefill(list(ids), torch.arange(position, position + len(ids)), kv,
                                       cancelled=getattr(self, "_cancelled", None))
         st.computed += len(ids)
-        return self._cat([kv, out.kv])
+        return self._splice(kv, out.kv)
 
     def _step(self, kv: KVCache, step: SegmentPlan, st: PrefillStats) -> KVCache:
         k = step.kind
@@ -271,7 +302,7 @@ class PrefillExecutor:
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
                 return self._compute(kv, step.token_ids, step.position, st)
             st.reused += step.tokens
-            return self._cat([kv, loaded.to(self.engine.device, self.engine.dtype)])
+            return self._splice(kv, loaded)
         if k is PlanKind.REPOSITION:
             if loaded is None or loaded.token_ids.tolist() != list(step.token_ids):
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
@@ -285,7 +316,7 @@ class PrefillExecutor:
             if step.seam_tokens or step.recompute_ratio:
                 self._seams.append(kv.num_tokens)
                 self._seam_k, self._ratio, self._probe = step.seam_tokens, step.recompute_ratio, step.probe
-            kv = self._cat_repositioned(kv, loaded, step.position - int(loaded.positions[0]), st)
+            kv = self._reposition_into(kv, loaded, step.position - int(loaded.positions[0]), st)
             st.computed += step.seam_tokens
             st.repositioned += step.tokens - step.seam_tokens
             return kv
@@ -304,7 +335,7 @@ class PrefillExecutor:
                 return self._compute(kv, step.token_ids, step.position, st)
             st.computed += res.recomputed_tokens
             st.reused += step.tokens - res.recomputed_tokens
-            return self._cat([kv, res.kv])
+            return self._splice(kv, res.kv)
         raise ValueError(f"unknown plan step kind {k}")
 
     def shadow(self, plan: RequestPlan, greedy_n: int = 16) -> ShadowResult:

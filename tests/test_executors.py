@@ -415,3 +415,88 @@ def test_prefetched_tier_reads_build_the_same_kv_and_keep_fallbacks_and_cancella
     assert not [t for t in threading.enumerate() if t.name.startswith("kv-prefetch")]
     with pytest.raises(ValueError):
         PrefillExecutor(e, src, None, prefetch=-1)
+
+
+def _mixed_plan(e, src, n_chunks=6):
+    """8 steps: frame + chunk 0 as one exact reuse, chunks 1-2 repositioned (seam 1), a text step
+    recomputed in context, chunks 3-5 repositioned (seam 1), an erratum appended; and the same
+    context as ``compose`` segments (concatenated step by step, the pre-buffer algorithm)."""
+    from kvruntime.messages.plan import RequestPlan, SegmentPlan
+    from kvruntime.ops import ChunkSegment, TextSegment
+    frame, _, q = _segments(e)
+    steps, segs, pos = [], [], 0
+
+    def tier(ref):
+        if src.get(ref) is None:
+            src.compile(ref)
+        return src.get(ref)
+
+    def add(step, seg):
+        nonlocal pos
+        steps.append(step)
+        segs.append(seg)
+        pos += step.tokens
+    for k in range(n_chunks):
+        ids = tuple(e.encode(f" Room {k} of the Varga Museum shows {k * 7} paintings.\n\n"))
+        if k == 0:
+            ref = KVRef(frame.token_ids + ids, 0, SALT, prefix=())
+            add(SegmentPlan(PlanKind.REUSE, "frame+skill:c0", ref.token_ids, 0, 0, len(ref.token_ids), ref),
+                ChunkSegment(tier(ref), prefix=()))
+        else:
+            ref = KVRef(ids, 1, SALT)
+            add(SegmentPlan(PlanKind.REPOSITION, f"skill:c{k}", ids, pos, 1, len(ids) - 1, ref, seam_tokens=1),
+                ChunkSegment(tier(ref)))
+        if k == 2:
+            text = tuple(e.encode(" Visitors asked about the opening hours."))
+            add(SegmentPlan(PlanKind.RECOMPUTE, "text", text, pos, len(text), 0), TextSegment(list(text)))
+    fix = tuple(e.encode(" Correction: the museum closes at 18:00."))
+    add(SegmentPlan(PlanKind.ERRATUM, "erratum", fix, pos, len(fix), 0), TextSegment(list(fix)))
+    return RequestPlan("r", e.spec.name, Policy.FAST, tuple(steps), q), segs
+
+
+@pytest.mark.slow
+def test_an_eight_step_build_writes_one_buffer_allocated_once_and_equals_the_concatenated_build(wired):
+    """The prefix KV is allocated once, at the plan's final size, through the alloc hook (the NIXL
+    send pool in production), and is the KV returned; it is bit-for-bit what composing the same
+    segments by concatenation gives (exact reuse, re-rotation, batched seam repair, forwards in
+    context), the tier's chunks are never written, and a pool with no room (None) still builds it,
+    in ordinary memory. A plan of one exact reuse returns the tier's KV itself: no allocation."""
+    from kvruntime.ops import compose
+    e, src, _, _, _ = wired
+    plan, segs = _mixed_plan(e, src)
+    assert len(plan.steps) == 8
+    tier_before = [s.kv.data.clone() for s in segs if hasattr(s, "kv")]
+    want = compose(e, segs, seam_tokens=1)
+    calls = []
+
+    def alloc(shape, dtype):
+        calls.append(torch.empty(shape, dtype=dtype))
+        return calls[-1]
+    kv, st = PrefillExecutor(e, src, None).build(plan, alloc)
+    assert len(calls) == 1 and calls[0].shape[3] == plan.prefix_tokens == kv.num_tokens
+    assert kv.data.data_ptr() == calls[0].data_ptr() and kv.data.is_contiguous()
+    assert torch.equal(kv.data, want.kv.data)
+    assert kv.positions.tolist() == list(range(plan.prefix_tokens)) and kv.token_ids.tolist() == list(plan.prefix_ids)
+    assert not st.fallbacks and st.tier_hits == 6 and st.reused == plan.steps[0].tokens
+    assert st.computed == 5 + plan.steps[3].tokens and st.erratum == plan.steps[-1].tokens
+    assert st.repositioned == sum(s.tokens - 1 for s in plan.steps if s.kind is PlanKind.REPOSITION)
+    assert all(torch.equal(s.kv.data, b) for s, b in zip([s for s in segs if hasattr(s, "kv")], tier_before))
+    full, _ = PrefillExecutor(e, src, None).build(plan, lambda shape, dtype: calls.append(None))
+    assert len(calls) == 2 and torch.equal(full.data, want.kv.data)        # no room: ordinary memory
+    hit = dataclasses.replace(plan, steps=plan.steps[:1])
+    kv, st = PrefillExecutor(e, src, None).build(hit, alloc)
+    assert len(calls) == 2 and kv.data.data_ptr() == src.get(hit.steps[0].kv).data.data_ptr()
+
+
+def test_a_kv_buffer_is_written_left_to_right_and_refuses_to_overflow():
+    from kvruntime.kv import KVBuffer, KVCache
+    buf = KVBuffer(torch.zeros(2, 2, 1, 5, 4))
+    part = KVCache(torch.randn(2, 2, 1, 3, 4, dtype=torch.float64), torch.arange(3), torch.tensor([7, 8, 9]))
+    kv = buf.append(part)
+    assert kv.num_tokens == 3 and kv.data.data_ptr() == buf.data.data_ptr() and kv.data.dtype == torch.float32
+    assert torch.equal(kv.data, part.data.float()) and kv.token_ids.tolist() == [7, 8, 9]
+    buf.slot(2).fill_(1.0)
+    kv = buf.commit(torch.tensor([3, 4]), torch.tensor([1, 2]))
+    assert kv.positions.tolist() == [0, 1, 2, 3, 4] and bool((buf.data[:, :, :, 3:] == 1).all())
+    with pytest.raises(ValueError, match="overflow"):
+        buf.append(part.slice(0, 1))

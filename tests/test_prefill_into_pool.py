@@ -84,13 +84,20 @@ def test_kv_built_in_the_pool_is_sent_without_a_staging_copy(smol, receiver):
 def test_a_pool_too_small_to_build_in_is_a_counted_fallback_and_the_send_copies(smol, receiver):
     src = DictSource(smol)
     plan = _plan(smol, src)
-    per_token = smol.num_layers * 2 * smol.kv_heads * smol.head_dim * 4
-    n = plan.prefix_tokens * per_token
-    first = (plan.prefix_tokens - plan.steps[-1].tokens) * per_token   # the KV before the last concatenation
-    # room for the whole block (the send's staging) but not for both concatenations' results at once
-    tx = Sender("nixl", NixlTransportConfig(pool_bytes=-(-(n + first // 2) // 4096) * 4096))
+    n = plan.prefix_tokens * smol.num_layers * 2 * smol.kv_heads * smol.head_dim * 4
+    # room for the whole block, but another request's block still holds a page while this prefix is
+    # built (its one buffer, allocated at the final size, does not fit) and is released before the send
+    tx = Sender("nixl", NixlTransportConfig(pool_bytes=-(-n // 4096) * 4096))
+    held, asked, pool_alloc = [tx.nixl.lease(4096)], [], tx.alloc
+
+    def alloc(shape, dtype):
+        asked.append(pool_alloc(shape, dtype))
+        held.clear()
+        return asked[-1]
+    tx.alloc = alloc
     try:
         res, block = _ship(PrefillExecutor(smol, src, tx), receiver, plan)
+        assert len(asked) == 1 and asked[0] is None                      # the build asked once, found no room
         assert res.transferred and res.transport == "nixl" and res.stats.fallbacks == ["kv_send_pool_full"]
         assert tx.nixl.counters["staged_bytes"] == n and tx.nixl.counters["zero_copy_sends"] == 0
         want, _ = PrefillExecutor(smol, src, tx).build(plan)
