@@ -198,6 +198,9 @@ def test_the_held_copy_runs_after_the_first_token_and_a_lookup_meanwhile_waits_f
     assert toks1 == toks0 == oracle
     s = held.stats()
     assert (s.copy_waits, s.copy_wait_timeouts) == (1, 0)
+    text = _exposition(held)
+    assert metric(text, "kvnotes_decode_prefix_copy_waits_total", worker="decode-0") == 1
+    assert metric(text, "kvnotes_decode_prefix_copy_wait_timeouts_total", worker="decode-0") == 0
 
 
 @pytest.mark.slow
