@@ -25,7 +25,8 @@ process's clock on one machine) and ``explain.stages`` (the KV path, measured by
   stages (receive, load, first token): Ray streaming plus actor work outside its stages;
 - ``router -> client``: the first token leaves the router -> it reaches this client (SSE, proxy);
 - KV path: tier_get, rerotate, forward (prefill), serialise, transfer, receive, load; model forward:
-  ``first_token`` (the question's forward and the first sample).
+  ``first_token`` (the question's forward and the first sample); ``held_copy`` (the decode engine's
+  copy of the prefix for later requests) runs after the first token: shown, counted in no total.
 
 ``control total`` = client TTFT minus the KV path and the model forward passes (so it includes the
 decode and prefill actors' work outside their measured stages). Medians over the reps, shares of
@@ -50,6 +51,7 @@ from pathlib import Path
 
 KV_PATH = ("tier_get", "rerotate", "forward", "serialise", "transfer", "receive", "load")
 FORWARD = ("first_token",)
+AFTER_FIRST = ("held_copy",)      # decode-side stages after the first token: shown, in no total
 ROUTER_LAPS = ("http_auth", "http_body", "validate", "render", "tier_lookup", "lookup_state", "plan", "grant",
                "expect_call")
 QUESTIONS = ["Summarise the key facts above in one sentence.", "Which organisation is mentioned first?",
@@ -94,6 +96,9 @@ def stages_of(rec: dict) -> dict[str, float]:
     else:
         out["KV path"] = staged
     out["model forward"] = sum(kv.get(k, 0.0) for k in FORWARD)
+    for k in AFTER_FIRST:
+        if k in kv:
+            out[f"{k} (after the first token)"] = kv[k]
     out["TTFT"] = rec["ttft"]
     out["control total"] = rec["ttft"] - out["KV path"] - out["model forward"]
     return out
@@ -118,12 +123,13 @@ def markdown(run: dict) -> str:
         out.append("| stage | median ms | share of control total |")
         out.append("|---|---:|---:|")
         for k, v in med.items():
-            if k in ("TTFT", "control total", "KV path", "model forward") or k.startswith("KV path"):
+            if k in ("TTFT", "control total", "KV path", "model forward") or k.startswith("KV path") \
+                    or k.endswith("(after the first token)"):
                 continue
             out.append(f"| {k} | {v * 1e3:.1f} | {v / ctl:.0%} |" if ctl > 0 else f"| {k} | {v * 1e3:.1f} | - |")
         out.append(f"| **control total** | **{ctl * 1e3:.1f}** | 100% |")
         shown = sum(v for k, v in med.items() if k not in ("TTFT", "control total", "model forward")
-                    and not k.startswith("KV path"))
+                    and not k.startswith("KV path") and not k.endswith("(after the first token)"))
         out.append(f"| (medians' sum: {shown * 1e3:.1f}) | | |")
         out.append(f"| KV path (not control) | {med.get('KV path', 0.0) * 1e3:.1f} | |")
         if "KV path: prefill build outside its stages" in med:
@@ -131,6 +137,10 @@ def markdown(run: dict) -> str:
                        f"{med['KV path: prefill build outside its stages'] * 1e3:.1f} | |")
         out.append(f"| model forward (not control) | {med.get('model forward', 0.0) * 1e3:.1f} | |")
         out.append(f"| TTFT (client) | {med.get('TTFT', 0.0) * 1e3:.1f} | |")
+        for k in AFTER_FIRST:
+            if f"{k} (after the first token)" in med:
+                out.append(f"| {k} (after the first token, in no total) | "
+                           f"{med[f'{k} (after the first token)'] * 1e3:.1f} | |")
         out.append("")
     return "\n".join(out)
 

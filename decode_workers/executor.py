@@ -7,7 +7,10 @@ logged), or ``fail`` the request.
 With ``held`` (a :class:`~decode_workers.held_kv.HeldPrefixes`), the prefix KV of each request
 is kept under its salt; :meth:`DecodeExecutor.held_prefix` / ``hold`` tell the actor how much of
 the next prefix it need not be sent, and :meth:`DecodeExecutor._prefix` joins the held slots with
-the received tail (which starts at the grant's ``first_position``).
+the received tail (which starts at the grant's ``first_position``). When that KV is the received
+block as is (its memory a pool lease the transport reuses), the held copy is made in the
+background once the first token has been yielded (:meth:`HeldPrefixes.put_copy`), not before it;
+the summary reports its seconds as the ``held_copy`` stage.
 """
 from __future__ import annotations
 
@@ -115,13 +118,16 @@ class DecodeExecutor:
             raise RuntimeError(f"prefix KV unavailable ({reason}) and kv load failure policy is 'fail'")
         return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0
 
-    def _keep(self, prefix_ids: tuple[int, ...], salt: str | None, kv: KVCache, loaded: int) -> None:
-        """Keep this request's prefix KV for the next one (a fresh copy when it aliases the
-        received block's memory: transports reuse that)."""
+    def _keep(self, prefix_ids: tuple[int, ...], salt: str | None, kv: KVCache, loaded: int) -> bool:
+        """Keep this request's prefix KV for the next one, when it owns its memory (a cat, a
+        cast, a recompute). False: it aliases the received block's memory (transports reuse
+        that), so a fresh copy is to be made, off the first token's path (:meth:`_keep_copy`)."""
         if self.held is None or salt is None or not prefix_ids or kv.nbytes > self.held.capacity:
-            return
-        aliased = loaded == len(prefix_ids)           # the received block as is, no cat, no cast
-        self.held.put(prefix_ids, salt, KVCache(kv.data.clone(), kv.positions, kv.token_ids) if aliased else kv)
+            return True
+        if loaded == len(prefix_ids):                 # the received block as is, no cat, no cast
+            return False
+        self.held.put(prefix_ids, salt, kv)
+        return True
 
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
                  sampling: SamplingParams, *, salt: str | None = None,
@@ -151,37 +157,48 @@ class DecodeExecutor:
         stages: dict[str, float] = {}
         kv, loaded, not_computed = self._prefix(transfer_id, prefix_ids, fallbacks, stages, held_only)
         received = time.perf_counter() - t
-        self._keep(prefix_ids, salt, kv, loaded)
-        start = len(prefix_ids)
-        t_suffix = time.perf_counter()
-        # the context is copied once into a buffer with room for the suffix and every token to come
-        session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens)
-        logits = session.step(suffix_ids, range(start, start + len(suffix_ids)))
-        pos = start + len(suffix_ids)
-        for tok in done:     # a continuation replays the streamed tokens one step each, as the lost worker
-            logits, pos = session.step([tok], [pos]), pos + 1     # computed them: the same logits after
-        stages["suffix_forward"] = time.perf_counter() - t_suffix
-        sampler = Sampler(sampling, logits.numel(), history=done)
-        n, finish = len(done), "length"
-        while n < sampling.max_tokens:
-            tok, lp, top = sampler.pick(logits)
-            if tok in self.engine.eos_ids:
-                finish = "stop"
-                break
-            n += 1
-            if n == len(done) + 1:
-                stages["first_token"] = time.perf_counter() - t_suffix
-            delta = stream.push(tok)
-            if stream.stopped or n == sampling.max_tokens:
-                delta += stream.finish()
-            yield TokenEvent(tok, delta, n - 1, lp, top)
-            if stream.stopped:
-                finish = "stop"
-                break
-            if n < sampling.max_tokens:
-                logits, pos = session.step([tok], [pos]), pos + 1
+        # a held copy that must be made (the received block as is) waits until the first token is out
+        pending = None if self._keep(prefix_ids, salt, kv, loaded) else kv
+        copy = None
+        try:
+            start = len(prefix_ids)
+            t_suffix = time.perf_counter()
+            # the context is copied once into a buffer with room for the suffix and every token to come
+            session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens)
+            logits = session.step(suffix_ids, range(start, start + len(suffix_ids)))
+            pos = start + len(suffix_ids)
+            for tok in done:     # a continuation replays the streamed tokens one step each, as the lost worker
+                logits, pos = session.step([tok], [pos]), pos + 1     # computed them: the same logits after
+            stages["suffix_forward"] = time.perf_counter() - t_suffix
+            sampler = Sampler(sampling, logits.numel(), history=done)
+            n, finish = len(done), "length"
+            while n < sampling.max_tokens:
+                tok, lp, top = sampler.pick(logits)
+                if tok in self.engine.eos_ids:
+                    finish = "stop"
+                    break
+                n += 1
+                if n == len(done) + 1:
+                    stages["first_token"] = time.perf_counter() - t_suffix
+                delta = stream.push(tok)
+                if stream.stopped or n == sampling.max_tokens:
+                    delta += stream.finish()
+                yield TokenEvent(tok, delta, n - 1, lp, top)
+                if pending is not None:      # the first token is out: the held copy runs beside decoding
+                    copy, pending = self.held.put_copy(prefix_ids, salt, pending), None
+                if stream.stopped:
+                    finish = "stop"
+                    break
+                if n < sampling.max_tokens:
+                    logits, pos = session.step([tok], [pos]), pos + 1
+        finally:             # no token (EOS first), cancelled (closed) or failed: the prefix is still kept
+            if pending is not None:
+                copy = self.held.put_copy(prefix_ids, salt, pending)
         stream.finish()       # after EOS: text still held back is in the summary's text, not in an event
         text = stream.text
+        if copy is not None:  # joined before the summary, which reports it (after the first token)
+            copy.wait()
+            stages["held_copy"] = copy.seconds
         yield DecodeSummary(n, finish, tuple(fallbacks), received, text, not_computed, min(loaded, not_computed),
                             tuple(stages.items()))
 

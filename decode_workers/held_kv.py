@@ -9,11 +9,18 @@ ids with any entry of that salt (KV of slot i depends on slots <= i only). Bound
 (``kvnotes_decode_prefix_evictions_total``) and logged. ``hold`` pins the held slice for one
 announced transfer, so an eviction between ``DecodeWorker.expect`` and ``generate`` cannot take
 it away; pins are few (``max_pins``, oldest dropped: that request then recomputes, counted).
+
+:meth:`HeldPrefixes.put_copy` keeps a fresh copy of KV that aliases reused memory (a received
+block's pool lease) in a background thread, so the copy is off the first token's path (issue 26):
+the source stays alive until the copy is done, the entry appears only once it is whole (never a
+half-written copy), and a lookup of that salt meanwhile waits for it (at most ``copy_wait_s``;
+past that it sees what is already held, counted in ``copy_wait_timeouts`` and logged).
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -32,6 +39,8 @@ class HeldStats:
     evictions: int
     hit_tokens: int          # prefix tokens not sent because this cache held them
     pins_dropped: int
+    copy_waits: int = 0          # lookups that waited for a background copy of their salt
+    copy_wait_timeouts: int = 0  # ... and gave up after ``copy_wait_s`` (saw what was held already)
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -43,14 +52,27 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
 class HeldPrefixes:
     """Thread-safe byte-bounded LRU of prefix KV (CPU or the engine's device, engine dtype)."""
 
-    def __init__(self, capacity_bytes: int, *, max_pins: int = 64):
-        if capacity_bytes < 0 or max_pins < 1:
-            raise ValueError("capacity_bytes must be >= 0 and max_pins >= 1")
-        self.capacity, self.max_pins = capacity_bytes, max_pins
+    def __init__(self, capacity_bytes: int, *, max_pins: int = 64, copy_wait_s: float = 30.0):
+        if capacity_bytes < 0 or max_pins < 1 or copy_wait_s < 0:
+            raise ValueError("capacity_bytes must be >= 0, max_pins >= 1 and copy_wait_s >= 0")
+        self.capacity, self.max_pins, self.copy_wait_s = capacity_bytes, max_pins, copy_wait_s
         self._entries: OrderedDict[tuple[str, bytes], tuple[np.ndarray, KVCache]] = OrderedDict()
         self._pins: OrderedDict[str, KVCache] = OrderedDict()
         self._lock = threading.Lock()
+        self._copied = threading.Condition(self._lock)      # notified when a background copy lands
+        self._copying: dict[str, int] = {}                  # salt -> background copies under way
         self._bytes = self._evictions = self._hit_tokens = self._pins_dropped = 0
+        self._copy_waits = self._copy_wait_timeouts = 0
+
+    def _await_copies(self, salt: str) -> None:
+        """With the lock held: wait (bounded) until no background copy of ``salt`` is under way."""
+        if not self._copying.get(salt):
+            return
+        self._copy_waits += 1
+        if not self._copied.wait_for(lambda: not self._copying.get(salt), timeout=self.copy_wait_s):
+            self._copy_wait_timeouts += 1
+            log.warning("held prefix copy for salt %s not done after %.1f s: lookup sees what is held",
+                        salt, self.copy_wait_s)
 
     def _longest(self, prefix_ids, salt: str) -> tuple[int, tuple | None]:
         ids = np.asarray(prefix_ids, dtype=np.int64)
@@ -67,6 +89,7 @@ class HeldPrefixes:
         if not prefix_ids or salt is None:
             return 0
         with self._lock:
+            self._await_copies(salt)
             return self._longest(prefix_ids, salt)[0]
 
     def hold(self, transfer_id: str, prefix_ids, salt: str | None, limit: int,
@@ -79,6 +102,7 @@ class HeldPrefixes:
         if not prefix_ids or salt is None:
             return 0
         with self._lock:
+            self._await_copies(salt)
             n, key = self._longest(prefix_ids, salt)
             n = n if decode_computes_rest(n, computes_from) else min(n, limit)
             if not n:
@@ -125,6 +149,48 @@ class HeldPrefixes:
                          len(toks), old.nbytes, self.capacity)
             return True
 
+    def put_copy(self, prefix_ids, salt: str | None, kv: KVCache) -> "HeldCopy | None":
+        """:meth:`put` a fresh copy of ``kv`` (which may alias reused memory: it is kept alive
+        until copied), made in a background thread; None when nothing is to be kept."""
+        if salt is None or not prefix_ids or kv.nbytes > self.capacity:
+            return None
+        with self._lock:
+            self._copying[salt] = self._copying.get(salt, 0) + 1
+        return HeldCopy(self, tuple(prefix_ids), salt, kv)
+
+    def _copy_done(self, salt: str) -> None:
+        with self._lock:
+            self._copying[salt] -= 1
+            if not self._copying[salt]:
+                del self._copying[salt]
+            self._copied.notify_all()
+
     def stats(self) -> HeldStats:
         with self._lock:
-            return HeldStats(self._bytes, len(self._entries), self._evictions, self._hit_tokens, self._pins_dropped)
+            return HeldStats(self._bytes, len(self._entries), self._evictions, self._hit_tokens, self._pins_dropped,
+                             self._copy_waits, self._copy_wait_timeouts)
+
+
+class HeldCopy:
+    """One background copy into a :class:`HeldPrefixes` (see :meth:`HeldPrefixes.put_copy`):
+    ``wait`` joins it; ``seconds`` is what the copy and its put took (the ``held_copy`` stage)."""
+
+    def __init__(self, held: HeldPrefixes, prefix_ids: tuple, salt: str, kv: KVCache):
+        self.seconds = 0.0
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(held, prefix_ids, salt, kv), name="held-prefix-copy",
+                         daemon=True).start()
+
+    def _run(self, held: HeldPrefixes, prefix_ids: tuple, salt: str, kv: KVCache) -> None:
+        t = time.perf_counter()
+        try:
+            held.put(prefix_ids, salt, KVCache(kv.data.clone(), kv.positions, kv.token_ids))
+        except Exception:                       # out of memory, ...: nothing kept, the next request is sent it
+            log.exception("held prefix copy of %d tokens failed; not kept", len(prefix_ids))
+        finally:
+            self.seconds = time.perf_counter() - t
+            held._copy_done(salt)
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)

@@ -60,6 +60,14 @@ class HeldCollector:
                                   "decode engine held their KV", labels=["worker"])
         hit.add_metric([w], s.hit_tokens)
         yield hit
+        cw = CounterMetricFamily("kvnotes_decode_prefix_copy_waits", "Held-prefix lookups that waited for a "
+                                 "background copy of their salt (made after a request's first token)", labels=["worker"])
+        cw.add_metric([w], s.copy_waits)
+        yield cw
+        ct = CounterMetricFamily("kvnotes_decode_prefix_copy_wait_timeouts", "... that gave up after copy_wait_s "
+                                 "and saw only what was already held", labels=["worker"])
+        ct.add_metric([w], s.copy_wait_timeouts)
+        yield ct
 
 
 class _ProcessRegistry:

@@ -3,6 +3,7 @@ keeps for ``explain.control``, and what the control-path fixes must keep: the re
 plain and streamed responses, and the registrations' last use recorded (or a failed write counted)
 while the request is answered."""
 import asyncio
+import copy
 import time
 
 import pytest
@@ -142,3 +143,15 @@ def test_a_composed_request_records_its_laps_and_its_chunks_last_use(smol, tmp_p
         assert metric(router.metrics.render().decode(), "kvnotes_fallbacks_total", reason="mark_used_failed") == 1
     finally:
         b.rx.stop()
+
+
+def test_the_held_copy_after_the_first_token_is_shown_but_in_no_total():
+    rec = copy.deepcopy(PREFILLED)
+    rec["explain"]["stages"]["held_copy"] = 0.13
+    s, base = stages_of(rec), stages_of(PREFILLED)
+    assert s["held_copy (after the first token)"] == pytest.approx(0.13)
+    for k in ("control total", "KV path", "model forward", "decode call overhead"):
+        assert s[k] == pytest.approx(base[k])
+    table = markdown({"sizes": {"4096": {"prompt_tokens": 4000, "requests": [rec]}}})
+    assert "| held_copy (after the first token, in no total) | 130.0 | |" in table
+    assert f"| **control total** | **{base['control total'] * 1e3:.1f}** | 100% |" in table

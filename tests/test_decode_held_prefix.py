@@ -2,6 +2,8 @@
 (byte-bounded LRU keyed by token ids + salt), the grant of the next request with that prefix is
 narrowed to the tail, and the held slots joined with the received tail decode exactly like a
 recompute. Real model, real gRPC receiver with grants, real Prometheus exposition."""
+import threading
+import time
 import uuid
 
 import pytest
@@ -134,3 +136,84 @@ def test_a_pin_lost_before_decode_is_a_counted_recompute(wired):
     events = list(dec.generate(tid, prefix, plan.suffix_ids, SamplingParams(max_tokens=10), salt="s"))
     assert events[-1].fallbacks == ("kv_held_missing",)
     assert [ev.token_id for ev in events if isinstance(ev, TokenEvent)] == toks0
+
+
+class _GatedHeld(HeldPrefixes):
+    """A held cache whose put blocks until the test opens ``gate`` (bounded): shows whether the
+    first token came out before the held copy was stored."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate, self.putting = threading.Event(), threading.Event()
+
+    def put(self, prefix_ids, salt, kv):
+        self.putting.set()
+        if not self.gate.wait(30):
+            raise TimeoutError("gate never opened")
+        return super().put(prefix_ids, salt, kv)
+
+
+def _until(cond, limit=30.0):
+    end = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_the_held_copy_runs_after_the_first_token_and_a_lookup_meanwhile_waits_for_it(wired):
+    e, rx, pre = wired
+    held = _GatedHeld(64 << 20)
+    dec = DecodeExecutor(e, rx, receive_timeout=10, held=held)
+    frame, skill, q = _segments(e)
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.EXACT, (frame, skill), q), TierView(), None, e.encode)
+    prefix, n = plan.prefix_ids, len(plan.prefix_ids)
+    tid = uuid.uuid4().hex
+    grant, cred = TransferGrant.issue(tid, plan.model, "float32", prefix)
+    rx.expect(grant)
+    assert pre.execute(plan, rx.endpoint, tid, credential=cred).transferred
+    gen = dec.generate(tid, prefix, plan.suffix_ids, SamplingParams(max_tokens=10), salt="s")
+    first = next(gen)
+    # the first token is out while nothing is stored yet (the received block as is: a copy is due)
+    assert isinstance(first, TokenEvent) and not held.gate.is_set() and held.stats().entries == 0
+    second = next(gen)                                       # the copy has started, blocked in put
+    assert held.putting.wait(30)
+    seen = []
+    lookup = threading.Thread(target=lambda: seen.append(dec.held_prefix(prefix, "s")))
+    lookup.start()
+    _until(lambda: held.stats().copy_waits == 1)             # the lookup waits for the copy ...
+    held.gate.set()
+    lookup.join(30)
+    assert seen == [n]                                       # ... and then sees it whole
+    rest = [second] + list(gen)
+    summary = rest[-1]
+    assert "held_copy" in dict(summary.stages) and summary.fallbacks == ()
+    toks0 = [first.token_id] + [ev.token_id for ev in rest if isinstance(ev, TokenEvent)]
+    # a request right after is sent one token and decodes exactly like a recompute
+    held1, res, toks1, sum1 = _request(e, rx, pre, dec, plan, "s")
+    assert held1 == n - 1 and res.transferred and sum1.fallbacks == () and sum1.cached_tokens == n
+    full = recompute(e, list(plan.prefix_ids + plan.suffix_ids))
+    oracle = [t for t in e.greedy(full.kv, full.logits, 10, stop_at_eos=True) if t not in e.eos_ids]
+    assert toks1 == toks0 == oracle
+    s = held.stats()
+    assert (s.copy_waits, s.copy_wait_timeouts) == (1, 0)
+    text = _exposition(held)
+    assert metric(text, "kvnotes_decode_prefix_copy_waits_total", worker="decode-0") == 1
+    assert metric(text, "kvnotes_decode_prefix_copy_wait_timeouts_total", worker="decode-0") == 0
+
+
+@pytest.mark.slow
+def test_a_request_cancelled_after_its_first_token_still_keeps_its_prefix(wired):
+    e, rx, pre = wired
+    dec = DecodeExecutor(e, rx, receive_timeout=10, held=HeldPrefixes(64 << 20))
+    frame, skill, q = _segments(e)
+    plan = plan_request(RenderedRequest("r", e.spec.name, Policy.EXACT, (frame, skill), q), TierView(), None, e.encode)
+    tid = uuid.uuid4().hex
+    grant, cred = TransferGrant.issue(tid, plan.model, "float32", plan.prefix_ids)
+    rx.expect(grant)
+    assert pre.execute(plan, rx.endpoint, tid, credential=cred).transferred
+    gen = dec.generate(tid, plan.prefix_ids, plan.suffix_ids, SamplingParams(max_tokens=10), salt="s")
+    assert isinstance(next(gen), TokenEvent)
+    gen.close()                                              # what DecodeWorker.generate does on cancel
+    assert dec.held_prefix(plan.prefix_ids, "s") == len(plan.prefix_ids)   # waits for the copy, bounded

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from kvruntime.messages.keys import token_hash
 
-#: stages of a request's KV path, in order (``kvnotes_stage_seconds{stage}``, ``explain``)
+#: stages of a request's KV path, in order (``kvnotes_stage_seconds{stage}``, ``explain``); ``held_copy``
+#: (the decode engine keeping the prefix for later requests) runs after the first token, off its path
 STAGES = ("tier_get", "rerotate", "forward", "serialise", "transfer", "receive", "load", "suffix_forward",
-          "first_token")
+          "first_token", "held_copy")
 TRANSPORTS = ("auto", "nixl", "grpc")
 
 
