@@ -121,7 +121,7 @@ def workload(cluster, prometheus, tmp_path_factory):
                                                   "temperature": 0, "explain": True})
         assert r.status_code == 200, r.text
         steps = r.json()["explain"]["steps"]
-        assert r.json()["plan"] == "reuse" and any(s["source"] == "skill:returns" and s["kind"] == "reuse"
+        assert r.json()["plan"] == "reuse" and any(s["source"] == "frame+skill:returns" and s["kind"] == "reuse"
                                                    for s in steps), steps
         kinds.add(r.json()["plan"])
         deadline = time.monotonic() + 300
