@@ -19,9 +19,10 @@ import httpx
 from bench.progress import progress as _progress
 
 
-def _ttft(client: httpx.Client, body: dict) -> tuple[float, dict]:
-    """Client-side seconds to the first streamed token, and the final event."""
-    t = time.perf_counter()
+def stream_native(client: httpx.Client, body: dict) -> tuple[float, float, dict]:
+    """One streamed native request: (perf_counter at send, perf_counter at the first token, the
+    final event). RuntimeError on an HTTP error or an in-band error event."""
+    send = time.perf_counter()
     first, final = None, {}
     with client.stream("POST", "/v1/notes/completions", json={**body, "stream": True}) as r:
         if r.status_code != 200:
@@ -33,10 +34,16 @@ def _ttft(client: httpx.Client, body: dict) -> tuple[float, dict]:
             if "error" in ev:
                 raise RuntimeError(ev["error"]["message"])
             if "token" in ev and first is None:
-                first = time.perf_counter() - t
+                first = time.perf_counter()
             if "usage" in ev:
                 final = ev
-    return (first if first is not None else time.perf_counter() - t), final
+    return send, (first if first is not None else time.perf_counter()), final
+
+
+def _ttft(client: httpx.Client, body: dict) -> tuple[float, dict]:
+    """Client-side seconds to the first streamed token, and the final event."""
+    send, first, final = stream_native(client, body)
+    return first - send, final
 
 
 def _pct(xs, q):

@@ -49,6 +49,8 @@ import time
 import uuid
 from pathlib import Path
 
+from bench.cluster_ttft import stream_native
+
 KV_PATH = ("tier_get", "rerotate", "forward", "serialise", "transfer", "receive", "load")
 FORWARD = ("first_token",)
 AFTER_FIRST = ("held_copy",)      # decode-side stages after the first token: shown, in no total
@@ -162,22 +164,7 @@ def _port() -> int:
 def request(client, body: dict) -> dict:
     """One streamed request; client-side perf_counter at send and at the first token, and the
     final event's usage and explain."""
-    send = time.perf_counter()
-    first, fin = None, {}
-    with client.stream("POST", "/v1/notes/completions", json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(ev["error"]["message"])
-            if "token" in ev and first is None:
-                first = time.perf_counter()
-            if "usage" in ev:
-                fin = ev
-    first = first if first is not None else time.perf_counter()
+    send, first, fin = stream_native(client, body)
     return {"send": send, "first": first, "ttft": first - send, "prompt": fin["usage"]["prompt_tokens"],
             "cached": fin["usage"]["prompt_tokens_details"]["cached_tokens"], "fallbacks": fin.get("fallbacks", []),
             "explain": fin["explain"]}
