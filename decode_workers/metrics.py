@@ -52,22 +52,18 @@ class HeldCollector:
                               "later requests (decode_prefix_cache_bytes bounds it)", labels=["worker"])
         g.add_metric([w], s.held_bytes)
         yield g
-        ev = CounterMetricFamily("kvnotes_decode_prefix_evictions", "Held prefix KV entries evicted (LRU, over "
-                                 "decode_prefix_cache_bytes)", labels=["worker"])
-        ev.add_metric([w], s.evictions)
-        yield ev
-        hit = CounterMetricFamily("kvnotes_decode_prefix_hit_tokens", "Prefix tokens not sent again because the "
-                                  "decode engine held their KV", labels=["worker"])
-        hit.add_metric([w], s.hit_tokens)
-        yield hit
-        cw = CounterMetricFamily("kvnotes_decode_prefix_copy_waits", "Held-prefix lookups that waited for a "
-                                 "background copy of their salt (made after a request's first token)", labels=["worker"])
-        cw.add_metric([w], s.copy_waits)
-        yield cw
-        ct = CounterMetricFamily("kvnotes_decode_prefix_copy_wait_timeouts", "... that gave up after copy_wait_s "
-                                 "and saw only what was already held", labels=["worker"])
-        ct.add_metric([w], s.copy_wait_timeouts)
-        yield ct
+        for name, doc, value in (
+                ("kvnotes_decode_prefix_evictions", "Held prefix KV entries evicted (LRU, over "
+                 "decode_prefix_cache_bytes)", s.evictions),
+                ("kvnotes_decode_prefix_hit_tokens", "Prefix tokens not sent again because the decode engine "
+                 "held their KV", s.hit_tokens),
+                ("kvnotes_decode_prefix_copy_waits", "Held-prefix lookups that waited for a background copy of "
+                 "their salt (made after a request's first token)", s.copy_waits),
+                ("kvnotes_decode_prefix_copy_wait_timeouts", "Held-prefix lookups that gave up after copy_wait_s "
+                 "and saw only what was already held", s.copy_wait_timeouts)):
+            c = CounterMetricFamily(name, doc, labels=["worker"])
+            c.add_metric([w], value)
+            yield c
 
 
 class _ProcessRegistry:
