@@ -7,7 +7,7 @@ the default path of every policy), whose claim of exactness is thus checked live
 flight; a check that finds the queue full is dropped and counted). Each result (first-token KL,
 top-1 and greedy-16 agreement) is recorded per operation in a sliding window; an operation whose
 windowed agreement falls below its policy's target is *demoted*: the router re-plans with it
-skipped (``cluster.control.planner.choose_compose(demoted=...)``) until a cool-down passes, after which it
+skipped (``cluster.control.compose_choice.choose_compose(demoted=...)``) until a cool-down passes, after which it
 is admitted again on probation (fresh window) and stays only if it now meets the target. An
 *exact* operation (:data:`EXACT_OPS`) has no target to fall below: any disagreement with the
 recompute is a bug, logged at ERROR and counted (``kvnotes_fidelity_exact_mismatch_total{op}``,
@@ -210,7 +210,7 @@ def plan_op(plan) -> str:
     variant (the only thing in the plan that could make it differ from recompute); else the plan
     kind. A plan with both a frame variant and a repositioned chunk is booked under the latter:
     the approximate operation answers for the whole plan's agreement."""
-    from cluster.control.planner import compose_op_key
+    from cluster.control.compose_choice import compose_op_key
     from kvruntime.messages.plan import PlanKind
     for s in plan.steps:
         if s.kind is PlanKind.REPOSITION:
@@ -234,7 +234,7 @@ class FidelityGuard:
 
     def _choose(self):
         from dataclasses import replace
-        from cluster.control.planner import choose_compose
+        from cluster.control.compose_choice import choose_compose
         from kvruntime.messages.plan import Policy
         model = ((self.summary or {}).get("meta") or {}).get("model", "")
         ch = {p: choose_compose(self.summary, t, demoted=self.monitor.demoted, model=model)

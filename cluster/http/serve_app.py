@@ -100,7 +100,7 @@ class RouterIngress:
         from cluster.control.ray_backends import RayBackends
         from cluster.control.registry import Registry
         from cluster.control.render import Renderer
-        from cluster.control.planner import FidelityTarget
+        from cluster.control.compose_choice import FidelityTarget
         from cluster.control.router import Router
         from cluster.control.shadow import ShadowConfig
         from cluster.control.state import StoreLimits, open_state
