@@ -7,7 +7,7 @@ The JSON is saved after every size, so a run cut short (Ctrl-C, SIGTERM, an erro
 prints what it measured, marked incomplete.
 
 Starts, in this order, and stops by PID / Ray shutdown on exit, Ctrl-C or error (then removes the
-``psm_*`` shared memory a SIGKILLed vLLM leaves in ``/dev/shm``: :mod:`decode_workers.vllm_shm`):
+``psm_*`` shared memory a SIGKILLed vLLM leaves in ``/dev/shm``: :mod:`bench.vllm_shm`):
 
 * **plain vLLM**: ``python -m vllm.entrypoints.openai.api_server`` (a child process group) on the
   same converted checkpoint and dtype as the cluster's vLLM decode engine, eager, automatic prefix
@@ -54,7 +54,7 @@ import httpx
 from bench.cluster_vs_vllm_load import STATUSES, cold_ids, edit_turn, mixed_load, register_template
 from bench.cluster_vs_vllm_report import markdown
 from bench.progress import progress as _progress
-from decode_workers.vllm_shm import psm_names, remove_leaked, wait_group_exit
+from bench.vllm_shm import psm_names, remove_leaked, wait_group_exit
 
 QUESTIONS = ["Summarise the key facts above in one sentence.", "Which organisation is mentioned first?",
              "List two numbers that appear above.", "What is the main topic of the last section?"]

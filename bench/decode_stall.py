@@ -163,8 +163,8 @@ def main() -> None:
     from kvruntime.messages.plan import KVRef
     from kvruntime.ops import precompile_chunk
 
-    from kvtransport.blocks import decode_block, encode_block
-    from kvtransport.grpc_transport import GrpcTransport
+    from kvtransport.transfer.blocks import decode_block, encode_block
+    from kvtransport.transfer.grpc_transport import GrpcTransport
 
     h = Harness(args.model, args.dtype, args.threads)
     h.max_stream_tokens = 8192 - args.stream_context - 64

@@ -40,7 +40,7 @@ SIDES, SOCKETS = ("sync", "aio"), ("tcp", "uds")
 
 
 def _options(chunk: int) -> list:
-    from kvtransport.grpc_transport import GrpcTransportConfig, tune_malloc
+    from kvtransport.transfer.grpc_transport import GrpcTransportConfig, tune_malloc
     cfg = GrpcTransportConfig(chunk_bytes=chunk, max_message_bytes=max(8 << 20, chunk + (1 << 20)))
     tune_malloc(cfg.malloc_keep_bytes)
     return cfg.channel_options()
@@ -53,7 +53,7 @@ def _serve(kind: str, target: str, chunk: int, total: int, ready, k: int = 0, st
     import grpc
     opts = _options(chunk)
     if kind == "transport":
-        from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
+        from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
         t = GrpcTransport(GrpcTransportConfig(**{"chunk_bytes": chunk, **(config or {})}), model="bench")
         ready.put(t.serve("127.0.0.1", 0))
         for i in itertools.count():
@@ -113,7 +113,7 @@ class Client:
             self.loop = asyncio.new_event_loop()
             self.channel = self.loop.run_until_complete(self._aio_channel(address, opts))
         else:
-            from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
+            from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
             self.t = GrpcTransport(GrpcTransportConfig(**{"chunk_bytes": chunk, **(config or {})}), model="bench")
 
     @staticmethod
@@ -150,7 +150,7 @@ def _block(src: np.ndarray, tid: str):
     import torch
     from bench.transfer import HEAD_DIM, KV_HEADS, LAYERS
     from kvruntime.kv import KVCache
-    from kvtransport.blocks import block_header
+    from kvtransport.transfer.blocks import block_header
     per_token = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
     n = src.nbytes // per_token
     data = torch.from_numpy(src[:n * per_token].view(np.float32)).view(LAYERS, 2, KV_HEADS, n, HEAD_DIM)
@@ -165,7 +165,7 @@ def _parse(variant: str) -> tuple[str, str, str, dict]:
     if parts == ["transport", "transport", "tcp"]:
         try:
             config = json.loads(extra) if extra else {}
-            from kvtransport.grpc_transport import GrpcTransportConfig
+            from kvtransport.transfer.grpc_transport import GrpcTransportConfig
             GrpcTransportConfig(**config)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"variant {variant!r}: bad transport config: {exc}") from None

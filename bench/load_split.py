@@ -5,7 +5,7 @@ long system prompt (the case that made one prefill actor hot under hash affinity
 
     python -m bench.load_split --layouts 1+1 2+2 2+1 --requests 16 --concurrency 4
 
-By default each layout gets its own lm:// tier server (kvtransport.tier_server), shared by its
+By default each layout gets its own lm:// tier server (kvtransport.tier.server), shared by its
 prefill actors, as in deploy/kvnotes.yaml; ``--no-remote-tier`` measures local tiers only.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def run_layout(n_prefill: int, n_decode: int, requests: int, concurrency: int, m
 
     from cluster.control.ray_backends import tier_key_of
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
-    from kvtransport.tier_server import free_port, start_tier_server, stop_tier_server
+    from kvtransport.tier.server import free_port, start_tier_server, stop_tier_server
 
     tier_port = free_port()
     cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=tempfile.mkdtemp(prefix="kvnotes-bench-"),

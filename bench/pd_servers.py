@@ -5,7 +5,7 @@
   ``python -m vllm.entrypoints.openai.api_server`` with distinct ``VLLM_NIXL_SIDE_CHANNEL_PORT``s
   (optionally with NIXL's busy-polling progress thread off: ``quiet_nixl``) and stops both by PID (SIGTERM, then SIGKILL of the group each one leads) on exit, error or
   Ctrl-C, then removes the ``psm_*`` shared memory a killed server leaves in ``/dev/shm``
-  (:mod:`decode_workers.vllm_shm`).
+  (:mod:`bench.vllm_shm`).
 - :func:`pd_request` is the proxy: a prefill request with ``max_tokens: 1`` and
   ``kv_transfer_params: {"do_remote_decode": true, ...}``, then the decode request (streamed)
   carrying the ``kv_transfer_params`` the producer returned. Its decode leg is timed from the
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from decode_workers.vllm_shm import psm_names, remove_leaked, wait_group_exit
+from bench.vllm_shm import psm_names, remove_leaked, wait_group_exit
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
 NIXL_SERIES = ("vllm:nixl_bytes_transferred", "vllm:nixl_xfer_time_seconds")
@@ -125,7 +125,7 @@ class PDServers:
     def __init__(self, ckpt: str, name: str, dtype: str, *, kv_gib: int = 2, threads: int = 1,
                  max_model_len: int = 8192, log_dir: Path = Path("runs/vllm_pd"), start_timeout: float = 600.0,
                  quiet_nixl: bool = False):
-        from kvtransport.tier_server import free_port
+        from kvtransport.tier.server import free_port
 
         self.name, self.start_timeout = name, start_timeout
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ def _plan(engine, salt: str, frame: list[int], size: int, chunk_tokens: int, sea
 def main(argv=None) -> int:
     from kvruntime.engine import ReferenceEngine
     from kvruntime.ops.frame import chat_frame
-    from kvtransport.lmcache_store import LMCacheStore, TierConfig
+    from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
     from prefill_workers.executor import PrefillExecutor
     from prefill_workers.tier import PrefillTier
 

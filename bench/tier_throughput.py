@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.lmcache_store import LMCacheStore, TierConfig
-from kvtransport.store import ChunkKey, key_positions, tenant_salt
-from kvtransport.tier_server import start_tier_server, stop_tier_server
+from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+from kvtransport.tier.store import ChunkKey, key_positions, tenant_salt
+from kvtransport.tier.server import start_tier_server, stop_tier_server
 
 LAYERS, KV_HEADS, HEAD_DIM, MODEL = 30, 3, 64, "smollm2-135m"
 

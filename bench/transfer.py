@@ -70,7 +70,7 @@ class RawGrpc:
 
     def __init__(self, cfg):
         import threading
-        from kvtransport.grpc_transport import tune_malloc
+        from kvtransport.transfer.grpc_transport import tune_malloc
         tune_malloc(cfg.malloc_keep_bytes)          # the same process setting as the transport's ends
         self.cfg, self.got, self.dest, self.server = cfg, {}, None, None
         self.cv = threading.Condition()
@@ -138,20 +138,20 @@ class Endpoint:
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self.kind, self.kv, self.received = kind, None, 0
         if kind == "grpc-raw":
-            from kvtransport.grpc_transport import GrpcTransportConfig
+            from kvtransport.transfer.grpc_transport import GrpcTransportConfig
             self.t = RawGrpc(GrpcTransportConfig(**(grpc_config or {})))
         elif kind in GRPC_KINDS:
-            from kvtransport.endpoints import Sender
-            from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
+            from kvtransport.transfer.endpoints import Sender
+            from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
             cfg = GrpcTransportConfig(**{"require_grant": True, **(grpc_config or {}),
                                          **({"checksum": "always"} if kind == "grpc-crc" else {})})
             self.s = Sender("grpc", grpc_cfg=cfg)                   # the cluster's prefill side
             self.t = GrpcTransport(cfg, model=MODEL)               # the decode side
         elif kind in NIXL_KINDS:
-            from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
+            from kvtransport.transfer.nixl_transport import NixlTransport, NixlTransportConfig
             cfg = NixlTransportConfig(require_grant=True, ucx_error_handling=ucx_error_handling)
             if kind in ("nixl", "nixl-copy"):                      # the cluster's prefill side (a receiver too)
-                from kvtransport.endpoints import Sender
+                from kvtransport.transfer.endpoints import Sender
                 self.s = Sender("nixl", cfg)
                 self.t = self.s.nixl
                 self.t.model = MODEL
@@ -197,7 +197,7 @@ class Endpoint:
         return sum(os.times()[:2])
 
     def push(self, address: str, tid: str, credential: str) -> tuple[float, float]:
-        from kvtransport.blocks import encode_block
+        from kvtransport.transfer.blocks import encode_block
         t0 = time.perf_counter()
         if self.kind == "grpc-raw":
             self.t.send(address, tid, self.kv.data.numpy())
@@ -238,7 +238,7 @@ class Endpoint:
         return getattr(self, "zero_copy", None)
 
     def pull(self, tid: str, expect_bytes: int) -> float:
-        from kvtransport.blocks import decode_block
+        from kvtransport.transfer.blocks import decode_block
         t0 = time.perf_counter()
         if self.kind == "grpc-raw":
             if (got := self.t.receive(tid, 120)) != expect_bytes:
@@ -367,7 +367,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"unknown transport {t!r}; choose {', '.join(NIXL_KINDS + GRPC_KINDS)}")
     try:
         grpc_config = json.loads(args.grpc_config)
-        from kvtransport.grpc_transport import GrpcTransportConfig
+        from kvtransport.transfer.grpc_transport import GrpcTransportConfig
         GrpcTransportConfig(**grpc_config)
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"--grpc-config: {exc}") from None

@@ -9,9 +9,9 @@ would slow whatever runs beside them):
 
 1. **kvnotes** (in a local Ray cluster, as the cluster runs it): a prefill actor (reference engine,
    LMCache tier with the chunks precompiled, :class:`~prefill_workers.executor.PrefillExecutor`
-   with a NIXL :class:`~kvtransport.endpoints.Sender`) builds the composed prefix by its
+   with a NIXL :class:`~kvtransport.transfer.endpoints.Sender`) builds the composed prefix by its
    reposition plan and pushes it; a decode actor (:class:`~decode_workers.vllm_engine.VllmDecodeExecutor`
-   with the kvnotes connector and a NIXL :class:`~kvtransport.endpoints.Receiver`) loads it and
+   with the kvnotes connector and a NIXL :class:`~kvtransport.transfer.endpoints.Receiver`) loads it and
    computes the question. **Decode leg** = from the prefix KV being built (the end of the
    prefill leg) to the first token: serialise into registered memory + NIXL transfer (receiver
    pull, CRC) + claim and load into vLLM's paged cache + the question's forward + first token.
@@ -62,8 +62,8 @@ class PrefillSide:
         torch.set_num_threads(threads)
         from kvruntime.engine import ReferenceEngine
         from kvruntime.fidelity.runner import _frame
-        from kvtransport.endpoints import Sender
-        from kvtransport.lmcache_store import LMCacheStore, TierConfig
+        from kvtransport.transfer.endpoints import Sender
+        from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
         from prefill_workers.executor import PrefillExecutor
         from prefill_workers.tier import PrefillTier
 
@@ -127,7 +127,7 @@ class DecodeSide:
 
     def __init__(self, model: str, dtype: str, threads: int, transport: str, kv_gib: int):
         from decode_workers.vllm_engine import VllmDecodeExecutor
-        from kvtransport.endpoints import Receiver
+        from kvtransport.transfer.endpoints import Receiver
         self.receiver = Receiver(transport, model, dtype, bind="127.0.0.1", advertise="127.0.0.1")
         self.vllm = VllmDecodeExecutor(model, dtype=dtype, receiver=self.receiver, kv_cache_gib=kv_gib,
                                        max_model_len=8192, threads=threads, receive_timeout=120.0)

@@ -60,8 +60,8 @@ class Harness:
         self.vllm = VllmDecodeExecutor(model, dtype=dtype, kv_cache_gib=3, max_model_len=8192, threads=threads)
         from kvruntime.engine import ReferenceEngine
         from kvruntime.fidelity.runner import _frame
-        from kvtransport.grpc_transport import GrpcTransport
-        from kvtransport.lmcache_store import LMCacheStore, TierConfig
+        from kvtransport.transfer.grpc_transport import GrpcTransport
+        from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
         from prefill_workers.executor import PrefillExecutor
         from prefill_workers.tier import PrefillTier
 

@@ -2,7 +2,7 @@
 
 ``decode_engine`` in config picks the engine: ``reference`` (torch, the oracle) or ``vllm`` (a
 vLLM v1 engine whose kvnotes KV connector writes the received prefix into vLLM's paged cache).
-Either way the actor owns one :class:`~kvtransport.endpoints.Receiver` (``kv_transport``: NIXL
+Either way the actor owns one :class:`~kvtransport.transfer.endpoints.Receiver` (``kv_transport``: NIXL
 and/or gRPC into one inbox that accepts only transfers the router announced with
 :meth:`DecodeWorker.expect`). Its gRPC server binds and advertises the node's address as Ray
 reports it (127.0.0.1 on a loopback node) or ``bind_host``, so prefill actors on other nodes reach it; :meth:`DecodeWorker.endpoint` (NIXL agent
@@ -35,8 +35,8 @@ def node_address() -> tuple[str, str]:
 
 class DecodeWorker:
     def __init__(self, cfg: ClusterConfig, index: int, host: str | None = None):
-        from kvtransport.endpoints import Receiver
-        from kvtransport.options import confine_ucx, grpc_config, nixl_config
+        from kvtransport.transfer.endpoints import Receiver
+        from kvtransport.transfer.options import confine_ucx, grpc_config, nixl_config
 
         from kvruntime.models import get_model_spec
         # block headers carry the model's spec name (a checkpoint's <dir>-<content hash>), not the config's path

@@ -26,14 +26,14 @@ from kvruntime.messages.decode import Continuation, DecodeSummary, SamplingParam
 from kvruntime.ops import recompute
 from decode_workers.held_kv import HeldPrefixes
 from decode_workers.sampling import Sampler, TextStream
-from kvtransport.blocks import BlockError, decode_block
-from kvtransport.transport import KVTransport, TransferError
+from kvtransport.transfer.blocks import BlockError, decode_block
+from kvtransport.transfer.seam import KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
 
 
 class DecodeExecutor:
-    def __init__(self, engine, transport: KVTransport, *, load_failure_policy: str = "recompute",
+    def __init__(self, engine, transport: KVReceiver, *, load_failure_policy: str = "recompute",
                  receive_timeout: float = 60.0, held: HeldPrefixes | None = None):
         if load_failure_policy not in ("recompute", "fail"):
             raise ValueError("load_failure_policy must be 'recompute' or 'fail'")

@@ -7,7 +7,7 @@ vLLM loads it with ``kv_transfer_config={"kv_connector": "KvnotesConnector",
   "kvnotes_prefix_tokens": N}`` reports its first N prompt tokens as externally matched, minus
   what vLLM's own prefix cache (APC) already holds. APC stays on: the suffix after our prefix
   is computed by vLLM and cached by it, and a repeated prefix hits APC without a transfer.
-* **Worker side.** Claims blocks from the decode actor's :class:`~kvtransport.endpoints.Receiver`
+* **Worker side.** Claims blocks from the decode actor's :class:`~kvtransport.transfer.endpoints.Receiver`
   (NIXL and/or gRPC into one granted inbox), found in :data:`RECEIVERS` under the extra config's
   ``kvnotes_receiver`` key (vLLM runs in the actor's process); without one it serves its own
   gRPC inbox on ``kvnotes_grpc_host:kvnotes_grpc_port``. Before the forward pass it claims each request's block,
@@ -47,8 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from decode_workers.vllm_async_load import AsyncLoader
-from kvtransport.blocks import BlockError, decode_block
-from kvtransport.transport import TransferError
+from kvtransport.transfer.blocks import BlockError, decode_block
+from kvtransport.transfer.seam import TransferError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -144,7 +144,7 @@ class KvnotesConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             self.transport = RECEIVERS.get(extra.get("kvnotes_receiver", ""))
             if self.transport is None:
-                from kvtransport.grpc_transport import GrpcTransport
+                from kvtransport.transfer.grpc_transport import GrpcTransport
                 self.transport, self._owns_transport = GrpcTransport(model=self._model), True
                 host = extra.get("kvnotes_grpc_host", "127.0.0.1")
                 self.address = self.transport.serve(host, int(extra.get("kvnotes_grpc_port", 0)))

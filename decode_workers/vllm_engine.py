@@ -77,7 +77,7 @@ class VllmDecodeExecutor:
 
         from kvruntime.checkpoint import ensure_checkpoint
         from kvruntime.models import get_model_spec
-        from kvtransport.tier_server import free_port
+        from kvtransport.tier.server import free_port
 
         self.spec = get_model_spec(model)
         self.policy = load_failure_policy

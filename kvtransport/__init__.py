@@ -1,32 +1,13 @@
-"""kvtransport: the KV block format (header + payload, one codec), the KV tier (LMCache
-behind a small store interface) and the transfer between prefill and decode workers.
+"""kvtransport: where KV lives between requests and how it moves between workers, as two boxes
+that never import each other (``tests/test_import_graph.py`` holds them to it):
 
-The KV tier (prefill workers put and get whole chunks; LMCache is imported lazily, CPU parts only):
-- ``store``: ``ChunkKey`` (model, dtype, RoPE, token ids, tenant salt, canonical position) and
-  the ``KVStore`` interface (contains / put / get / pin / unpin / evict, batched defaults, stats).
-- ``lmcache_store``: ``LMCacheStore`` + ``TierConfig``: local CPU, local disk, ``fs://``
-  persistence, ``lm://`` remote; 256-token pieces with the tail piece stored.
-- ``lmcache_connector``: copies between our dense KV layout and LMCache memory objects.
-- ``lmcache_remote``: the ``lm://`` tier bounded by timeouts, counted when down, reconnecting, probed.
-- ``lmcache_env``: LMCache's process-wide settings (telemetry off) and the globals it touches.
-- ``tier_server``: start/stop the ``lm://`` tier server by PID (LMCache's, authenticated, LRU);
-  ``tier_auth``: its tier-key challenge-response; ``tier_lru``: what it holds, and its metrics.
+- ``kvtransport.tier``: the KV tier. Prefill workers put and get whole chunks by ``ChunkKey``
+  (LMCache behind a small store interface: local CPU, disk, ``fs://``, the ``lm://`` tier server).
+- ``kvtransport.transfer``: the transfer. A prefill worker sends one request's composed prefix KV
+  as one block (header + payload) to a decode worker, over NIXL or gRPC.
 
-The transfer (prefill worker -> decode worker, one block per request):
-- ``blocks``: ``KVBlock`` (header + one contiguous payload), the one codec (zero-copy encode and
-  decode, CRC-32C via libcrc32c; ``encode_block(into=transport.lease)`` encodes into registered memory).
-- ``transport``: the ``KVTransport`` seam, transfer states and errors, the bounded ``Inbox``
-  (only router-granted transfers with their credential when ``require_grant``; duplicate ids
-  refused, expiry counted) and the ``BufferPool`` arena receivers lease from.
-- ``grpc_transport`` + ``grpc_codec`` + ``proto/``: the portable push over gRPC (decode serves).
-- ``nixl_transport``: NIXL/UCX, registered pool, receiver READs, completion by notification;
-  agent metadata passes through the caller (``metadata()`` / ``add_peer``). Imports NIXL lazily.
-  ``send_kv`` (``nixl_send``) announces the payload piece by piece while the receiver READs,
-  CRC last: without a copy when the KV already lives in the pool (the prefill built it there,
-  ``Sender.alloc``), else copied (and cast to the wire dtype) in the same pass;
-  ``nixl_wire`` holds the notifications, ``nixl_read`` the receiving READ loop.
-- ``endpoints``: the chosen transport (``kv_transport: auto | nixl | grpc``) at both ends: the
-  decode side's ``Receiver`` (one granted inbox fed by NIXL and gRPC, bound to the node's address)
-  and the prefill side's ``Sender`` (engine dtype on the wire, credential in the header, fallback
-  to gRPC reported, ``alloc``: registered memory to build the shipped KV in).
+What both need lives below them, in ``kvruntime``: the dense KV (``kvruntime.kv.KVCache``) and the
+messages (``kvruntime.messages``: chunk keys, grants, endpoints, config). The block format belongs
+to the transfer alone: the tier stores LMCache's memory objects, never blocks. Neither box imports
+``cluster`` or the worker packages; the workers and the control plane import them.
 """

@@ -1,5 +1,5 @@
 """The prefill worker as a Ray actor: a reference engine, the LMCache tier and the KV sender
-(``kvtransport.endpoints.Sender``: NIXL or gRPC by ``kv_transport``).
+(``kvtransport.transfer.endpoints.Sender``: NIXL or gRPC by ``kv_transport``).
 
 Plain class; ``cluster.control.ray_backends`` wraps it with ``ray.remote`` and the resources from
 config (so importing this module needs no Ray). One actor executes one plan at a time. It keeps
@@ -25,13 +25,13 @@ CANCEL_KEYS = 1024                # cancel keys kept at most (a cancel may arriv
 
 class PrefillWorker:
     def __init__(self, cfg: ClusterConfig, index: int, tier_key: bytes | None = None):
-        """``tier_key``: the ``lm://`` tier's key (``kvtransport.tier_auth.tier_key`` of the cluster
+        """``tier_key``: the ``lm://`` tier's key (``kvtransport.tier.auth.tier_key`` of the cluster
         secret), required when ``cfg.tier_remote_url`` is set; the launcher reads it from the state store."""
         os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
         from kvruntime.engine import ReferenceEngine
-        from kvtransport.endpoints import Sender
-        from kvtransport.options import grpc_config, nixl_config
-        from kvtransport.lmcache_store import LMCacheStore, TierConfig
+        from kvtransport.transfer.endpoints import Sender
+        from kvtransport.transfer.options import grpc_config, nixl_config
+        from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
         from prefill_workers.executor import PrefillExecutor
         from prefill_workers.tier import PrefillTier
 
@@ -49,7 +49,7 @@ class PrefillWorker:
         self.store = LMCacheStore.for_engine(self.engine, tier)
         self.tier = PrefillTier(self.store, self.engine, worker=f"prefill-{index}")
         from kvruntime.telemetry import listen_host
-        from kvtransport.options import confine_ucx
+        from kvtransport.transfer.options import confine_ucx
         confine_ucx(listen_host(cfg.bind_host))     # NIXL's UCX listens where kvnotes does
         self.sender = Sender(cfg.kv_transport, nixl_cfg=nixl_config(cfg), grpc_cfg=grpc_config(cfg))
         self.executor = PrefillExecutor(self.engine, self.tier, self.sender,

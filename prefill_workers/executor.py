@@ -21,9 +21,9 @@ from kvruntime.messages.prefill import PrefillResult, PrefillStats
 from kvruntime.messages.transfer import KVEndpoint
 from kvruntime.ops import edit_in_place, reposition, seam_repair, selective_recompute
 from kvruntime.rope import RepositionDisabled
-from kvtransport.blocks import encode_block
-from kvtransport.endpoints import Sender
-from kvtransport.transport import KVTransport, TransferError
+from kvtransport.transfer.blocks import encode_block
+from kvtransport.transfer.endpoints import Sender
+from kvtransport.transfer.seam import KVSender, TransferError
 from prefill_workers.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class KVSource(Protocol):
 
 
 class PrefillExecutor:
-    def __init__(self, engine, source: KVSource, transport: KVTransport | Sender, *,
+    def __init__(self, engine, source: KVSource, transport: KVSender | Sender, *,
                  load_failure_policy: str = "recompute",
                  transfer_timeout: float = 30.0, prefetch: int = 1):
         if load_failure_policy not in ("recompute", "fail"):
@@ -372,7 +372,7 @@ class PrefillExecutor:
                 cancelled=None) -> PrefillResult:
         """Build the prefix, optionally store it in the tier under ``store_as`` (a session's
         context or a plain prompt, for the next request), and push it to ``decode`` (an endpoint
-        for a :class:`~kvtransport.endpoints.Sender`, an address for a plain transport) with the
+        for a :class:`~kvtransport.transfer.endpoints.Sender`, an address for a plain transport) with the
         transfer's ``credential``; only tokens from ``send_from`` on (the decode engine holds the
         rest, see ``DecodeWorker.expect``). ``cancelled() -> bool``: checked between steps and
         layers and before the push; True raises ``kvruntime.engine.Cancelled`` (nothing stored or sent). A failed push is reported (``transferred`` False + a fallback

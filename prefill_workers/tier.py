@@ -2,7 +2,7 @@
 
 A plan names KV by content (:class:`~kvruntime.messages.plan.KVRef`); with this worker's model,
 KV dtype and RoPE fingerprint that is exactly one :class:`~kvruntime.messages.keys.ChunkKey`
-(``kvtransport.store.key_for``). No name map is kept: any prefill actor finds any chunk its tiers
+(``kvtransport.tier.store.key_for``). No name map is kept: any prefill actor finds any chunk its tiers
 hold, after a restart too (``fs://``, ``lm://``). A registered chunk missing from this worker's
 tiers (evicted, or never loaded on this node) is *re-warmed*: precompiled at its canonical
 position and stored back, counted by the caller. A chunk planned as exact reuse after a frame
@@ -19,7 +19,7 @@ from kvruntime.kv import KVCache
 from kvruntime.messages.keys import ChunkKey
 from kvruntime.messages.plan import KVRef
 from kvruntime.messages.prefill import PrecompileInfo
-from kvtransport.store import KVStore, key_for
+from kvtransport.tier.store import KVStore, key_for
 
 
 class PrefillTier:

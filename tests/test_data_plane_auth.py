@@ -15,10 +15,10 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.messages.transfer import TransferGrant
-from kvtransport.blocks import KVBlock, decode_block, encode_block
-from kvtransport.endpoints import Receiver
-from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
-from kvtransport.transport import TransferError
+from kvtransport.transfer.blocks import KVBlock, decode_block, encode_block
+from kvtransport.transfer.endpoints import Receiver
+from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
+from kvtransport.transfer.seam import TransferError
 
 GCFG = GrpcTransportConfig(require_grant=True, inbox_bytes=400_000, max_block_bytes=300_000, pool_bytes=8 << 20)
 
@@ -135,8 +135,8 @@ def test_unused_grants_and_unclaimed_blocks_expire_counted():
 
 # ---- real NIXL: the receiver in a child process ---------------------------------------------
 def _nixl_receiver(cmds, results):
-    from kvtransport.endpoints import Receiver as Rx
-    from kvtransport.nixl_transport import NixlTransportConfig
+    from kvtransport.transfer.endpoints import Receiver as Rx
+    from kvtransport.transfer.nixl_transport import NixlTransportConfig
     rx = Rx("nixl", "m", "float32", bind="127.0.0.1", grpc_cfg=GCFG,
             nixl_cfg=NixlTransportConfig(pool_bytes=16 << 20, max_block_bytes=300_000, inbox_bytes=400_000,
                                          require_grant=True))
@@ -162,7 +162,7 @@ def _nixl_receiver(cmds, results):
 
 @pytest.fixture(scope="module")
 def nixl_pair():
-    from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
+    from kvtransport.transfer.nixl_transport import NixlTransport, NixlTransportConfig
     ctx = mp.get_context("spawn")
     cmds, results = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_nixl_receiver, args=(cmds, results), daemon=True)

@@ -20,7 +20,7 @@ from kvruntime.messages.keys import token_hash
 from kvruntime.messages.plan import Policy
 from kvruntime.messages.transfer import TransferGrant
 from kvruntime.ops import recompute
-from kvtransport.endpoints import Receiver, Sender
+from kvtransport.transfer.endpoints import Receiver, Sender
 from prefill_workers.executor import PrefillExecutor
 from tests.conftest import DictSource, metric
 from tests.test_executors import _segments

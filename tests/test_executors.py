@@ -10,7 +10,7 @@ from cluster.control.planner import RenderedRequest, RenderedSegment, SessionCon
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import precompile_chunk, recompute
-from kvtransport.grpc_transport import GrpcTransport
+from kvtransport.transfer.grpc_transport import GrpcTransport
 from prefill_workers.executor import PrefillExecutor
 from tests.conftest import DictSource
 
@@ -134,7 +134,7 @@ def test_corrupted_block_is_recomputed_by_decode(wired):
     frame, skill, q = _segments(e)
     plan = plan_request(RenderedRequest("r", e.spec.name, Policy.EXACT, (frame, skill), q), TierView(), None, e.encode)
     prefix = tuple(t for s in plan.steps for t in s.token_ids)
-    from kvtransport.blocks import encode_block
+    from kvtransport.transfer.blocks import encode_block
     kv, _ = pre.build(plan)
     block = encode_block("bad-1", e.spec.name, kv)
     bad = dataclasses.replace(block, header=dataclasses.replace(block.header, checksum=block.header.checksum ^ 7))

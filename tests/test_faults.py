@@ -44,7 +44,7 @@ def fault_cluster(tmp_path_factory):
     from cluster.control.ray_backends import tier_key_of
     from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
-    from kvtransport.tier_server import start_tier_server, stop_tier_server
+    from kvtransport.tier.server import start_tier_server, stop_tier_server
 
     root = tmp_path_factory.mktemp("kvfaults")
     tier_port = free_port()
@@ -242,7 +242,7 @@ def test_one_of_two_decode_workers_killed_under_16_concurrent_requests(fault_clu
 
 
 def test_remote_tier_down_and_back(fault_cluster):
-    from kvtransport.tier_server import start_tier_server, stop_tier_server
+    from kvtransport.tier.server import start_tier_server, stop_tier_server
 
     cfg, http, state = fault_cluster
     _wait(lambda: _all_alive(http), 180, "all workers alive")

@@ -12,7 +12,7 @@ from cluster.control.errors import RequestError
 from cluster.control.metrics import Metrics
 from cluster.control.routing import NoLiveWorker, WorkerLost, WorkerView
 from kvruntime.messages.decode import SamplingParams, TokenEvent
-from kvtransport.grpc_transport import GrpcTransport
+from kvtransport.transfer.grpc_transport import GrpcTransport
 from tests.conftest import metric
 from tests.test_router_fallback import LocalBackends, make_router
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.blocks import KVBlock, block_header, decode_block, encode_block
-from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
-from kvtransport.transport import TransferError
+from kvtransport.transfer.blocks import KVBlock, block_header, decode_block, encode_block
+from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
+from kvtransport.transfer.seam import TransferError
 
 BIG_TOKENS = 4096                      # SmolLM2 shape, fp32: 30 * 2 * 3 * 4096 * 64 * 4 B = 180 MiB
 
@@ -148,7 +148,7 @@ def test_unclaimed_block_expires_and_is_counted():
 
 
 def test_malloc_tuning_is_a_setting_applied_once_per_process(monkeypatch):
-    import kvtransport.grpc_transport as gt
+    import kvtransport.transfer.grpc_transport as gt
     with pytest.raises(ValueError, match="malloc_keep_bytes"):
         GrpcTransportConfig(malloc_keep_bytes=-1)
     monkeypatch.setattr(gt, "_malloc_tuned", False)
@@ -159,7 +159,7 @@ def test_malloc_tuning_is_a_setting_applied_once_per_process(monkeypatch):
 
 @pytest.mark.parametrize("huge", [True, False])
 def test_buffer_pool_leases_and_releases_with_or_without_huge_pages(huge):
-    from kvtransport.transport import BufferPool
+    from kvtransport.transfer.buffer_pool import BufferPool
     pool = BufferPool(8 << 20, huge_pages=huge)
     a, b = pool.lease(5 << 20), pool.lease(3 << 20)
     assert a is not None and b is not None and pool.lease(4096) is None

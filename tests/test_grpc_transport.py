@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.blocks import BlockError, decode_block, encode_block, verify
-from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
-from kvtransport.transport import TransferError, TransferState
+from kvtransport.transfer.blocks import BlockError, decode_block, encode_block, verify
+from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
+from kvtransport.transfer.seam import TransferError, TransferState
 
 
 def _kv(tokens=50, dtype=torch.float32):
@@ -119,9 +119,9 @@ def test_config_validation():
 
 # --- the streaming sender (send_kv): CRC computed while framing, sent last -----------------------
 
-from kvtransport.blocks import block_header, checksum  # noqa: E402
-from kvtransport.grpc_codec import CrcChain, _varint, block_to_messages, stream_messages  # noqa: E402
-from kvtransport.proto import kvtransfer_pb2 as pb  # noqa: E402
+from kvtransport.transfer.blocks import block_header, checksum  # noqa: E402
+from kvtransport.transfer.grpc_codec import CrcChain, _varint, block_to_messages, stream_messages  # noqa: E402
+from kvtransport.transfer.proto import kvtransfer_pb2 as pb  # noqa: E402
 
 
 @pytest.mark.parametrize("crc_thread", [False, True])
@@ -210,8 +210,8 @@ def test_an_unchecked_stream_is_refused_before_anything_is_reserved():
 
 
 def test_unchecked_blocks_are_taken_only_from_this_host():
-    from kvtransport.grpc_transport import _Servicer
-    from kvtransport.same_host import address_host, is_local_host, peer_host
+    from kvtransport.transfer.grpc_transport import _Servicer
+    from kvtransport.transfer.same_host import address_host, is_local_host, peer_host
     auto = _Servicer(None, None, "m", None, "auto")
     assert auto._takes_unchecked("ipv4:127.0.0.1:40000") and auto._takes_unchecked("ipv6:[::1]:40000")
     assert auto._takes_unchecked("unix:/tmp/s.sock")

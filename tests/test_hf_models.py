@@ -119,8 +119,8 @@ def test_edit_in_place_with_every_token_recomputed_equals_recompute(tiny_checkpo
 def test_bfloat16_end_to_end_engine_block_and_key(tiny_checkpoints):
     from kvruntime.messages.plan import KVRef
     from kvruntime.ops import ChunkSegment, TextSegment, compose, precompile_chunk
-    from kvtransport.blocks import decode_block, encode_block
-    from kvtransport.store import key_for
+    from kvtransport.transfer.blocks import decode_block, encode_block
+    from kvtransport.tier.store import key_for
     e16, e32 = tiny_engine(tiny_checkpoints, "qwen3", "bfloat16"), tiny_engine(tiny_checkpoints, "qwen3")
     assert e16.model.dtype == torch.bfloat16 and e16.rope.enabled        # self-test passed in bf16
     frame, a, q = _frame(e16), e16.encode(CHUNK_A), e16.encode(QUESTION + e16.spec.chat_user_suffix)

@@ -143,6 +143,39 @@ def test_the_control_plane_boxes_import_one_way():
     assert {"http", "control", "ops"} <= boxes
 
 
+def test_the_kvtransport_boxes_stand_apart():
+    """kvtransport is two boxes: ``tier`` (the KV tier) and ``transfer`` (prefill -> decode). They
+    never import each other (what both need, the dense KV and the messages, lives in ``kvruntime``
+    below them); neither imports the control plane or a worker package; every kvtransport module
+    sits in one of them (``kvtransport/__init__`` only describes them and imports nothing)."""
+    boxes = ("kvtransport.tier", "kvtransport.transfer")
+
+    def box(m):
+        return next((b for b in boxes if m == b or m.startswith(b + ".")), None)
+    edges = module_edges()
+    loose = [m for m in edges if m.startswith("kvtransport") and m != "kvtransport" and box(m) is None]
+    assert loose == [], f"kvtransport modules in neither box (tier, transfer): {loose}"
+    assert edges["kvtransport"] == set(), f"kvtransport/__init__ imports {edges['kvtransport']}"
+    bad = []
+    for a, bs in edges.items():
+        if box(a) is None:
+            continue
+        for b in bs:
+            top = b.split(".")[0]
+            if (box(b) is not None and box(b) != box(a)) or top in {"cluster", "prefill_workers", "decode_workers",
+                                                                  "bench"}:
+                bad.append(f"{a} -> {b}")
+    assert bad == [], f"kvtransport's boxes importing each other, the control plane or the workers: {bad}"
+    assert {box(m) for m in edges} >= set(boxes)
+
+
+def test_bench_only_code_lives_in_bench():
+    """The shipped packages never import ``bench`` (bench-only helpers, e.g. ``bench.vllm_shm``)."""
+    bad = [f"{a} -> {b}" for a, bs in module_edges().items() if a.split(".")[0] != "bench"
+           for b in bs if b.split(".")[0] == "bench"]
+    assert bad == [], f"shipped code importing the benchmarks: {bad}"
+
+
 def test_the_message_module_is_torch_free():
     code = ("import sys; import kvruntime.messages.plan, kvruntime.messages.keys, kvruntime.messages.decode, "
             "kvruntime.messages.prefill, kvruntime.messages.config, cluster.control.state, cluster.control.planner; "

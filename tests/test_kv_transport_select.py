@@ -9,8 +9,8 @@ import torch
 from kvruntime.kv import KVCache
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.transfer import TransferGrant
-from kvtransport.blocks import decode_block
-from kvtransport.endpoints import Receiver, Sender
+from kvtransport.transfer.blocks import decode_block
+from kvtransport.transfer.endpoints import Receiver, Sender
 
 
 def _kv(tokens=24, dtype=torch.float32):
@@ -66,7 +66,7 @@ def test_grpc_is_chosen_without_fallback_and_blocks_travel_in_the_engine_dtype()
 
 
 def test_a_decode_worker_that_checks_every_block_gets_a_crc_and_the_sender_reports_it():
-    from kvtransport.grpc_transport import GrpcTransportConfig
+    from kvtransport.transfer.grpc_transport import GrpcTransportConfig
     rx = Receiver("grpc", "m", "float32", bind="127.0.0.1",
                   grpc_cfg=GrpcTransportConfig(require_grant=True, checksum="always"))
     tx = Sender("grpc")                                               # checksum auto: same host, unchecked first

@@ -34,7 +34,7 @@ def _run(ex, prompt_ids, sampling, cont=None):
 @pytest.fixture(scope="module")
 def executor(smol, one_torch_thread):
     from decode_workers.executor import DecodeExecutor
-    from kvtransport.grpc_transport import GrpcTransport
+    from kvtransport.transfer.grpc_transport import GrpcTransport
     return DecodeExecutor(smol, GrpcTransport(), receive_timeout=1)
 
 

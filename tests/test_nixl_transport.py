@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.blocks import KVBlock, block_header, encode_block
-from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
-from kvtransport.transport import TransferError
+from kvtransport.transfer.blocks import KVBlock, block_header, encode_block
+from kvtransport.transfer.nixl_transport import NixlTransport, NixlTransportConfig
+from kvtransport.transfer.seam import TransferError
 
 CFG = NixlTransportConfig(pool_bytes=64 << 20, max_block_bytes=32 << 20, inbox_bytes=48 << 20,
                           read_piece_bytes=1 << 20, stream_piece_bytes=2 << 20)
@@ -25,7 +25,7 @@ def _kv(tokens=50, dtype=torch.float32, seed=None):
 
 def _receiver(cmds, results):
     """Child: one NixlTransport; answers each command with ("ok", value) or ("error", kind, reason, msg)."""
-    from kvtransport.blocks import decode_block
+    from kvtransport.transfer.blocks import decode_block
     t = NixlTransport(CFG, model="m")
     results.put((t.name, t.metadata()))
     while True:
@@ -184,7 +184,7 @@ def test_pipelined_send_is_bit_exact_and_frees_both_pools(pair, tokens, dtype):
 
 def test_pipelined_send_with_a_bad_checksum_or_a_bad_header_is_rejected(pair, monkeypatch):
     tx, name, ask = pair
-    import kvtransport.nixl_read as nr                  # the CRC thread's checksum, in this (sender) process
+    import kvtransport.transfer.nixl_read as nr                  # the CRC thread's checksum, in this (sender) process
     header, payload = block_header("st-crc", "m", _kv(4000))
     real = nr.checksum_extend
     monkeypatch.setattr(nr, "checksum_extend", lambda crc, piece: real(crc, piece) ^ 1)   # the sender's CRC lies
@@ -233,8 +233,8 @@ def test_no_ucx_error_handling_still_moves_and_checks_blocks():
     """ucx_error_handling="none" (notifications over shared memory): a pipelined round trip is
     bit exact and a lying checksum is still rejected."""
     import dataclasses
-    import kvtransport.nixl_read as nr
-    from kvtransport.blocks import decode_block
+    import kvtransport.transfer.nixl_read as nr
+    from kvtransport.transfer.blocks import decode_block
     cfg = dataclasses.replace(CFG, ucx_error_handling="none")
     rx, tx = NixlTransport(cfg, model="m"), NixlTransport(cfg, model="m")
     try:
@@ -272,8 +272,8 @@ def _in_pool(tx, kv):
 def test_kv_built_in_the_pool_is_sent_without_a_copy_and_its_crc_is_checked(pair, monkeypatch):
     """send_kv of a tensor that lives in the pool: no staging lease, no copy (staged_bytes stays
     put), pieces CRC'd and announced; bit exact at the receiver. A lying sender CRC is refused."""
-    import kvtransport.nixl_send as ns
-    from kvtransport.blocks import wire_header
+    import kvtransport.transfer.nixl_send as ns
+    from kvtransport.transfer.blocks import wire_header
     tx, name, ask = pair
     kv = _in_pool(tx, _kv(4000))                                    # 23 MiB: 12 pieces of 2 MiB
     staged, zero, leased = tx.counters["staged_bytes"], tx.counters["zero_copy_sends"], tx.pool.leased_bytes
@@ -300,7 +300,7 @@ def test_kv_built_in_the_pool_is_sent_without_a_copy_and_its_crc_is_checked(pair
 def test_a_tensor_in_another_dtype_or_layout_is_cast_straight_into_the_lease(pair):
     """fp32 KV sent as bf16 (a bf16 engine), or a non-contiguous slice: copied once into the
     staging lease (cast/gathered in the same pass), bit exact at the receiver."""
-    from kvtransport.blocks import wire_header
+    from kvtransport.transfer.blocks import wire_header
     tx, name, ask = pair
     kv = _kv(3000)                                                  # fp32; the receiver expects _kv(3000, bf16)
     staged = tx.counters["staged_bytes"]

@@ -57,7 +57,7 @@ def cluster(tmp_path_factory):
     from cluster.control.ray_backends import tier_key_of
     from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig
-    from kvtransport.tier_server import start_tier_server, stop_tier_server
+    from kvtransport.tier.server import start_tier_server, stop_tier_server
 
     root = tmp_path_factory.mktemp("operator")
     tier_port = free_port()
@@ -146,7 +146,7 @@ def workload(cluster, prometheus, tmp_path_factory):
         # time, count a fallback and plan from scratch. Then the remote tier comes back.
         import ray
 
-        from kvtransport.tier_server import start_tier_server, stop_tier_server
+        from kvtransport.tier.server import start_tier_server, stop_tier_server
         old = TIER["server"]
         stop_tier_server(old)
 

@@ -14,9 +14,9 @@ from cluster.control.planner import RenderedRequest, RenderedSegment, TierView, 
 from kvruntime.messages.plan import KVRef, PlanKind, Policy
 from kvruntime.messages.transfer import TransferGrant
 from kvruntime.ops import precompile_chunk
-from kvtransport.blocks import decode_block
-from kvtransport.endpoints import Receiver, Sender
-from kvtransport.nixl_transport import NixlTransportConfig
+from kvtransport.transfer.blocks import decode_block
+from kvtransport.transfer.endpoints import Receiver, Sender
+from kvtransport.transfer.nixl_transport import NixlTransportConfig
 from prefill_workers.executor import PrefillExecutor
 from tests.conftest import DictSource
 

@@ -22,7 +22,7 @@ from decode_workers.held_kv import HeldPrefixes
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
 from kvruntime.messages.prefill import PrefillResult, PrefillStats
-from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
+from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
 from prefill_workers.executor import PrefillExecutor
 from tests.conftest import DictSource, metric
 from tests.test_router_fallback import make_router

@@ -14,7 +14,7 @@ from cluster.control.lifecycle import Finished
 from cluster.control.router import Router
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import SamplingParams, TokenEvent
-from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
+from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
 from prefill_workers.executor import PrefillExecutor
 from tests.conftest import DictSource
 
@@ -142,7 +142,7 @@ class NixlToGrpcBackends(LocalBackends):
 def test_a_block_that_travelled_over_grpc_instead_of_nixl_is_still_what_was_planned(smol, tmp_path):
     """kv_transport_nixl_unavailable is counted, but the block arrived: the request is labelled
     with its planned kind (reposition), not recompute."""
-    from kvtransport.endpoints import Sender
+    from kvtransport.transfer.endpoints import Sender
     from tests.conftest import metric
     sender = Sender("auto")
     b = NixlToGrpcBackends(smol, sender)

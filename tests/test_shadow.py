@@ -238,7 +238,7 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
     from cluster.control.render import Renderer
     from cluster.control.router import Router
     from cluster.control.state import open_state
-    from kvtransport.grpc_transport import GrpcTransport
+    from kvtransport.transfer.grpc_transport import GrpcTransport
     from prefill_workers.executor import PrefillExecutor
     from tests.test_router_fallback import LocalBackends
 
@@ -307,7 +307,7 @@ def _router(smol, tmp_path, executor_cls):
     from cluster.control.render import Renderer
     from cluster.control.router import Router
     from cluster.control.state import open_state
-    from kvtransport.grpc_transport import GrpcTransport
+    from kvtransport.transfer.grpc_transport import GrpcTransport
     from tests.test_router_fallback import LocalBackends
 
     class Backends(LocalBackends):

@@ -1,4 +1,4 @@
-"""decode_workers.vllm_shm: after a (killed) vLLM's process group is gone, the ``psm_*``
+"""bench.vllm_shm: after a (killed) vLLM's process group is gone, the ``psm_*``
 segments that appeared since the snapshot and that no live process maps are removed; the rest
 stays. In a tmp dir with a real child process holding one file mapped; no vLLM."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from decode_workers.vllm_shm import psm_names, remove_leaked, wait_group_exit
+from bench.vllm_shm import psm_names, remove_leaked, wait_group_exit
 
 MAP_AND_SLEEP = """
 import mmap, sys, time
@@ -36,7 +36,7 @@ def test_removes_only_new_unmapped_psm_files(tmp_path, caplog):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "mapped"
-        with caplog.at_level(logging.WARNING, logger="decode_workers.vllm_shm"):
+        with caplog.at_level(logging.WARNING, logger="bench.vllm_shm"):
             sweep = remove_leaked(before, tmp_path)
         assert sweep.removed == ("psm_y",)
         assert sweep.removed_bytes == 3 * 4096

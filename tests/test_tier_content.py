@@ -15,9 +15,9 @@ import torch
 from kvruntime.messages.keys import tenant_salt
 from kvruntime.messages.plan import KVRef
 from kvruntime.ops import precompile_chunk, recompute
-from kvtransport.lmcache_store import LMCacheStore, TierConfig
-from kvtransport.tier_auth import tier_key
-from kvtransport.tier_server import start_tier_server, stop_tier_server
+from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+from kvtransport.tier.auth import tier_key
+from kvtransport.tier.server import start_tier_server, stop_tier_server
 from prefill_workers.tier import PrefillTier
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"),
@@ -74,7 +74,7 @@ _FRESH = """
     torch.set_num_threads(1)
     from kvruntime.engine import ReferenceEngine
     from kvruntime.messages.plan import KVRef
-    from kvtransport.lmcache_store import LMCacheStore, TierConfig
+    from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
     from prefill_workers.tier import PrefillTier
     job = json.load(open(sys.argv[1]))
     engine = ReferenceEngine("smollm2-135m", threads=1)

@@ -8,7 +8,7 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.rope import RopeTable
-from kvtransport.store import (ChunkKey, check_kv, check_model_id, prefix_hash, rope_fingerprint, tenant_salt,
+from kvtransport.tier.store import (ChunkKey, check_kv, check_model_id, prefix_hash, rope_fingerprint, tenant_salt,
                                token_hash)
 
 IDS = list(range(100, 400))
@@ -104,8 +104,8 @@ def test_check_kv_wants_the_chunk_at_canonical_positions():
 
 
 def test_tier_config_and_remote_url_validation():
-    from kvtransport.lmcache_remote import parse_lm_url
-    from kvtransport.lmcache_store import TierConfig
+    from kvtransport.tier.lmcache_remote import parse_lm_url
+    from kvtransport.tier.lmcache_store import TierConfig
 
     assert parse_lm_url("lm://127.0.0.1:65432") == ("127.0.0.1", 65432)
     for url in ["redis://x:1", "lm://host", "lm://:1", "lm://h:0", "lm://h:99999", "lm://h:p"]:

@@ -1,4 +1,4 @@
-"""The lm:// tier server as deployed (issue 27): a real server process (kvtransport.tier_server)
+"""The lm:// tier server as deployed (issue 27): a real server process (kvtransport.tier.server)
 and real LMCache stores. Anonymous and wrong-key connections are refused before any command and
 counted on the server's own metrics endpoint; the cluster's key works end to end; least recently
 used pieces are evicted beyond the capacity, counted; a worker's ``kvnotes_tier_remote_up``
@@ -17,10 +17,10 @@ import torch
 from prometheus_client import generate_latest
 
 from kvruntime.kv import KVCache
-from kvtransport.lmcache_store import LMCacheStore, TierConfig
-from kvtransport.store import ChunkKey, key_positions, tenant_salt
-from kvtransport.tier_auth import MAGIC, NONCE_BYTES, tier_key
-from kvtransport.tier_server import start_tier_server, stop_tier_server
+from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+from kvtransport.tier.store import ChunkKey, key_positions, tenant_salt
+from kvtransport.tier.auth import MAGIC, NONCE_BYTES, tier_key
+from kvtransport.tier.server import start_tier_server, stop_tier_server
 from prefill_workers.metrics import worker_registry
 from tests.conftest import metric
 
@@ -204,7 +204,7 @@ def test_kvnotes_tier_server_cli_serves_with_the_cluster_key(tmp_path):
 
     from cluster.control.ray_backends import tier_key_of
     from kvruntime.messages.config import ClusterConfig
-    from kvtransport.lmcache_remote import probe_lm_server
+    from kvtransport.tier.lmcache_remote import probe_lm_server
     from tests.conftest import free_port
 
     port = free_port()

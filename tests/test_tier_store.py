@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.lmcache_store import LMCacheStore, TierConfig
-from kvtransport.store import ChunkKey, TierWriteError, key_positions, tenant_salt
-from kvtransport.tier_auth import tier_key
-from kvtransport.tier_server import free_port, start_tier_server, stop_tier_server
+from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+from kvtransport.tier.store import ChunkKey, TierWriteError, key_positions, tenant_salt
+from kvtransport.tier.auth import tier_key
+from kvtransport.tier.server import free_port, start_tier_server, stop_tier_server
 
 # LMCache attaches an OpenTelemetry log handler when opentelemetry-sdk is installed (deprecated API).
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -207,8 +207,8 @@ def test_disk_tier_serves_chunks_when_local_cpu_is_off(tmp_path):
 _FS_CHILD = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
-    from kvtransport.lmcache_store import LMCacheStore, TierConfig
-    from kvtransport.store import ChunkKey, TierWriteError, key_positions, tenant_salt
+    from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+    from kvtransport.tier.store import ChunkKey, TierWriteError, key_positions, tenant_salt
     ids = list(range(100, 400))
     s = LMCacheStore("smollm2-135m", "float32", 30, 3, 64, TierConfig(local_cpu_gb=0.1, persist_dir=sys.argv[1]))
     kv = s.get(ChunkKey.build("smollm2-135m", "float32", "5eed", ids, tenant_salt("a"), 1))
@@ -302,7 +302,7 @@ def test_remote_absent_at_start_is_a_miss_not_an_error():
 
 
 def test_a_server_outlives_neither_its_stop_nor_its_starter():
-    code = ("from kvtransport.tier_server import start_tier_server as s; import os; "
+    code = ("from kvtransport.tier.server import start_tier_server as s; import os; "
             "print(s(key=os.urandom(32)).pid, flush=True); os._exit(0)")
     pid = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                              check=True).stdout.split()[-1])

@@ -14,11 +14,11 @@ import yaml
 from kvruntime.kv import KVCache
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.transfer import TransferGrant
-from kvtransport.blocks import encode_block
-from kvtransport.endpoints import Receiver
-from kvtransport.grpc_transport import GrpcTransport
-from kvtransport.options import check, grpc_config, nixl_config
-from kvtransport.transport import TransferError
+from kvtransport.transfer.blocks import encode_block
+from kvtransport.transfer.endpoints import Receiver
+from kvtransport.transfer.grpc_transport import GrpcTransport
+from kvtransport.transfer.options import check, grpc_config, nixl_config
+from kvtransport.transfer.seam import TransferError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -30,9 +30,9 @@ from kvruntime.fidelity.runner import _frame  # noqa: E402
 from kvruntime.kv import KVCache  # noqa: E402
 from kvruntime.ops import edit_in_place, precompile_chunk, recompute  # noqa: E402
 from kvruntime.ops.compose import ChunkSegment, TextSegment, compose  # noqa: E402
-from kvtransport.blocks import KVBlock, encode_block  # noqa: E402
-from kvtransport.grpc_transport import GrpcTransport  # noqa: E402
-from kvtransport.transport import TransferError  # noqa: E402
+from kvtransport.transfer.blocks import KVBlock, encode_block  # noqa: E402
+from kvtransport.transfer.grpc_transport import GrpcTransport  # noqa: E402
+from kvtransport.transfer.seam import TransferError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -307,7 +307,7 @@ def test_fail_policy_fails_the_request_with_a_clear_error(tmp_path):
 def test_prefix_wholly_in_apc_moves_nothing_and_drops_the_block(smol, vx, sender, one_torch_thread):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvtransport.transport import TransferState
+    from kvtransport.transfer.seam import TransferState
     prefix, suffix = _prompt(smol, 300)
     prefix = prefix[:(len(prefix) // vx.block_size) * vx.block_size]      # block-aligned: APC can hold all of it
     kv = recompute(smol, prefix, logits=False).kv

@@ -29,8 +29,8 @@ _SCRIPT = textwrap.dedent('''
     from kvruntime.fidelity.runner import _frame
     from kvruntime.ops import recompute, precompile_chunk
     from kvruntime.ops.compose import ChunkSegment, TextSegment, compose
-    from kvtransport.blocks import encode_block
-    from kvtransport.grpc_transport import GrpcTransport
+    from kvtransport.transfer.blocks import encode_block
+    from kvtransport.transfer.grpc_transport import GrpcTransport
     from decode_workers.vllm_engine import VllmDecodeExecutor
 
     path, n = sys.argv[1], int(sys.argv[2])

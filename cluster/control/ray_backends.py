@@ -77,13 +77,13 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
 
 
 def tier_key_of(cfg: ClusterConfig) -> bytes | None:
-    """The lm:// tier key (kvtransport.tier_auth.tier_key of the cluster secret in the state
+    """The lm:// tier key (kvtransport.tier.auth.tier_key of the cluster secret in the state
     store), or None without a remote tier. Ray keeps it in the actors' creation arguments, so a
     restarted prefill actor gets it again."""
     if not cfg.tier_remote_url:
         return None
     from cluster.control.state import open_state
-    from kvtransport.tier_auth import tier_key
+    from kvtransport.tier.auth import tier_key
     state = open_state(cfg.resolved_state_url)
     try:
         return tier_key(state.secret())

@@ -38,7 +38,7 @@ from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan
 
 log = logging.getLogger(__name__)
 # Plain-prompt prefix reuse granularity (tokens). Equal to the tier's LMCache piece size
-# (kvtransport.lmcache_store.TierConfig.chunk_size): a stored prompt serves every prefix of it that
+# (kvtransport.tier.lmcache_store.TierConfig.chunk_size): a stored prompt serves every prefix of it that
 # ends on a piece boundary, so the index records exactly those boundaries (and the whole prefix).
 PROMPT_BLOCK = 256
 

@@ -117,8 +117,8 @@ def _tier_server(args) -> int:
     """Serve the lm:// tier in the foreground with the key every prefill actor derives too."""
     from cluster.control.ray_backends import tier_key_of
     from kvruntime.messages.config import ClusterConfig
-    from kvtransport.lmcache_remote import parse_lm_url
-    from kvtransport.tier_server import serve
+    from kvtransport.tier.lmcache_remote import parse_lm_url
+    from kvtransport.tier.server import serve
 
     cfg = ClusterConfig.from_file(args.config)
     if not cfg.tier_remote_url:

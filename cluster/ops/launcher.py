@@ -86,7 +86,7 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     import ray
     from ray import serve
 
-    from kvtransport.options import check
+    from kvtransport.transfer.options import check
 
     check(cfg)               # kv_grpc / kv_nixl: a bad key fails here, not inside every actor
     check_model(cfg)         # a refused architecture fails here in one line, before Ray starts
@@ -209,7 +209,7 @@ def stop(cfg: ClusterConfig) -> None:
 
 def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     """Start, print how to call it, serve until Ctrl-C / SIGTERM, then stop everything."""
-    from kvtransport.options import check
+    from kvtransport.transfer.options import check
     check(cfg)                         # kv_grpc / kv_nixl: a bad option is one line, nothing started or written
     spec = check_model(cfg)            # refused: one line from the CLI, nothing started
     where = f"joining the Ray cluster at {cfg.ray_address}" if cfg.ray_address else "starting local cluster"

@@ -60,7 +60,7 @@ class ClusterConfig:
     kv_load_failure_policy: str = "recompute"  # recompute | fail
     transfer_timeout_s: float = 30.0
     kv_transport: str = "auto"                 # auto (NIXL where it imports and starts, else gRPC) | nixl | grpc
-    # transport tuning: a mapping of GrpcTransportConfig / NixlTransportConfig fields (kvtransport.options),
+    # transport tuning: a mapping of GrpcTransportConfig / NixlTransportConfig fields (kvtransport.transfer.options),
     # e.g. kv_grpc: {inbox_bytes: 8589934592}; checked by `kvnotes serve` before anything starts
     kv_grpc: tuple = ()
     kv_nixl: tuple = ()
@@ -336,7 +336,7 @@ def _is_loopback(host: str) -> bool:
 def _options(name: str, value) -> tuple:
     """A transport option mapping as a sorted tuple of (key, value) pairs (hashable, like the
     rest of the frozen config); lists become tuples. Keys are checked against the transport's
-    own config class by :func:`kvtransport.options.check` (this module imports no transport)."""
+    own config class by :func:`kvtransport.transfer.options.check` (this module imports no transport)."""
     items = value.items() if isinstance(value, dict) else value
     try:
         pairs = [(k, tuple(v) if isinstance(v, list) else v) for k, v in items]

@@ -1,6 +1,6 @@
 """The KV tier on LMCache 0.5.6: :class:`LMCacheStore` implements :class:`KVStore` with an
 ``LMCacheEngine`` (local CPU memory, optional local disk, optional ``fs://`` persistence,
-optional ``lm://`` remote served by ``lmcache_server``; see ``kvtransport.tier_server``).
+optional ``lm://`` remote served by ``lmcache_server``; see ``kvtransport.tier.server``).
 
 How a chunk maps onto LMCache:
 - LMCache is given the chunk's real token ids and our dense KV (``kvcaches=``, see
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.store import (KV_DTYPES, ChunkKey, KVStore, StoreStats, TierWriteError, check_kv, check_model_id,
+from kvtransport.tier.store import (KV_DTYPES, ChunkKey, KVStore, StoreStats, TierWriteError, check_kv, check_model_id,
                               key_positions, rope_fingerprint)
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class TierConfig:
     local_disk_dir: str | None = None  # LMCache local disk tier (not persistent: in-memory index)
     local_disk_gb: float = 0.0         # its capacity; > 0 when local_disk_dir is set
     persist_dir: str | None = None     # fs:// tier directory: one file per 256-token piece, survives restarts
-    remote_url: str | None = None      # "lm://host:port" of a kvnotes tier server (kvtransport.tier_server)
-    # its 32-byte key: kvtransport.tier_auth.tier_key(cluster secret); required with remote_url
+    remote_url: str | None = None      # "lm://host:port" of a kvnotes tier server (kvtransport.tier.server)
+    # its 32-byte key: kvtransport.tier.auth.tier_key(cluster secret); required with remote_url
     remote_key: bytes | None = field(default=None, repr=False)
     remote_timeout_s: float = 1.0      # bound on each remote round trip (probe, lookup, get, put)
     remote_retry_s: float = 5.0        # while the remote is down, an operation re-attaches at most this often
@@ -73,12 +73,12 @@ class TierConfig:
         if (self.local_disk_dir is None) != (self.local_disk_gb <= 0):
             raise ValueError("set local_disk_dir and local_disk_gb > 0 together, or neither")
         if self.remote_url is not None:
-            from kvtransport.lmcache_remote import parse_lm_url
+            from kvtransport.tier.lmcache_remote import parse_lm_url
             parse_lm_url(self.remote_url)
-            from kvtransport.tier_auth import check_key
+            from kvtransport.tier.auth import check_key
             if self.remote_key is None:
                 raise ValueError("remote_url needs remote_key: the tier server refuses anonymous clients "
-                                 "(kvtransport.tier_auth.tier_key of the cluster secret)")
+                                 "(kvtransport.tier.auth.tier_key of the cluster secret)")
             check_key(self.remote_key)
         if self.remote_probe_s is not None and not 0 < self.remote_probe_s <= 3600:
             raise ValueError(f"remote_probe_s must be in (0, 3600] or None, got {self.remote_probe_s}")
@@ -107,13 +107,13 @@ class LMCacheStore(KVStore):
             raise ValueError(f"dtype must be one of {KV_DTYPES}, got {dtype!r}")
         if min(layers, kv_heads, head_dim) <= 0:
             raise ValueError(f"layers, kv_heads, head_dim must be > 0, got {layers}, {kv_heads}, {head_dim}")
-        from kvtransport import lmcache_env
+        from kvtransport.tier import lmcache_env
         lmcache_env.prepare()
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
 
-        from kvtransport.lmcache_connector import StableTokenDatabase, make_connector
+        from kvtransport.tier.lmcache_connector import StableTokenDatabase, make_connector
 
         check_model_id(model_id)
         self.model_id, self.dtype, self.rope = model_id, dtype, rope
@@ -150,7 +150,7 @@ class LMCacheStore(KVStore):
         self._warned: set[str] = set()
         self._remote = None
         if config.remote_url:
-            from kvtransport.lmcache_remote import RemoteTier
+            from kvtransport.tier.lmcache_remote import RemoteTier
             cfg.remote_url = config.remote_url    # read by LMCache's RemoteBackend, built by RemoteTier
             self._remote = RemoteTier(config.remote_url, self._engine, config.remote_timeout_s,
                                       config.remote_retry_s, config.remote_key, self._lock, config.remote_probe_s)

@@ -1,7 +1,7 @@
-"""The receiving half of :class:`~kvtransport.nixl_transport.NixlTransport`: READ an offer's
+"""The receiving half of :class:`~kvtransport.transfer.nixl_transport.NixlTransport`: READ an offer's
 payload from the sender's registered memory into a lease of our pool, piece by piece (each piece
 CRC-32C'd on the transport's CRC thread while the next is READ), and for a streamed offer wait for each piece's announcement
-(:class:`~kvtransport.nixl_wire.Avail`) while READing the ones already announced. Runs on the
+(:class:`~kvtransport.transfer.nixl_wire.Avail`) while READing the ones already announced. Runs on the
 transport's progress thread; uses its agent, lock, inbox, config and notification queues.
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvtransport.blocks import checksum_extend
-from kvtransport.nixl_wire import AVAIL, CANCEL, Offer, Reply
-from kvtransport.transport import TransferState
+from kvtransport.transfer.blocks import checksum_extend
+from kvtransport.transfer.nixl_wire import AVAIL, CANCEL, Offer, Reply
+from kvtransport.transfer.seam import TransferState
 
-log = logging.getLogger("kvtransport.nixl_transport")
+log = logging.getLogger("kvtransport.transfer.nixl_transport")
 
 
 class _CrcChain:

@@ -2,14 +2,14 @@
 prefill worker pushes. One client stream per block: header, then bounded payload chunks.
 
 Copies per block (the portable path; NIXL is the fast one):
-- send: :meth:`GrpcTransport.send` sends an encoded block (:func:`~kvtransport.blocks.encode_block`
+- send: :meth:`GrpcTransport.send` sends an encoded block (:func:`~kvtransport.transfer.blocks.encode_block`
   aliases the tensor and runs one CRC pass over it); each chunk is one copy of a slice into the
   ``bytes`` gRPC's Python API demands (``cygrpc.SendMessageOperation`` refuses memoryviews; gRPC
   core then copies it to a slice). :meth:`GrpcTransport.send_kv` streams the tensor's bytes
   instead, each chunk CRC'd from that fresh copy while it is in cache and the CRC sent last (no
   pass over the tensor before the first byte moves; whole-path GB/s measured the same on 2 cores).
 - receive: gRPC hands each message over as ``bytes``; the header-free view of it is copied once
-  into the block's destination, a lease of a :class:`~kvtransport.transport.BufferPool` arena
+  into the block's destination, a lease of a :class:`~kvtransport.transfer.buffer_pool.BufferPool` arena
   (warm pages: a fresh 360 MiB allocation page-faults at 0.6-3 GB/s on the dev machine), and
   CRC-32C'd while in cache. A pool that cannot fit the block falls back to fresh memory
   (counted in ``pool_misses``, logged once).
@@ -20,7 +20,7 @@ of one host nothing but the kernel's memory copies lies on the path, so under ``
 "auto"`` (the default) :meth:`GrpcTransport.send_kv` to a same-host address sends the block
 ``unchecked`` (no CRC pass on either side: the two passes were most of the gap to bare gRPC,
 docs/benchmarks.md), and the receiver accepts an unchecked block only from a peer on its own
-host (:mod:`kvtransport.same_host`; counted in ``InboxStats.unchecked``), refusing any other
+host (:mod:`kvtransport.transfer.same_host`; counted in ``InboxStats.unchecked``), refusing any other
 before a byte is reserved (reason ``checksum_required``; the sender then sends that block and
 every later one to that address CRC'd, reported as fallback ``kv_grpc_checksum_required``).
 ``"always"`` checks every block.
@@ -43,12 +43,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from kvtransport.blocks import BlockError, KVBlock, KVBlockHeader, Payload, as_bytes_array
-from kvtransport.grpc_codec import CrcChain, Opening, Trailer, ack, block_to_messages, parse_message, stream_messages
-from kvtransport.proto import kvtransfer_pb2 as pb
-from kvtransport.same_host import address_host, is_local_host, peer_host
-from kvtransport.transport import BufferPool, Inbox, InboxStats, KVTransport, TransferError, TransferReceipt, \
-    TransferState
+from kvtransport.transfer.blocks import BlockError, KVBlock, KVBlockHeader, Payload, as_bytes_array
+from kvtransport.transfer.grpc_codec import CrcChain, Opening, Trailer, ack, block_to_messages, parse_message, stream_messages
+from kvtransport.transfer.proto import kvtransfer_pb2 as pb
+from kvtransport.transfer.same_host import address_host, is_local_host, peer_host
+from kvtransport.transfer.buffer_pool import BufferPool
+from kvtransport.transfer.inbox import Inbox, InboxStats
+from kvtransport.transfer.seam import KVTransport, TransferError, TransferReceipt, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ class GrpcTransport(KVTransport):
         return self._call(address, block.header.transfer_id, block_to_messages(block, self.cfg.chunk_bytes), timeout)
 
     def send_kv(self, address: str, header: KVBlockHeader, payload: Payload, *, timeout: float = 30.0) -> TransferReceipt:
-        """Stream ``payload`` (e.g. from :func:`~kvtransport.blocks.block_header`: it aliases the KV
+        """Stream ``payload`` (e.g. from :func:`~kvtransport.transfer.blocks.block_header`: it aliases the KV
         tensor, which must not change until this returns) under ``header`` (its checksum is
         ignored): each chunk is CRC'd as it is framed and the CRC-32C is sent last, so no CRC pass
         precedes the first byte; to a same-host ``address`` under ``checksum: "auto"``, no CRC at

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtransport import lmcache_env
+from kvtransport.tier import lmcache_env
 
 lmcache_env.prepare()
 

@@ -1,4 +1,4 @@
-"""The sending half of :class:`~kvtransport.nixl_transport.NixlTransport`: offer a block from
+"""The sending half of :class:`~kvtransport.transfer.nixl_transport.NixlTransport`: offer a block from
 registered memory, stream it (:meth:`NixlSender.send_kv`) and wait for the receiver's verdict.
 
 Two ways a payload gets into registered memory:
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtransport.blocks import (DTYPES, KVBlock, KVBlockHeader, as_bytes_array, checksum_extend, payload_len,
+from kvtransport.transfer.blocks import (DTYPES, KVBlock, KVBlockHeader, as_bytes_array, checksum_extend, payload_len,
                                 payload_view)
-from kvtransport.nixl_read import _CrcChain
-from kvtransport.nixl_wire import CANCEL, Avail, Offer, Reply
-from kvtransport.transport import TransferError, TransferReceipt
+from kvtransport.transfer.nixl_read import _CrcChain
+from kvtransport.transfer.nixl_wire import CANCEL, Avail, Offer, Reply
+from kvtransport.transfer.seam import TransferError, TransferReceipt
 
 
 @dataclass
@@ -79,7 +79,7 @@ class NixlSender:
 
     def send_kv(self, address: str, header: KVBlockHeader, payload, *, timeout: float = 30.0) -> TransferReceipt:
         """Pipelined send of ``payload``: the wire bytes (bytes-like, as
-        :func:`~kvtransport.blocks.block_header` returns them) or a CPU tensor ``[layers, 2,
+        :func:`~kvtransport.transfer.blocks.block_header` returns them) or a CPU tensor ``[layers, 2,
         kv_heads, tokens, head_dim]`` in any dtype (cast to ``header.dtype`` while copied). Zero
         copy when the payload already lives in this transport's pool in the wire dtype,
         contiguous; else staged (see the module docstring). Each ``stream_piece_bytes`` is

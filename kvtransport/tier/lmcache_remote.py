@@ -8,7 +8,7 @@ backend for an :class:`LMCacheStore`:
 
 1. attach: probe the server (connect, answer its tier-key challenge, HEALTH; bounded), then build
    LMCache's own ``RemoteBackend`` for the URL, answer the challenge on its fresh socket
-   (``kvtransport.tier_auth``), bound the socket with ``timeout_s`` and wrap its connector in a
+   (``kvtransport.tier.auth``), bound the socket with ``timeout_s`` and wrap its connector in a
    tap that records every failure (exceptions, timeouts, cancellations);
 2. after each store operation, :meth:`after_op` reports whether the remote failed; a failure
    marks the tier *down*: LMCache bypasses it (requests use the local tiers and miss otherwise);
@@ -50,11 +50,11 @@ def parse_lm_url(url: str) -> tuple[str, int]:
 
 def lm_server_status(host: str, port: int, timeout_s: float, key: bytes) -> str | None:
     """None if the tier server proves reachable: connect, answer its challenge with ``key``
-    (``kvtransport.tier_auth``), one HEALTH round trip, each bounded by ``timeout_s`` on a fresh
+    (``kvtransport.tier.auth``), one HEALTH round trip, each bounded by ``timeout_s`` on a fresh
     socket. Else why not, in one line (``"refused: ..."`` when the server refused the key). Never
     raises for network errors."""
-    from kvtransport import lmcache_env
-    from kvtransport.tier_auth import TierAuthError, client_handshake
+    from kvtransport.tier import lmcache_env
+    from kvtransport.tier.auth import TierAuthError, client_handshake
     lmcache_env.prepare()
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.memory_management import MemoryFormat
@@ -135,7 +135,7 @@ class RemoteTier:
 
     def __init__(self, url: str, engine: Any, timeout_s: float, retry_s: float, key: bytes,
                  lock: threading.RLock, probe_s: float | None = None):
-        from kvtransport.tier_auth import check_key
+        from kvtransport.tier.auth import check_key
         self.url = url
         self.host, self.port = parse_lm_url(url)
         self._engine = engine          # lmcache LMCacheEngine (post-initialised)
@@ -230,7 +230,7 @@ class RemoteTier:
     def _try_attach(self) -> None:
         from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
-        from kvtransport.tier_auth import TierAuthError, client_handshake
+        from kvtransport.tier.auth import TierAuthError, client_handshake
 
         self._next_try = time.monotonic() + self.retry_s
         why = lm_server_status(self.host, self.port, self.timeout_s, self._key)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvtransport.proto import kvtransfer_pb2 as kvtransport_dot_proto_dot_kvtransfer__pb2
+from kvtransport.transfer.proto import kvtransfer_pb2 as kvtransport_dot_transfer_dot_proto_dot_kvtransfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvtransport/proto/kvtransfer_pb2_grpc.py depends on'
+        + ' but the generated code in kvtransport/transfer/proto/kvtransfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class KVTransferStub:
         """
         self.Push = channel.stream_unary(
                 '/kvnotes.kvtransfer.v1.KVTransfer/Push',
-                request_serializer=kvtransport_dot_proto_dot_kvtransfer__pb2.PushChunk.SerializeToString,
-                response_deserializer=kvtransport_dot_proto_dot_kvtransfer__pb2.PushAck.FromString,
+                request_serializer=kvtransport_dot_transfer_dot_proto_dot_kvtransfer__pb2.PushChunk.SerializeToString,
+                response_deserializer=kvtransport_dot_transfer_dot_proto_dot_kvtransfer__pb2.PushAck.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=kvtransport_dot_proto_dot_kvtransfer__pb2.PushChunk.FromString,
-                    response_serializer=kvtransport_dot_proto_dot_kvtransfer__pb2.PushAck.SerializeToString,
+                    request_deserializer=kvtransport_dot_transfer_dot_proto_dot_kvtransfer__pb2.PushChunk.FromString,
+                    response_serializer=kvtransport_dot_transfer_dot_proto_dot_kvtransfer__pb2.PushAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class KVTransfer:
             request_iterator,
             target,
             '/kvnotes.kvtransfer.v1.KVTransfer/Push',
-            kvtransport_dot_proto_dot_kvtransfer__pb2.PushChunk.SerializeToString,
-            kvtransport_dot_proto_dot_kvtransfer__pb2.PushAck.FromString,
+            kvtransport_dot_transfer_dot_proto_dot_kvtransfer__pb2.PushChunk.SerializeToString,
+            kvtransport_dot_transfer_dot_proto_dot_kvtransfer__pb2.PushAck.FromString,
             options,
             channel_credentials,
             insecure,

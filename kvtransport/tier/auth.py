@@ -43,7 +43,7 @@ def tier_key(cluster_secret: bytes) -> bytes:
 
 def check_key(key: bytes) -> bytes:
     if not isinstance(key, bytes) or len(key) != 32:
-        raise ValueError("a tier key is 32 bytes (kvtransport.tier_auth.tier_key of the cluster secret)")
+        raise ValueError("a tier key is 32 bytes (kvtransport.tier.auth.tier_key of the cluster secret)")
     return key
 
 
@@ -70,7 +70,7 @@ def client_handshake(sock: socket.socket, key: bytes, where: str) -> None:
         raise ConnectionError(f"the lm:// tier server at {where} closed the connection before its challenge")
     if hello[:len(MAGIC)] != MAGIC:
         raise TierAuthError(f"{where} is not a kvnotes lm:// tier server (no {MAGIC.decode()} challenge): "
-                            "start it with `python -m kvtransport.tier_server` or `kvnotes tier-server`")
+                            "start it with `python -m kvtransport.tier.server` or `kvnotes tier-server`")
     sock.sendall(proof(key, hello[len(MAGIC):]))
     verdict = _recv_exactly(sock, 1)
     if verdict != OK:

@@ -1,7 +1,7 @@
 """The chosen transport, both ends: what a decode worker receives on and what a prefill worker
 sends with, picked by config ``kv_transport: auto | nixl | grpc``.
 
-- :class:`Receiver` (decode side): one :class:`~kvtransport.transport.Inbox` that accepts only
+- :class:`Receiver` (decode side): one :class:`~kvtransport.transfer.inbox.Inbox` that accepts only
   granted transfers (``require_grant``), fed by a gRPC server (always: the portable path and the
   fallback) and, for ``nixl``/``auto``, a NIXL agent. The gRPC server binds the node's address
   (or all interfaces) and advertises the node's address, so senders on other nodes reach it.
@@ -30,9 +30,10 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
-from kvtransport.blocks import DTYPES, KVBlock, block_header, wire_header
-from kvtransport.grpc_transport import GrpcTransport, GrpcTransportConfig
-from kvtransport.transport import Inbox, InboxStats, KVTransport, TransferError, TransferReceipt
+from kvtransport.transfer.blocks import DTYPES, KVBlock, block_header, wire_header
+from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
+from kvtransport.transfer.inbox import Inbox, InboxStats
+from kvtransport.transfer.seam import KVReceiver, TransferError, TransferReceipt
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def _log_once(reason: str, msg: str, *args) -> None:
 def _start_nixl(kind: str, cfg=None, require_grant: bool = False, **kw):
     """(NixlTransport, None), or (None, fallback reason) under ``auto``; ``nixl`` raises RuntimeError."""
     try:
-        from kvtransport.nixl_transport import NixlTransport, NixlTransportConfig
+        from kvtransport.transfer.nixl_transport import NixlTransport, NixlTransportConfig
         return NixlTransport(cfg or NixlTransportConfig(require_grant=require_grant), **kw), None
     except Exception as exc:  # ImportError, or NIXL/UCX failing to start: auto falls back, counted + logged
         if kind == "nixl":
@@ -59,7 +60,7 @@ def _start_nixl(kind: str, cfg=None, require_grant: bool = False, **kw):
         return None, "kv_transport_nixl_unavailable"
 
 
-class Receiver(KVTransport):
+class Receiver(KVReceiver):
     """The decode worker's side. ``bind``: interface address for the gRPC server (``0.0.0.0`` =
     all); ``advertise``: the address senders use (the node's address as Ray reports it)."""
 
@@ -84,9 +85,6 @@ class Receiver(KVTransport):
             self.nixl.expect(grant)           # the same inbox; wakes NIXL's progress thread
         else:
             self.inbox.expect(grant)
-
-    def send(self, address, block, *, timeout):     # a receiver does not send
-        raise TransferError("unsupported", "a Receiver only receives")
 
     def receive(self, transfer_id: str, *, timeout: float = 30.0) -> KVBlock:
         return self.inbox.claim(transfer_id, timeout)

@@ -11,7 +11,7 @@ and :func:`stream_messages` (a streaming sender: the header says ``checksum_last
 CRC'd from the message just built, still in cache, on a :class:`CrcChain`, and the CRC travels
 in a final ``PushChunk(checksum=...)``; no separate pass over the payload before the send; or,
 without a chain, the header says ``unchecked`` and no CRC is computed or sent: a same-host push,
-see :mod:`kvtransport.same_host`).
+see :mod:`kvtransport.transfer.same_host`).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from kvtransport.blocks import KVBlock, KVBlockHeader, checksum_extend
-from kvtransport.proto import kvtransfer_pb2 as pb
+from kvtransport.transfer.blocks import KVBlock, KVBlockHeader, checksum_extend
+from kvtransport.transfer.proto import kvtransfer_pb2 as pb
 
 _PAYLOAD_TAG = 0x12                  # field 2 (payload), wire type 2 (length-delimited)
 _HEADER_TAG = 0x0A                   # field 1 (header), wire type 2

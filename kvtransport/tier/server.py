@@ -1,11 +1,11 @@
 """Start and stop the ``lm://`` remote KV tier server by PID: LMCache's ``LMCacheServer`` (what
 the ``lmcache_server`` console script runs) with three changes:
 
-- every connection must first prove the cluster's tier key (``kvtransport.tier_auth``: a
+- every connection must first prove the cluster's tier key (``kvtransport.tier.auth``: a
   challenge-response, the key never crosses the wire); anonymous or wrong-key connections are
   refused before any command and counted (``kvnotes_tier_server_refused_connections_total``);
 - it holds at most ``capacity_bytes`` and evicts the least recently used pieces beyond it
-  (``kvtransport.tier_lru``, counted in ``kvnotes_tier_server_evictions_total``);
+  (``kvtransport.tier.lru``, counted in ``kvnotes_tier_server_evictions_total``);
 - its listening socket sets ``SO_REUSEADDR``, so a server restarted after a crash binds its port
   again at once (the stock one fails with EADDRINUSE for ~60 s while old connections sit in
   TIME_WAIT).
@@ -16,7 +16,7 @@ probe (and, by default, makes it exit when the starting process dies: no orphans
 metrics port the server exports its series on ``http://host:metrics_port/metrics``.
 
 Foreground (telemetry off), the key in a file (32 raw bytes or 64 hex characters):
-``python -m kvtransport.tier_server --port 65432 --key-file KEY --capacity-bytes 4294967296``;
+``python -m kvtransport.tier.server --port 65432 --key-file KEY --capacity-bytes 4294967296``;
 ``kvnotes tier-server --config FILE`` derives the key from the cluster's state store instead.
 """
 from __future__ import annotations
@@ -33,9 +33,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtransport import lmcache_env
-from kvtransport.lmcache_remote import probe_lm_server
-from kvtransport.tier_auth import KEY_ENV, check_key
+from kvtransport.tier import lmcache_env
+from kvtransport.tier.lmcache_remote import probe_lm_server
+from kvtransport.tier.auth import KEY_ENV, check_key
 
 DEFAULT_CAPACITY_BYTES = 4 << 30
 AUTH_TIMEOUT_S = 5.0             # a connection must prove the key within this, else refused (no_proof)
@@ -71,7 +71,7 @@ def start_tier_server(host: str = "127.0.0.1", port: int = 0, *, key: bytes,
                       log_path: str | Path | None = None, ready_timeout_s: float = 30.0,
                       exit_with_parent: bool = True) -> TierServer:
     """Spawn the server in its own session; wait until it answers a health probe made with
-    ``key`` (the tier key, ``kvtransport.tier_auth.tier_key`` of the cluster secret; handed to the
+    ``key`` (the tier key, ``kvtransport.tier.auth.tier_key`` of the cluster secret; handed to the
     child in its environment, never on its command line). ``port=0`` / ``metrics_port=0`` pick
     free ports; ``metrics_port=None`` exports nothing. With ``exit_with_parent`` the server also
     exits (within ~1 s) when this process dies without stopping it. Raises ``RuntimeError`` (with
@@ -80,7 +80,7 @@ def start_tier_server(host: str = "127.0.0.1", port: int = 0, *, key: bytes,
     if not 0 <= port < 65536 or (metrics_port is not None and not 0 <= metrics_port < 65536):
         raise ValueError(f"ports must be in [0, 65536), got {port} and {metrics_port}")
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "kvtransport.tier_server", "--host", host, "--port", str(port),
+    cmd = [sys.executable, "-m", "kvtransport.tier.server", "--host", host, "--port", str(port),
            "--capacity-bytes", str(capacity_bytes)]
     if metrics_port is not None:
         metrics_port = metrics_port or free_port(host)
@@ -161,10 +161,10 @@ def serve(host: str, port: int, key: bytes, capacity_bytes: int = DEFAULT_CAPACI
 
     from lmcache.v1.server.__main__ import LMCacheServer
 
-    from kvtransport.tier_auth import server_handshake
-    from kvtransport.tier_lru import LRUPieceStore, TierServerCollector
+    from kvtransport.tier.auth import server_handshake
+    from kvtransport.tier.lru import LRUPieceStore, TierServerCollector
 
-    log = logging.getLogger("kvtransport.tier_server")
+    log = logging.getLogger("kvtransport.tier.server")
     store = LRUPieceStore(capacity_bytes)
     connections: Counter[str] = Counter()   # accepted | bad_proof | no_proof (under count_lock)
     count_lock = threading.Lock()

@@ -6,7 +6,7 @@ Design (after vLLM's NixlConnector and NIXL's examples/python, shaped for our pu
   polls ``get_new_notifs`` every 0.2 ms while a transfer of ours is open and backs off to
   ``expect_poll_s`` while a granted transfer is awaited, ``idle_poll_s`` when nothing is (an
   idle agent: ~1% of a core; a send or a grant wakes it at once), and in the READ loop. All agent calls hold one lock.
-- **One registered arena** (:class:`~kvtransport.transport.BufferPool`, DRAM, ``pool_bytes``)
+- **One registered arena** (:class:`~kvtransport.transfer.buffer_pool.BufferPool`, DRAM, ``pool_bytes``)
   registered once at start; both the send staging copy and received blocks are leases of it.
   No registration per request. A received block's payload *is* its lease (no copy out): the
   range returns to the pool when the block and every tensor decoded from it are dropped.
@@ -23,10 +23,10 @@ Design (after vLLM's NixlConnector and NIXL's examples/python, shaped for our pu
   notifies ``REPLY`` + id (ok, or a :class:`TransferError` reason: ``duplicate``, ``backpressure``,
   ``too_large``, ``rejected``, ``nixl_error``, or a grant refusal, see ``Inbox``). A sender that
   times out notifies ``CANCEL`` and keeps its staging until ``PULLED`` or TTL.
-- **Pipelined** (``send_kv``, what :class:`~kvtransport.endpoints.Sender` uses, see
-  :mod:`kvtransport.nixl_send`): the offer goes out first (``STREAM``), then every
+- **Pipelined** (``send_kv``, what :class:`~kvtransport.transfer.endpoints.Sender` uses, see
+  :mod:`kvtransport.transfer.nixl_send`): the offer goes out first (``STREAM``), then every
   ``stream_piece_bytes`` is announced (``AVAIL``) as soon as it is in place; the receiver READs
-  each announced piece while the next is prepared (see :mod:`kvtransport.nixl_read`); the last
+  each announced piece while the next is prepared (see :mod:`kvtransport.transfer.nixl_read`); the last
   ``AVAIL`` carries the CRC-32C, checked before the block is visible. KV the prefill built in a
   lease of this pool is sent **without a copy** (each piece only CRC'd, then announced); other
   KV is copied (and cast to the wire dtype, in the same pass) into a lease piece by piece, the
@@ -48,11 +48,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvtransport.blocks import BlockError, KVBlock
-from kvtransport.nixl_read import NixlReader
-from kvtransport.nixl_send import NixlSender, _Outgoing
-from kvtransport.nixl_wire import AVAIL, CANCEL, OFFER, PULLED, REPLY, STREAM, Avail, Offer, Reply
-from kvtransport.transport import BufferPool, Inbox, KVTransport, TransferError, TransferState
+from kvtransport.transfer.blocks import BlockError, KVBlock
+from kvtransport.transfer.nixl_read import NixlReader
+from kvtransport.transfer.nixl_send import NixlSender, _Outgoing
+from kvtransport.transfer.nixl_wire import AVAIL, CANCEL, OFFER, PULLED, REPLY, STREAM, Avail, Offer, Reply
+from kvtransport.transfer.buffer_pool import BufferPool
+from kvtransport.transfer.inbox import Inbox
+from kvtransport.transfer.seam import KVTransport, TransferError, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +150,7 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
         self._peers.add(name)
         return name
 
-    # ---- sending: kvtransport.nixl_send.NixlSender (send, send_kv, lease) -------------------
+    # ---- sending: kvtransport.transfer.nixl_send.NixlSender (send, send_kv, lease) -------------------
 
     # ---- receiving -----------------------------------------------------------------------------
     def receive(self, transfer_id: str, *, timeout: float = 30.0) -> KVBlock:

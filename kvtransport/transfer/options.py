@@ -1,6 +1,6 @@
 """The cluster config's transport tuning (``kv_grpc``, ``kv_nixl`` in kvnotes.yaml) turned into
-the transports' own typed configs, :class:`~kvtransport.grpc_transport.GrpcTransportConfig` and
-:class:`~kvtransport.nixl_transport.NixlTransportConfig`; every prefill and decode actor builds
+the transports' own typed configs, :class:`~kvtransport.transfer.grpc_transport.GrpcTransportConfig` and
+:class:`~kvtransport.transfer.nixl_transport.NixlTransportConfig`; every prefill and decode actor builds
 its transports from these, and ``kvnotes serve`` checks them before anything starts.
 
 What the cluster decides is not an option: ``require_grant`` (every KV push needs the router's
@@ -46,13 +46,13 @@ def _build(cls, section: str, options: dict, **fixed):
 
 def grpc_config(cfg: ClusterConfig, *, require_grant: bool = True):
     """The gRPC transport's config from ``cfg.kv_grpc``."""
-    from kvtransport.grpc_transport import GrpcTransportConfig
+    from kvtransport.transfer.grpc_transport import GrpcTransportConfig
     return _build(GrpcTransportConfig, "kv_grpc", cfg.transport_options("grpc"), require_grant=require_grant)
 
 
 def nixl_config(cfg: ClusterConfig, *, require_grant: bool = True):
     """The NIXL transport's config from ``cfg.kv_nixl`` (imports no NIXL: the config is plain)."""
-    from kvtransport.nixl_transport import NixlTransportConfig
+    from kvtransport.transfer.nixl_transport import NixlTransportConfig
     return _build(NixlTransportConfig, "kv_nixl", cfg.transport_options("nixl"), require_grant=require_grant)
 
 

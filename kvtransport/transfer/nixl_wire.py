@@ -1,4 +1,4 @@
-"""The notifications two :class:`~kvtransport.nixl_transport.NixlTransport` agents exchange
+"""The notifications two :class:`~kvtransport.transfer.nixl_transport.NixlTransport` agents exchange
 (first byte = kind): ``O`` offer (pull this block, it is all in my registered memory), ``S``
 streamed offer (pull it as it becomes available: the sender is still encoding it into its
 registered memory), ``A`` available (a streamed offer's first ``ready`` bytes may be read; the
@@ -11,8 +11,8 @@ import json
 import struct
 from dataclasses import dataclass
 
-from kvtransport.blocks import KVBlockHeader
-from kvtransport.grpc_codec import header_from_bytes, header_to_bytes
+from kvtransport.transfer.blocks import KVBlockHeader
+from kvtransport.transfer.grpc_codec import header_from_bytes, header_to_bytes
 
 OFFER, STREAM, AVAIL, PULLED, REPLY, CANCEL = b"O", b"S", b"A", b"P", b"R", b"C"
 _OFFER_FIXED = struct.Struct("<QQIII")      # addr, nbytes, dev_id, len(metadata), len(header)
