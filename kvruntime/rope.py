@@ -104,15 +104,17 @@ def rotate_fused(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.
     Angles are ``delta * inv_freq`` in fp64, cast once to cos/sin rows: one per distinct row of
     ``inv_freq`` ([layers, rotary_dim // 2]) for a constant delta, [tokens] rows for per-slot
     deltas. The rotation runs in fp32 (fp64 for fp64 keys), written in ``out``'s dtype.
-    ``impl="auto"``: CPU fp32 runs the native one-pass kernel (:mod:`kvruntime.rope_native`)
-    when it is built; everything else (or ``impl="torch"``) runs three torch ops per ~
-    ``block_bytes`` block on CPU, per whole tensor on other devices. Cost: one read and one
+    ``impl="auto"`` (:func:`rotation_path`): CPU fp32 runs the native one-pass kernel
+    (:mod:`kvruntime.rope_native`) when it is built, CUDA fp32/bf16/fp16 the one-pass Triton
+    kernel (:mod:`kvruntime.rope_triton`) when Triton imports; everything else (or
+    ``impl="torch"``) runs three torch ops per ~``block_bytes`` block on CPU, per whole tensor
+    on other devices. Cost: one read and one
     write of the keys, plus (torch path, in place or 16-bit) an fp32 copy of one block. Dims
     past rotary_dim are copied (untouched in place). Equal to :func:`rotate_keys` within fp32
     rounding: per element at most 1.75 * eps32 * (|x_j| + |x_j+half|) apart (cos/sin cast, two
     products, one sum, the reference's own cast)."""
-    if impl not in ("auto", "torch"):
-        raise ValueError(f"impl must be 'auto' or 'torch', got {impl!r}")
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     if keys.dim() != 4:
         raise ValueError(f"keys must be [layers, kv_heads, tokens, head_dim], got {tuple(keys.shape)}")
     n_layers, n_heads, n_tok, head_dim = keys.shape
@@ -135,10 +137,19 @@ def rotate_fused(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.
         raise ValueError("out overlaps keys without being keys: rotate in place or into separate memory")
     cd = torch.float64 if keys.dtype == torch.float64 else torch.float32
     cos, sin, rows = _tables(inv_freq, d, cd, keys.device)
-    if impl == "auto" and keys.device.type == "cpu" and keys.dtype == out.dtype == torch.float32:
+    path = rotation_path(keys.device.type, keys.dtype, out.dtype, impl)
+    if path == "native":
         from kvruntime import rope_native
         if rope_native.rotate_f32(keys, out, cos, sin, rows):
             return out
+    elif path == "triton":
+        from kvruntime import rope_triton
+        if rope_triton.rotate(keys, out, cos[..., :half], sin[..., half:], rows, half, in_place):
+            return out
+        if impl == "triton":
+            raise ValueError(f"impl='triton' cannot rotate these keys ({rope_triton.status()}; "
+                             f"{keys.device}, {keys.dtype} -> {out.dtype}, last-dim strides "
+                             f"{keys.stride(-1)}/{out.stride(-1)})")
     direct = not in_place and keys.dtype == out.dtype == cd
     if keys.device.type != "cpu":      # one kernel per op over the whole tensor
         if len(set(rows)) == 1:
@@ -155,6 +166,24 @@ def rotate_fused(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.
             cb, sb = (c, s) if c.shape[0] == 1 else (c[t0:t0 + bt], s[t0:t0 + bt])
             _rotate_block(keys[layer, :, t0:t0 + bt], out[layer, :, t0:t0 + bt], cb, sb, half, rot, direct, in_place)
     return out
+
+
+def rotation_path(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype, impl: str = "auto") -> str:
+    """Which implementation :func:`rotate_fused` tries first: ``"native"`` (CPU fp32: the C kernel),
+    ``"triton"`` (CUDA fp32/bf16/fp16: one Triton pass; or ``impl="triton"``, which the tests
+    run on CPU under ``TRITON_INTERPRET=1``) or ``"torch"`` (torch ops: everything else, and
+    the fallback of both kernels when unavailable)."""
+    if impl == "torch":
+        return "torch"
+    from_16_32 = dtype in _KERNEL_DTYPES and out_dtype in _KERNEL_DTYPES
+    if impl == "triton" or (device_type == "cuda" and from_16_32):
+        return "triton"
+    if device_type == "cpu" and dtype == out_dtype == torch.float32:
+        return "native"
+    return "torch"
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _tables(inv_freq: torch.Tensor, d: torch.Tensor, cd: torch.dtype,
