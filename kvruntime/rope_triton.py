@@ -99,6 +99,21 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_ROWS: dict = {}
+
+
+def _rows(row_of: tuple, device: torch.device) -> torch.Tensor:
+    """``row_of`` as an int32 tensor on ``device``, made once per (table, device): no host-to-device
+    copy per rotation."""
+    key = (row_of, str(device))
+    t = _ROWS.get(key)
+    if t is None:
+        if len(_ROWS) > 64:
+            _ROWS.clear()
+        t = _ROWS[key] = torch.tensor(row_of, dtype=torch.int32, device=device)
+    return t
+
+
 def _block_t(half: int) -> int:
     return max(1, min(64, 4096 // max(16, 1 << (half - 1).bit_length())))
 
@@ -119,7 +134,7 @@ def rotate(keys: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.
         return False
     triton, fn = kern
     n_layers, n_heads, n_tok, head_dim = keys.shape
-    rows = torch.tensor(row_of, dtype=torch.int32, device=keys.device)
+    rows = _rows(tuple(row_of), keys.device)
     tail = head_dim - 2 * half
     bt = _block_t(half)
     grid = (n_layers * n_heads, triton.cdiv(n_tok, bt))

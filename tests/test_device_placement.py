@@ -137,3 +137,19 @@ def test_cuda_kv_is_staged_through_pinned_memory_exactly():
     f32 = staging.to_host(data, torch.float32)
     assert f32.dtype == torch.float32 and torch.equal(f32, data.float().cpu())
     assert staging.counts["pinned"] == before + 2
+
+
+def test_staging_paths_are_exported_per_worker():
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from kvruntime import staging
+    from prefill_workers.metrics import worker_registry
+    stats = SimpleNamespace(hits_by_tier={}, misses={}, put_bytes=0, get_bytes=0, evictions=0, put_tier_failures={})
+    store = SimpleNamespace(stats=stats, occupancy=lambda: {})
+    staging.to_host(torch.zeros(3))
+    text = generate_latest(worker_registry(store, "prefill-0", False)).decode()
+    n = staging.counts["cpu"]
+    assert f'kvnotes_worker_kv_staged_total{{path="cpu",worker="prefill-0"}} {float(n)}' in text
+    assert 'kvnotes_worker_kv_staged_total{path="pageable_fallback",worker="prefill-0"} 0.0' in text
