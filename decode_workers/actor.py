@@ -44,7 +44,9 @@ class DecodeWorker:
         self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
         self._cancel_lock = threading.Lock()
         self._own: set[str] = set()                # transfers announced with no block to come (announce)
-        device = "cuda" if cfg.decode.num_gpus > 0 else "cpu"
+        from kvruntime.device import resolve_device
+        device = resolve_device(cfg.decode.device, "decode")   # auto: cuda when Ray assigned a GPU and torch sees it
+        self.device = device
         ip, node_id = node_address()
         host = host or cfg.bind_host or ip        # bind_host: kvnotes' listeners bind and advertise it
         confine_ucx(host)                          # NIXL's UCX listens where kvnotes does
@@ -103,7 +105,7 @@ class DecodeWorker:
         ep = self.receiver.endpoint
         return {"worker": f"decode-{self.index}", "model": self.model, "engine": self.engine_kind,
                 "grpc": ep.grpc_address, "kv_transport": ep.transport, "node_id": ep.node_id,
-                "transport_fallback": self.receiver.fallback}
+                "transport_fallback": self.receiver.fallback, "device": self.device}
 
     def health(self) -> dict:
         """Cheap liveness answer (the actor's "health" concurrency group, beside a running

@@ -39,7 +39,9 @@ class PrefillWorker:
         self._cancelled: dict[str, None] = {}     # transfer ids to stop (cancel()), oldest first
         self._cancel_lock = threading.Lock()
         self.cancelled_plans = 0                  # plans stopped by a cancel (health(), metrics)
-        device = "cuda" if cfg.prefill.num_gpus > 0 else "cpu"
+        from kvruntime.device import resolve_device
+        device = resolve_device(cfg.prefill.device, "prefill")   # auto: cuda when Ray assigned a GPU and torch sees it
+        self.device = device
         self.engine = ReferenceEngine(cfg.model, dtype=cfg.dtype, device=device, threads=cfg.prefill.threads)
         tier = TierConfig(local_cpu_gb=max(cfg.tier_cpu_bytes / 2**30, 0.05),
                           local_disk_dir=cfg.tier_disk_path, local_disk_gb=1.0 if cfg.tier_disk_path else 0.0,
@@ -65,7 +67,7 @@ class PrefillWorker:
     def ready(self) -> dict:
         r = self.engine.rope
         return {"worker": f"prefill-{self.index}", "model": self.engine.spec.name,
-                "rope_self_test_ok": r.enabled, "rope_self_test_error": r.self_test_error,
+                "rope_self_test_ok": r.enabled, "rope_self_test_error": r.self_test_error, "device": self.device,
                 "tiers": self.store.tiers, "node_id": _node_id(),
                 "kv_transport": "nixl" if self.sender.nixl is not None else "grpc"}
 

@@ -32,6 +32,14 @@ class TierCollector:
                                     "of a chunk, or after its eviction", labels=["worker"])
             v.add_metric([w], self.variants())
             yield v
+        from kvruntime import staging
+        st = CounterMetricFamily("kvnotes_worker_kv_staged", "KV tensors this process moved to host memory for the "
+                                 "tier or the transport, by path: cpu (engine on the CPU: no copy), pinned (from the "
+                                 "GPU through page-locked memory), pageable_fallback (pinning refused)",
+                                 labels=["worker", "path"])
+        for path in ("cpu", "pinned", "pageable_fallback"):
+            st.add_metric([w, path], staging.counts[path])
+        yield st
         gets = CounterMetricFamily("kvnotes_worker_tier_gets", "Chunk gets on this worker's tier by result "
                                    "(hit per tier, miss per reason)", labels=["worker", "result", "tier"])
         for tier, n in sorted(s.hits_by_tier.items()):

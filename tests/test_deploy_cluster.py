@@ -54,15 +54,24 @@ def test_node_types_carry_exactly_what_the_actors_request(monkeypatch):
 
     monkeypatch.setenv("KVNOTES_REDIS_PASSWORD", "unused-here")
     cfg = ClusterConfig.from_file(ROOT / "deploy" / "kvnotes.yaml")
+    gpu = ClusterConfig.from_file(ROOT / "deploy" / "kvnotes-gpu.yaml")
     types = _cluster()["available_node_types"]
-    assert set(types) == {"ray.head.default", "prefill", "decode"}
+    assert set(types) == {"ray.head.default", "prefill", "decode", "prefill-gpu"}
     assert _cluster()["head_node_type"] == "ray.head.default"
-    assert not {"prefill", "decode"} & set(types["ray.head.default"]["resources"])
+    assert not {"prefill", "decode", "GPU"} & set(types["ray.head.default"]["resources"])
     for kind in ("prefill", "decode"):
         want = worker_resources(cfg, kind)
         assert types[kind]["resources"] == {k: int(v) if float(v).is_integer() else v for k, v in want.items()}
+        assert "GPU" not in types[kind]["resources"]
         count = (cfg.prefill if kind == "prefill" else cfg.decode).count
         assert types[kind]["min_workers"] == types[kind]["max_workers"] == count
+    # the GPU variant: prefill-gpu carries what its prefill actors ask for, started on demand only;
+    # its decode actors are the CPU ones above
+    want = worker_resources(gpu, "prefill")
+    assert want["GPU"] == 1 and gpu.prefill.device == "cuda"
+    assert types["prefill-gpu"]["resources"] == {k: int(v) if float(v).is_integer() else v for k, v in want.items()}
+    assert types["prefill-gpu"]["min_workers"] == 0 and types["prefill-gpu"]["max_workers"] == gpu.prefill.count
+    assert worker_resources(gpu, "decode") == worker_resources(cfg, "decode")
 
 
 # ---- the node types on one machine: Ray's fake multi-node autoscaler ----------------------------

@@ -90,8 +90,9 @@ def test_engine_without_self_test_never_trusts_rotation():
 
 @pytest.mark.slow
 def test_bf16_engine_passes_its_self_test_so_reposition_stays_on(one_torch_thread):
-    """bf16 keys drift ~1.1e-2 (relative) through the layers from rounding alone (measured on CPU
-    and CUDA); the 16-bit tolerance must accept that, or bf16 deployments silently lose reposition."""
+    """bf16 keys are rounded to bf16 (and the model's cos/sin too): the self-test's 16-bit tolerance
+    (kvruntime.rope.self_test_tolerance) must accept that, or bf16 deployments silently lose reposition.
+    The forward's drift through the layers no longer enters it (tests/test_rope_selftest.py)."""
     from kvruntime.engine import ReferenceEngine
     e = ReferenceEngine("smollm2-135m", dtype="bfloat16", threads=1)
     assert e.rope.enabled, e.rope.self_test_error

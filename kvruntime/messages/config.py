@@ -23,15 +23,23 @@ BALANCED_MIN_CASES = dict(cases=30, answered=30, decisions=20)   # fewer measure
 class WorkerConfig:
     count: int = 1                     # actors of this kind
     num_cpus: float = 1.0              # Ray CPUs reserved per actor
-    num_gpus: float = 0.0              # Ray GPUs per actor (device becomes cuda when > 0)
+    num_gpus: float = 0.0              # Ray GPUs per actor (Ray hides GPUs from actors that reserve none)
     custom_resource: bool = False      # also require {"prefill": 1} / {"decode": 1} (pin to node types)
     threads: int = 1                   # torch threads inside the actor
+    # the engine's device (kvruntime.device.resolve_device): auto = cuda when torch sees CUDA and Ray
+    # assigned this actor a GPU, else cpu (logged); cuda = the assigned GPU or a clear error at start; cpu
+    device: str = "auto"
 
     def validate(self, kind: str) -> None:
         if self.count < 1:
             raise ValueError(f"{kind}.count must be >= 1")
         if self.num_cpus < 0 or self.num_gpus < 0 or self.threads < 1:
             raise ValueError(f"{kind}: num_cpus/num_gpus must be >= 0 and threads >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"{kind}.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and self.num_gpus <= 0:
+            raise ValueError(f"{kind}.device is cuda but {kind}.num_gpus is {self.num_gpus}: Ray gives an actor "
+                             f"a GPU only when it reserves one (set {kind}.num_gpus, e.g. 1)")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from kvruntime.kv import KVCache
+from kvruntime.staging import to_host
 from kvtransport.tier.store import (KV_DTYPES, ChunkKey, KVStore, StoreStats, TierWriteError, check_kv, check_model_id,
                               key_positions, rope_fingerprint)
 
@@ -186,7 +187,8 @@ class LMCacheStore(KVStore):
                 raise ValueError(f"KV {tuple(kv.data.shape)} {kv.data.dtype} does not match the store's "
                                  f"{want} {self._torch_dtype}")
             self._before()
-            data = kv.data.to(self._connector.device)
+            # a GPU engine's KV goes to a host connector through pinned memory (kvruntime.staging)
+            data = to_host(kv.data) if self._connector.device.type == "cpu" else kv.data.to(self._connector.device)
             self._engine.store(list(key.token_ids), kvcaches=data, request_configs=self._tags(key))
             held = self._confirm(self._pieces(key))
             self._after()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvruntime.kv import KVCache
+from kvruntime.staging import to_host
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ def _wire_data(kv: KVCache, dtype: str | None):
         raise BlockError(f"unsupported KV dtype {kv.data.dtype}")
     if dtype is not None and dtype not in DTYPES:
         raise BlockError(f"unsupported wire dtype {dtype!r}")
-    return kv.data.detach().to("cpu", DTYPES[dtype] if dtype else kv.data.dtype).contiguous()
+    return to_host(kv.data.detach(), DTYPES[dtype] if dtype else None)   # from a GPU: cast there, pinned copy
 
 
 def wire_header(transfer_id: str, model: str, kv: KVCache, *, dtype: str | None = None,
