@@ -113,7 +113,7 @@ def test_cpu_kv_takes_the_plain_path_exactly(monkeypatch):
 def test_wire_and_tier_paths_go_through_staging(monkeypatch):
     """blocks (gRPC / NIXL payloads) and the LMCache store's put both call kvruntime.staging.to_host."""
     from kvruntime.kv import KVCache
-    from kvtransport import blocks
+    from kvtransport.transfer import blocks
     seen = []
     real = blocks.to_host
     monkeypatch.setattr(blocks, "to_host", lambda t, dtype=None: seen.append((tuple(t.shape), dtype)) or real(t, dtype))
@@ -122,7 +122,7 @@ def test_wire_and_tier_paths_go_through_staging(monkeypatch):
     assert seen == [((2, 2, 1, 5, 8), torch.bfloat16)]
     assert torch.equal(blocks.decode_block(blk).data, kv.data.to(torch.bfloat16))     # exact through the wire
     import inspect
-    from kvtransport.lmcache_store import LMCacheStore
+    from kvtransport.tier.lmcache_store import LMCacheStore
     assert "to_host(kv.data)" in inspect.getsource(LMCacheStore.put)
 
 
