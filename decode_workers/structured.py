@@ -122,8 +122,3 @@ class Guide:
     @property
     def done(self) -> bool:
         return self.matcher.is_terminated()
-
-
-def canonical_schema(schema: dict) -> str:
-    """The cache key text of a schema: compact, keys sorted."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))

@@ -123,7 +123,7 @@ def constraint(tools: Tools | None) -> Constraint | None:
         return None
     fns = [f for f in tools.functions if tools.forced in (None, f["name"])]
     schema = _call_schema(fns[0]) if len(fns) == 1 else {"anyOf": [_call_schema(f) for f in fns]}
-    return Constraint("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")),
+    return Constraint("json_schema", json.dumps(schema, separators=(",", ":")),
                       strict=all(f["strict"] for f in fns))
 
 

@@ -13,11 +13,13 @@ from kvruntime.messages.decode import Constraint
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_SCHEMA_CHARS = 64 << 10
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")     # xgrammar's "[hh:mm:ss] file.cc:line: " before its message
 
 
 def canonical(schema: dict) -> str:
-    """One schema, one text (sorted keys): the grammar cache's key."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    """One schema, one text (compact; key order kept: it is the order properties are generated in):
+    the grammar cache's key."""
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def check_schema(schema, param: str, strict: bool = False) -> str:
@@ -40,8 +42,8 @@ def check_schema(schema, param: str, strict: bool = False) -> str:
     try:
         grammar_of(Constraint("json_schema", text, strict))
     except Exception as exc:  # xgrammar refuses what it cannot enforce; its message names the construct
-        raise RequestError(400, f"{param} cannot be enforced: {str(exc).splitlines()[0][:300] if str(exc) else exc!r}",
-                           param=param, code="invalid_schema") from None
+        why = _LOG_PREFIX.sub("", (str(exc).splitlines() or [repr(exc)])[0].strip("'\" ")) or repr(exc)
+        raise RequestError(400, f"{param} cannot be enforced: {why[:300]}", param=param, code="invalid_schema") from None
     return text
 
 

@@ -14,7 +14,7 @@ class Constraint:
     """Structured output: the decode worker compiles it into a grammar and masks every step's
     logits with it (reference engine: ``decode_workers.structured``; vLLM: its own
     ``StructuredOutputsParams``). ``json_object``: any JSON object; ``json_schema``: an instance
-    of ``schema`` (its canonical JSON text: sorted keys, so one schema is one cache key);
+    of ``schema`` (its compact JSON text, the grammar cache's key);
     ``strict``: no properties or items the schema does not name (OpenAI's ``strict: true``)."""
     kind: str
     schema: str = ""
