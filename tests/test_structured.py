@@ -24,7 +24,8 @@ def _chat_ids(engine, text):
 def _run(engine, constraint, max_tokens=48, prompt="Give the capital of France as JSON.", **kw):
     from decode_workers.executor import DecodeExecutor
     ex = DecodeExecutor(engine, transport=None)
-    ids = _chat_ids(engine, prompt)
+    ids = _chat_ids(engine, prompt) if engine.tokenizer.chat_template else \
+        [engine.bos_id] + engine.encode(prompt + engine.spec.chat_user_suffix)
     evs = list(ex.generate(None, tuple(ids[:-1]), tuple(ids[-1:]),
                            SamplingParams(max_tokens=max_tokens, constraint=constraint, **kw)))
     return ex, evs[:-1], evs[-1]
@@ -56,6 +57,14 @@ def test_reference_engine_answers_follow_the_schema(smol, one_torch_thread, temp
     assert s.finish_reason == "stop", s
     jsonschema.validate(json.loads(s.text), SCHEMA)
     assert "".join(e.text for e in evs) == s.text
+
+
+def test_gemma_answers_follow_the_schema(gemma, one_torch_thread):
+    """The other shipped model (Gemma-3 270M base, its own tokenizer and vocabulary)."""
+    c = Constraint("json_schema", json.dumps(SCHEMA), strict=True)
+    _, _, s = _run(gemma, c, max_tokens=64)
+    assert s.finish_reason == "stop", s
+    jsonschema.validate(json.loads(s.text), SCHEMA)
 
 
 def test_json_object_and_a_cut_generation(smol, one_torch_thread):
