@@ -193,3 +193,19 @@ def test_bad_structured_requests_are_4xx_with_a_message(client, kw, status, need
     assert e.value.body.get("request_id") or e.value.response.json()["error"]["request_id"]
     rejected = metric(http.get("/metrics").text, "kvnotes_schemas_rejected_total") - before
     assert rejected == (1 if "schema" in needle or "enforced" in needle else 0)
+
+
+def test_decode_worker_exports_grammar_compiles_and_cache_hits(client):
+    """Reference engine only (vLLM compiles and caches grammars itself): the decode actor's own
+    endpoint, found through /metrics/targets, counts compiles and cache hits."""
+    import httpx
+    oa, http = client
+    msgs = [{"role": "user", "content": "Paris as JSON"}]
+    for _ in range(2):       # the second compile of the same schema is a cache hit
+        oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0,
+                                   response_format=_schema_format({"type": "object", "properties": {
+                                       "tag": {"enum": ["grammar-cache-probe"]}}, "required": ["tag"]}))
+    decode = [g["targets"][0] for g in http.get("/metrics/targets").json() if g["labels"]["kvnotes_role"] == "decode"]
+    own = httpx.get(f"http://{decode[0]}/metrics", timeout=30).text
+    assert metric(own, "kvnotes_grammar_cache_total", result="hit") >= 1
+    assert metric(own, "kvnotes_grammar_compile_seconds_count", kind="json_schema") >= 1

@@ -156,7 +156,9 @@ def _args(a):
 
 def prepare(messages: list[dict], tools: Tools | None, native: bool) -> tuple[list[dict], list[dict] | None]:
     """(messages for the chat template, its ``tools`` argument). ``native``: the template renders
-    tools (:func:`template_takes_tools`); otherwise :func:`system_block` and plain-role messages."""
+    tools (:func:`template_takes_tools`); otherwise :func:`system_block` and plain-role messages.
+    Declared tools are rendered whatever ``tool_choice`` says (``none`` only stops parsing calls),
+    so a conversation's prefix stays the same across its turns."""
     if native:
         out = []
         for m in messages:
@@ -166,7 +168,7 @@ def prepare(messages: list[dict], tools: Tools | None, native: bool) -> tuple[li
                                    for c in m["tool_calls"]]
             out.append(m)
         fns = [{"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters")}}
-               for f in tools.functions] if tools is not None and tools.active else None
+               for f in tools.functions] if tools is not None else None
         return out, fns
     out: list[dict] = []
     names: dict[str, str] = {}
@@ -186,7 +188,7 @@ def prepare(messages: list[dict], tools: Tools | None, native: bool) -> tuple[li
         else:
             out.append({"role": m["role"], "content": m["content"]})
     out = [{"role": m["role"], "content": m["content"]} for m in out]
-    if tools is not None and tools.active:
+    if tools is not None:              # with tool_choice none too: the same prefix on every turn
         block = system_block(tools)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": block + "\n\n" + out[0]["content"]}

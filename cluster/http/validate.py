@@ -259,10 +259,10 @@ def chat_messages(body: dict, limits: RequestLimits) -> list[dict]:
     if len(msgs) > limits.max_segments:
         raise RequestError(400, f"at most {limits.max_segments} messages per request", param="messages")
     out = []
-    allowed = {"assistant": {"role", "content", "tool_calls", "name", "refusal"}, "tool": {"role", "content", "tool_call_id"}}
+    allowed = {"assistant": {"role", "content", "tool_calls", "refusal"}, "tool": {"role", "content", "tool_call_id"}}
     for i, m in enumerate(msgs):
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in CHAT_ROLES or set(m) - allowed.get(role, {"role", "content", "name"}):
+        if role not in CHAT_ROLES or set(m) - allowed.get(role, {"role", "content"}):
             raise RequestError(400, f"messages[{i}] must have role system|developer|user|assistant|tool and content "
                                     "(assistant: tool_calls too; tool: tool_call_id)", param=f"messages[{i}]")
         calls = _tool_calls(i, m["tool_calls"]) if role == "assistant" and m.get("tool_calls") is not None else None
