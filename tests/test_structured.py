@@ -10,7 +10,7 @@ from cluster.control.errors import RequestError
 from kvruntime.messages.decode import Constraint, SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                           "population": {"type": "integer"},
+                                           "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
                                            "kind": {"enum": ["capital", "town"]}},
           "required": ["city", "population", "kind"], "additionalProperties": False}
 
@@ -62,8 +62,8 @@ def test_reference_engine_answers_follow_the_schema(smol, one_torch_thread, temp
 def test_gemma_answers_follow_the_schema(gemma, one_torch_thread):
     """The other shipped model (Gemma-3 270M base, its own tokenizer and vocabulary)."""
     c = Constraint("json_schema", json.dumps(SCHEMA), strict=True)
-    _, _, s = _run(gemma, c, max_tokens=64)
-    assert s.finish_reason == "stop", s
+    _, _, s = _run(gemma, c, max_tokens=96, prompt="Paris, the capital of France, as JSON:")
+    assert s.finish_reason == "stop", s.text
     jsonschema.validate(json.loads(s.text), SCHEMA)
 
 
