@@ -74,7 +74,8 @@ class DecodeWorker:
 
         self.engine = ReferenceEngine(cfg.model, dtype=cfg.dtype, device=device, threads=cfg.decode.threads)
         self.executor = DecodeExecutor(self.engine, self.receiver, load_failure_policy=cfg.kv_load_failure_policy,
-                                       receive_timeout=cfg.transfer_timeout_s, held=held)
+                                       receive_timeout=cfg.transfer_timeout_s, held=held,
+                                       grammar_cache_entries=cfg.grammar_cache_entries)
 
     def address(self) -> str:
         return self.receiver.endpoint.grpc_address

@@ -34,12 +34,14 @@ log = logging.getLogger(__name__)
 
 class DecodeExecutor:
     def __init__(self, engine, transport: KVReceiver, *, load_failure_policy: str = "recompute",
-                 receive_timeout: float = 60.0, held: HeldPrefixes | None = None):
+                 receive_timeout: float = 60.0, held: HeldPrefixes | None = None, grammar_cache_entries: int = 64):
         if load_failure_policy not in ("recompute", "fail"):
             raise ValueError("load_failure_policy must be 'recompute' or 'fail'")
         self.engine, self.transport = engine, transport
         self.policy, self.receive_timeout = load_failure_policy, receive_timeout
         self.held = held
+        self._grammars = None          # decode_workers.structured.GrammarCache, made on the first constrained request
+        self.grammar_cache_entries = grammar_cache_entries
 
     def held_prefix(self, prefix_ids: tuple[int, ...], salt: str | None = None, *,
                     transfer_id: str | None = None, limit: int | None = None,
@@ -170,7 +172,8 @@ class DecodeExecutor:
             for tok in done:     # a continuation replays the streamed tokens one step each, as the lost worker
                 logits, pos = session.step([tok], [pos]), pos + 1     # computed them: the same logits after
             stages["suffix_forward"] = time.perf_counter() - t_suffix
-            sampler = Sampler(sampling, logits.numel(), history=done)
+            sampler = Sampler(sampling, logits.numel(), history=done, guide=self._guide(sampling, logits.numel(), done,
+                                                                                     stages))
             n, finish = len(done), "length"
             while n < sampling.max_tokens:
                 tok, lp, top = sampler.pick(logits)
@@ -201,6 +204,21 @@ class DecodeExecutor:
             stages["held_copy"] = copy.seconds
         yield DecodeSummary(n, finish, tuple(fallbacks), received, text, not_computed, min(loaded, not_computed),
                             tuple(stages.items()))
+
+
+    def _guide(self, sampling: SamplingParams, vocab: int, done, stages: dict):
+        """The request's grammar matcher (None without a constraint), past the tokens ``done``."""
+        if sampling.constraint is None:
+            return None
+        from decode_workers.structured import GrammarCache
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.engine.tokenizer, vocab, self.engine.eos_ids,
+                                          max_entries=self.grammar_cache_entries)
+        guide = self._grammars.guide(sampling.constraint)
+        if guide.compile_seconds:
+            stages["grammar_compile"] = guide.compile_seconds
+        guide.replay(done)
+        return guide
 
 
 class _Unusable(Exception):

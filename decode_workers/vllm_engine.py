@@ -218,7 +218,7 @@ class VllmDecodeExecutor:
                        seed=sampling.seed, stop=list(sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
                        presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
                        logit_bias=dict(sampling.logit_bias) or None, logprobs=sampling.logprobs,
-                       stop_token_ids=sorted(self.eos_ids),
+                       stop_token_ids=sorted(self.eos_ids), structured_outputs=_structured(sampling),
                        extra_args=extra)
         prompt = {"prompt_token_ids": list(prefix_ids) + list(suffix_ids)}
         if salt:
@@ -270,6 +270,18 @@ class VllmDecodeExecutor:
         if first is not None:
             stages["first_token"] = first
         yield DecodeSummary(n, finish, tuple(fallbacks), first or 0.0, text, cached, loaded, tuple(stages.items()))
+
+
+def _structured(sampling: SamplingParams):
+    """The request's constraint as vLLM's own structured-output parameters (None without one):
+    JSON without free whitespace, no unnamed properties when strict (as the reference engine)."""
+    c = sampling.constraint
+    if c is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+    if c.kind == "json_object":
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    return StructuredOutputsParams(json=c.schema, disable_any_whitespace=True, disable_additional_properties=c.strict)
 
 
 def _generation_config(ckpt):

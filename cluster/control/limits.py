@@ -22,11 +22,13 @@ class RequestLimits:
     max_stop: int = 4
     max_stop_chars: int = 128
     max_tokens: int = 2048
+    max_choices: int = 8
 
     @staticmethod
     def from_config(cfg) -> "RequestLimits":
         return RequestLimits(cfg.max_body_bytes, cfg.max_text_chars, cfg.max_segments, cfg.max_template_fields,
-                             cfg.max_name_chars, cfg.max_stop, cfg.max_stop_chars, cfg.max_tokens_limit)
+                             cfg.max_name_chars, cfg.max_stop, cfg.max_stop_chars, cfg.max_tokens_limit,
+                             cfg.max_choices)
 
 
 def check_name(name, limits: RequestLimits | None = None, *, what: str = "name") -> str:

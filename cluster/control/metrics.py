@@ -169,6 +169,13 @@ class Metrics:
                                     ["tier"], registry=r)
         self.deadlines = Counter("kvnotes_deadline_exceeded_total", "Requests cancelled because their deadline "
                                  "passed, by the stage they were in", ["stage"], registry=r)
+        self.constrained = Counter("kvnotes_constrained_requests_total", "Requests decoded under a grammar or "
+                                   "answered with tools, by kind (json_object, json_schema, tool_auto, tool_required, "
+                                   "tool_named)", ["kind"], registry=r)
+        self.schemas_rejected = Counter("kvnotes_schemas_rejected_total", "JSON schemas refused with a 400 "
+                                        "(response_format or tool parameters)", registry=r)
+        for kind in ("json_object", "json_schema", "tool_auto", "tool_required", "tool_named"):
+            self.constrained.labels(kind)
         for src in PROMPT_SOURCES:
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
         for reason in KNOWN_FALLBACKS:

@@ -36,28 +36,41 @@ class Renderer:
         special. Never for user text (:meth:`encode`)."""
         return list(self.tok(text, add_special_tokens=False).input_ids)
 
-    def chat_ids(self, messages: list[dict], budget: TokenBudget | None = None) -> list[int]:
-        """The chat template applied to ``messages`` (``{"role", "content": str}``), with the
+    def chat_ids(self, messages: list[dict], budget: TokenBudget | None = None,
+                 tools: list[dict] | None = None) -> list[int]:
+        """The chat template applied to ``messages`` (``{"role", "content": str}``, plus
+        ``tool_calls`` / ``tool_call_id`` for a template that renders tools), with the
         template's own markup tokenized as special tokens and every message's content as plain
         text: content is replaced by a sentinel while rendering, then spliced back by ids.
+        ``tools``: the template's ``tools`` argument (``cluster.control.tools``); it and the
+        calls are rendered by the template as markup, so no special token may appear in them.
         ``budget``: priced and charged message by message (400 as soon as the window is exceeded)."""
         budget = budget or TokenBudget(1 << 62, 0, None)
         budget.price_chars(sum(len(m["content"].strip()) for m in messages))   # some templates trim content
         if not getattr(self.tok, "chat_template", None):
             raise RequestError(400, f"model {self.spec.name} has no chat template; use /v1/completions or "
                                     "/v1/notes/completions", param="messages")
-        real = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        marks = [f"\x00kvnotes-message-{i}\x00" for i in range(len(messages))]
-        shaped = self.tok.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)],
-                                              add_generation_prompt=True, tokenize=False)
+        kw = {"tools": tools} if tools else {}
+        if tools or any(m.get("tool_calls") for m in messages):
+            import json
+            data = json.dumps([tools, [m.get("tool_calls") for m in messages]])
+            bad = [t for t in (*self.tok.all_special_tokens, *self.tok.get_added_vocab()) if t and t in data]
+            if bad:
+                raise RequestError(400, f"tools and tool calls may not contain the model's special token {bad[0]!r}",
+                                   param="tools")
+        real = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        marks = {i: f"\x00kvnotes-message-{i}\x00" for i, m in enumerate(messages) if m["content"]}
+        shaped = self.tok.apply_chat_template([{**m, "content": marks.get(i, m["content"])}
+                                               for i, m in enumerate(messages)],
+                                              add_generation_prompt=True, tokenize=False, **kw)
         ids: list[int] = []
         rest = shaped
-        for m, k in zip(messages, marks):
+        for i, k in marks.items():
             head, found, rest = rest.partition(k)
             if not found:
                 raise RequestError(400, "the chat template dropped a message; send it in another role",
                                    param="messages")
-            c = m["content"]
+            c = messages[i]["content"]
             c = c if c in real else c.strip()             # templates that trim content
             head_ids = self.markup(head)
             budget.charge(len(head_ids))

@@ -7,6 +7,9 @@ responses. Tokenization runs in a worker thread, never on the event loop.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -22,7 +25,10 @@ from cluster.control.limits import RequestLimits
 from cluster.control.lifecycle import Finished
 from cluster.control.router import Router
 from cluster.control.limits import check_name, check_text
-from cluster.http.validate import chat_messages, common_options, completions_prompt, deadline_s, edit_strategy, native_body, openai_extras, sampling_from
+from cluster.control.tools import constraint as tool_constraint, parse_tools, prepare as prepare_tools, template_takes_tools
+from cluster.http.choices import Answer, call_deltas, choice_sampling, merged
+from cluster.http.structured import check_schema, response_format
+from cluster.http.validate import chat_messages, choices, common_options, completions_prompt, deadline_s, edit_strategy, native_body, openai_extras, sampling_from
 from kvruntime.messages.decode import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -34,11 +40,11 @@ def _usage(fin: Finished) -> dict:
             "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
 
 
-def _kvnotes(fin: Finished, explain: bool) -> dict:
+def _kvnotes(fin: Finished, explain: bool, extra: dict | None = None) -> dict:
     out = {"plan": fin.plan.kind.value, "ttft_s": round(fin.ttft_s, 6), "fallbacks": list(fin.fallbacks)}
     if explain:
         out["explain"] = {**fin.plan.explain(), "transport": fin.transport,
-                          "stages": {k: round(v, 6) for k, v in fin.stages}}
+                          "stages": {k: round(v, 6) for k, v in fin.stages}, **(extra or {})}
         if fin.clock is not None:     # control-path laps (cluster.control.lifecycle.StageClock)
             out["explain"]["control"] = fin.clock.as_json()
     return out
@@ -106,18 +112,58 @@ class _Logprobs:
                 "text_offset": None}
 
 
+def _structured(router: Router, body: dict, *, chat: bool, limits: RequestLimits):
+    """(constraint, tools) of a request; counts refused schemas and constrained requests."""
+    try:
+        constraint = response_format(body)
+        tools = parse_tools(body, check_schema) if chat else None
+    except RequestError as exc:
+        if exc.code == "invalid_schema":
+            router.metrics.schemas_rejected.inc()
+        raise
+    forced = tool_constraint(tools)
+    if forced is not None and constraint is not None:
+        raise RequestError(400, "response_format cannot be combined with a forced tool_choice (required or a named "
+                                "function): the call's arguments follow the function's parameters", param="tool_choice")
+    for kind in (constraint.kind if constraint is not None else None, tools.metric_kind if tools is not None else None):
+        if kind:
+            router.metrics.constrained.labels(kind).inc()
+    return forced or constraint, tools
+
+
+async def _chain(first, gen):
+    yield first
+    async for ev in gen:
+        yield ev
+
+
+async def _drain(stream) -> tuple[list[TokenEvent], Finished]:
+    return await _collect(await stream.__anext__(), stream)
+
+
+def _total_usage(fins: list[Finished]) -> dict:
+    """Usage of ``n`` choices: the prompt once, every choice's completion tokens."""
+    u = _usage(fins[0])
+    u["completion_tokens"] = sum(f.summary.completion_tokens for f in fins)
+    u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    return u
+
+
 async def openai_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str, *,
                           chat: bool) -> Response:
     model = router.served_model
     policy, stream, explain = common_options(body, model)
     logprobs, include_usage = openai_extras(body, chat=chat)
+    n = choices(body, limits)
     vocab = len(router.renderer.tok)
     sampling = sampling_from(body, default_max_tokens=16, limits=limits, vocab=vocab, logprobs=logprobs)
+    constraint, tools = _structured(router, body, chat=chat, limits=limits)
+    sampling = dataclasses.replace(sampling, constraint=constraint)
     budget = router.budget(sampling)        # priced before tokenisation, charged while it runs
     if chat:
-        msgs = chat_messages(body, limits)
+        msgs, tools_arg = prepare_tools(chat_messages(body, limits), tools, template_takes_tools(router.renderer.tok))
         budget.price_chars(sum(len(m["content"].strip()) for m in msgs))
-        ids = await anyio.to_thread.run_sync(router.renderer.chat_ids, msgs, budget)
+        ids = await anyio.to_thread.run_sync(functools.partial(router.renderer.chat_ids, msgs, budget, tools_arg))
     else:
         prompt = completions_prompt(body, limits)
         if isinstance(prompt, str):
@@ -132,48 +178,74 @@ async def openai_complete(router: Router, limits: RequestLimits, body: dict, ten
         raise RequestError(400, "prompt is empty after tokenization", param="prompt")
     if any(t >= vocab for t in ids):
         raise RequestError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
-    first, gen = await _primed(router.stream_prompt(tenant, ids, policy=policy, sampling=sampling,
-                                                        deadline_s=deadline_s(body)))
+    gens = [router.stream_prompt(tenant, ids, policy=policy, sampling=choice_sampling(sampling, i),
+                                 deadline_s=deadline_s(body)) for i in range(n)]
+    try:
+        primed = await asyncio.gather(*(_primed(g) for g in gens))
+    except BaseException:
+        for g in gens:
+            await g.aclose()
+        raise
+    streams = [_chain(first, g) for first, g in primed]
     cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
     lp = _Logprobs(router.renderer.tok, chat)
+    extra = {"structured": {"constraint": constraint.kind if constraint is not None else None,
+                            "tool_choice": tools.choice if tools is not None else None, "choices": n}}
     if not stream:
-        evs, fin = await _collect(first, gen)
-        sent = "".join(e.text for e in evs)
-        text = sent + _tail(sent, fin)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp.of(evs),
-                   "finish_reason": fin.summary.finish_reason} if chat else
-                  {"index": 0, "text": text, "finish_reason": fin.summary.finish_reason, "logprobs": lp.of(evs)})
-        return JSONResponse({"id": cid, "object": obj, "created": created, "model": model, "choices": [choice],
-                             "usage": _usage(fin), "kvnotes": _kvnotes(fin, explain)})
+        got = await asyncio.gather(*(_drain(s) for s in streams))
+        out, fins = [], []
+        for i, (evs, fin) in enumerate(got):
+            sent = "".join(e.text for e in evs)
+            text = sent + _tail(sent, fin)
+            fins.append(fin)
+            if chat:
+                content, calls, finish = Answer(tools).whole(text, fin.summary.finish_reason)
+                msg = {"role": "assistant", "content": content}
+                if calls:
+                    msg["tool_calls"] = calls
+                out.append({"index": i, "message": msg, "logprobs": lp.of(evs), "finish_reason": finish})
+            else:
+                out.append({"index": i, "text": text, "finish_reason": fin.summary.finish_reason,
+                            "logprobs": lp.of(evs)})
+        return JSONResponse({"id": cid, "object": obj, "created": created, "model": model, "choices": out,
+                             "usage": _total_usage(fins), "kvnotes": _kvnotes(fins[0], explain, extra)})
 
-    def chunk(text: str | None, finish, evs=()) -> dict:
+    def chunk(i: int, delta: dict | str | None, finish, evs=()) -> dict:
         if chat:
-            delta = {} if text is None else {"content": text}
-            c = {"index": 0, "delta": delta, "logprobs": lp.of(list(evs)), "finish_reason": finish}
+            d = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
+            c = {"index": i, "delta": d, "logprobs": lp.of(list(evs)), "finish_reason": finish}
         else:
-            c = {"index": 0, "text": text or "", "logprobs": lp.of(list(evs)), "finish_reason": finish}
+            c = {"index": i, "text": delta or "", "logprobs": lp.of(list(evs)), "finish_reason": finish}
         return {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": model, "choices": [c]}
 
     async def events():
-        ev, sent = first, ""
+        answers = [Answer(tools if chat else None) for _ in range(n)]
+        sent, fins = [""] * n, []
         try:
             if chat:
-                head = chunk("", None)
-                head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield _sse(head)
-            while isinstance(ev, TokenEvent):
-                if ev.text or ev.logprob is not None:
-                    sent += ev.text
-                    yield _sse(chunk(ev.text, None, [ev]))
-                ev = await gen.__anext__()
-            end = chunk(_tail(sent, ev) or None, ev.summary.finish_reason)
-            if include_usage:
-                end["usage"] = _usage(ev)
-            end["kvnotes"] = _kvnotes(ev, explain)
-            yield _sse(end)
+                for i in range(n):
+                    yield _sse(chunk(i, {"role": "assistant", "content": ""}, None))
+            async for i, ev in merged(streams):
+                if isinstance(ev, TokenEvent):
+                    if ev.text or ev.logprob is not None:
+                        sent[i] += ev.text
+                        d = answers[i].push(ev.text)
+                        if d or (ev.logprob is not None and answers[i].stream is None):
+                            yield _sse(chunk(i, d, None, [ev]))
+                    continue
+                fins.append(ev)
+                rest, calls, finish = answers[i].finish(_tail(sent[i], ev), ev.summary.finish_reason)
+                for d in call_deltas(calls):
+                    yield _sse(chunk(i, d, None))
+                end = chunk(i, rest or None, finish)
+                if len(fins) == n:
+                    if include_usage:
+                        end["usage"] = _total_usage(fins)
+                    end["kvnotes"] = _kvnotes(fins[0], explain, extra)
+                yield _sse(end)
         except Exception as exc:  # mid-stream failure: reported in-band, logged, the stream ends
             yield _sse(stream_error_json(exc, rid))
         yield b"data: [DONE]\n\n"
@@ -184,6 +256,8 @@ async def notes_complete(router: Router, limits: RequestLimits, body: dict, tena
     policy, stream, explain = common_options(body, router.served_model)
     segments, session = native_body(body, limits)
     sampling = sampling_from(body, default_max_tokens=64, limits=limits, vocab=len(router.renderer.tok))
+    constraint, _ = _structured(router, body, chat=False, limits=limits)
+    sampling = dataclasses.replace(sampling, constraint=constraint)
     first, gen = await _primed(router.stream_native(tenant, segments, policy=policy, session=session,
                                                     sampling=sampling, edit=edit_strategy(body),
                                                     deadline_s=deadline_s(body)))

@@ -4,9 +4,11 @@ here touches the model or the tier. Bodies are already JSON objects (``cluster.h
 
 OpenAI fields accepted: the sampling ones (``temperature``, ``top_p``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
-``logit_bias``, ``logprobs`` / ``top_logprobs``), ``stream`` / ``stream_options``, ``n`` = 1,
-``user``, ``metadata``, ``store: false``, ``response_format: {"type": "text"}``, and
-``tools: []`` / ``tool_choice: "none"``; anything else is a 400 naming the field."""
+``logit_bias``, ``logprobs`` / ``top_logprobs``), ``stream`` / ``stream_options``, ``n`` (up to
+``max_choices``), ``user``, ``metadata``, ``store: false``, ``response_format`` (checked by
+``cluster.http.structured``), ``tools`` / ``tool_choice`` (``cluster.control.tools``); anything
+else is a 400 naming the field. Chat messages: ``system``, ``developer``, ``user``,
+``assistant`` (with ``tool_calls``) and ``tool`` (with ``tool_call_id``)."""
 from __future__ import annotations
 
 import math
@@ -21,11 +23,11 @@ EDIT_STRATEGIES = ("auto", "erratum", "edit_in_place")
 _SAMPLING = {"max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
              "logit_bias"}
 _NATIVE_KEYS = _SAMPLING | {"model", "session", "segments", "stream", "kv_policy", "explain", "edit_strategy",
-                            "deadline_s"}
+                            "deadline_s", "response_format"}
 _OPENAI_COMMON = _SAMPLING | {"model", "stream", "user", "n", "kv_policy", "explain", "stream_options", "deadline_s",
                               "max_completion_tokens", "metadata", "store", "response_format", "tools",
                               "tool_choice", "logprobs"}
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _num(body, key, default, lo, hi, *, integer=False):
@@ -107,12 +109,16 @@ def common_options(body: dict, model: str) -> tuple[str | None, bool, bool]:
     return pol, _bool(body, "stream"), _bool(body, "explain")
 
 
+def choices(body: dict, limits: RequestLimits) -> int:
+    """``n``: how many independent samples to return (1..``max_choices``)."""
+    return _num(body, "n", 1, 1, limits.max_choices, integer=True)
+
+
 def openai_extras(body: dict, *, chat: bool) -> tuple[int | None, bool]:
     """Check the OpenAI fields that change nothing here or must keep their default; returns
-    (logprobs: None or the number of top log-probs, include_usage in the stream)."""
-    n = body.get("n", 1)
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise RequestError(400, "only n=1 is supported", param="n")
+    (logprobs: None or the number of top log-probs, include_usage in the stream). ``n``,
+    ``response_format`` and ``tools`` are checked by :func:`choices`, ``cluster.http.structured``
+    and ``cluster.control.tools``."""
     if body.get("user") is not None and (not isinstance(body["user"], str) or len(body["user"]) > 256):
         raise RequestError(400, "user must be a string of at most 256 characters", param="user")
     md = body.get("metadata")
@@ -121,14 +127,6 @@ def openai_extras(body: dict, *, chat: bool) -> tuple[int | None, bool]:
         raise RequestError(400, "metadata must be an object of at most 16 string -> string pairs", param="metadata")
     if body.get("store") not in (None, False):
         raise RequestError(400, "store: true is not supported (completions are not stored)", param="store")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise RequestError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
-    if body.get("tools") not in (None, []):
-        raise RequestError(400, "tools (function calling) are not supported", param="tools")
-    if body.get("tool_choice") not in (None, "none"):
-        raise RequestError(400, "tool_choice must be \"none\" (function calling is not supported)",
-                           param="tool_choice")
     so = body.get("stream_options")
     if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}
                            or not isinstance(so.get("include_usage", True), bool)):
@@ -199,6 +197,8 @@ def completions_prompt(body: dict, limits: RequestLimits) -> str | list[int]:
                            param=sorted(unknown)[0][:64])
     if body.get("echo"):
         raise RequestError(400, "echo is not supported", param="echo")
+    if body.get("tools") not in (None, []) or body.get("tool_choice") not in (None, "none"):
+        raise RequestError(400, "tools are accepted on /v1/chat/completions only", param="tools")
     if body.get("suffix") is not None:
         raise RequestError(400, "suffix is not supported", param="suffix")
     p = body.get("prompt")
@@ -214,9 +214,41 @@ def completions_prompt(body: dict, limits: RequestLimits) -> str | list[int]:
                        param="prompt")
 
 
+def _tool_calls(i: int, calls) -> list[dict]:
+    if not isinstance(calls, list) or not calls or len(calls) > 64:
+        raise RequestError(400, f"messages[{i}].tool_calls must be a non-empty list", param=f"messages[{i}].tool_calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("id"), str) \
+                or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str) or len(fn["arguments"]) > 1 << 16:
+            raise RequestError(400, f"messages[{i}].tool_calls[{j}] must be {{\"id\", \"type\": \"function\", "
+                                    "\"function\": {\"name\", \"arguments\": JSON text}}",
+                               param=f"messages[{i}].tool_calls[{j}]")
+        out.append({"id": c["id"][:128], "type": "function",
+                    "function": {"name": fn["name"][:64], "arguments": fn["arguments"]}})
+    return out
+
+
+def _content(i: int, c, limits: RequestLimits, *, optional: bool = False) -> str:
+    if c is None and optional:
+        return ""
+    if isinstance(c, list):
+        if not c or not all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"}
+                            and isinstance(p["text"], str) for p in c):
+            raise RequestError(400, f"messages[{i}].content parts must all be {{\"type\": \"text\", \"text\": "
+                                    "...}", param=f"messages[{i}].content")
+        c = "".join(p["text"] for p in c)
+    if optional and c == "":
+        return c
+    return check_text(c, limits, f"messages[{i}].content")
+
+
 def chat_messages(body: dict, limits: RequestLimits) -> list[dict]:
     """Messages as ``{"role", "content": str}``: ``developer`` is the system role; content given as
-    a list of ``{"type": "text", "text": ...}`` parts is joined."""
+    a list of ``{"type": "text", "text": ...}`` parts is joined. ``assistant`` messages may carry
+    ``tool_calls`` (content then optional), ``tool`` messages carry ``tool_call_id``."""
     unknown = set(body) - _OPENAI_COMMON - {"messages", "top_logprobs"}
     if unknown:
         raise RequestError(400, f"unsupported field(s): {', '.join(sorted(unknown))[:300]}",
@@ -227,17 +259,21 @@ def chat_messages(body: dict, limits: RequestLimits) -> list[dict]:
     if len(msgs) > limits.max_segments:
         raise RequestError(400, f"at most {limits.max_segments} messages per request", param="messages")
     out = []
+    allowed = {"assistant": {"role", "content", "tool_calls", "refusal"}, "tool": {"role", "content", "tool_call_id"}}
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or set(m) - {"role", "content"}:
-            raise RequestError(400, f"messages[{i}] must have role system|developer|user|assistant and content "
-                                    "(nothing else)", param=f"messages[{i}]")
-        c = m.get("content")
-        if isinstance(c, list):
-            if not c or not all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"}
-                                and isinstance(p["text"], str) for p in c):
-                raise RequestError(400, f"messages[{i}].content parts must all be {{\"type\": \"text\", \"text\": "
-                                        "...}", param=f"messages[{i}].content")
-            c = "".join(p["text"] for p in c)
-        check_text(c, limits, f"messages[{i}].content")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": c})
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in CHAT_ROLES or set(m) - allowed.get(role, {"role", "content"}):
+            raise RequestError(400, f"messages[{i}] must have role system|developer|user|assistant|tool and content "
+                                    "(assistant: tool_calls too; tool: tool_call_id)", param=f"messages[{i}]")
+        calls = _tool_calls(i, m["tool_calls"]) if role == "assistant" and m.get("tool_calls") is not None else None
+        c = _content(i, m.get("content"), limits, optional=calls is not None)
+        msg = {"role": "system" if role == "developer" else role, "content": c}
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise RequestError(400, f"messages[{i}].tool_call_id must be the id of the call it answers",
+                                   param=f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"][:128]
+        out.append(msg)
     return out

@@ -106,6 +106,8 @@ class ClusterConfig:
     max_name_chars: int = 128                  # skill / memory / template / session names
     max_stop: int = 4                          # stop strings per request
     max_stop_chars: int = 128                  # characters per stop string
+    max_choices: int = 8                       # OpenAI `n`: independent samples per request, at most
+    grammar_cache_entries: int = 64            # structured outputs: compiled grammars a decode worker keeps (LRU)
     max_inflight_per_tenant: int = 64          # requests one tenant may have in flight per router replica -> 429
     metrics_tenants: tuple[str, ...] = ()      # tenants with their own label on kvnotes_requests_total (others: "other")
     ray_address: str | None = None             # None: start/attach local Ray; "auto" or host:port: join a cluster
@@ -198,7 +200,8 @@ class ClusterConfig:
         if not isinstance(self.trusted_proxies, tuple) or not all(isinstance(p, str) and p for p in self.trusted_proxies):
             raise ValueError("trusted_proxies must be a list of IP addresses")
         if min(self.max_body_bytes, self.max_text_chars, self.max_segments, self.max_template_fields,
-               self.max_name_chars, self.max_stop, self.max_stop_chars, self.max_inflight_per_tenant) < 1:
+               self.max_name_chars, self.max_stop, self.max_stop_chars, self.max_inflight_per_tenant,
+               self.max_choices, self.grammar_cache_entries) < 1:
             raise ValueError("every max_* limit must be >= 1")
         if self.ray_auth_mode not in (None, "token", "disabled"):
             raise ValueError("ray_auth_mode must be token or disabled (or unset: token when ~/.ray/auth_token exists)")

@@ -6,6 +6,25 @@ from dataclasses import dataclass
 
 SEED_MAX = (1 << 63) - 1           # seeds are 0..2^63-1 (what torch.Generator.manual_seed and vLLM accept)
 MAX_TOP_LOGPROBS = 20
+CONSTRAINT_KINDS = ("json_object", "json_schema")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: the decode worker compiles it into a grammar and masks every step's
+    logits with it (reference engine: ``decode_workers.structured``; vLLM: its own
+    ``StructuredOutputsParams``). ``json_object``: any JSON object; ``json_schema``: an instance
+    of ``schema`` (its compact JSON text, the grammar cache's key);
+    ``strict``: no properties or items the schema does not name (OpenAI's ``strict: true``)."""
+    kind: str
+    schema: str = ""
+    strict: bool = False
+
+    def __post_init__(self):
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}")
+        if (self.kind == "json_schema") != bool(self.schema):
+            raise ValueError("a json_schema constraint carries its schema (and only it does)")
 
 
 @dataclass(frozen=True)
@@ -19,6 +38,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0               # -2..2, subtracted per occurrence in the generated tokens
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit before sampling
     logprobs: int | None = None                  # None: off; k >= 0: the sampled token's log-prob + top k
+    constraint: Constraint | None = None         # structured output: the grammar every token must follow
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -34,6 +54,8 @@ class SamplingParams:
             raise ValueError("logit_bias maps token ids >= 0 to biases in -100..100")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError("constraint must be a Constraint")
 
 
 @dataclass(frozen=True)

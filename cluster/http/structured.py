@@ -1,0 +1,79 @@
+"""Validation of structured-output requests: ``response_format`` (``text``, ``json_object``,
+``json_schema`` with ``strict``) and the JSON schemas of tool parameters. A schema is refused
+with a 400 (``code: invalid_schema``) naming the problem: not valid JSON Schema (its meta-schema,
+``jsonschema``), or a construct the grammar compiler cannot enforce (xgrammar's own message).
+The accepted constraint travels to the decode worker inside ``SamplingParams.constraint``."""
+from __future__ import annotations
+
+import json
+import re
+
+from cluster.control.errors import RequestError
+from kvruntime.messages.decode import Constraint
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_SCHEMA_CHARS = 64 << 10
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")     # xgrammar's "[hh:mm:ss] file.cc:line: " before its message
+
+
+def canonical(schema: dict) -> str:
+    """One schema, one text (compact; key order kept: it is the order properties are generated in):
+    the grammar cache's key."""
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def check_schema(schema, param: str, strict: bool = False) -> str:
+    """The canonical text of ``schema`` after checking that it is a JSON schema the grammar can
+    enforce; RequestError(400, invalid_schema) naming ``param`` and the problem otherwise."""
+    if not isinstance(schema, dict):
+        raise RequestError(400, f"{param} must be a JSON schema object", param=param, code="invalid_schema")
+    text = canonical(schema)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise RequestError(400, f"{param} is {len(text)} characters; the limit is {MAX_SCHEMA_CHARS}", param=param,
+                           code="invalid_schema")
+    import jsonschema
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise RequestError(400, f"{param} is not a valid JSON schema at {where}: {exc.message[:300]}", param=param,
+                           code="invalid_schema") from None
+    from decode_workers.structured import grammar_of
+    try:
+        grammar_of(Constraint("json_schema", text, strict))
+    except Exception as exc:  # xgrammar refuses what it cannot enforce; its message names the construct
+        why = _LOG_PREFIX.sub("", (str(exc).splitlines() or [repr(exc)])[0].strip("'\" ")) or repr(exc)
+        raise RequestError(400, f"{param} cannot be enforced: {why[:300]}", param=param, code="invalid_schema") from None
+    return text
+
+
+def response_format(body: dict) -> Constraint | None:
+    """The constraint ``response_format`` asks for (None: free text)."""
+    rf = body.get("response_format")
+    if rf is None or rf == {"type": "text"}:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError(400, "response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                           param="response_format")
+    if rf["type"] in ("text", "json_object"):
+        if set(rf) != {"type"}:
+            raise RequestError(400, f"response_format {rf['type']} takes no other field", param="response_format")
+        return None if rf["type"] == "text" else Constraint("json_object")
+    js = rf.get("json_schema")
+    if set(rf) != {"type", "json_schema"} or not isinstance(js, dict) \
+            or set(js) - {"name", "description", "schema", "strict"}:
+        raise RequestError(400, "response_format json_schema must be {\"type\": \"json_schema\", \"json_schema\": "
+                                "{\"name\", \"description\", \"schema\", \"strict\"}}", param="response_format")
+    if not isinstance(js.get("name"), str) or not _NAME.match(js["name"]):
+        raise RequestError(400, "response_format.json_schema.name must be 1-64 letters, digits, _ or -",
+                           param="response_format.json_schema.name")
+    strict = js.get("strict", False)
+    if strict is None:
+        strict = False
+    if not isinstance(strict, bool):
+        raise RequestError(400, "response_format.json_schema.strict must be true or false",
+                           param="response_format.json_schema.strict")
+    if "schema" not in js:
+        raise RequestError(400, "response_format.json_schema.schema is missing", param="response_format.json_schema.schema",
+                           code="invalid_schema")
+    return Constraint("json_schema", check_schema(js["schema"], "response_format.json_schema.schema", strict), strict)
