@@ -254,3 +254,94 @@ def tiny_engine(checkpoints: dict, family: str, dtype: str = "float32"):
     if key not in _ENGINES:
         _ENGINES[key] = ReferenceEngine(str(checkpoints[family]), dtype=dtype, threads=1)
     return _ENGINES[key]
+
+
+# ---- one local Ray for the cluster modules -------------------------------------------------------
+# A local Ray (GCS, raylet, its agents, idle workers) costs seconds to start and stop, and a loaded
+# 2-core machine sometimes fails to start one. Cluster fixtures that ask for ``local_ray`` share a
+# single one: ``start_cluster`` starts it on first use, ``stop_cluster`` stops that module's cluster
+# (Serve, the worker actors, waited for until gone) and keeps Ray for the next module. Those modules
+# run one after another, at the end (pytest_collection_modifyitems), and Ray is shut down before the
+# first test that does not ask for it: no other test, and no subprocess's ``ray.init()``, finds it.
+_RAY = {"owned": False, "active": False}
+RAY_CPUS = 5                    # the most any shared-Ray module asks for (test_faults: 2 + 2 actors + router)
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """Marks a (module) cluster fixture as one on the session's shared local Ray (start_cluster)."""
+    return None
+
+
+def shared_ray(cfg, local_cpus: int = 4) -> None:
+    """The shared local Ray, started if needed (with at least ``local_cpus`` CPUs); call only while
+    no other cluster of this process runs."""
+    import ray
+
+    from cluster.ops.launcher import start_local_ray
+    if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < local_cpus:
+        ray.shutdown()
+    if not ray.is_initialized():
+        start_local_ray(cfg, max(local_cpus, RAY_CPUS))
+    _RAY.update(owned=True, active=True)
+
+
+def start_cluster(cfg, local_cpus: int = 4) -> None:
+    """``cluster.ops.launcher.start`` on the shared local Ray (the fixture asks for ``local_ray``)."""
+    from cluster.ops.launcher import start
+    shared_ray(cfg, local_cpus)
+    try:
+        start(cfg, local_cpus=local_cpus)
+    except BaseException:
+        stop_cluster(cfg)
+        raise
+
+
+def stop_cluster(cfg) -> None:
+    """Stop what ``start_cluster`` started except Ray: the Serve app and proxy, the worker actors
+    (waited for until Ray no longer finds them, so the next cluster's get_if_exists cannot get a
+    dying one). Safe to call twice."""
+    import time
+
+    import ray
+    from ray import serve
+
+    from cluster.control.ray_backends import NAMESPACE, stop_workers
+    _RAY["active"] = False
+    if not ray.is_initialized():
+        return
+    try:
+        serve.shutdown()
+    finally:
+        stop_workers(cfg)
+        names = [f"prefill-{i}" for i in range(cfg.prefill.count)] + [f"decode-{i}" for i in range(cfg.decode.count)]
+        deadline = time.monotonic() + 60
+        for name in names:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(name, namespace=NAMESPACE)
+                except ValueError:
+                    break
+                time.sleep(0.1)
+
+
+@pytest.hookimpl(trylast=True)          # after pytest's own reordering by fixture parameters
+def pytest_collection_modifyitems(session, config, items):
+    """Modules with a ``local_ray`` cluster run last, one after another (each module's own order and
+    every other module's order unchanged), so they share one local Ray."""
+    shared = {it.module.__name__ for it in items if "local_ray" in getattr(it, "fixturenames", ())
+              and getattr(it, "module", None) is not None}
+    if shared:
+        items[:] = ([it for it in items if getattr(it.module, "__name__", None) not in shared]
+                    + [it for it in items if getattr(it.module, "__name__", None) in shared])
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield                                   # this item's (and an ending module's) fixtures are finalised now
+    if _RAY["owned"] and not _RAY["active"] and (nextitem is None
+                                                 or "local_ray" not in getattr(nextitem, "fixturenames", ())):
+        import ray
+        _RAY["owned"] = False
+        if ray.is_initialized():
+            ray.shutdown()

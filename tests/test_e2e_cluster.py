@@ -22,9 +22,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, local_ray):
     from kvruntime.messages.config import ClusterConfig
-    from cluster.ops.launcher import start, stop
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
 
     cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)

@@ -12,9 +12,9 @@ SKILL = ("Returns policy of the Harbor Lane shop: unworn items may be returned w
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
-def model_cluster(request, tmp_path_factory):
+def model_cluster(request, tmp_path_factory, local_ray):
     from kvruntime.messages.config import ClusterConfig
-    from cluster.ops.launcher import start, stop
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
 
     cfg = ClusterConfig(model=request.param, port=free_port(), tier_cpu_bytes=256 << 20,
                         data_dir=str(tmp_path_factory.mktemp("state")))

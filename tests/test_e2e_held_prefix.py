@@ -19,8 +19,8 @@ QUESTION = "What does item 3 cost?"
 
 
 @pytest.fixture(scope="module")
-def held_cluster(tmp_path_factory):
-    from cluster.ops.launcher import start, stop
+def held_cluster(tmp_path_factory, local_ray):
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.messages.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("held")

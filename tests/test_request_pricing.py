@@ -177,8 +177,8 @@ def _rss_mb(pid: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from cluster.ops.launcher import start, stop
+def cluster(tmp_path_factory, local_ray):
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.messages.config import ClusterConfig
     from tests.conftest import free_port, http_client
 
