@@ -325,22 +325,87 @@ def stop_cluster(cfg) -> None:
                 time.sleep(0.1)
 
 
+# A cluster fixture that several modules ask for (by the same name) is started once while they run
+# one after another: ``kept(name, make)`` in the fixture body keeps what the generator ``make()``
+# yields until the next test's module does not ask for ``name``, then runs the rest of ``make()``.
+# Only for clusters whose tests leave them as found for the next module (no actor killed, no
+# setting changed); a module asking for one asks for no other cluster.
+_KEPT: dict = {}                # fixture name -> [value, generator]
+_MODULE_FIXTURES: dict = {}     # module name -> every fixture name its tests ask for
+
+
+def kept(name: str, make):
+    if name not in _KEPT:
+        gen = make()
+        _KEPT[name] = [next(gen), gen]
+    return _KEPT[name][0]
+
+
+def _release(name: str) -> None:
+    _, gen = _KEPT.pop(name)
+    try:
+        next(gen)
+    except StopIteration:
+        pass
+
+
+def _uses(item) -> set:
+    return _MODULE_FIXTURES.get(getattr(getattr(item, "module", None), "__name__", None), set())
+
+
+@pytest.fixture(scope="module")
+def default_cluster(tmp_path_factory, local_ray):
+    """The default config (SmolLM2, one prefill and one decode actor, a 256 MiB tier, API keys on):
+    ``(cfg, client sending the key)``, kept for the modules that ask for it (test_e2e_cluster,
+    test_request_pricing); each registers only names of its own."""
+    return kept("default_cluster", lambda: _default_cluster(tmp_path_factory))
+
+
+def _default_cluster(tmp_path_factory):
+    from kvruntime.messages.config import ClusterConfig
+    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
+    start_cluster(cfg, local_cpus=4)
+    client = http_client(cfg)
+    try:
+        assert client.get("/health").json()["status"] == "ok"
+        yield cfg, client
+    finally:
+        client.close()
+        stop_cluster(cfg)
+
+
 @pytest.hookimpl(trylast=True)          # after pytest's own reordering by fixture parameters
 def pytest_collection_modifyitems(session, config, items):
-    """Modules with a ``local_ray`` cluster run last, one after another (each module's own order and
-    every other module's order unchanged), so they share one local Ray."""
-    shared = {it.module.__name__ for it in items if "local_ray" in getattr(it, "fixturenames", ())
-              and getattr(it, "module", None) is not None}
-    if shared:
-        items[:] = ([it for it in items if getattr(it.module, "__name__", None) not in shared]
-                    + [it for it in items if getattr(it.module, "__name__", None) in shared])
+    """Modules with a ``local_ray`` cluster run last, one after another, those asking for the same
+    kept cluster next to each other (each module's own order, and every other module's, unchanged)."""
+    _MODULE_FIXTURES.clear()
+    for it in items:
+        mod = getattr(getattr(it, "module", None), "__name__", None)
+        _MODULE_FIXTURES.setdefault(mod, set()).update(getattr(it, "fixturenames", ()))
+    shared = [m for m, names in _MODULE_FIXTURES.items() if "local_ray" in names]
+    if not shared:
+        return
+
+    def group(mod):                     # modules keeping the same cluster: adjacent, in name order
+        names = _MODULE_FIXTURES[mod]
+        return min((i for i, k in enumerate(KEPT_CLUSTERS) if k in names), default=len(KEPT_CLUSTERS))
+    order = {m: i for i, m in enumerate(sorted(shared, key=lambda m: (group(m), shared.index(m))))}
+    rest = [it for it in items if getattr(getattr(it, "module", None), "__name__", None) not in order]
+    block = [it for it in items if getattr(getattr(it, "module", None), "__name__", None) in order]
+    block.sort(key=lambda it: order[it.module.__name__])        # stable: each module's own order kept
+    items[:] = rest + block
+
+
+KEPT_CLUSTERS = ("default_cluster", "held_cluster")
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     yield                                   # this item's (and an ending module's) fixtures are finalised now
-    if _RAY["owned"] and not _RAY["active"] and (nextitem is None
-                                                 or "local_ray" not in getattr(nextitem, "fixturenames", ())):
+    upcoming = set() if nextitem is None else _uses(nextitem)
+    for name in [n for n in _KEPT if n not in upcoming]:
+        _release(name)
+    if _RAY["owned"] and not _RAY["active"] and not _KEPT and "local_ray" not in upcoming:
         import ray
         _RAY["owned"] = False
         if ray.is_initialized():
