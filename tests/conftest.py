@@ -341,7 +341,10 @@ def kept(name: str, make):
     return _KEPT[name][0]
 
 
-def _release(name: str) -> None:
+def release_kept(name: str) -> None:
+    """Stop the kept ``name`` now, if it runs (before another cluster starts in this process)."""
+    if name not in _KEPT:
+        return
     _, gen = _KEPT.pop(name)
     try:
         next(gen)
@@ -350,7 +353,10 @@ def _release(name: str) -> None:
 
 
 def _uses(item) -> set:
-    return _MODULE_FIXTURES.get(getattr(getattr(item, "module", None), "__name__", None), set())
+    """The fixtures ``item``'s module asks for, and the kept clusters it names in ``KEEPS`` (a
+    module that takes one through ``kept()`` itself, for some parameters only)."""
+    mod = getattr(item, "module", None)
+    return _MODULE_FIXTURES.get(getattr(mod, "__name__", None), set()) | set(getattr(mod, "KEEPS", ()))
 
 
 @pytest.fixture(scope="module")
@@ -380,15 +386,20 @@ def pytest_collection_modifyitems(session, config, items):
     kept cluster next to each other (each module's own order, and every other module's, unchanged)."""
     _MODULE_FIXTURES.clear()
     for it in items:
-        mod = getattr(getattr(it, "module", None), "__name__", None)
-        _MODULE_FIXTURES.setdefault(mod, set()).update(getattr(it, "fixturenames", ()))
+        mod = getattr(it, "module", None)
+        _MODULE_FIXTURES.setdefault(getattr(mod, "__name__", None), set()).update(
+            getattr(it, "fixturenames", ()), getattr(mod, "KEEPS", ()))
     shared = [m for m, names in _MODULE_FIXTURES.items() if "local_ray" in names]
     if not shared:
         return
 
-    def group(mod):                     # modules keeping the same cluster: adjacent, in name order
-        names = _MODULE_FIXTURES[mod]
-        return min((i for i, k in enumerate(KEPT_CLUSTERS) if k in names), default=len(KEPT_CLUSTERS))
+    keeps = {getattr(getattr(it, "module", None), "__name__", None) for it in items
+             if getattr(getattr(it, "module", None), "KEEPS", ())}
+
+    def group(mod):                     # modules keeping the same cluster: adjacent, in name order, those
+        names = _MODULE_FIXTURES[mod]   # that take it for some parameters only (KEEPS) last
+        return (min((i for i, k in enumerate(KEPT_CLUSTERS) if k in names), default=len(KEPT_CLUSTERS)),
+                mod in keeps)
     order = {m: i for i, m in enumerate(sorted(shared, key=lambda m: (group(m), shared.index(m))))}
     rest = [it for it in items if getattr(getattr(it, "module", None), "__name__", None) not in order]
     block = [it for it in items if getattr(getattr(it, "module", None), "__name__", None) in order]
@@ -404,7 +415,7 @@ def pytest_runtest_teardown(item, nextitem):
     yield                                   # this item's (and an ending module's) fixtures are finalised now
     upcoming = set() if nextitem is None else _uses(nextitem)
     for name in [n for n in _KEPT if n not in upcoming]:
-        _release(name)
+        release_kept(name)
     if _RAY["owned"] and not _RAY["active"] and not _KEPT and "local_ray" not in upcoming:
         import ray
         _RAY["owned"] = False
