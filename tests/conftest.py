@@ -421,3 +421,14 @@ def pytest_runtest_teardown(item, nextitem):
         _RAY["owned"] = False
         if ray.is_initialized():
             ray.shutdown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run stopped early (-x, Ctrl-C) skips the last teardown: stop what is kept, and our Ray."""
+    for name in list(_KEPT):
+        release_kept(name)
+    if _RAY["owned"]:
+        import ray
+        _RAY.update(owned=False, active=False)
+        if ray.is_initialized():
+            ray.shutdown()
