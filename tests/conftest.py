@@ -423,6 +423,7 @@ def pytest_runtest_teardown(item, nextitem):
             ray.shutdown()
 
 
+@pytest.hookimpl(trylast=True)          # after the fixtures still set up are finalised
 def pytest_sessionfinish(session, exitstatus):
     """A run stopped early (-x, Ctrl-C) skips the last teardown: stop what is kept, and our Ray."""
     for name in list(_KEPT):
