@@ -2,6 +2,7 @@
 # kvnotes set-up and entry point. Usage:
 #   scripts/dev.sh run  [kvnotes run args]    install (if needed), then start the embedded cluster
 #   scripts/dev.sh test [pytest args]         install (if needed) with test extras, then run tests
+#                                             (with the 25 slowest listed: --durations=25)
 # Installs into ./.venv (override with KVNOTES_VENV). Re-running is cheap: the install step is
 # skipped while pyproject.toml and this script are unchanged.
 set -euo pipefail
@@ -72,5 +73,5 @@ export PYTHONHASHSEED=0   # Ray workers and LMCache subprocesses agree on hashes
 case "$mode" in
   install) ;;
   run) exec "$VENV/bin/kvnotes" run "$@" ;;
-  test) install_test_services; exec "$VENV/bin/python" -m pytest "$@" ;;
+  test) install_test_services; exec "$VENV/bin/python" -m pytest --durations=25 "$@" ;;   # CI prints the 25 slowest
 esac

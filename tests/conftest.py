@@ -254,3 +254,182 @@ def tiny_engine(checkpoints: dict, family: str, dtype: str = "float32"):
     if key not in _ENGINES:
         _ENGINES[key] = ReferenceEngine(str(checkpoints[family]), dtype=dtype, threads=1)
     return _ENGINES[key]
+
+
+# ---- one local Ray for the cluster modules -------------------------------------------------------
+# A local Ray (GCS, raylet, its agents, idle workers) costs seconds to start and stop, and a loaded
+# 2-core machine sometimes fails to start one. Cluster fixtures that ask for ``local_ray`` share a
+# single one: ``start_cluster`` starts it on first use, ``stop_cluster`` stops that module's cluster
+# (Serve, the worker actors, waited for until gone) and keeps Ray for the next module. Those modules
+# run one after another, at the end (pytest_collection_modifyitems), and Ray is shut down before the
+# first test that does not ask for it: no other test, and no subprocess's ``ray.init()``, finds it.
+_RAY = {"owned": False, "active": False}
+RAY_CPUS = 5                    # the most any shared-Ray module asks for (test_faults: 2 + 2 actors + router)
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """Marks a (module) cluster fixture as one on the session's shared local Ray (start_cluster)."""
+    return None
+
+
+def shared_ray(cfg, local_cpus: int = 4) -> None:
+    """The shared local Ray, started if needed (with at least ``local_cpus`` CPUs); call only while
+    no other cluster of this process runs."""
+    import ray
+
+    from cluster.ops.launcher import start_local_ray
+    if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < local_cpus:
+        ray.shutdown()
+    if not ray.is_initialized():
+        start_local_ray(cfg, max(local_cpus, RAY_CPUS))
+    _RAY.update(owned=True, active=True)
+
+
+def start_cluster(cfg, local_cpus: int = 4) -> None:
+    """``cluster.ops.launcher.start`` on the shared local Ray (the fixture asks for ``local_ray``)."""
+    from cluster.ops.launcher import start
+    shared_ray(cfg, local_cpus)
+    try:
+        start(cfg, local_cpus=local_cpus)
+    except BaseException:
+        stop_cluster(cfg)
+        raise
+
+
+def stop_cluster(cfg) -> None:
+    """Stop what ``start_cluster`` started except Ray: the Serve app and proxy, the worker actors
+    (waited for until Ray no longer finds them, so the next cluster's get_if_exists cannot get a
+    dying one). Safe to call twice."""
+    import time
+
+    import ray
+    from ray import serve
+
+    from cluster.control.ray_backends import NAMESPACE, stop_workers
+    _RAY["active"] = False
+    if not ray.is_initialized():
+        return
+    try:
+        serve.shutdown()
+    finally:
+        stop_workers(cfg)
+        names = [f"prefill-{i}" for i in range(cfg.prefill.count)] + [f"decode-{i}" for i in range(cfg.decode.count)]
+        deadline = time.monotonic() + 60
+        for name in names:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(name, namespace=NAMESPACE)
+                except ValueError:
+                    break
+                time.sleep(0.1)
+
+
+# A cluster fixture that several modules ask for (by the same name) is started once while they run
+# one after another: ``kept(name, make)`` in the fixture body keeps what the generator ``make()``
+# yields until the next test's module does not ask for ``name``, then runs the rest of ``make()``.
+# Only for clusters whose tests leave them as found for the next module (no actor killed, no
+# setting changed); a module asking for one asks for no other cluster.
+_KEPT: dict = {}                # fixture name -> [value, generator]
+_MODULE_FIXTURES: dict = {}     # module name -> every fixture name its tests ask for
+
+
+def kept(name: str, make):
+    if name not in _KEPT:
+        gen = make()
+        _KEPT[name] = [next(gen), gen]
+    return _KEPT[name][0]
+
+
+def release_kept(name: str) -> None:
+    """Stop the kept ``name`` now, if it runs (before another cluster starts in this process)."""
+    if name not in _KEPT:
+        return
+    _, gen = _KEPT.pop(name)
+    try:
+        next(gen)
+    except StopIteration:
+        pass
+
+
+def _uses(item) -> set:
+    """The fixtures ``item``'s module asks for, and the kept clusters it names in ``KEEPS`` (a
+    module that takes one through ``kept()`` itself, for some parameters only)."""
+    mod = getattr(item, "module", None)
+    return _MODULE_FIXTURES.get(getattr(mod, "__name__", None), set()) | set(getattr(mod, "KEEPS", ()))
+
+
+@pytest.fixture(scope="module")
+def default_cluster(tmp_path_factory, local_ray):
+    """The default config (SmolLM2, one prefill and one decode actor, a 256 MiB tier, API keys on):
+    ``(cfg, client sending the key)``, kept for the modules that ask for it (test_e2e_cluster,
+    test_request_pricing); each registers only names of its own."""
+    return kept("default_cluster", lambda: _default_cluster(tmp_path_factory))
+
+
+def _default_cluster(tmp_path_factory):
+    from kvruntime.messages.config import ClusterConfig
+    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
+    start_cluster(cfg, local_cpus=4)
+    client = http_client(cfg)
+    try:
+        assert client.get("/health").json()["status"] == "ok"
+        yield cfg, client
+    finally:
+        client.close()
+        stop_cluster(cfg)
+
+
+@pytest.hookimpl(trylast=True)          # after pytest's own reordering by fixture parameters
+def pytest_collection_modifyitems(session, config, items):
+    """Modules with a ``local_ray`` cluster run last, one after another, those asking for the same
+    kept cluster next to each other (each module's own order, and every other module's, unchanged)."""
+    _MODULE_FIXTURES.clear()
+    for it in items:
+        mod = getattr(it, "module", None)
+        _MODULE_FIXTURES.setdefault(getattr(mod, "__name__", None), set()).update(
+            getattr(it, "fixturenames", ()), getattr(mod, "KEEPS", ()))
+    shared = [m for m, names in _MODULE_FIXTURES.items() if "local_ray" in names]
+    if not shared:
+        return
+
+    keeps = {getattr(getattr(it, "module", None), "__name__", None) for it in items
+             if getattr(getattr(it, "module", None), "KEEPS", ())}
+
+    def group(mod):                     # modules keeping the same cluster: adjacent, in name order, those
+        names = _MODULE_FIXTURES[mod]   # that take it for some parameters only (KEEPS) last
+        return (min((i for i, k in enumerate(KEPT_CLUSTERS) if k in names), default=len(KEPT_CLUSTERS)),
+                mod in keeps)
+    order = {m: i for i, m in enumerate(sorted(shared, key=lambda m: (group(m), shared.index(m))))}
+    rest = [it for it in items if getattr(getattr(it, "module", None), "__name__", None) not in order]
+    block = [it for it in items if getattr(getattr(it, "module", None), "__name__", None) in order]
+    block.sort(key=lambda it: order[it.module.__name__])        # stable: each module's own order kept
+    items[:] = rest + block
+
+
+KEPT_CLUSTERS = ("default_cluster", "held_cluster")
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield                                   # this item's (and an ending module's) fixtures are finalised now
+    upcoming = set() if nextitem is None else _uses(nextitem)
+    for name in [n for n in _KEPT if n not in upcoming]:
+        release_kept(name)
+    if _RAY["owned"] and not _RAY["active"] and not _KEPT and "local_ray" not in upcoming:
+        import ray
+        _RAY["owned"] = False
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+@pytest.hookimpl(trylast=True)          # after the fixtures still set up are finalised
+def pytest_sessionfinish(session, exitstatus):
+    """A run stopped early (-x, Ctrl-C) skips the last teardown: stop what is kept, and our Ray."""
+    for name in list(_KEPT):
+        release_kept(name)
+    if _RAY["owned"]:
+        import ray
+        _RAY.update(owned=False, active=False)
+        if ray.is_initialized():
+            ray.shutdown()

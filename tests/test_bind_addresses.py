@@ -54,8 +54,8 @@ def test_bind_host_is_validated():
 
 
 @pytest.mark.slow
-def test_a_loopback_cluster_listens_on_loopback_only_and_its_targets_need_a_key(tmp_path):
-    from cluster.ops.launcher import start, stop
+def test_a_loopback_cluster_listens_on_loopback_only_and_its_targets_need_a_key(tmp_path, local_ray):
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.messages.config import ClusterConfig
 
     cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=64 << 20, data_dir=str(tmp_path), metrics_auth=True)

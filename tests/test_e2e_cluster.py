@@ -22,24 +22,17 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from kvruntime.messages.config import ClusterConfig
-    from cluster.ops.launcher import start, stop
-
-    cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
-    start(cfg, local_cpus=4)
+def cluster(default_cluster):
+    """The default cluster (tests/conftest.py, shared with test_request_pricing) with this module's
+    skill, memory and template."""
+    cfg, client = default_cluster
     base = f"http://127.0.0.1:{cfg.port}"
-    client = http_client(cfg)
     assert client.get("/health").json()["status"] == "ok"
     for kind, body in (("skills", {"name": "refund", "text": SKILL}), ("memories", {"name": "dana", "text": MEMORY}),
                        ("templates", {"name": "booking", "text": TEMPLATE, "labels": {"status": "flight status"}})):
         r = client.post(f"/v1/{kind}", json=body)
         assert r.status_code == 201, r.text
-    try:
-        yield base, client
-    finally:
-        client.close()
-        stop(cfg)
+    return base, client
 
 
 _metric, _direct = metric, direct_text

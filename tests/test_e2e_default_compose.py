@@ -11,11 +11,22 @@ SKILL = ("Returns policy of the Harbor Lane shop: unworn items may be returned w
          "receipt; sale items are final; refunds go back to the original card within 5 business days.")
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
-def model_cluster(request, tmp_path_factory):
-    from kvruntime.messages.config import ClusterConfig
-    from cluster.ops.launcher import start, stop
+KEEPS = ("default_cluster",)            # SmolLM2's cluster is the default one (tests/conftest.py), kept
 
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def model_cluster(request, tmp_path_factory, local_ray):
+    from kvruntime.messages.config import ClusterConfig
+    from tests.conftest import _default_cluster, kept, release_kept
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
+
+    if request.param == "smollm2-135m":     # the default config: the cluster test_e2e_cluster used
+        _, client = kept("default_cluster", lambda: _default_cluster(tmp_path_factory))
+        r = client.post("/v1/skills", json={"name": "returns", "text": SKILL})
+        assert r.status_code == 201, r.text
+        yield request.param, client
+        return
+    release_kept("default_cluster")         # one cluster per Ray: the kept one goes first
     cfg = ClusterConfig(model=request.param, port=free_port(), tier_cpu_bytes=256 << 20,
                         data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)

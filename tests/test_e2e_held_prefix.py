@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from tests.conftest import api_key, direct_text, free_port, get_engine, metric
+from tests.conftest import api_key, direct_text, free_port, get_engine, kept, metric
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +19,14 @@ QUESTION = "What does item 3 cost?"
 
 
 @pytest.fixture(scope="module")
-def held_cluster(tmp_path_factory):
-    from cluster.ops.launcher import start, stop
+def held_cluster(tmp_path_factory, local_ray):
+    """Two tenants' clients with the same skill registered; kept for test_prompt_reuse, which asks
+    for this cluster too."""
+    return kept("held_cluster", lambda: _held_cluster(tmp_path_factory))
+
+
+def _held_cluster(tmp_path_factory):
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.messages.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("held")

@@ -23,8 +23,8 @@ TEMPLATE = "Booking {ref} for {passenger}. Status: {status}.\n"
 
 
 @pytest.fixture(scope="module")
-def sec(tmp_path_factory):
-    from cluster.ops.launcher import start, stop
+def sec(tmp_path_factory, local_ray):
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.messages.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("sec")

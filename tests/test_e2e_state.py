@@ -36,8 +36,8 @@ def _turn(http, session, status, policy="fast", segments_extra=(), **kw):
 
 
 @pytest.fixture(scope="module")
-def state_cluster(tmp_path_factory):
-    from cluster.ops.launcher import start, stop
+def state_cluster(tmp_path_factory, local_ray):
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.messages.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("kvstate")

@@ -40,9 +40,9 @@ def _wait(pred, timeout_s: float, what: str, every: float = 0.5):
 
 
 @pytest.fixture(scope="module")
-def fault_cluster(tmp_path_factory):
+def fault_cluster(tmp_path_factory, local_ray):
     from cluster.control.ray_backends import tier_key_of
-    from cluster.ops.launcher import start, stop
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
     from kvtransport.tier.server import start_tier_server, stop_tier_server
 

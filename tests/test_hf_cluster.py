@@ -37,14 +37,15 @@ WALL: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
-def ray_once(tmp_path_factory):
-    """The base config; Ray is started by the first family's start() and stopped at the end."""
-    from cluster.ops.launcher import stop
+def ray_once(tmp_path_factory, local_ray):
+    """The base config; Ray (the session's shared local one) is kept between families."""
     from kvruntime.messages.config import ClusterConfig
+    from tests.conftest import shared_ray, stop_cluster
     cfg = ClusterConfig(port=free_port(), auth=False, tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("s")),
                         profiles_dir=str(tmp_path_factory.mktemp("profiles")), shadow_fraction=0.0)
+    shared_ray(cfg)
     yield cfg
-    stop(cfg)
+    stop_cluster(cfg)
     print("\nwall time per family (start + requests + stop): "
           + ", ".join(f"{f} {s:.1f} s" for f, s in WALL.items()), file=sys.stderr)
 

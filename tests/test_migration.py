@@ -116,10 +116,10 @@ def test_a_prefill_cancelled_while_it_runs_stops_between_layers(smol, one_torch_
 # ---- the real cluster ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def migration_cluster(tmp_path_factory):
+def migration_cluster(tmp_path_factory, local_ray):
     """1 prefill + 2 decode actors and the router (test_faults' cluster without its lm:// tier,
     which plays no part here); stopped by the launcher, every wait bounded."""
-    from cluster.ops.launcher import start, stop
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
     from tests.test_faults import _headers, _wait
 

@@ -53,9 +53,9 @@ def _cli(*args, timeout=600, env=None):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, local_ray):
     from cluster.control.ray_backends import tier_key_of
-    from cluster.ops.launcher import start, stop
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.messages.config import ClusterConfig
     from kvtransport.tier.server import start_tier_server, stop_tier_server
 

@@ -177,20 +177,9 @@ def _rss_mb(pid: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from cluster.ops.launcher import start, stop
-    from kvruntime.messages.config import ClusterConfig
-    from tests.conftest import free_port, http_client
-
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
-    start(cfg, local_cpus=4)
-    client = http_client(cfg, timeout=120)
-    try:
-        assert client.get("/health").json()["status"] == "ok"
-        yield cfg, client
-    finally:
-        client.close()
-        stop(cfg)
+def cluster(default_cluster):
+    """The default cluster (tests/conftest.py, shared with test_e2e_cluster)."""
+    return default_cluster
 
 
 @pytest.mark.slow

@@ -182,8 +182,8 @@ def test_the_probe_drives_the_gauge_and_the_error_is_a_503_with_retry_after(redi
 # ---- the real cluster under load -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def outage_cluster(tmp_path_factory):
-    from cluster.ops.launcher import start, stop
+def outage_cluster(tmp_path_factory, local_ray):
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.messages.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("kvoutage")
