@@ -3,14 +3,15 @@ completions (SSE streaming too), the native ``/v1/notes/completions``, and regis
 skills, memories and templates. Framework glue (Ray Serve + FastAPI, auth, body limits) lives
 in ``cluster.http.serve_app``; these functions take a parsed JSON object and the caller's tenant,
 raise :class:`~cluster.http.errors.RequestError` for the caller's mistakes, and return Starlette
-responses. Tokenization runs in a worker thread, never on the event loop.
+responses. Tokenization runs in a worker thread, never on the event loop. Each body is
+validated once (``cluster.http.validate.native_request`` / ``openai_request``); the request's id
+(``cluster.http.ids``) is the response's ``id`` after the object's prefix.
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
-import uuid
 
 import anyio
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -22,7 +23,7 @@ from cluster.control.limits import RequestLimits
 from cluster.control.lifecycle import Finished
 from cluster.control.router import Router
 from cluster.control.limits import check_name, check_text
-from cluster.http.validate import chat_messages, common_options, completions_prompt, deadline_s, edit_strategy, native_body, openai_extras, sampling_from
+from cluster.http.validate import native_request, openai_request
 from kvruntime.messages.decode import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -109,17 +110,15 @@ class _Logprobs:
 async def openai_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str, *,
                           chat: bool) -> Response:
     model = router.served_model
-    policy, stream, explain = common_options(body, model)
-    logprobs, include_usage = openai_extras(body, chat=chat)
     vocab = len(router.renderer.tok)
-    sampling = sampling_from(body, default_max_tokens=16, limits=limits, vocab=vocab, logprobs=logprobs)
+    req = openai_request(body, limits, model=model, vocab=vocab, chat=chat)
+    stream, explain, include_usage, sampling = req.stream, req.explain, req.include_usage, req.sampling
     budget = router.budget(sampling)        # priced before tokenisation, charged while it runs
     if chat:
-        msgs = chat_messages(body, limits)
-        budget.price_chars(sum(len(m["content"].strip()) for m in msgs))
-        ids = await anyio.to_thread.run_sync(router.renderer.chat_ids, msgs, budget)
+        # priced in the thread, before the template is applied (Renderer.chat_ids): once
+        ids = await anyio.to_thread.run_sync(router.renderer.chat_ids, req.messages, budget)
     else:
-        prompt = completions_prompt(body, limits)
+        prompt = req.prompt
         if isinstance(prompt, str):
             budget.price_chars(len(prompt))
             ids = await anyio.to_thread.run_sync(budget.encode, router.renderer.encode, prompt)
@@ -132,9 +131,9 @@ async def openai_complete(router: Router, limits: RequestLimits, body: dict, ten
         raise RequestError(400, "prompt is empty after tokenization", param="prompt")
     if any(t >= vocab for t in ids):
         raise RequestError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
-    first, gen = await _primed(router.stream_prompt(tenant, ids, policy=policy, sampling=sampling,
-                                                        deadline_s=deadline_s(body)))
-    cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    first, gen = await _primed(router.stream_prompt(tenant, ids, policy=req.policy, sampling=sampling,
+                                                    deadline_s=req.deadline_s, request_id=rid))
+    cid = ("chatcmpl-" if chat else "cmpl-") + rid
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
     lp = _Logprobs(router.renderer.tok, chat)
@@ -181,13 +180,12 @@ async def openai_complete(router: Router, limits: RequestLimits, body: dict, ten
 
 
 async def notes_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str) -> Response:
-    policy, stream, explain = common_options(body, router.served_model)
-    segments, session = native_body(body, limits)
-    sampling = sampling_from(body, default_max_tokens=64, limits=limits, vocab=len(router.renderer.tok))
-    first, gen = await _primed(router.stream_native(tenant, segments, policy=policy, session=session,
-                                                    sampling=sampling, edit=edit_strategy(body),
-                                                    deadline_s=deadline_s(body)))
-    nid = "notes-" + uuid.uuid4().hex[:24]
+    req = native_request(body, limits, model=router.served_model, vocab=len(router.renderer.tok))
+    stream, explain = req.stream, req.explain
+    first, gen = await _primed(router.stream_native(tenant, req.segments, policy=req.policy, session=req.session,
+                                                    sampling=req.sampling, edit=req.edit, deadline_s=req.deadline_s,
+                                                    request_id=rid))
+    nid = "notes-" + rid
     if not stream:
         evs, fin = await _collect(first, gen)
         sent = "".join(e.text for e in evs)
