@@ -21,6 +21,7 @@ from typing import Iterator
 #: the id of the request this code runs for (None outside one)
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvnotes_request_id", default=None)
 _installed = False
+PACKAGES = ("cluster", "decode_workers", "prefill_workers", "kvruntime", "kvtransport")
 
 
 def current() -> str | None:
@@ -41,17 +42,19 @@ def bound(request_id: str | None) -> Iterator[None]:
 
 
 def install(*, worker: bool = False) -> None:
-    """Tag this process' log records with the bound request id (idempotent). ``worker``: a Ray
-    actor process whose root logger has no handler gets one on stderr (Ray writes it to the
-    actor's ``worker-*.err`` file) at ``KVNOTES_LOG`` (INFO by default), formatted like
-    ``kvnotes`` on the command line; without it only warnings would reach the file, unformatted."""
+    """Tag this process' log records with the bound request id (idempotent). ``worker``: in a Ray
+    actor or Serve replica process whose root logger has no handler, one goes on stderr (Ray
+    writes it to the process' ``worker-*.err`` file), formatted like ``kvnotes`` on the command
+    line, and kvnotes' own packages log at ``KVNOTES_LOG`` (INFO by default; other libraries stay
+    at warnings). Without it only warnings would reach the file, with neither time nor logger."""
     global _installed
-    if worker and not logging.getLogger().handlers:
+    root = logging.getLogger()
+    if worker and not root.handlers:
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root = logging.getLogger()
         root.addHandler(h)
-        root.setLevel(os.environ.get("KVNOTES_LOG", "INFO"))
+        for pkg in PACKAGES:
+            logging.getLogger(pkg).setLevel(os.environ.get("KVNOTES_LOG", "INFO"))
     if _installed:
         return
     _installed = True
