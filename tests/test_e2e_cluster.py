@@ -341,9 +341,15 @@ def test_one_failing_request_is_followed_by_its_id_through_router_prefill_and_de
 
     _, http = cluster
     rid = "follow-me-0042"
+    # a skill no decode actor holds yet: its KV comes from a prefill actor (a held prefix would
+    # let the decode actor compute the request alone)
+    r = http.post("/v1/skills", json={"name": "counting", "text": "Counting rules: write every number in words, "
+                                                                  "separated by commas, and never stop early."})
+    assert r.status_code == 201, r.text
     eos = {str(t): -100 for t in get_engine("smollm2-135m").eos_ids}        # never ends by itself
     r = http.post("/v1/notes/completions", headers={"x-request-id": rid},
-                  json={"segments": [{"text": "Count from one to one thousand in words: one, two,"}],
+                  json={"segments": [{"skill": "counting"},
+                                     {"text": "Count from one to one thousand in words: one, two,"}],
                         "max_tokens": 2000, "temperature": 0, "deadline_s": 8, "logit_bias": eos})
     assert r.status_code == 504, r.text
     err = r.json()["error"]
