@@ -38,7 +38,10 @@ def bound(request_id: str | None) -> Iterator[None]:
     try:
         yield
     finally:
-        REQUEST_ID.reset(token)
+        try:
+            REQUEST_ID.reset(token)
+        except ValueError:           # a generator closed from another context (garbage collected elsewhere)
+            REQUEST_ID.set(None)
 
 
 def install(*, worker: bool = False) -> None:
