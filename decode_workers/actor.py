@@ -1,25 +1,33 @@
 """The decode worker as a Ray actor: a decode engine and the KV receiver.
 
 ``decode_engine`` in config picks the engine: ``reference`` (torch, the oracle) or ``vllm`` (a
-vLLM v1 engine whose kvnotes KV connector writes the received prefix into vLLM's paged cache).
+vLLM v1 engine whose kvnotes KV connector writes the received prefix into vLLM's paged cache);
+the actor talks to either only through :class:`~decode_workers.engine_api.DecodeEngine`.
 Either way the actor owns one :class:`~kvtransport.transfer.endpoints.Receiver` (``kv_transport``: NIXL
 and/or gRPC into one inbox that accepts only transfers the router announced with
 :meth:`DecodeWorker.expect`). Its gRPC server binds and advertises the node's address as Ray
 reports it (127.0.0.1 on a loopback node) or ``bind_host``, so prefill actors on other nodes reach it; :meth:`DecodeWorker.endpoint` (NIXL agent
 metadata included) is what the router hands to prefill actors. ``generate`` is a generator
-method: the router calls it with ``num_returns="streaming"`` and forwards each token.
+method: the router calls it with ``num_returns="streaming"`` and forwards each token. Every log
+line of a call carries its request's id (``kvruntime.request_log``).
 Plain class; ``cluster.control.ray_backends`` applies ``ray.remote`` with resources from config.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 
+from decode_workers.engine_api import DecodeEngine
+from decode_workers.engines import make_decode_engine
+from kvruntime import request_log
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.keys import token_hash
 from kvruntime.messages.plan import decode_computes_rest
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
+
+log = logging.getLogger(__name__)
 
 
 def node_address() -> tuple[str, str]:
@@ -39,8 +47,9 @@ class DecodeWorker:
         from kvtransport.transfer.options import confine_ucx, grpc_config, nixl_config
 
         from kvruntime.models import get_model_spec
+        request_log.install(worker=True)
         # block headers carry the model's spec name (a checkpoint's <dir>-<content hash>), not the config's path
-        self.index, self.engine_kind, self.model = index, cfg.decode_engine, get_model_spec(cfg.model).name
+        self.index, self.model = index, get_model_spec(cfg.model).name
         self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
         self._cancel_lock = threading.Lock()
         self._own: set[str] = set()                # transfers announced with no block to come (announce)
@@ -52,30 +61,13 @@ class DecodeWorker:
         confine_ucx(host)                          # NIXL's UCX listens where kvnotes does
         self.receiver = Receiver(cfg.kv_transport, self.model, cfg.dtype, bind=host, advertise=host, node_id=node_id,
                                  grpc_cfg=grpc_config(cfg), nixl_cfg=nixl_config(cfg))
+        self.executor: DecodeEngine = make_decode_engine(cfg, self.receiver, device)
         # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine
         # is vLLM (they live in the process-wide registry served here)
-        from decode_workers.held_kv import HeldPrefixes
         from decode_workers.metrics import worker_registry
         from kvruntime.telemetry import start_exporter
-        # the reference engine keeps prefix KV for the next request (vLLM has its own prefix cache)
-        held = HeldPrefixes(cfg.decode_prefix_cache_bytes) if cfg.decode_engine == "reference" else None
-        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}", held), host=host)
-        if cfg.decode_engine == "vllm":
-            from decode_workers.vllm_engine import VllmDecodeExecutor
-
-            self.executor = VllmDecodeExecutor(
-                cfg.model, dtype=cfg.dtype, device=device, load_failure_policy=cfg.kv_load_failure_policy,
-                receive_timeout=cfg.transfer_timeout_s, receiver=self.receiver, kv_cache_gib=cfg.vllm_kv_cache_gib,
-                max_model_len=cfg.vllm_max_model_len, threads=cfg.decode.threads,
-                kv_load=cfg.vllm_kv_load, load_threads=cfg.vllm_kv_load_threads)
-            return
-        from decode_workers.executor import DecodeExecutor
-        from kvruntime.engine import ReferenceEngine
-
-        self.engine = ReferenceEngine(cfg.model, dtype=cfg.dtype, device=device, threads=cfg.decode.threads)
-        self.executor = DecodeExecutor(self.engine, self.receiver, load_failure_policy=cfg.kv_load_failure_policy,
-                                       receive_timeout=cfg.transfer_timeout_s, held=held,
-                                       grammar_cache_entries=cfg.grammar_cache_entries)
+        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}", self.executor.held),
+                                             host=host)
 
     def address(self) -> str:
         return self.receiver.endpoint.grpc_address
@@ -89,7 +81,8 @@ class DecodeWorker:
         """The router announces a transfer before the prefill actor pushes it. Returns how many
         leading prefix tokens this engine already holds under ``salt`` (vLLM's prefix cache; the
         reference engine's held prefix KV, pinned for this transfer); see :func:`announce`."""
-        held, own = announce(self.executor, self.receiver, self.engine_kind, grant, prefix_ids, salt, computes_from)
+        with request_log.bound(_request_of(grant.transfer_id)):
+            held, own = announce(self.executor, self.receiver, grant, prefix_ids, salt, computes_from)
         if own:
             self._own.add(grant.transfer_id)
         return held
@@ -100,11 +93,11 @@ class DecodeWorker:
         return {"held_bytes": s.held_bytes, "blocks": s.blocks, "pending": s.pending, "expired": s.expired,
                 "refused": s.refused, "rejected": s.rejected, "grants": s.grants, "grants_expired": s.grants_expired,
                 "prefix_held": dataclasses.asdict(self.executor.held.stats())
-                if getattr(self.executor, "held", None) is not None else None}
+                if self.executor.held is not None else None}
 
     def ready(self) -> dict:
         ep = self.receiver.endpoint
-        return {"worker": f"decode-{self.index}", "model": self.model, "engine": self.engine_kind,
+        return {"worker": f"decode-{self.index}", "model": self.model, "engine": self.executor.kind,
                 "grpc": ep.grpc_address, "kv_transport": ep.transport, "node_id": ep.node_id,
                 "transport_fallback": self.receiver.fallback, "device": self.device}
 
@@ -120,33 +113,44 @@ class DecodeWorker:
         with self._cancel_lock:
             self._cancelled.add(key)
 
-    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None, continuation=None):
-        """Stream a request's tokens (``continuation``: resume one another worker started and lost)."""
-        kw = {"continuation": continuation} if continuation is not None else {}
-        if transfer_id in self._own:              # no block comes: this engine computes the rest
+    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None, continuation=None,
+                 request_id=None):
+        """Stream a request's tokens (``continuation``: resume one another worker started and lost;
+        ``request_id``: the request's id, on every log line of this call)."""
+        with request_log.bound(request_id):
+            own = transfer_id in self._own          # no block comes: this engine computes the rest
             self._own.discard(transfer_id)
-            gen = self.executor.generate(None, prefix, suffix, sampling, salt=salt, **kw) if self.engine_kind == "vllm" \
-                else self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt, held_only=True, **kw)
-        else:
-            gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt, **kw)
-        try:
-            for ev in gen:
-                if cancel_key is not None and cancel_key in self._cancelled:
-                    return                     # cancelled: the router stops reading and counts it
-                yield ev
-        finally:
-            gen.close()
-            if cancel_key is not None:
-                with self._cancel_lock:
-                    self._cancelled.discard(cancel_key)
+            gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt, held_only=own,
+                                         continuation=continuation)
+            n = 0
+            try:
+                for ev in gen:
+                    if cancel_key is not None and cancel_key in self._cancelled:
+                        log.warning("decode-%d: generate stopped after %d token(s): cancelled by the router "
+                                    "(deadline passed or client gone)", self.index, n)
+                        return                 # the router stops reading and counts it
+                    n += 1
+                    yield ev
+            except Exception as exc:
+                log.error("decode-%d: generate failed after %d token(s): %s", self.index, n, exc)
+                raise
+            finally:
+                gen.close()
+                if cancel_key is not None:
+                    with self._cancel_lock:
+                        self._cancelled.discard(cancel_key)
 
     def shutdown(self) -> None:
-        if self.engine_kind == "vllm":
-            self.executor.stop()
+        self.executor.stop()
         self.receiver.stop()
 
 
-def announce(executor, receiver, engine_kind: str, grant: TransferGrant, prefix_ids, salt: str | None,
+def _request_of(transfer_id: str) -> str:
+    """The request id a transfer id starts with (``<request id>-<8 hex>``, cluster.control.lifecycle)."""
+    return transfer_id.rpartition("-")[0] or transfer_id
+
+
+def announce(executor: DecodeEngine, receiver, grant: TransferGrant, prefix_ids, salt: str | None,
              computes_from: int | None = None) -> tuple[int, bool]:
     """What ``DecodeWorker.expect`` does: (held leading prefix tokens, whether this engine computes
     the rest of the prefix itself). Held tokens are never built nor sent again:
@@ -160,11 +164,7 @@ def announce(executor, receiver, engine_kind: str, grant: TransferGrant, prefix_
     if prefix_ids and grant.first_position == 0:
         if token_hash(tuple(prefix_ids)) != grant.tokens_sha256 or len(prefix_ids) != grant.tokens:
             raise ValueError(f"prefix ids do not match the grant of transfer {grant.transfer_id}")
-        if engine_kind == "vllm":
-            held = min(executor.held_prefix(tuple(prefix_ids), salt), grant.tokens)
-        else:
-            held = executor.held_prefix(tuple(prefix_ids), salt, transfer_id=grant.transfer_id,
-                                        limit=grant.tokens - 1, computes_from=computes_from)
+        held = executor.hold(grant, tuple(prefix_ids), salt, computes_from)
         if decode_computes_rest(held, computes_from):
             return held, True
         if held:

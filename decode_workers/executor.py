@@ -24,6 +24,7 @@ from kvruntime.decode_cache import DecodeSession
 from kvruntime.kv import KVCache
 from kvruntime.messages.decode import Continuation, DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import recompute
+from decode_workers.engine_api import DecodeEngine
 from decode_workers.held_kv import HeldPrefixes
 from decode_workers.sampling import Sampler, TextStream
 from kvtransport.transfer.blocks import BlockError, decode_block
@@ -32,7 +33,10 @@ from kvtransport.transfer.seam import KVReceiver, TransferError
 log = logging.getLogger(__name__)
 
 
-class DecodeExecutor:
+class DecodeExecutor(DecodeEngine):
+    """The reference decode engine (:class:`~decode_workers.engine_api.DecodeEngine`)."""
+    kind = "reference"
+
     def __init__(self, engine, transport: KVReceiver, *, load_failure_policy: str = "recompute",
                  receive_timeout: float = 60.0, held: HeldPrefixes | None = None, grammar_cache_entries: int = 64):
         if load_failure_policy not in ("recompute", "fail"):
@@ -56,6 +60,13 @@ class DecodeExecutor:
             return self.held.held_prefix(prefix_ids, salt)
         return self.held.hold(transfer_id, prefix_ids, salt, len(prefix_ids) if limit is None else limit,
                               computes_from)
+
+    def hold(self, grant, prefix_ids: tuple[int, ...], salt: str | None, computes_from: int | None = None) -> int:
+        """Held leading tokens, pinned for ``grant``'s transfer: at most all but one unless they
+        reach ``computes_from`` (the block, with its credential, stays the proof the prefill actor
+        built this prefix, and the one receive path is kept)."""
+        return self.held_prefix(tuple(prefix_ids), salt, transfer_id=grant.transfer_id, limit=grant.tokens - 1,
+                                computes_from=computes_from)
 
     def _held_only(self, transfer_id: str, prefix_ids: tuple[int, ...], fallbacks: list[str],
                    stages: dict[str, float]) -> tuple[KVCache, int, int]:

@@ -17,7 +17,6 @@ spend their budget on newlines. vLLM's engine takes the same constraint as its o
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import OrderedDict

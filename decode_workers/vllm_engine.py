@@ -24,6 +24,7 @@ from typing import Iterator
 
 import torch
 
+from decode_workers.engine_api import DecodeEngine
 from kvruntime.messages.decode import Continuation, DecodeSummary, SamplingParams, TokenEvent
 
 _set_num_threads = torch.set_num_threads   # kept before vLLM's CPU worker replaces it with a no-op
@@ -56,7 +57,11 @@ def _guard_llvmlite_for_vllm() -> None:
     wrapper._kvnotes_guarded = True
 
 
-class VllmDecodeExecutor:
+class VllmDecodeExecutor(DecodeEngine):
+    """vLLM's decode engine (:class:`~decode_workers.engine_api.DecodeEngine`): its prefix cache
+    holds KV between requests, its connector receives the blocks."""
+    kind = "vllm"
+
     def __init__(self, model: str, *, dtype: str = "float32", device: str = "cpu",
                  load_failure_policy: str = "recompute", receive_timeout: float = 30.0,
                  grpc_host: str = "127.0.0.1", grpc_port: int | None = None, receiver=None,
@@ -185,13 +190,18 @@ class VllmDecodeExecutor:
                 probe.block_hashes, len(prefix_ids))
         return int(hit)
 
+    def hold(self, grant, prefix_ids: tuple[int, ...], salt: str | None, computes_from: int | None = None) -> int:
+        """What the prefix cache holds now (nothing is pinned: see :meth:`held_prefix`)."""
+        return min(self.held_prefix(tuple(prefix_ids), salt), grant.tokens)
+
     # ---- requests -----------------------------------------------------------------------------
     def generate(self, transfer_id: str | None, prefix_ids: tuple[int, ...], suffix_ids: tuple[int, ...],
-                 sampling: SamplingParams, *, salt: str | None = None,
+                 sampling: SamplingParams, *, salt: str | None = None, held_only: bool = False,
                  kv_load: str | None = None,
                  continuation: Continuation | None = None) -> Iterator[TokenEvent | DecodeSummary]:
         """Yields one :class:`TokenEvent` per generated token, then a :class:`DecodeSummary`.
-        ``transfer_id`` None: no block was sent, vLLM computes (or APC-hits) the prefix itself.
+        ``transfer_id`` None or ``held_only``: no block comes, vLLM computes (or APC-hits) the
+        prefix itself.
         ``kv_load``: async | sync for this request's block (None: the engine's ``kv_load``).
         ``continuation``: the streamed tokens join the prompt and ``max_tokens`` shrinks by them;
         event indices and the summary continue the stream. vLLM's sampler starts afresh there, so
@@ -205,6 +215,8 @@ class VllmDecodeExecutor:
 
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the decode worker computes the last logits)")
+        if held_only:
+            transfer_id = None
         done = continuation.tokens if continuation is not None else ()
         if continuation is not None:
             if len(done) >= sampling.max_tokens:               # it had ended; only the summary was lost

@@ -4,7 +4,8 @@
 Plain class; ``cluster.control.ray_backends`` wraps it with ``ray.remote`` and the resources from
 config (so importing this module needs no Ray). One actor executes one plan at a time. It keeps
 no name map: plans name KV by content (``prefill_workers.tier``), so a restarted or a second
-actor finds what the shared or persistent tiers hold.
+actor finds what the shared or persistent tiers hold. Every log line of a plan carries its
+request's id (``kvruntime.request_log``).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import threading
 import time
 
+from kvruntime import request_log
 from kvruntime.messages.config import ClusterConfig
 from kvruntime.messages.plan import KVRef, RequestPlan
 from kvruntime.messages.fidelity import ShadowResult
@@ -28,6 +30,7 @@ class PrefillWorker:
         """``tier_key``: the ``lm://`` tier's key (``kvtransport.tier.auth.tier_key`` of the cluster
         secret), required when ``cfg.tier_remote_url`` is set; the launcher reads it from the state store."""
         os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+        request_log.install(worker=True)
         from kvruntime.engine import ReferenceEngine
         from kvtransport.transfer.endpoints import Sender
         from kvtransport.transfer.options import grpc_config, nixl_config
@@ -107,12 +110,19 @@ class PrefillWorker:
 
         t = time.perf_counter()
         try:
-            return self.executor.execute(plan, decode, transfer_id, store_as=store_as, credential=credential,
-                                         send_from=send_from, cancelled=lambda: transfer_id in self._cancelled)
+            with request_log.bound(plan.request_id):
+                res = self.executor.execute(plan, decode, transfer_id, store_as=store_as, credential=credential,
+                                            send_from=send_from, cancelled=lambda: transfer_id in self._cancelled)
+                log.info("prefill-%d: plan %s (%d prompt tokens) built in %.3f s, %d bytes sent by %s%s", self.index,
+                         plan.kind.value, plan.prompt_tokens, res.seconds, res.transfer_bytes,
+                         res.transport or "none", f"; fallbacks {', '.join(res.stats.fallbacks)}"
+                         if res.stats.fallbacks else "")
+                return res
         except Cancelled:
             self.cancelled_plans += 1
-            log.warning("prefill of %s cancelled after %.3f s (deadline passed or client gone)", plan.request_id,
-                        time.perf_counter() - t)
+            with request_log.bound(plan.request_id):
+                log.warning("prefill of %s cancelled after %.3f s (deadline passed or client gone)", plan.request_id,
+                            time.perf_counter() - t)
             return PrefillResult(plan.request_id, transfer_id, 0, time.perf_counter() - t, 0, 0.0,
                                  PrefillStats(fallbacks=["prefill_cancelled"]), False)
         finally:
@@ -121,7 +131,8 @@ class PrefillWorker:
 
     def shadow(self, plan: RequestPlan) -> ShadowResult:
         """Recompute ``plan`` in full and compare (online shadow check; the router calls it after the response)."""
-        return self.executor.shadow(plan)
+        with request_log.bound(plan.request_id):
+            return self.executor.shadow(plan)
 
     def tier_stats(self):
         return self.store.stats

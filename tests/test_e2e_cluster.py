@@ -262,3 +262,98 @@ def test_real_prometheus_scrapes_the_router(cluster, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ---- one request id, from the client's header to every process's log ------------------------------
+
+def _ray_logs_dir():
+    import pathlib
+
+    import ray
+    return pathlib.Path(ray._private.worker._global_node.get_logs_dir_path())
+
+
+def _lines_with(tag: str, timeout_s: float = 60.0, want: tuple[str, ...] = ()) -> dict:
+    """{log file: its lines holding ``tag``} over this Ray session's logs (actors, Serve replicas),
+    polled until every ``want`` substring shows up in some line (stderr reaches the files late)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {}
+        for f in _ray_logs_dir().rglob("*"):
+            if f.is_file() and f.suffix in (".err", ".out", ".log"):
+                lines = [ln for ln in f.read_text(errors="replace").splitlines() if tag in ln]
+                if lines:
+                    found[f] = lines
+        text = "\n".join(ln for lines in found.values() for ln in lines)
+        if all(w in text for w in want) or time.monotonic() > deadline:
+            return found
+        time.sleep(1.0)
+
+
+def test_the_clients_request_id_is_the_one_id_of_the_response(cluster):
+    _, http = cluster
+    rid = "trace-ok.1:A_b"
+    r = http.post("/v1/notes/completions", headers={"x-request-id": rid},
+                  json={"segments": [{"skill": "refund"}, {"text": "How long do I have?"}], "max_tokens": 4,
+                        "temperature": 0, "explain": True})
+    assert r.status_code == 200, r.text
+    assert r.headers.get_list("x-request-id") == [rid]
+    assert r.json()["id"] == f"notes-{rid}" and r.json()["explain"]["request_id"] == rid
+    r = http.post("/v1/completions", headers={"x-request-id": rid + "x"},
+                  json={"model": "smollm2-135m", "prompt": "Say hi.", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["id"] == f"cmpl-{rid}x", r.text
+    assert r.headers.get_list("x-request-id") == [rid + "x"]
+    bad = http.post("/v1/notes/completions", headers={"x-request-id": rid + "e"}, json={"segments": []})
+    assert bad.status_code == 400 and bad.json()["error"]["request_id"] == rid + "e"
+    assert bad.headers.get_list("x-request-id") == [rid + "e"]
+
+
+def test_a_malformed_or_missing_request_id_is_drawn_once(cluster):
+    import re
+
+    _, http = cluster
+    body = {"segments": [{"text": "Hi."}], "max_tokens": 1, "temperature": 0, "explain": True}
+    r = http.post("/v1/notes/completions", json=body)               # none sent: the Serve proxy's id
+    assert r.status_code == 200, r.text
+    [rid] = r.headers.get_list("x-request-id")
+    assert r.json()["id"] == f"notes-{rid}" and r.json()["explain"]["request_id"] == rid
+    r = http.post("/v1/notes/completions", json=body, headers={"x-request-id": "no spaces allowed"})
+    assert r.status_code == 200, r.text
+    drawn = r.json()["explain"]["request_id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", drawn) and r.json()["id"] == f"notes-{drawn}"
+    assert drawn in r.headers.get_list("x-request-id")             # beside the proxy's echo of what was sent
+
+
+def test_one_failing_request_is_followed_by_its_id_through_router_prefill_and_decode_logs(cluster):
+    """A request past its deadline while decoding: 504, and its id (the client's) on the router's
+    line, the prefill actor's line for its plan and the decode actor's line for its stopped stream,
+    each in its own process' log."""
+    from tests.conftest import get_engine
+
+    _, http = cluster
+    rid = "follow-me-0042"
+    # a skill no decode actor holds yet: its KV comes from a prefill actor (a held prefix would
+    # let the decode actor compute the request alone)
+    r = http.post("/v1/skills", json={"name": "counting", "text": "Counting rules: write every number in words, "
+                                                                  "separated by commas, and never stop early."})
+    assert r.status_code == 201, r.text
+    eos = {str(t): -100 for t in get_engine("smollm2-135m").eos_ids}        # never ends by itself
+    r = http.post("/v1/notes/completions", headers={"x-request-id": rid},
+                  json={"segments": [{"skill": "counting"},
+                                     {"text": "Count from one to one thousand in words: one, two,"}],
+                        "max_tokens": 2000, "temperature": 0, "deadline_s": 8, "logit_bias": eos})
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "deadline_exceeded" and err["request_id"] == rid
+    assert r.headers.get_list("x-request-id") == [rid]
+    tag = f"request_id={rid}"
+    router_line, prefill_line, decode_line = "deadline passed during decode", "prefill-0: plan", "decode-0: generate stopped"
+    found = _lines_with(tag, want=(router_line, prefill_line, decode_line))
+    files = {w: [f for f, lines in found.items() if any(w in ln for ln in lines)]
+             for w in (router_line, prefill_line, decode_line)}
+    assert all(len(v) == 1 for v in files.values()), (files, found)
+    assert len({v[0] for v in files.values()}) == 3, files             # three processes, three logs
+    other = "request_id=trace-ok.1:A_b"                                  # an earlier request's lines are its own
+    assert not any(other in ln for lines in found.values() for ln in lines)

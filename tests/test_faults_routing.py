@@ -60,11 +60,14 @@ class FlakyBackends(LocalBackends):
         self.lose, self.slow_s, self.cancelled, self.calls, self.continuations = lose, slow_s, [], [], []
         self.view = WorkerView(1, 2)
 
-    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, cancel_key=None, continuation=None):
+    cancels = True
+
+    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, *, cancel_key=None, continuation=None,
+                     request_id=None):
         self.calls.append(index)
         self.continuations.append(continuation)
         n = 0
-        async for ev in super().decode(index, transfer_id, prefix, suffix, sampling, salt, continuation):
+        async for ev in super().decode(index, transfer_id, prefix, suffix, sampling, salt, continuation=continuation):
             if index in self.lose and n == self.lose[index]:
                 self.view.mark("decode", index, False, "killed")
                 raise WorkerLost("decode", index, "ActorDiedError")

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from cluster.control.backends import Backends
 from cluster.control.lifecycle import Finished
 from cluster.control.metrics import CACHED_SOURCES, prompt_sources
 from cluster.control.router import PROMPT_BLOCK, _h
@@ -54,7 +55,7 @@ class PieceSource(DictSource):
                 self.d[(ids[:n], pos, salt, approx, prefix)] = kv.slice(0, n)
 
 
-class ReuseBackends:
+class ReuseBackends(Backends):
     """In-process backends whose decode side is the reference decode actor's: a held prefix
     cache, ``announce`` (``DecodeWorker.expect``) and ``generate`` with ``held_only``."""
 
@@ -77,8 +78,11 @@ class ReuseBackends:
         kv = self.source.compile(ref)
         return PrecompileInfo(False, kv.nbytes, 0.0, "local")
 
+    async def evict(self, ref):
+        return self.source.d.pop(self.source._k(ref), None) is not None
+
     async def expect(self, decode_index, grant, prefix, salt, computes_from=None):
-        held, own = announce(self.dec, self.rx, "reference", grant, prefix, salt, computes_from)
+        held, own = announce(self.dec, self.rx, grant, prefix, salt, computes_from)
         if own:
             self.own.add(grant.transfer_id)
         return held
@@ -88,7 +92,8 @@ class ReuseBackends:
         return self.pre.execute(plan, self.addr, transfer_id, store_as=store_as, credential=credential,
                                 send_from=send_from)
 
-    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt):
+    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, *, cancel_key=None, continuation=None,
+                     request_id=None):
         own = transfer_id in self.own
         self.own.discard(transfer_id)
         for ev in self.dec.generate(transfer_id, prefix, suffix, sampling, salt=salt, held_only=own):

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from cluster.control.backends import Backends
 from cluster.control.metrics import Metrics
 from cluster.control.registry import Registry
 from cluster.control.render import Renderer
@@ -36,7 +37,7 @@ class CorruptingTransport(GrpcTransport):
 LATE_SKILL = [{"text": "Visitor desk notes follow."}, {"skill": "museum"}, {"text": "When does it close?"}]
 
 
-class LocalBackends:
+class LocalBackends(Backends):
     """Backends in one process (the router's seam); the shipped one is cluster.control.ray_backends."""
 
     def __init__(self, engine, sender):
@@ -68,7 +69,8 @@ class LocalBackends:
         return self.pre.execute(plan, self.addr, transfer_id, store_as=store_as, credential=credential,
                                 send_from=send_from)
 
-    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, continuation=None):
+    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, *, cancel_key=None, continuation=None,
+                     request_id=None):
         for ev in self.dec.generate(transfer_id, prefix, suffix, sampling, continuation=continuation):
             yield ev
 

@@ -1,7 +1,8 @@
 """cluster.control: the control plane proper, below the HTTP edge. A request is priced
 (``pricing``: refused before tokenising when it cannot fit), rendered (``render``), planned (``planner``: a pure function returning a frozen ``RequestPlan``), routed
 (``router``, ``routing``) and executed (``lifecycle``) on workers reached through the ``backends``
-protocol (``ray_backends`` in production, watched by ``health``); ``sessions``, ``registry`` and
+contract (``ray_backends`` in production, watched by ``health``; ``assembly`` builds the router
+and its collaborators from the config); ``sessions``, ``registry`` and
 ``state/`` keep what must survive a restart; ``shadow`` checks approximate plans online and
 ``metrics`` records everything. Imports only ``kvruntime.messages`` and the worker packages (for
 actor classes); never ``cluster.http`` or ``cluster.ops``.

@@ -1,35 +1,94 @@
-"""What the control plane needs from the workers, as a protocol: the router and
-:mod:`cluster.control.lifecycle` talk to prefill and decode workers only through it. Production
-implements it with Ray actor handles (:class:`cluster.control.ray_backends.RayBackends`); unit tests
-implement it in process. Every value crossing it is a message from ``kvruntime.messages``."""
+"""What the control plane needs from the workers, as a contract: the router and
+:mod:`cluster.control.lifecycle` talk to prefill and decode workers only through :class:`Backends`.
+Production implements it with Ray actor handles (:class:`cluster.control.ray_backends.RayBackends`);
+unit tests implement it in process. Every value crossing it is a message from ``kvruntime.messages``.
+
+Every method is declared here: the abstract ones each implementation must give; the others have
+a default that is right for backends in one process (no health thread, nothing to cancel: an
+in-process call finishes on its own). Callers never probe for a method. Worker deaths are raised
+as :class:`~cluster.control.routing.WorkerLost`."""
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from abc import ABC, abstractmethod
+from typing import AsyncIterator
 
-from kvruntime.messages.decode import SamplingParams, TokenEvent, DecodeSummary
+from cluster.control.routing import FaultPolicy, WorkerView
+from kvruntime.messages.decode import Continuation, SamplingParams, TokenEvent, DecodeSummary
+from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, RequestPlan
 from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
 from kvruntime.messages.transfer import TransferGrant
 
 
-class Backends(Protocol):
+class Backends(ABC):
     num_prefill: int
     num_decode: int
+    #: whether :meth:`cancel` and :meth:`cancel_prefill` reach a worker (the router counts a
+    #: cancel in ``kvnotes_cancels_total`` only then)
+    cancels: bool = False
 
+    # ---- the tier -------------------------------------------------------------------------
+    @abstractmethod
     async def contains(self, refs: list[KVRef], index: int = 0) -> list[bool]: ...
+
+    @abstractmethod
     async def precompile(self, ref: KVRef, index: int = 0) -> PrecompileInfo: ...
+
+    @abstractmethod
     async def evict(self, ref: KVRef) -> bool: ...
-    # -> held leading prefix tokens; when they reach ``computes_from`` (plan.decode_computes_rest)
-    # no block is expected and ``decode`` computes the rest of the prefix itself
+
+    # ---- one request ----------------------------------------------------------------------
+    @abstractmethod
     async def expect(self, decode_index: int, grant: TransferGrant, prefix: tuple[int, ...], salt: str,
-                     computes_from: int | None = None) -> int: ...
+                     computes_from: int | None = None) -> int:
+        """Announce ``grant`` to decode worker ``decode_index``; returns the leading prefix tokens
+        it holds. When they reach ``computes_from`` (``plan.decode_computes_rest``) no block is
+        expected and ``decode`` computes the rest of the prefix itself."""
+
+    @abstractmethod
     async def prefill(self, index: int, plan: RequestPlan, decode_index: int, transfer_id: str,
                       store_as: KVRef | None, *, credential: str, send_from: int = 0) -> PrefillResult: ...
-    async def shadow(self, index: int, plan: RequestPlan): ...   # -> messages.fidelity.ShadowResult
+
+    @abstractmethod
     def decode(self, index: int, transfer_id: str | None, prefix: tuple[int, ...], suffix: tuple[int, ...],
-               sampling: SamplingParams, salt: str) -> AsyncIterator[TokenEvent | DecodeSummary]: ...
-    # Optional (cluster.control.ray_backends): ``view`` (routing.WorkerView), ``fault_policy``
-    # (routing.FaultPolicy), ``start_health(metrics)``, ``cancel(index, key)`` with
-    # ``decode(..., cancel_key=key)``, ``decode(..., continuation=messages.decode.Continuation)``
-    # (cluster.control.migration) and ``cancel_prefill(index, transfer_id)``. Worker deaths are
-    # raised as routing.WorkerLost.
+               sampling: SamplingParams, salt: str, *, cancel_key: str | None = None,
+               continuation: Continuation | None = None,
+               request_id: str | None = None) -> AsyncIterator[TokenEvent | DecodeSummary]:
+        """Stream the tokens of decode worker ``index``. ``cancel_key``: what :meth:`cancel` names
+        to stop it; ``continuation``: resume a stream another worker started and lost
+        (:mod:`cluster.control.migration`); ``request_id``: the request's id, for the worker's log."""
+
+    async def shadow(self, index: int, plan: RequestPlan) -> ShadowResult:
+        """Recompute ``plan`` in full on prefill worker ``index`` and compare (online shadow check).
+        Default: these backends run none (the guard logs and counts the failure)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no shadow checks")
+
+    # ---- stopping work nobody waits for (cluster.control.cancel) ---------------------------
+    async def cancel(self, index: int, cancel_key: str) -> None:
+        """Stop decode worker ``index``'s stream started with ``cancel_key``. Default: nothing to
+        stop (``cancels`` is False)."""
+
+    async def cancel_prefill(self, index: int, transfer_id: str) -> None:
+        """Stop prefill worker ``index``'s plan for ``transfer_id``. Default: nothing to stop."""
+
+    # ---- health and routing ---------------------------------------------------------------
+    #: retries, deadline and decode migrations (production: from config)
+    fault_policy: FaultPolicy = FaultPolicy()
+
+    @property
+    def view(self) -> WorkerView:
+        """The live view the router picks workers from (default: every worker alive, made once)."""
+        v = self.__dict__.get("_view")
+        if v is None:
+            v = self.__dict__["_view"] = WorkerView(self.num_prefill, self.num_decode)
+        return v
+
+    @view.setter
+    def view(self, v: WorkerView) -> None:
+        self.__dict__["_view"] = v
+
+    def start_health(self, metrics) -> None:
+        """Start watching the workers (``cluster.control.health``). Default: nothing to watch."""
+
+    #: completed health sweeps (``/ready`` waits for the first); default: always ready
+    health_sweeps: int = 1

@@ -47,7 +47,7 @@ async def prefill_or_cancel(backends: "Backends", metrics: Metrics, index: int, 
     try:
         return await aw
     except (DeadlineExceeded, asyncio.CancelledError) as exc:
-        if hasattr(backends, "cancel_prefill"):
+        if backends.cancels:
             reason = "deadline" if isinstance(exc, DeadlineExceeded) else "client_gone"
             metrics.cancels.labels("prefill", reason).inc()
             log.warning("request %s: %s during prefill; prefill-%d told to stop", request_id,

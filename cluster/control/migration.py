@@ -50,7 +50,7 @@ class DecodeStream:
         self.migrations = 0
         self.index: int | None = None      # the decode worker now streaming
         self.key: str | None = None        # its cancel key
-        self._can_cancel = hasattr(backends, "cancel")
+        self._can_cancel = backends.cancels
         self._loads: list[tuple[int, int]] = []   # (worker, tokens) this stream added to the view
 
     async def events(self, index: int, transfer_id: str | None, key: str) -> AsyncIterator[TokenEvent | DecodeSummary]:
@@ -60,11 +60,9 @@ class DecodeStream:
         base = key
         while True:
             self.index, self.key = index, key
-            extra = {"cancel_key": key} if self._can_cancel else {}
-            if cont is not None:
-                extra["continuation"] = cont
             gen = self.backends.decode(index, transfer_id, self.plan.prefix_ids, self.plan.suffix_ids,
-                                       self.sampling, self.salt, **extra)
+                                       self.sampling, self.salt, cancel_key=key, continuation=cont,
+                                       request_id=self.plan.request_id)
             try:
                 async for ev in self._read(gen):
                     if isinstance(ev, TokenEvent):

@@ -14,6 +14,7 @@ import logging
 
 import ray
 
+from cluster.control.backends import Backends
 from cluster.control.health import ACTOR_LOST, HEALTH_GROUP, HealthMonitor
 from cluster.control.routing import FaultPolicy, WorkerLost, WorkerView
 from kvruntime.messages.config import ClusterConfig, WorkerConfig
@@ -119,10 +120,11 @@ def stop_workers(cfg: ClusterConfig) -> None:
                 pass  # not running: nothing to stop
 
 
-class RayBackends:
-    """:class:`~cluster.control.router.Backends` over actor handles. Ray's actor errors become
+class RayBackends(Backends):
+    """:class:`~cluster.control.backends.Backends` over actor handles. Ray's actor errors become
     :class:`~cluster.control.routing.WorkerLost` (and mark the worker down in :attr:`view`), so the
     router retries without knowing Ray."""
+    cancels = True       # cancels run in each actor's "health" concurrency group, beside the work
 
     def __init__(self, prefill: list, decode: list, cfg: ClusterConfig | None = None):
         cfg = cfg or ClusterConfig()
@@ -211,11 +213,11 @@ class RayBackends:
         except ACTOR_LOST as exc:
             raise self._lost("prefill", index, exc) from None
 
-    async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str, cancel_key: str | None = None,
-                     continuation=None):
+    async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str, *,
+                     cancel_key: str | None = None, continuation=None, request_id: str | None = None):
         try:
             gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(
-                transfer_id, prefix, suffix, sampling, salt, cancel_key, continuation)
+                transfer_id, prefix, suffix, sampling, salt, cancel_key, continuation, request_id)
             async for ref in gen:
                 yield await ref
         except ACTOR_LOST as exc:

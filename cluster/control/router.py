@@ -28,7 +28,7 @@ from cluster.control.planner import (FidelityTarget, PlannerConfig, RenderedRequ
 from cluster.control.shadow import FidelityGuard, ShadowConfig
 from cluster.control.registry import Registry
 from cluster.control.pricing import TokenBudget, exceeds_message
-from cluster.control.render import Renderer, text_chars
+from cluster.control.render import Renderer
 from cluster.control.routing import FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from cluster.control.sessions import SessionStore
 from cluster.control.state import Registration, StateStore, StateStoreUnavailable
@@ -69,13 +69,11 @@ class Router:
         self.context_window, self.max_tokens_limit = context_window, max_tokens_limit
         self.default_tenant = default_tenant
         self._secret = state.secret()          # the same for every replica: keys agree cluster-wide
-        self.view: WorkerView = getattr(backends, "view", None) or WorkerView(backends.num_prefill,
-                                                                               backends.num_decode)
-        self.fault: FaultPolicy = getattr(backends, "fault_policy", None) or FaultPolicy()
+        self.view: WorkerView = backends.view
+        self.fault: FaultPolicy = backends.fault_policy
         self._background: set = set()     # state-store writes off the request path (_mark_used_later)
         self.runner = RequestRunner(backends, self.view, self.fault, self.metrics, dtype, self.guard, default_tenant)
-        if hasattr(backends, "start_health"):
-            backends.start_health(self.metrics)
+        backends.start_health(self.metrics)
 
     @property
     def planner_config(self) -> PlannerConfig:
@@ -195,6 +193,8 @@ class Router:
         return {r.digest for r, ok in zip(refs, got) if ok}
 
     async def stream_native(self, *a, **kw) -> AsyncIterator[TokenEvent | Finished]:
+        """A native request's events. ``request_id``: the request's id from the edge (the plan's,
+        every transfer's prefix and every worker message's; drawn here when None)."""
         async for ev in self._leased(self._stream_native, *a, **kw):
             yield ev
 
@@ -214,14 +214,14 @@ class Router:
 
     async def _stream_native(self, leases: list, tenant: str, segments: list[dict], *, policy: str | None,
                              session: str | None, sampling: SamplingParams, edit: str = "auto",
-                             deadline_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
+                             deadline_s: float | None = None,
+                             request_id: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
         clock = CLOCK.get()
         lap(clock, "validate")               # since the body was read: the API layer's checks
-        rid = uuid.uuid4().hex
+        rid = request_id or uuid.uuid4().hex
         salt = self.salt(tenant)
-        budget = self.budget(sampling)
-        budget.price_chars(text_chars(segments))     # before a thread is even asked for
+        budget = self.budget(sampling)       # the renderer prices the segments, then charges each one
         req = replace(await asyncio.to_thread(self.renderer.render, rid, tenant, segments,      # off the event loop
                                               Policy(policy or self.default_policy.value), session, salt, budget),
                       edit_strategy=edit)
@@ -258,12 +258,12 @@ class Router:
                 self._mark_used_later(tenant, marks, now)
 
     async def _stream_prompt(self, leases: list, tenant: str, prompt_ids: list[int], *, policy: str | None,
-                             sampling: SamplingParams,
-                             deadline_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
+                             sampling: SamplingParams, deadline_s: float | None = None,
+                             request_id: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
         t0 = time.perf_counter()
         clock = CLOCK.get()
         lap(clock, "validate")               # since the body was read: the API layer's checks
-        rid = uuid.uuid4().hex
+        rid = request_id or uuid.uuid4().hex
         salt = self.salt(tenant)
         self._check_budget(len(prompt_ids), sampling)
         req = self.renderer.render_prompt(rid, prompt_ids, Policy(policy or self.default_policy.value))

@@ -3,7 +3,9 @@ completions (SSE streaming too), the native ``/v1/notes/completions``, and regis
 skills, memories and templates. Framework glue (Ray Serve + FastAPI, auth, body limits) lives
 in ``cluster.http.serve_app``; these functions take a parsed JSON object and the caller's tenant,
 raise :class:`~cluster.http.errors.RequestError` for the caller's mistakes, and return Starlette
-responses. Tokenization runs in a worker thread, never on the event loop.
+responses. Tokenization runs in a worker thread, never on the event loop. Each body is
+validated once (``cluster.http.validate.native_request`` / ``openai_request``); the request's id
+(``cluster.http.ids``) is the response's ``id`` after the object's prefix.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import functools
 import json
 import logging
 import time
-import uuid
 
 import anyio
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,7 +29,7 @@ from cluster.control.limits import check_name, check_text
 from cluster.control.tools import constraint as tool_constraint, parse_tools, prepare as prepare_tools, template_takes_tools
 from cluster.http.choices import Answer, call_deltas, choice_sampling, merged
 from cluster.http.structured import check_schema, response_format
-from cluster.http.validate import chat_messages, choices, common_options, completions_prompt, deadline_s, edit_strategy, native_body, openai_extras, sampling_from
+from cluster.http.validate import native_request, openai_request
 from kvruntime.messages.decode import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -152,20 +153,18 @@ def _total_usage(fins: list[Finished]) -> dict:
 async def openai_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str, *,
                           chat: bool) -> Response:
     model = router.served_model
-    policy, stream, explain = common_options(body, model)
-    logprobs, include_usage = openai_extras(body, chat=chat)
-    n = choices(body, limits)
     vocab = len(router.renderer.tok)
-    sampling = sampling_from(body, default_max_tokens=16, limits=limits, vocab=vocab, logprobs=logprobs)
+    req = openai_request(body, limits, model=model, vocab=vocab, chat=chat)
+    stream, explain, include_usage, n = req.stream, req.explain, req.include_usage, req.n
     constraint, tools = _structured(router, body, chat=chat, limits=limits)
-    sampling = dataclasses.replace(sampling, constraint=constraint)
+    sampling = dataclasses.replace(req.sampling, constraint=constraint)
     budget = router.budget(sampling)        # priced before tokenisation, charged while it runs
     if chat:
-        msgs, tools_arg = prepare_tools(chat_messages(body, limits), tools, template_takes_tools(router.renderer.tok))
-        budget.price_chars(sum(len(m["content"].strip()) for m in msgs))
+        # priced in the thread, before the template is applied (Renderer.chat_ids): once
+        msgs, tools_arg = prepare_tools(req.messages, tools, template_takes_tools(router.renderer.tok))
         ids = await anyio.to_thread.run_sync(functools.partial(router.renderer.chat_ids, msgs, budget, tools_arg))
     else:
-        prompt = completions_prompt(body, limits)
+        prompt = req.prompt
         if isinstance(prompt, str):
             budget.price_chars(len(prompt))
             ids = await anyio.to_thread.run_sync(budget.encode, router.renderer.encode, prompt)
@@ -178,8 +177,10 @@ async def openai_complete(router: Router, limits: RequestLimits, body: dict, ten
         raise RequestError(400, "prompt is empty after tokenization", param="prompt")
     if any(t >= vocab for t in ids):
         raise RequestError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
-    gens = [router.stream_prompt(tenant, ids, policy=policy, sampling=choice_sampling(sampling, i),
-                                 deadline_s=deadline_s(body)) for i in range(n)]
+    # one request id; choice i > 0 of n runs as <id>.<i> (its own plan, transfer and logs)
+    gens = [router.stream_prompt(tenant, ids, policy=req.policy, sampling=choice_sampling(sampling, i),
+                                 deadline_s=req.deadline_s, request_id=rid if i == 0 else f"{rid}.{i}")
+            for i in range(n)]
     try:
         primed = await asyncio.gather(*(_primed(g) for g in gens))
     except BaseException:
@@ -187,7 +188,7 @@ async def openai_complete(router: Router, limits: RequestLimits, body: dict, ten
             await g.aclose()
         raise
     streams = [_chain(first, g) for first, g in primed]
-    cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    cid = ("chatcmpl-" if chat else "cmpl-") + rid
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
     lp = _Logprobs(router.renderer.tok, chat)
@@ -253,15 +254,14 @@ async def openai_complete(router: Router, limits: RequestLimits, body: dict, ten
 
 
 async def notes_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str) -> Response:
-    policy, stream, explain = common_options(body, router.served_model)
-    segments, session = native_body(body, limits)
-    sampling = sampling_from(body, default_max_tokens=64, limits=limits, vocab=len(router.renderer.tok))
+    req = native_request(body, limits, model=router.served_model, vocab=len(router.renderer.tok))
+    stream, explain = req.stream, req.explain
     constraint, _ = _structured(router, body, chat=False, limits=limits)
-    sampling = dataclasses.replace(sampling, constraint=constraint)
-    first, gen = await _primed(router.stream_native(tenant, segments, policy=policy, session=session,
-                                                    sampling=sampling, edit=edit_strategy(body),
-                                                    deadline_s=deadline_s(body)))
-    nid = "notes-" + uuid.uuid4().hex[:24]
+    sampling = dataclasses.replace(req.sampling, constraint=constraint)
+    first, gen = await _primed(router.stream_native(tenant, req.segments, policy=req.policy, session=req.session,
+                                                    sampling=sampling, edit=req.edit, deadline_s=req.deadline_s,
+                                                    request_id=rid))
+    nid = "notes-" + rid
     if not stream:
         evs, fin = await _collect(first, gen)
         sent = "".join(e.text for e in evs)

@@ -1,7 +1,7 @@
 """Errors a caller can cause, mapped to HTTP status codes and OpenAI-shaped error JSON.
 
-Every error body is ``{"error": {"message", "type", "param", "code", "request_id"}}``; the Serve
-proxy returns the same id in ``x-request-id``; a state store that does not answer is a 503
+Every error body is ``{"error": {"message", "type", "param", "code", "request_id"}}``: the
+request's one id (``cluster.http.ids``), also in the response's ``x-request-id``; a state store that does not answer is a 503
 ``state_store_unavailable`` with ``Retry-After``; anything else that is not the caller's mistake
 is a 500 whose message holds only that id (the details are logged under it)."""
 from __future__ import annotations
@@ -14,7 +14,6 @@ from cluster.control.errors import RequestError
 from cluster.control.state import StateStoreUnavailable
 
 log = logging.getLogger(__name__)
-REQUEST_ID_HEADER = "x-request-id"
 RETRY_AFTER_S = 2        # a state store outage: each replica probes the store every state_probe_s (1 s default)
 
 

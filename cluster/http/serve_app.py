@@ -1,9 +1,12 @@
 """The router as a Ray Serve application with a FastAPI ingress. Replicas are stateless
 (``router_replicas`` in config): registrations, templates, sessions and the prompt index live in
-the state store every replica opens. Routes are thin: :meth:`RouterIngress._call` gives each
-request an id, authenticates it (``cluster.http.auth``: the tenant comes from the API key), reads the
-body within the limits (``cluster.http.body``), holds a per-tenant in-flight slot, and hands parsed
-JSON to ``cluster.http.api``. ``/health``, ``/ready`` and ``/metrics`` need no key;
+the state store every replica opens. The router and its collaborators are built by
+``cluster.control.assembly``; this module only serves them. Routes are thin:
+:meth:`RouterIngress._call` gives each request its one id (``cluster.http.ids``: the client's
+``x-request-id`` when well-formed), binds it for the request's log lines, authenticates it
+(``cluster.http.auth``: the tenant comes from the API key), reads the body within the limits
+(``cluster.http.body``), holds a per-tenant in-flight slot, and hands parsed JSON to
+``cluster.http.api``. ``/health``, ``/ready`` and ``/metrics`` need no key;
 ``/metrics/targets`` needs one with ``metrics_auth: true``. A state store
 that does not answer is a 503 ``state_store_unavailable`` with ``Retry-After`` (``cluster.http.errors``),
 ``/ready`` 503 and ``/health`` ``degraded`` (``cluster.control.state.watch``).
@@ -13,7 +16,6 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 
 import anyio
 from fastapi import FastAPI, Request
@@ -27,9 +29,11 @@ from cluster.control.errors import RequestError
 from cluster.control import lifecycle as stage_clock      # a module reference, as above
 from cluster.control.state import StateStoreUnavailable
 from cluster.http.errors import error_response
+from cluster.http.ids import REQUEST_ID_HEADER, request_id
 from cluster.control.limits import RequestLimits
 from cluster.http.body import read_json
 from cluster.control import metrics as request_metrics      # a module reference: Serve pickles this app
+from kvruntime import request_log
 from kvruntime.messages.config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -79,17 +83,16 @@ app.add_middleware(_TagReplica)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     """Unknown routes and wrong methods: OpenAI-shaped too."""
     msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-    return error_response(RequestError(exc.status_code, msg.get(exc.status_code, str(exc.detail))), _new_rid())
+    rid, echo = request_id(request.headers)
+    return _with_id(error_response(RequestError(exc.status_code, msg.get(exc.status_code, str(exc.detail))), rid),
+                    rid, echo)
 
 
-def _new_rid() -> str:
-    """Serve's id of this request (its proxy returns it in ``x-request-id`` and logs under it),
-    or a fresh one outside Serve."""
-    try:
-        rid = serve.context._get_serve_request_context().request_id
-    except Exception:                # outside a Serve replica
-        rid = ""
-    return rid or "req-" + uuid.uuid4().hex[:24]
+def _with_id(resp: Response, rid: str, set_header: bool) -> Response:
+    """``resp`` with the request's id in ``x-request-id`` (where the Serve proxy does not echo it)."""
+    if set_header:
+        resp.headers[REQUEST_ID_HEADER] = rid
+    return resp
 
 
 @serve.deployment(name="kvnotes-router", num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -97,61 +100,30 @@ def _new_rid() -> str:
 @serve.ingress(app)
 class RouterIngress:
     def __init__(self, cfg: ClusterConfig):
-        from cluster.control.ray_backends import RayBackends
-        from cluster.control.registry import Registry
-        from cluster.control.render import Renderer
-        from cluster.control.compose_choice import FidelityTarget
-        from cluster.control.router import Router
-        from cluster.control.shadow import ShadowConfig
-        from cluster.control.state import StoreLimits, open_state
-        from kvruntime.checkpoint import ensure_checkpoint
-        from kvruntime.fidelity.profiles import calibration_line, find_profile
-        from kvruntime.models import get_model_spec
-        import transformers
-
-        self.cfg = cfg
-        heap.configure()            # large bodies go back to the system when freed (cluster.http.heap)
-        spec = get_model_spec(cfg.model)
-        ckpt = ensure_checkpoint(spec)
-        tok = transformers.AutoTokenizer.from_pretrained(ckpt)
-        # keyed by what the weights are (a checkpoint's content hash), not by the config's path
-        self.profile = find_profile(spec, cfg.profiles_dir)
-        self.served = cfg.served_name(spec.name)      # the API's `model`; KV and profiles use spec.name
-        backends = RayBackends.from_names(cfg)
-        self.state = open_state(cfg.resolved_state_url, StoreLimits(cfg.session_ttl_s, cfg.session_max,
-                                                                    cfg.prompt_index_ttl_s, cfg.prompt_index_max,
-                                                                    cfg.state_timeout_s))
-        self.router = Router(backends, Renderer(tok, spec, Registry(self.state), tok.bos_token_id), self.state,
-                             spec.name if spec.checkpoint else ckpt.name, cfg.dtype,   # = engine.model_id
-                             default_policy=cfg.default_policy, seam_tokens=cfg.seam_tokens,
-                             fidelity_summary=self.profile.summary, context_window=spec.context_window,
-                             max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant,
-                             balanced_target=FidelityTarget.from_config(cfg), fast_min_top1=cfg.fast_min_top1,
-                             shadow=ShadowConfig(cfg.shadow_fraction, frozenset(cfg.shadow_opt_out_tenants),
-                                                 cfg.shadow_max_in_flight, cfg.shadow_window,
-                                                 cfg.shadow_min_samples, cfg.shadow_demote_s),
-                             # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
-                             decode_computes_cold=cfg.decode_engine == "vllm", served_model=self.served)
-        from cluster.control.state.watch import StoreWatch
+        from cluster.control.assembly import assemble
         from cluster.http.auth import Authenticator
         from cluster.http.body import InflightLimiter
-        self.store_watch = StoreWatch(self.state, self.router.metrics, cfg.state_probe_s)
+        from kvruntime.fidelity.profiles import calibration_line
+        from kvruntime.telemetry import listen_host, start_exporter
+
+        request_log.install(worker=True)     # every log line of a request carries its id
+        self.cfg = cfg
+        heap.configure()            # large bodies go back to the system when freed (cluster.http.heap)
+        built = assemble(cfg)       # the router and its collaborators (cluster.control.assembly)
+        self.router, self.state, self.store_watch = built.router, built.state, built.store_watch
+        self.profile, self.served = built.profile, built.served
         self.auth = Authenticator(self.state, enabled=cfg.auth, default_tenant=cfg.tenant,
                                   trusted_proxies=cfg.trusted_proxies, cache_s=cfg.auth_cache_s)
         self.limits = RequestLimits.from_config(cfg)
         self.inflight = InflightLimiter(cfg.max_inflight_per_tenant)
-        for info in backends.ready:
-            self.router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
-        from kvruntime.telemetry import listen_host, start_exporter
-        self.router.metrics.set_tenant_labels(cfg.metrics_tenants)
         self.process = f"router-{_replica_id()}"
         self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.bind_host))
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
         (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.model))
         log.info("router up: model %s (%s), edit plans by %s; compose by fidelity target: %s", self.served,
-                 spec.name, self.router.edit_choice, self.router.fidelity["compose"])
+                 self.router.renderer.spec.name, self.router.edit_choice, self.router.fidelity["compose"])
 
     def _announce(self) -> None:
         """Every TARGET_REFRESH_S: refresh this replica's target and the state-size gauges."""
@@ -174,7 +146,8 @@ class RouterIngress:
         every failure becomes an OpenAI-shaped error carrying the request id."""
         clock = stage_clock.StageClock()         # explain.control: this request's control-path laps
         stage_clock.CLOCK.set(clock)
-        rid = _new_rid()
+        rid, echo = request_id(request.headers)  # the one id of this request (cluster.http.ids)
+        request_log.REQUEST_ID.set(rid)          # on every log line of it, here and in the actors
         tenant = None
         acct = request_metrics.begin_request()   # the router marks it when it counts the final status
         try:
@@ -182,7 +155,7 @@ class RouterIngress:
             acct["tenant"] = tenant
             self.inflight.acquire(tenant)
         except Exception as exc:
-            return self._counted(error_response(exc, rid), acct)
+            return _with_id(self._counted(error_response(exc, rid), acct), rid, echo)
         clock.lap("http_auth")
         streaming = False
         try:
@@ -199,7 +172,7 @@ class RouterIngress:
                 self.inflight.release(tenant)
         if body and int(request.headers.get("content-length") or 0) >= heap.LARGE_BODY_BYTES and resp.background is None:
             resp.background = BackgroundTask(anyio.to_thread.run_sync, heap.trim)    # once the response is sent
-        return resp if streaming else self._counted(resp, acct)
+        return _with_id(resp if streaming else self._counted(resp, acct), rid, echo)
 
     def _counted(self, resp: Response, acct: dict) -> Response:
         """Count a request the router did not (it never reached a plan: auth, limits, bad input,
@@ -233,7 +206,7 @@ class RouterIngress:
     async def ready(self) -> JSONResponse:
         """Ready for traffic: start-up finished (this replica is constructed and its first health
         sweep is done) and the state store answers (503 while it does not)."""
-        sweeps = getattr(self.router.backends, "health_sweeps", 1)
+        sweeps = self.router.backends.health_sweeps
         store = self.store_watch.snapshot()
         ok = sweeps > 0 and store["up"]
         return JSONResponse({"ready": ok, "model": self.served, "health_sweeps": sweeps, "state_store": store},
@@ -262,7 +235,8 @@ class RouterIngress:
                 self.auth.tenant(request.headers, request.client.host if request.client else None)
             announced = self.state.targets(time.time(), TARGET_TTL_S)
         except (RequestError, StateStoreUnavailable) as exc:
-            return error_response(exc, _new_rid())
+            rid, echo = request_id(request.headers)
+            return _with_id(error_response(exc, rid), rid, echo)
         groups = [{"targets": [addr], "labels": {"kvnotes_role": "router", "kvnotes_process": name}}
                   for name, addr in announced.items()]
         for role, workers in self.router.view.workers.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from dataclasses import dataclass
 
 from cluster.control.errors import RequestError
 from cluster.control.limits import RequestLimits, check_name, check_text
@@ -277,3 +278,50 @@ def chat_messages(body: dict, limits: RequestLimits) -> list[dict]:
             msg["tool_call_id"] = m["tool_call_id"][:128]
         out.append(msg)
     return out
+
+
+@dataclass(frozen=True)
+class NativeRequest:
+    """A ``/v1/notes/completions`` body, validated once (:func:`native_request`)."""
+    policy: str | None
+    stream: bool
+    explain: bool
+    segments: list
+    session: str | None
+    sampling: SamplingParams
+    edit: str
+    deadline_s: float | None
+
+
+def native_request(body: dict, limits: RequestLimits, *, model: str, vocab: int) -> NativeRequest:
+    """Every check of a native body, in one pass; the value goes on to the router as is."""
+    policy, stream, explain = common_options(body, model)
+    segments, session = native_body(body, limits)
+    return NativeRequest(policy, stream, explain, segments, session,
+                         sampling_from(body, default_max_tokens=64, limits=limits, vocab=vocab),
+                         edit_strategy(body), deadline_s(body))
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A ``/v1/completions`` or ``/v1/chat/completions`` body, validated once (:func:`openai_request`):
+    ``messages`` (chat) or ``prompt`` (a string or token ids) is set."""
+    policy: str | None
+    stream: bool
+    explain: bool
+    include_usage: bool
+    sampling: SamplingParams
+    deadline_s: float | None
+    n: int = 1                                  # independent choices (``choices``)
+    messages: list | None = None
+    prompt: str | list | None = None
+
+
+def openai_request(body: dict, limits: RequestLimits, *, model: str, vocab: int, chat: bool) -> OpenAIRequest:
+    """Every check of an OpenAI body, in one pass."""
+    policy, stream, explain = common_options(body, model)
+    logprobs, include_usage = openai_extras(body, chat=chat)
+    sampling = sampling_from(body, default_max_tokens=16, limits=limits, vocab=vocab, logprobs=logprobs)
+    return OpenAIRequest(policy, stream, explain, include_usage, sampling, deadline_s(body), n=choices(body, limits),
+                         messages=chat_messages(body, limits) if chat else None,
+                         prompt=None if chat else completions_prompt(body, limits))

@@ -1,0 +1,77 @@
+"""The composition root of the control plane: a :class:`~cluster.control.router.Router` and its
+collaborators (Ray backends, the state store, the renderer, the fidelity profile and targets,
+the shadow checks, the store watch) built from one :class:`ClusterConfig`. The HTTP ingress
+(``cluster.http.serve_app``) only calls :func:`assemble` and serves what it returns; a script
+or a test driving the router without HTTP calls it too (inside a Ray job whose workers are up).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvruntime.messages.config import ClusterConfig
+
+if TYPE_CHECKING:
+    from cluster.control.ray_backends import RayBackends
+    from cluster.control.router import Router
+    from cluster.control.state import StateStore
+    from cluster.control.state.watch import StoreWatch
+    from kvruntime.fidelity.profiles import Profile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Assembly:
+    """What :func:`assemble` built: the router and what the ingress serves beside it."""
+    router: "Router"
+    backends: "RayBackends"
+    state: "StateStore"
+    store_watch: "StoreWatch"
+    profile: "Profile"
+    served: str                 # the API's ``model`` (clients send and see it)
+
+
+def assemble(cfg: ClusterConfig) -> Assembly:
+    """Open the state store, find the named worker actors, load the tokenizer and the model's
+    fidelity profile, and build the router over them (its health thread started)."""
+    import transformers
+
+    from cluster.control.compose_choice import FidelityTarget
+    from cluster.control.ray_backends import RayBackends
+    from cluster.control.registry import Registry
+    from cluster.control.render import Renderer
+    from cluster.control.router import Router
+    from cluster.control.shadow import ShadowConfig
+    from cluster.control.state import StoreLimits, open_state
+    from cluster.control.state.watch import StoreWatch
+    from kvruntime.checkpoint import ensure_checkpoint
+    from kvruntime.fidelity.profiles import find_profile
+    from kvruntime.models import get_model_spec
+
+    spec = get_model_spec(cfg.model)
+    ckpt = ensure_checkpoint(spec)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    # keyed by what the weights are (a checkpoint's content hash), not by the config's path
+    profile = find_profile(spec, cfg.profiles_dir)
+    served = cfg.served_name(spec.name)      # the API's `model`; KV and profiles use spec.name
+    backends = RayBackends.from_names(cfg)
+    state = open_state(cfg.resolved_state_url, StoreLimits(cfg.session_ttl_s, cfg.session_max, cfg.prompt_index_ttl_s,
+                                                           cfg.prompt_index_max, cfg.state_timeout_s))
+    router = Router(backends, Renderer(tok, spec, Registry(state), tok.bos_token_id), state,
+                    spec.name if spec.checkpoint else ckpt.name, cfg.dtype,   # = engine.model_id
+                    default_policy=cfg.default_policy, seam_tokens=cfg.seam_tokens,
+                    fidelity_summary=profile.summary, context_window=spec.context_window,
+                    max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant,
+                    balanced_target=FidelityTarget.from_config(cfg), fast_min_top1=cfg.fast_min_top1,
+                    shadow=ShadowConfig(cfg.shadow_fraction, frozenset(cfg.shadow_opt_out_tenants),
+                                        cfg.shadow_max_in_flight, cfg.shadow_window,
+                                        cfg.shadow_min_samples, cfg.shadow_demote_s),
+                    # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
+                    decode_computes_cold=cfg.decode_engine == "vllm", served_model=served)
+    for info in backends.ready:
+        router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
+    router.metrics.set_tenant_labels(cfg.metrics_tenants)
+    watch = StoreWatch(state, router.metrics, cfg.state_probe_s)
+    return Assembly(router, backends, state, watch, profile, served)
