@@ -33,11 +33,8 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from prometheus_client import Counter, Gauge
-
 from cluster.control.errors import RequestError
-
-SHED_REASONS = ("tenant_over_share", "queue_full", "deadline")
+from cluster.control.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -84,7 +81,7 @@ def first_token() -> None:
 
 
 class Admission:
-    def __init__(self, cfg: AdmissionConfig, registry=None, clock=time.monotonic):
+    def __init__(self, cfg: AdmissionConfig, metrics: Metrics | None = None, clock=time.monotonic):
         self.cfg, self.clock = cfg, clock
         self._lock = threading.Lock()
         self.queued: dict[str, int] = {}      # tenant -> admitted, not yet at the first token
@@ -92,18 +89,9 @@ class Admission:
         self.interval: float | None = None    # EWMA seconds between first tokens while busy
         self._mark: float | None = None       # last departure (or start of the busy period)
         self._seen: dict[str, float] = {}     # tenant -> last admit attempt
-        kw = {"registry": registry} if registry is not None else {}
-        self.shed = Counter("kvnotes_shed_total", "Generation requests refused at admission before any work, by "
-                            "reason (tenant_over_share: 429; queue_full, deadline: 503), each with Retry-After",
-                            ["reason"], **kw)
-        for r in SHED_REASONS:
-            self.shed.labels(r)               # zeros: the first shed is an increase rate() sees
-        self.depth = Gauge("kvnotes_admission_queue_depth", "Requests this router replica admitted that have not "
-                           "reached their first token", **kw)
-        self.wait = Gauge("kvnotes_admission_predicted_wait_seconds", "Predicted queue wait of the next request at "
-                          "this router replica (queue depth x measured service interval)", **kw)
-        self.service = Gauge("kvnotes_admission_service_interval_seconds", "Measured seconds between first tokens "
-                             "while requests queue (EWMA): the inverse of this replica's service rate", **kw)
+        m = metrics or Metrics()
+        self.shed, self.depth = m.shed, m.admission_depth
+        self.wait, self.service = m.admission_wait, m.admission_interval
 
     # ---- decisions ------------------------------------------------------------------------
     def admit(self, tenant: str, deadline_s: float | None = None) -> Ticket:

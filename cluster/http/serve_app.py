@@ -151,7 +151,7 @@ class RouterIngress:
         self.limits = RequestLimits.from_config(cfg)
         self.inflight = InflightLimiter(cfg.max_inflight_per_tenant)
         self.admission = admission_queue.Admission(admission_queue.AdmissionConfig.from_config(cfg),
-                                                   self.router.metrics.registry)
+                                                   self.router.metrics)
         for info in backends.ready:
             self.router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
