@@ -88,30 +88,29 @@ class HealthMonitor(threading.Thread):
         for ref in done:
             path, key = paths[ref]
             (self.calls if path == "own" else self.fresh).pop(key, None)
-            if path == "fresh":
+            if self._answer(key, ref, path) and path == "fresh":
                 self.calls.pop(key, None)       # a stuck own call is forgotten: the next round asks afresh
-            self._answer(key, ref, path)
         now = time.monotonic()
         for key, (ref, t) in list(self.fresh.items()):
             if now - t > 2 * self.timeout_s:     # the prober's own wait ends at timeout_s: it is stuck too
                 self.fresh.pop(key)
-                self.calls.pop(key, None)
                 b.view.mark(*key, False, f"no health answer within {self.timeout_s:g} s on either path")
         b.health_sweeps += 1
         self._publish()
 
-    def _answer(self, key: tuple[str, int], ref, path: str) -> None:
+    def _answer(self, key: tuple[str, int], ref, path: str) -> bool:
+        """Apply one health answer; True when the worker answered."""
         b = self.backends
         role, i = key
         try:
             info = ray.get(ref)
         except ACTOR_LOST as exc:
             b.view.mark(role, i, False, f"health: {type(exc).__name__}")
-            return
+            return False
         except Exception as exc:       # health() raised, or the fresh path got no answer either
             why = "no health answer on either path" if path == "fresh" else f"health() raised {type(exc).__name__}"
             b.view.mark(role, i, False, f"{why}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}")
-            return
+            return False
         restarted = b.view.workers[role][i].pid not in (None, info.get("pid"))
         b.view.workers[role][i].pid = info.get("pid")
         b.view.workers[role][i].metrics = info.get("metrics")
@@ -123,7 +122,7 @@ class HealthMonitor(threading.Thread):
                              timeout=self.timeout_s)
             except Exception as exc:
                 b.view.mark(role, i, False, f"endpoint refresh failed: {type(exc).__name__}")
-                return
+                return False
             log.warning("decode-%d restarted: KV endpoint %s -> %s", i, b.addresses[i], ep.grpc_address)
             b.endpoints[i], b.addresses[i] = ep, ep.grpc_address
         if role == "prefill":
@@ -131,6 +130,7 @@ class HealthMonitor(threading.Thread):
         if path == "fresh" and b.view.is_alive(role, i):
             log.info("%s-%d answered on the fresh health path (this replica's own call is overdue)", role, i)
         b.view.mark(role, i, True)
+        return True
 
     def run(self) -> None:
         while not self.stopped.is_set():
