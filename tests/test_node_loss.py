@@ -52,7 +52,7 @@ def nodes(tmp_path_factory):
                         prefill=WorkerConfig(count=2, num_cpus=1, custom_resource=True),
                         decode=WorkerConfig(count=2, num_cpus=1, custom_resource=True),
                         health_period_s=0.5, health_timeout_s=3.0, worker_max_restarts=5,
-                        request_retries=2, decode_migrations=2, max_queue_wait_s=120.0,
+                        request_retries=2, decode_migrations=2, max_queue_wait_s=600.0,
                         kv_transport="grpc", decode_prefix_cache_bytes=0)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:

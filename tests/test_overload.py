@@ -85,6 +85,10 @@ def _alive_by_replica(http, role: str = "decode") -> list[float]:
     return [metric(t, "kvnotes_workers_alive", role=role) for t in texts]
 
 
+def _alive(h: dict, name: str) -> bool:
+    return next(w for w in h["workers"]["decode"]["workers"] if w["name"] == name)["alive"]
+
+
 def test_overload_is_shed_with_retry_after_and_every_request_is_counted(cluster):
     cfg, http = cluster
     body = body_of(120, 4)

@@ -40,9 +40,9 @@ from cluster.control.metrics import Metrics
 @dataclass(frozen=True)
 class AdmissionConfig:
     enabled: bool = True
-    max_queue_wait_s: float = 10.0
+    max_queue_wait_s: float = 30.0
     tenant_window_s: float = 10.0
-    cold_queue: int = 8
+    cold_queue: int = 64
     ewma_alpha: float = 0.2
 
     @staticmethod

@@ -104,9 +104,9 @@ class ClusterConfig:
     # and refuses at once what would wait longer than this (or than the request's own deadline_s):
     # 429 when the tenant is over its share of the queue, 503 when the cluster is full, both with Retry-After
     admission: bool = True
-    max_queue_wait_s: float = 10.0
+    max_queue_wait_s: float = 30.0
     admission_tenant_window_s: float = 10.0    # a tenant seen this recently holds a share of the queue
-    admission_cold_queue: int = 8              # queue bound before the first service time is measured
+    admission_cold_queue: int = 64             # queue bound before the first service time is measured
     admission_ewma_alpha: float = 0.2          # weight of the newest service-interval sample
     router_max_ongoing_requests: int = 256     # Serve's per-replica concurrency (must exceed max_inflight_per_tenant)
     router_max_queued_requests: int = 64       # Serve's own queue in front of the replicas (its 503 past that)
