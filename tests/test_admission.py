@@ -96,3 +96,15 @@ def test_disabled_admits_everything():
     for _ in range(50):
         adm.admit("a")
     assert adm.total == 0
+
+
+def test_a_stall_without_first_tokens_raises_the_predicted_wait_at_once():
+    adm, clock, m = _adm()
+    _measure(adm, clock, 1.0)
+    adm.admit("a")
+    adm.admit("a")
+    adm.admit("a")                                  # 2 ahead x 1 s: within 4 s
+    clock.t += 3                                    # no first token for 3 s
+    with pytest.raises(RequestError) as e:
+        adm.admit("a")                              # 3 ahead x 3 s > 4 s
+    assert e.value.status == 503

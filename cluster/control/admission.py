@@ -4,7 +4,8 @@ Each router replica keeps its own queue: generation requests admitted and not ye
 token. It measures how fast that queue drains: the seconds between successive first tokens while
 the queue is not empty (an EWMA, ``admission_ewma_alpha``; with P workers busy that is about a
 P-th of one request's service time, so it is the replica's measured service rate whatever the
-role that limits it). A new request's predicted wait is ``queued x interval``; when it exceeds its
+role that limits it; while no first token comes for longer than that, the time since the last one
+is used instead, so a stall shows at once). A new request's predicted wait is ``queued x interval``; when it exceeds its
 budget (``max_queue_wait_s``, or less: the request's own ``deadline_s``) the request is refused
 before any work with
 
@@ -106,6 +107,8 @@ class Admission:
                 del self._seen[t]
             active = max(1, len(self._seen))
             mine, ahead, iv = self.queued.get(tenant, 0), self.total, self.interval
+            if iv is not None and self._mark is not None:
+                iv = max(iv, now - self._mark)    # no first token for longer than that: the service slowed
             budget = self.cfg.max_queue_wait_s if deadline_s is None else min(self.cfg.max_queue_wait_s, deadline_s)
             if iv is None:                    # nothing measured yet: a bounded queue
                 slots, wait, drain = float(self.cfg.cold_queue), 0.0, 1.0
