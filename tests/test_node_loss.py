@@ -36,12 +36,28 @@ def _wait(pred, timeout_s: float, what: str, every: float = 0.5):
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
+def _start_nodes():
+    """A head (no CPUs: the router and Serve only) + two worker nodes; one more attempt when a node
+    does not come up on the loaded machine (as tests/test_multinode.py), each failed one shut down."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in (1, 2):
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+        try:
+            a = c.add_node(**WORKER_NODE)
+            c.add_node(**WORKER_NODE)
+            c.wait_for_nodes(timeout=180)
+            return c, a
+        except Exception:  # a node that did not come up: this cluster is stopped, then retried once
+            c.shutdown()
+            if attempt == 2:
+                raise
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
-
     from cluster.ops.launcher import start, stop
     from kvruntime.messages.config import ClusterConfig, WorkerConfig
 
@@ -54,11 +70,8 @@ def nodes(tmp_path_factory):
                         health_period_s=0.5, health_timeout_s=3.0, worker_max_restarts=5,
                         request_retries=2, decode_migrations=2, max_queue_wait_s=600.0,
                         kv_transport="grpc", decode_prefix_cache_bytes=0)
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    c, a = _start_nodes()
     try:
-        a = c.add_node(**WORKER_NODE)
-        c.add_node(**WORKER_NODE)
-        c.wait_for_nodes(timeout=180)
         ray.init(address=c.address, namespace="kvnotes", log_to_driver=False)
         serve.start(proxy_location="HeadOnly", http_options={"host": cfg.host, "port": cfg.port})
         start(cfg)
