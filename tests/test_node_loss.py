@@ -41,16 +41,17 @@ def _start_nodes():
     does not come up on the loaded machine (as tests/test_multinode.py), each failed one shut down."""
     from ray.cluster_utils import Cluster
 
-    for attempt in (1, 2):
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for attempt in (1, 2, 3):
+        c = Cluster()
         try:
+            c.add_node(num_cpus=0, include_dashboard=False)         # the head
             a = c.add_node(**WORKER_NODE)
             c.add_node(**WORKER_NODE)
             c.wait_for_nodes(timeout=180)
             return c, a
         except Exception:  # a node that did not come up: this cluster is stopped, then retried once
             c.shutdown()
-            if attempt == 2:
+            if attempt == 3:
                 raise
 
 
