@@ -93,9 +93,15 @@ def nodes(tmp_path_factory):
 
 
 def _actor_nodes() -> dict[str, str]:
-    from ray.util.state import list_actors
-    return {a.name: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.name and a.name.split("-")[0] in ("prefill", "decode")}
+    """Worker actor name -> the Ray node it runs on (each actor's own ready() answer)."""
+    import ray
+
+    from cluster.control.ray_backends import NAMESPACE
+    out = {}
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        info = ray.get(ray.get_actor(name, namespace=NAMESPACE).ready.remote(), timeout=120)
+        out[name] = info["node_id"]
+    return out
 
 
 def _stream(client: httpx.Client, i: int, first: threading.Event) -> dict:
