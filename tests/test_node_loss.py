@@ -99,7 +99,10 @@ def _actor_nodes() -> dict[str, str]:
     from cluster.control.ray_backends import NAMESPACE
     out = {}
     for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
-        info = ray.get(ray.get_actor(name, namespace=NAMESPACE).ready.remote(), timeout=120)
+        try:
+            info = ray.get(ray.get_actor(name, namespace=NAMESPACE).ready.remote(), timeout=120)
+        except Exception:      # restarting (or not placed yet): not on any node now
+            continue
         out[name] = info["node_id"]
     return out
 
