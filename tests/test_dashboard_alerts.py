@@ -132,7 +132,7 @@ def _run(*args: str) -> str:
 
 def test_promtool_check_config_loads_the_rules():
     out = _run(PROMTOOL, "check", "config", "deploy/prometheus.yml")
-    assert "1 rule files found" in out and "8 rules found" in out
+    assert "1 rule files found" in out and "9 rules found" in out
 
 
 def test_promtool_check_rules():
@@ -152,7 +152,7 @@ def test_alert_rules_are_complete_and_wired():
     alerts = _alerts()
     assert set(alerts) == {"KvnotesTTFTP90High", "KvnotesFallbackRateHigh", "KvnotesRetryRateHigh",
                            "KvnotesFidelityAgreementLow", "KvnotesExactOperationDisagreed", "KvnotesNoLiveWorker",
-                           "KvnotesRemoteTierDown", "KvnotesStateStoreDown"}
+                           "KvnotesRemoteTierDown", "KvnotesStateStoreDown", "KvnotesShedding"}
     for name, rule in alerts.items():
         assert re.fullmatch(r"\d+[smh]", rule["for"]), name
         assert rule["labels"]["severity"] in ("warning", "critical"), name

@@ -114,6 +114,34 @@ def test_worker_lost_before_first_token_is_retried_on_the_other_and_counted(smol
     assert metric(text, "kvnotes_requests_total", status="ok") == 1
 
 
+class PrefillLostBackends(LocalBackends):
+    """Two prefill 'workers' over one real executor; prefill-0 dies on its first call."""
+
+    def __init__(self, engine):
+        super().__init__(engine, GrpcTransport())
+        self.num_prefill, self.view, self.prefill_calls = 2, WorkerView(2, 1), []
+
+    async def prefill(self, index, plan, decode_index, transfer_id, store_as, *, credential, send_from=0):
+        self.prefill_calls.append(index)
+        if index == 0:
+            self.view.mark("prefill", 0, False, "killed")
+            raise WorkerLost("prefill", 0, "ActorDiedError")
+        return await super().prefill(index, plan, decode_index, transfer_id, store_as, credential=credential,
+                                     send_from=send_from)
+
+
+def test_a_prefill_worker_lost_before_the_first_token_is_counted_as_a_prefill_retry(smol, tmp_path):
+    b = PrefillLostBackends(smol)
+    r = _router(smol, tmp_path, b)
+    b.view.begin("prefill", 1, 100)                        # prefill-0 is the least loaded: picked first
+    toks, fin = asyncio.run(_run(r))
+    assert fin is not None and toks and b.prefill_calls == [0, 1]
+    text = r.metrics.render().decode()
+    assert metric(text, "kvnotes_retries_total", role="prefill", reason="lost_before_first_token") == 1
+    assert metric(text, "kvnotes_retries_total", role="decode") == 0
+    assert metric(text, "kvnotes_requests_total", status="ok", outcome="ok") == 1
+
+
 def test_worker_lost_mid_stream_continues_on_the_other_worker_as_if_undisturbed(smol, tmp_path):
     ref_toks, ref = asyncio.run(_run(_router(smol, tmp_path, FlakyBackends(smol, lose={})), max_tokens=8))
     assert len(ref_toks) == 8 and ref.summary.finish_reason == "length"

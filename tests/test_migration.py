@@ -127,6 +127,9 @@ def migration_cluster(tmp_path_factory, local_ray):
     cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
                         prefill=WorkerConfig(count=1), decode=WorkerConfig(count=2), decode_migrations=1,
                         health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5,
+                        # bursts of 16-32 streams queue past the default admission budget on this
+                        # 2-core machine: admitted all the same (tests/test_overload.py covers shedding)
+                        max_queue_wait_s=600.0,
                         # the reference run and the disturbed run build each prompt's KV the same way
                         # (prefill, or its tier copy): a decode-held prefix would compute the rest in
                         # other chunks, whose fp32 rounding can flip a greedy near-tie on its own

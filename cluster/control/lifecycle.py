@@ -18,9 +18,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
+from cluster.control import admission
 from cluster.control.cancel import prefill_or_cancel
 from cluster.control.errors import RequestError
-from cluster.control.metrics import CACHED_SOURCES, Metrics, note_plan, prompt_sources
+from cluster.control.metrics import CACHED_SOURCES, Metrics, note_first_token, note_plan, prompt_sources
 from cluster.control.migration import DecodeStream
 from cluster.control.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
@@ -165,6 +166,8 @@ class RequestRunner:
                         if isinstance(ev, TokenEvent):
                             if ttft is None:           # observed below, labelled with what executed
                                 ttft = time.perf_counter() - t0
+                                admission.first_token()     # out of the admission queue (a service sample)
+                                note_first_token()
                                 if clock is not None:
                                     lap(clock, "decode_call")
                                     clock.first_token = time.perf_counter()
@@ -221,6 +224,7 @@ class RequestRunner:
         kind = plan.kind.value
         if ttft is None:                           # no token at all (immediate EOS): TTFT is the whole call
             ttft = time.perf_counter() - t0
+            admission.first_token()
         # what executed: a fallback that recomputed the prefix (a missing chunk, a refused or lost
         # block) makes the request a recompute, whatever was planned
         executed = "recompute" if any(f not in STORE_ONLY_FALLBACKS for f in fallbacks) else kind

@@ -87,12 +87,36 @@ def note_plan(kind: str) -> None:
         acct["plan"] = kind
 
 
+def note_first_token() -> None:
+    """The current request's first token is out (a cancel after it is ``cancelled_after_first_token``)."""
+    acct = REQUEST_ACCOUNT.get()
+    if acct is not None:
+        acct["first_token"] = True
+
+
+# status label -> outcome label of kvnotes_requests_total (anything else: error)
+_OUTCOMES = {"ok": "ok", "shed": "shed", "deadline": "timed_out", "client_error": "rejected", "unauthorized": "rejected",
+             "forbidden": "rejected", "not_found": "rejected", "too_large": "rejected", "rate_limited": "rejected"}
+OUTCOMES = ("ok", "error", "rejected", "shed", "timed_out", "cancelled_before_first_token",
+            "cancelled_after_first_token")
+
+
+def outcome_of(status: str, acct: dict | None) -> str:
+    """The ``outcome`` of a request counted with ``status``: ok, error (the server's), rejected (the
+    caller's mistake or its in-flight limit), shed (refused at admission: cluster.control.admission),
+    timed_out (its deadline passed), cancelled before / after its first token (the client left)."""
+    if status == "cancelled":
+        return "cancelled_after_first_token" if (acct or {}).get("first_token") else "cancelled_before_first_token"
+    return _OUTCOMES.get(status, "error")
+
+
 def status_label(code: int) -> str:
     """HTTP status -> the ``status`` label of ``kvnotes_requests_total``."""
     if 200 <= code < 300:
         return "ok"
     return _STATUS_BY_CODE.get(code, "client_error" if 400 <= code < 500 else "error")
 
+SHED_REASONS = ("tenant_over_share", "queue_full", "deadline")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16)
 
@@ -103,9 +127,11 @@ class Metrics:
         self.tenant_labels: frozenset[str] = frozenset()     # config metrics_tenants
         self.ttft = Histogram("kvnotes_ttft_seconds", "Time to first token, by plan kind", ["plan"],
                               buckets=_TTFT_BUCKETS, registry=r)
-        self.requests = Counter("kvnotes_requests_total", "Requests by the plan that executed, final status and "
-                                "the first fallback taken, per tenant where configured (every request once)",
-                                ["plan", "status", "fallback", "tenant"],
+        self.requests = Counter("kvnotes_requests_total", "Requests by the plan that executed, final status, "
+                                "the first fallback taken, per tenant where configured, and outcome (ok, error, "
+                                "rejected, shed, timed_out, cancelled_before_first_token, "
+                                "cancelled_after_first_token): every request once",
+                                ["plan", "status", "fallback", "tenant", "outcome"],
                                 registry=r)
         self.prompt_tokens = Counter("kvnotes_prompt_tokens_total",
                                      "Prompt tokens by where their KV came from", ["source"], registry=r)
@@ -176,6 +202,20 @@ class Metrics:
                                         "(response_format or tool parameters)", registry=r)
         for kind in ("json_object", "json_schema", "tool_auto", "tool_required", "tool_named"):
             self.constrained.labels(kind)
+        # admission control (cluster.control.admission)
+        self.shed = Counter("kvnotes_shed_total", "Generation requests refused at admission before any work, by "
+                            "reason (tenant_over_share: 429; queue_full, deadline: 503), each with Retry-After",
+                            ["reason"], registry=r)
+        self.admission_depth = Gauge("kvnotes_admission_queue_depth", "Requests this router replica admitted that "
+                                     "have not reached their first token", registry=r)
+        self.admission_wait = Gauge("kvnotes_admission_predicted_wait_seconds", "Predicted queue wait of the next "
+                                    "request at this router replica (queue depth x measured service interval)",
+                                    registry=r)
+        self.admission_interval = Gauge("kvnotes_admission_service_interval_seconds", "Measured seconds between "
+                                        "first tokens while requests queue (EWMA): the inverse of this replica's "
+                                        "service rate", registry=r)
+        for reason in SHED_REASONS:
+            self.shed.labels(reason)                # zeros: the first shed is an increase rate() sees
         for src in PROMPT_SOURCES:
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
         for reason in KNOWN_FALLBACKS:
@@ -198,9 +238,9 @@ class Metrics:
         self.tenant_labels = frozenset(tenants)
         for plan in PLAN_KINDS:
             for t in (*sorted(self.tenant_labels), "other", "none"):
-                self.requests.labels(plan, "ok", "", t)
+                self.requests.labels(plan, "ok", "", t, "ok")
 
-    def count_request(self, plan: str, status: str, fallback: str = "") -> None:
+    def count_request(self, plan: str, status: str, fallback: str = "", outcome: str | None = None) -> None:
         """The one place a request's final status is counted; marks the current HTTP request.
         The tenant label is the request's tenant only for those named in ``tenant_labels``
         (config ``metrics_tenants``: bounded cardinality), "other" for the rest, "none" before
@@ -208,7 +248,7 @@ class Metrics:
         acct = REQUEST_ACCOUNT.get()
         tenant = (acct or {}).get("tenant")
         label = "none" if tenant is None else (tenant if tenant in self.tenant_labels else "other")
-        self.requests.labels(plan, status, fallback, label).inc()
+        self.requests.labels(plan, status, fallback, label, outcome or outcome_of(status, acct)).inc()
         if acct is not None:
             acct["counted"] = True
 

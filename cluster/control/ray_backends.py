@@ -16,6 +16,7 @@ import ray
 
 from cluster.control.backends import Backends
 from cluster.control.health import ACTOR_LOST, HEALTH_GROUP, HealthMonitor
+from cluster.control.probe import PROBE_GROUP
 from cluster.control.routing import FaultPolicy, WorkerLost, WorkerView
 from kvruntime.messages.config import ClusterConfig, WorkerConfig
 from decode_workers.actor import DecodeWorker
@@ -46,7 +47,7 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
     and the resources they wait for."""
     # PYTHONHASHSEED: LMCache falls back to Python's hash() without vLLM; fix it so keys agree across processes
     env = {"env_vars": {"LMCACHE_TRACK_USAGE": "false", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}}
-    groups = {HEALTH_GROUP: 1}
+    groups = {HEALTH_GROUP: 1, PROBE_GROUP: 1}
     key = tier_key_of(cfg)
     pre = [ray.remote(concurrency_groups=groups)(PrefillWorker)
            .options(runtime_env=env, **_options(cfg, cfg.prefill, "prefill", f"prefill-{i}")).remote(cfg, i, key)

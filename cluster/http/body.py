@@ -98,7 +98,7 @@ class InflightLimiter:
                 if self.on_reject:
                     self.on_reject(tenant)
                 raise RequestError(429, f"too many requests in flight for this tenant (limit {self.limit}); "
-                                        "retry when one finishes", code="rate_limit_exceeded")
+                                        "retry when one finishes", code="rate_limit_exceeded", retry_after=1.0)
             self._n[tenant] = n + 1
 
     def release(self, tenant: str) -> None:

@@ -7,6 +7,7 @@ is a 500 whose message holds only that id (the details are logged under it)."""
 from __future__ import annotations
 
 import logging
+import math
 
 from starlette.responses import JSONResponse
 
@@ -41,6 +42,8 @@ def error_response(exc: BaseException, request_id: str | None) -> JSONResponse:
     else:
         log.error("request %s: internal error", request_id, exc_info=exc)
         r = JSONResponse(internal_error_json(request_id), status_code=500)
+    if isinstance(exc, RequestError) and exc.retry_after is not None:
+        r.headers["retry-after"] = str(max(1, math.ceil(exc.retry_after)))
     if isinstance(exc, RequestError) and exc.status == 401:
         r.headers["www-authenticate"] = "Bearer"
     return r

@@ -24,7 +24,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.http import api, heap
+from cluster.http import api, heap, validate
+from cluster.control import admission as admission_queue    # a module reference, as below
 from cluster.control.errors import RequestError
 from cluster.control import lifecycle as stage_clock      # a module reference, as above
 from cluster.control.state import StateStoreUnavailable
@@ -95,8 +96,17 @@ def _with_id(resp: Response, rid: str, set_header: bool) -> Response:
     return resp
 
 
-@serve.deployment(name="kvnotes-router", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                  max_ongoing_requests=64)
+def _deadline(body) -> float | None:
+    """The request's own ``deadline_s`` for admission (an invalid one is the handler's 400)."""
+    try:
+        return validate.deadline_s(body) if isinstance(body, dict) else None
+    except RequestError:
+        return None
+
+
+# max_ongoing_requests / max_queued_requests: from the config (cluster.ops.launcher), Serve's own
+# queue bounded; admission (cluster.control.admission) sheds before it fills
+@serve.deployment(name="kvnotes-router", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class RouterIngress:
     def __init__(self, cfg: ClusterConfig):
@@ -116,6 +126,8 @@ class RouterIngress:
                                   trusted_proxies=cfg.trusted_proxies, cache_s=cfg.auth_cache_s)
         self.limits = RequestLimits.from_config(cfg)
         self.inflight = InflightLimiter(cfg.max_inflight_per_tenant)
+        self.admission = admission_queue.Admission(admission_queue.AdmissionConfig.from_config(cfg),
+                                                   self.router.metrics)
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
         self.process = f"router-{_replica_id()}"
@@ -141,9 +153,10 @@ class RouterIngress:
                 log.warning("announcing the metrics target failed: %s", exc)
             time.sleep(TARGET_REFRESH_S)
 
-    async def _call(self, request: Request, handler, *, body: bool = True) -> Response:
+    async def _call(self, request: Request, handler, *, body: bool = True, admit: bool = False) -> Response:
         """Run ``handler(body, tenant, request_id)`` for an authenticated request within the limits;
-        every failure becomes an OpenAI-shaped error carrying the request id."""
+        every failure becomes an OpenAI-shaped error carrying the request id. ``admit``: a generation
+        request, admitted or shed by ``cluster.control.admission`` before any work."""
         clock = stage_clock.StageClock()         # explain.control: this request's control-path laps
         stage_clock.CLOCK.set(clock)
         rid, echo = request_id(request.headers)  # the one id of this request (cluster.http.ids)
@@ -157,17 +170,28 @@ class RouterIngress:
         except Exception as exc:
             return _with_id(self._counted(error_response(exc, rid), acct), rid, echo)
         clock.lap("http_auth")
-        streaming = False
+        streaming, ticket = False, None
         try:
             parsed = await read_json(request, self.limits) if body else None
             clock.lap("http_body")
+            if admit:
+                acct["outcome"] = "shed"              # until admitted
+                ticket = self.admission.admit(tenant, _deadline(parsed))
+                acct.pop("outcome")
+                admission_queue.TICKET.set(ticket)
             resp = await handler(parsed, tenant, rid)
             if isinstance(resp, StreamingResponse):       # the slot is held until the stream ends
                 resp.body_iterator = self._release_after(resp.body_iterator, tenant, acct)
                 streaming = True
+        except asyncio.CancelledError:        # the client left before a response: counted, once
+            if not acct["counted"]:
+                self.router.metrics.count_request(acct.get("plan", "none"), "cancelled")
+            raise
         except Exception as exc:
             resp = error_response(exc, rid)
         finally:
+            if ticket is not None:
+                ticket.release()                  # out of the admission queue (a no-op after the first token)
             if not streaming:
                 self.inflight.release(tenant)
         if body and int(request.headers.get("content-length") or 0) >= heap.LARGE_BODY_BYTES and resp.background is None:
@@ -178,7 +202,8 @@ class RouterIngress:
         """Count a request the router did not (it never reached a plan: auth, limits, bad input,
         listing and registration routes), once, by its HTTP status."""
         if not acct["counted"]:
-            self.router.metrics.count_request("none", request_metrics.status_label(resp.status_code))
+            self.router.metrics.count_request("none", request_metrics.status_label(resp.status_code),
+                                              outcome=acct.get("outcome"))
         return resp
 
     async def _release_after(self, it, tenant: str, acct: dict):
@@ -193,12 +218,15 @@ class RouterIngress:
     @app.get("/health")
     async def health(self) -> JSONResponse:
         """Liveness now: live workers per role (the router's health view), 503 when a role has none;
-        ``degraded`` (still 200) while the state store does not answer."""
+        ``degraded`` (still 200) while a role has lost any of its workers or the state store does
+        not answer. ``admission``: this replica's queue and predicted wait."""
         snap = self.router.view.snapshot()
         ok = all(v["live"] > 0 for v in snap.values())
+        whole = all(v["live"] == v["total"] for v in snap.values())
         store = self.store_watch.snapshot()
-        status = "unavailable" if not ok else "ok" if store["up"] else "degraded"
+        status = "unavailable" if not ok else "ok" if store["up"] and whole else "degraded"
         return JSONResponse({"status": status, "model": self._model_block(), "workers": snap, "state_store": store,
+                             "admission": self.admission.snapshot(),
                              "fidelity": self.router.fidelity},     # targets, chosen ops, shadow windows, demotions
                             status_code=200 if ok else 503)
 
@@ -277,16 +305,17 @@ class RouterIngress:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._call(request, lambda b, t, rid: api.openai_complete(self.router, self.limits, b, t, rid,
-                                                                               chat=False))
+                                                                               chat=False), admit=True)
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
         return await self._call(request, lambda b, t, rid: api.openai_complete(self.router, self.limits, b, t, rid,
-                                                                               chat=True))
+                                                                               chat=True), admit=True)
 
     @app.post("/v1/notes/completions")
     async def notes(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.notes_complete(self.router, self.limits, b, t, rid))
+        return await self._call(request, lambda b, t, rid: api.notes_complete(self.router, self.limits, b, t, rid),
+                                admit=True)
 
     @app.post("/v1/skills")
     async def add_skill(self, request: Request) -> Response:

@@ -29,7 +29,7 @@ DASHBOARD_JSON = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "k
 # the panels read ``<name>_bucket`` / ``_count``).
 METRICS = (
     "kvnotes_ttft_seconds",                   # histogram {plan}: the plan that executed
-    "kvnotes_requests_total",                 # counter {plan, status}: every request once
+    "kvnotes_requests_total",                 # counter {plan, status, outcome}: every request once
     "kvnotes_prompt_tokens_total",            # counter {source=reused|repositioned|erratum|decode_cache|computed}
     "kvnotes_tier_hits_total",                # counter {tier}
     "kvnotes_tier_lookups_total",             # counter {tier}, plan-time misses included
@@ -38,6 +38,10 @@ METRICS = (
     "kvnotes_fallbacks_total",                # counter {reason}
     "kvnotes_retries_total",                  # counter {role, reason}
     "kvnotes_workers_alive",                  # gauge {role}
+    "kvnotes_shed_total",                     # counter {reason}: refused at admission (cluster.control.admission)
+    "kvnotes_admission_queue_depth",          # gauge, per router replica
+    "kvnotes_admission_predicted_wait_seconds",  # gauge, per router replica
+    "kvnotes_admission_service_interval_seconds",  # gauge, per router replica
     "kvnotes_tier_remote_up",                 # gauge, 1 = the remote tier answers
     "kvnotes_rope_selftest_ok",               # gauge {worker}, 1 = the RoPE self-test passed
     "kvnotes_fidelity_agree_total",           # counter {op, metric}: shadow checks that agreed
@@ -138,6 +142,21 @@ ROWS = (
             Query("sum by (status) (rate(kvnotes_requests_total[5m]))", "{{status}}"),
         ), "Requests per second by final status: 2xx, 4xx by reason, 5xx, cancelled, deadline.",
             stacked=True),
+        Panel("Requests by outcome", "reqps", (
+            Query("sum by (outcome) (rate(kvnotes_requests_total[5m]))", "{{outcome}}"),
+        ), "Requests per second by outcome, every request once: ok, error, rejected (the caller's mistake), "
+           "shed (refused at admission), timed_out (deadline), cancelled before / after the first token "
+           "(the client left).", stacked=True),
+        Panel("Requests shed by reason", "reqps", (
+            Query("sum by (reason) (rate(kvnotes_shed_total[5m]))", "{{reason}}"),
+        ), "Generation requests refused at admission before any work: tenant_over_share (429), queue_full "
+           "and deadline (503), each with Retry-After. Alert KvnotesShedding fires above 10% of requests."),
+        Panel("Admission queue and predicted wait", "short", (
+            Query("sum(kvnotes_admission_queue_depth)", "queued (all replicas)"),
+            Query("max(kvnotes_admission_predicted_wait_seconds)", "predicted wait s (worst replica)"),
+            Query("max(kvnotes_admission_service_interval_seconds)", "s between first tokens (worst replica)"),
+        ), "Requests admitted and not yet at their first token, the predicted queue wait of the next one "
+           "(compare max_queue_wait_s) and the measured service interval it rests on."),
         Panel("Remote KV tier up", "short", (
             Query("min(kvnotes_tier_remote_up)", "remote tier up"),
         ), "1 when every process reaches the remote KV tier, 0 when any cannot.", kind="stat"),

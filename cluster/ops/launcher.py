@@ -105,8 +105,10 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     start_workers(cfg)
     log.info("workers ready in %.1f s", time.monotonic() - t)
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
-    serve.run(RouterIngress.options(num_replicas=cfg.router_replicas).bind(cfg), name="kvnotes", route_prefix="/",
-              blocking=False)
+    serve.run(RouterIngress.options(num_replicas=cfg.router_replicas,
+                                    max_ongoing_requests=cfg.router_max_ongoing_requests,
+                                    max_queued_requests=cfg.router_max_queued_requests).bind(cfg),
+              name="kvnotes", route_prefix="/", blocking=False)
 
 
 def listen_on_loopback(cfg: ClusterConfig) -> ClusterConfig:

@@ -109,6 +109,17 @@ class ClusterConfig:
     max_choices: int = 8                       # OpenAI `n`: independent samples per request, at most
     grammar_cache_entries: int = 64            # structured outputs: compiled grammars a decode worker keeps (LRU)
     max_inflight_per_tenant: int = 64          # requests one tenant may have in flight per router replica -> 429
+    # admission control (cluster.control.admission): each router replica predicts a request's queue wait
+    # (requests admitted and not yet at their first token x the measured seconds between first tokens)
+    # and refuses at once what would wait longer than this (or than the request's own deadline_s):
+    # 429 when the tenant is over its share of the queue, 503 when the cluster is full, both with Retry-After
+    admission: bool = True
+    max_queue_wait_s: float = 30.0
+    admission_tenant_window_s: float = 10.0    # a tenant seen this recently holds a share of the queue
+    admission_cold_queue: int = 64             # queue bound before the first service time is measured
+    admission_ewma_alpha: float = 0.2          # weight of the newest service-interval sample
+    router_max_ongoing_requests: int = 256     # Serve's per-replica concurrency (must exceed max_inflight_per_tenant)
+    router_max_queued_requests: int = 64       # Serve's own queue in front of the replicas (its 503 past that)
     metrics_tenants: tuple[str, ...] = ()      # tenants with their own label on kvnotes_requests_total (others: "other")
     ray_address: str | None = None             # None: start/attach local Ray; "auto" or host:port: join a cluster
     ray_auth_mode: str | None = None           # token | disabled; None: token if ~/.ray/auth_token exists (Ray 2.60)
@@ -203,6 +214,14 @@ class ClusterConfig:
                self.max_name_chars, self.max_stop, self.max_stop_chars, self.max_inflight_per_tenant,
                self.max_choices, self.grammar_cache_entries) < 1:
             raise ValueError("every max_* limit must be >= 1")
+        if self.max_queue_wait_s <= 0 or self.admission_tenant_window_s <= 0 or self.admission_cold_queue < 1 \
+                or not 0 < self.admission_ewma_alpha <= 1:
+            raise ValueError("max_queue_wait_s, admission_tenant_window_s > 0, admission_cold_queue >= 1 and "
+                             "admission_ewma_alpha in (0, 1] required")
+        if self.router_max_queued_requests < 1 or self.router_max_ongoing_requests <= self.max_inflight_per_tenant:
+            raise ValueError(f"router_max_ongoing_requests ({self.router_max_ongoing_requests}) must exceed "
+                             f"max_inflight_per_tenant ({self.max_inflight_per_tenant}) so that the 429 can fire, "
+                             "and router_max_queued_requests must be >= 1")
         if self.ray_auth_mode not in (None, "token", "disabled"):
             raise ValueError("ray_auth_mode must be token or disabled (or unset: token when ~/.ray/auth_token exists)")
         if self.worker_max_restarts < -1 or self.request_retries < 0:

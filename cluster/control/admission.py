@@ -1,0 +1,176 @@
+"""Admission control: refuse at once what cannot be served in time, instead of queueing it unseen.
+
+Each router replica keeps its own queue: generation requests admitted and not yet at their first
+token. It measures how fast that queue drains: the seconds between successive first tokens while
+the queue is not empty (an EWMA, ``admission_ewma_alpha``; with P workers busy that is about a
+P-th of one request's service time, so it is the replica's measured service rate whatever the
+role that limits it; while no first token comes for longer than that, the time since the last one
+is used instead, so a stall shows at once). A new request's predicted wait is ``queued x interval``; when it exceeds its
+budget (``max_queue_wait_s``, or less: the request's own ``deadline_s``) the request is refused
+before any work with
+
+- **429** ``tenant_over_share`` when its tenant holds more than its share of the queue: the
+  queue slots that fit in the budget divided among the tenants seen in the last
+  ``admission_tenant_window_s`` (one tenant's burst cannot take the slots of another's steady
+  traffic), also while the queue still has room;
+- **503** ``queue_full`` (the cluster is full) or ``deadline`` (the request's own deadline is
+  shorter than the predicted wait);
+
+both with ``Retry-After``: the predicted time until the queue (or the tenant's part of it) has
+drained to where the request fits. Before the first interval is measured the queue is bounded
+by ``admission_cold_queue``. Counted: ``kvnotes_shed_total{reason}``; gauges
+``kvnotes_admission_queue_depth``, ``kvnotes_admission_predicted_wait_seconds`` and
+``kvnotes_admission_service_interval_seconds``.
+
+The HTTP layer admits (``Admission.admit``) and holds the ticket in :data:`TICKET` for the
+request's task; :mod:`cluster.control.lifecycle` calls :func:`first_token`; the HTTP layer
+releases the ticket when the request ends (a request that ends without a first token leaves the
+queue without a service sample).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from cluster.control.errors import RequestError
+from cluster.control.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    enabled: bool = True
+    max_queue_wait_s: float = 30.0
+    tenant_window_s: float = 10.0
+    cold_queue: int = 64
+    ewma_alpha: float = 0.2
+
+    @staticmethod
+    def from_config(cfg) -> "AdmissionConfig":
+        return AdmissionConfig(cfg.admission, cfg.max_queue_wait_s, cfg.admission_tenant_window_s,
+                               cfg.admission_cold_queue, cfg.admission_ewma_alpha)
+
+
+class Ticket:
+    """One admitted request's place in the queue; :meth:`first_token` and :meth:`release` are
+    idempotent."""
+
+    def __init__(self, owner: "Admission | None", tenant: str):
+        self.owner, self.tenant, self.queued = owner, tenant, owner is not None
+
+    def first_token(self) -> None:
+        if self.queued:
+            self.queued = False
+            self.owner._left(self.tenant, served=True)
+
+    def release(self) -> None:
+        if self.queued:
+            self.queued = False
+            self.owner._left(self.tenant, served=False)
+
+
+#: the ticket of the request being served (set by the HTTP layer; None outside a request)
+TICKET: ContextVar[Ticket | None] = ContextVar("kvnotes_admission_ticket", default=None)
+
+
+def first_token() -> None:
+    """The current request produced its first token (or finished without one): it leaves the queue."""
+    t = TICKET.get()
+    if t is not None:
+        t.first_token()
+
+
+class Admission:
+    def __init__(self, cfg: AdmissionConfig, metrics: Metrics | None = None, clock=time.monotonic):
+        self.cfg, self.clock = cfg, clock
+        self._lock = threading.Lock()
+        self.queued: dict[str, int] = {}      # tenant -> admitted, not yet at the first token
+        self.total = 0
+        self.interval: float | None = None    # EWMA seconds between first tokens while busy
+        self._mark: float | None = None       # last departure (or start of the busy period)
+        self._seen: dict[str, float] = {}     # tenant -> last admit attempt
+        m = metrics or Metrics()
+        self.shed, self.depth = m.shed, m.admission_depth
+        self.wait, self.service = m.admission_wait, m.admission_interval
+
+    # ---- decisions ------------------------------------------------------------------------
+    def admit(self, tenant: str, deadline_s: float | None = None) -> Ticket:
+        """A ticket for a request of ``tenant``, or a :class:`RequestError` 429/503 with ``retry_after``."""
+        if not self.cfg.enabled:
+            return Ticket(None, tenant)
+        now = self.clock()
+        with self._lock:
+            self._seen[tenant] = now
+            horizon = now - self.cfg.tenant_window_s
+            for t in [t for t, s in self._seen.items() if s < horizon and not self.queued.get(t)]:
+                del self._seen[t]
+            active = max(1, len(self._seen))
+            mine, ahead, iv = self.queued.get(tenant, 0), self.total, self.interval
+            if iv is not None and self._mark is not None:
+                iv = max(iv, now - self._mark)    # no first token for longer than that: the service slowed
+            budget = self.cfg.max_queue_wait_s if deadline_s is None else min(self.cfg.max_queue_wait_s, deadline_s)
+            if iv is None:                    # nothing measured yet: a bounded queue
+                slots, wait, drain = float(self.cfg.cold_queue), 0.0, 1.0
+                full = ahead >= self.cfg.cold_queue
+            else:
+                slots, wait, drain = max(1.0, self.cfg.max_queue_wait_s / iv), ahead * iv, iv
+                full = wait > budget
+            share = max(1.0, slots / active)
+            if active > 1 and mine + 1 > share:
+                reason = "tenant_over_share"
+                retry = (mine + 1 - share) * drain * active
+            elif full:
+                reason = "queue_full" if iv is None or wait > self.cfg.max_queue_wait_s else "deadline"
+                retry = (ahead - (slots if reason == "queue_full" else budget / iv) + 1) * drain
+            else:
+                self.queued[tenant] = mine + 1
+                self.total += 1
+                if self._mark is None:
+                    self._mark = now
+                self._publish()
+                return Ticket(self, tenant)
+        self.shed.labels(reason).inc()
+        retry = max(1.0, retry)
+        if reason == "tenant_over_share":
+            raise RequestError(429, f"this tenant holds {mine} of the {ahead} requests queued at this server, over "
+                                    f"its share ({share:.0f}) while other tenants wait; retry after {retry:.0f} s",
+                               code="tenant_over_share", retry_after=retry)
+        what = (f"the predicted queue wait ({wait:.1f} s) exceeds the request's deadline_s ({budget:g} s)"
+                if reason == "deadline" else
+                f"the server is full: {ahead} requests queued, predicted wait {wait:.1f} s over the "
+                f"{self.cfg.max_queue_wait_s:g} s limit" if iv is not None else
+                f"the server is full: {ahead} requests queued before any service time was measured")
+        raise RequestError(503, f"{what}; retry after {retry:.0f} s", code="overloaded", retry_after=retry)
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+    def _left(self, tenant: str, served: bool) -> None:
+        now = self.clock()
+        with self._lock:
+            n = self.queued.get(tenant, 0) - 1
+            if n > 0:
+                self.queued[tenant] = n
+            else:
+                self.queued.pop(tenant, None)
+            self.total = max(0, self.total - 1)
+            if served and self._mark is not None:
+                sample = max(now - self._mark, 1e-4)
+                a = self.cfg.ewma_alpha
+                self.interval = sample if self.interval is None else (1 - a) * self.interval + a * sample
+                self._mark = now
+            if self.total == 0:
+                self._mark = None             # idle: the next busy period starts at its first admit
+            self._publish()
+
+    def _publish(self) -> None:
+        self.depth.set(self.total)
+        self.wait.set(self.total * (self.interval or 0.0))
+        if self.interval is not None:
+            self.service.set(self.interval)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"queued": self.total, "by_tenant": dict(self.queued), "service_interval_s": self.interval,
+                    "predicted_wait_s": self.total * (self.interval or 0.0),
+                    "max_queue_wait_s": self.cfg.max_queue_wait_s}
+

@@ -1,0 +1,110 @@
+"""Admission control (cluster.control.admission) on a fake clock: the queue wait it predicts from
+the measured interval between first tokens, 503 when full and 429 for a tenant over its share,
+both with a Retry-After from the predicted drain time, and one tenant's burst not starving another."""
+import pytest
+
+from cluster.control.admission import Admission, AdmissionConfig
+from cluster.control.errors import RequestError
+from cluster.control.metrics import Metrics
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _adm(**kw):
+    clock = Clock()
+    m = Metrics()
+    return Admission(AdmissionConfig(**{"max_queue_wait_s": 4.0, "cold_queue": 3, **kw}), m, clock), clock, m
+
+
+def _measure(adm, clock, interval=1.0, n=3):
+    """Serve n requests back to back, one first token every ``interval`` seconds."""
+    clock.t += 60          # earlier tenants leave the tenant window
+    ts = [adm.admit("warm") for _ in range(n)]
+    for t in ts:
+        clock.t += interval
+        t.first_token()
+        t.release()
+    clock.t += 60          # "warm" leaves the tenant window
+    return adm.interval
+
+
+def test_cold_queue_is_bounded_then_the_measured_interval_predicts_the_wait():
+    adm, clock, m = _adm()
+    held = [adm.admit("a") for _ in range(3)]
+    with pytest.raises(RequestError) as e:
+        adm.admit("a")
+    assert e.value.status == 503 and e.value.code == "overloaded" and e.value.retry_after >= 1
+    for t in held:
+        t.release()                    # ended before a first token: no service sample
+    assert adm.interval is None and adm.total == 0
+    assert _measure(adm, clock, 1.0) == pytest.approx(1.0)
+    ok = [adm.admit("a") for _ in range(5)]          # waits 0..4 s: within max_queue_wait_s 4
+    with pytest.raises(RequestError) as e:
+        adm.admit("a")                              # 5 ahead x 1 s > 4 s
+    assert e.value.status == 503 and e.value.to_json()["error"]["type"] == "service_unavailable"
+    assert e.value.retry_after == pytest.approx(2.0)   # 5 ahead, 4 slots: two departures until it fits
+    assert m.registry.get_sample_value("kvnotes_shed_total", {"reason": "queue_full"}) == 2
+    assert m.registry.get_sample_value("kvnotes_admission_queue_depth") == 5
+    assert m.registry.get_sample_value("kvnotes_admission_predicted_wait_seconds") == pytest.approx(5.0)
+    clock.t += 1
+    ok[0].first_token()
+    ok[0].release()
+    adm.admit("a")                                  # room again after one departure
+
+
+def test_a_request_deadline_shorter_than_the_wait_is_refused():
+    adm, clock, m = _adm()
+    _measure(adm, clock, 1.0)
+    adm.admit("a")
+    adm.admit("a")
+    with pytest.raises(RequestError) as e:
+        adm.admit("a", deadline_s=1.5)              # 2 s predicted wait
+    assert e.value.status == 503 and "deadline_s" in e.value.message
+    assert m.registry.get_sample_value("kvnotes_shed_total", {"reason": "deadline"}) == 1
+    adm.admit("a", deadline_s=3.0)
+
+
+def test_a_tenant_burst_does_not_starve_another_tenants_steady_traffic():
+    adm, clock, m = _adm(max_queue_wait_s=8.0)
+    _measure(adm, clock, 1.0)
+    b = adm.admit("b")                              # b's steady traffic: one at a time
+    burst, refused = [], []
+    for _ in range(20):
+        try:
+            burst.append(adm.admit("a"))
+        except RequestError as exc:
+            refused.append(exc)
+    assert refused and all(e.status == 429 and e.code == "tenant_over_share" for e in refused)
+    assert all(e.retry_after >= 1 for e in refused)
+    assert len(burst) == 4                          # 8 slots shared by 2 tenants
+    for _ in range(5):                              # b keeps getting in while a's burst waits
+        clock.t += 1
+        b.first_token()
+        b.release()
+        b = adm.admit("b")
+    assert m.registry.get_sample_value("kvnotes_shed_total", {"reason": "tenant_over_share"}) == len(refused)
+
+
+def test_disabled_admits_everything():
+    adm, clock, m = _adm(enabled=False)
+    for _ in range(50):
+        adm.admit("a")
+    assert adm.total == 0
+
+
+def test_a_stall_without_first_tokens_raises_the_predicted_wait_at_once():
+    adm, clock, m = _adm()
+    _measure(adm, clock, 1.0)
+    adm.admit("a")
+    adm.admit("a")
+    adm.admit("a")                                  # 2 ahead x 1 s: within 4 s
+    clock.t += 3                                    # no first token for 3 s
+    with pytest.raises(RequestError) as e:
+        adm.admit("a")                              # 3 ahead x 3 s > 4 s
+    assert e.value.status == 503
