@@ -128,18 +128,18 @@ def main(argv=None) -> int:
     cfg = None
     if args.start:
         import socket
-        from kvruntime.messages.config import ClusterConfig
+        from kvruntime.config import ClusterConfig
         from cluster.ops.launcher import start
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cfg = ClusterConfig(port=port)
+        cfg = ClusterConfig.of(port=port)
         start(cfg)
         args.url = f"http://127.0.0.1:{port}"
     key = args.api_key
     if key is None:
-        from kvruntime.messages.config import ClusterConfig
-        f = (cfg or ClusterConfig()).api_key_file
+        from kvruntime.config import ClusterConfig
+        f = (cfg or ClusterConfig()).state.api_key_file
         key = f.read_text().strip() if f.exists() else None
     client = httpx.Client(base_url=args.url, timeout=600,
                           headers={"authorization": f"Bearer {key}"} if key else {})

@@ -296,8 +296,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.sizes, args.reps, args.warmup = [1024], 1, 1
     if args.dtype is None:
-        from kvruntime.messages.config import ClusterConfig
-        args.dtype = ClusterConfig().dtype
+        from kvruntime.config import ClusterConfig
+        args.dtype = ClusterConfig().workers.dtype
     if args.reps < 1 or args.warmup < 0 or args.max_tokens < 1 or not args.sizes or any(s < 256 or s > 8000 for s in args.sizes):
         ap.error("--reps >= 1, --warmup >= 0, --max-tokens >= 1 and sizes in 256..8000 required")
     # SIGTERM ends the run like Ctrl-C: the finally blocks stop Ray and both vLLM servers by PID

@@ -16,7 +16,7 @@ import dataclasses
 import os
 import threading
 
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 from kvruntime.messages.keys import token_hash
 from kvruntime.messages.plan import decode_computes_rest
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
@@ -40,15 +40,17 @@ class DecodeWorker:
 
         from kvruntime.models import get_model_spec
         # block headers carry the model's spec name (a checkpoint's <dir>-<content hash>), not the config's path
-        self.index, self.engine_kind, self.model = index, cfg.decode_engine, get_model_spec(cfg.model).name
+        w = cfg.workers
+        self.index, self.engine_kind, self.model = index, w.decode_engine, get_model_spec(w.model).name
         self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
         self._cancel_lock = threading.Lock()
         self._own: set[str] = set()                # transfers announced with no block to come (announce)
-        device = "cuda" if cfg.decode.num_gpus > 0 else "cpu"
+        from kvruntime.device import actor_device
+        device = actor_device(w.decode)
         ip, node_id = node_address()
-        host = host or cfg.bind_host or ip        # bind_host: kvnotes' listeners bind and advertise it
+        host = host or cfg.server.bind_host or ip        # bind_host: kvnotes' listeners bind and advertise it
         confine_ucx(host)                          # NIXL's UCX listens where kvnotes does
-        self.receiver = Receiver(cfg.kv_transport, self.model, cfg.dtype, bind=host, advertise=host, node_id=node_id,
+        self.receiver = Receiver(cfg.transport.kind, self.model, w.dtype, bind=host, advertise=host, node_id=node_id,
                                  grpc_cfg=grpc_config(cfg), nixl_cfg=nixl_config(cfg))
         # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine
         # is vLLM (they live in the process-wide registry served here)
@@ -56,23 +58,23 @@ class DecodeWorker:
         from decode_workers.metrics import worker_registry
         from kvruntime.telemetry import start_exporter
         # the reference engine keeps prefix KV for the next request (vLLM has its own prefix cache)
-        held = HeldPrefixes(cfg.decode_prefix_cache_bytes) if cfg.decode_engine == "reference" else None
+        held = HeldPrefixes(w.decode_prefix_cache_bytes) if w.decode_engine == "reference" else None
         self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}", held), host=host)
-        if cfg.decode_engine == "vllm":
+        if w.decode_engine == "vllm":
             from decode_workers.vllm_engine import VllmDecodeExecutor
 
             self.executor = VllmDecodeExecutor(
-                cfg.model, dtype=cfg.dtype, device=device, load_failure_policy=cfg.kv_load_failure_policy,
-                receive_timeout=cfg.transfer_timeout_s, receiver=self.receiver, kv_cache_gib=cfg.vllm_kv_cache_gib,
-                max_model_len=cfg.vllm_max_model_len, threads=cfg.decode.threads,
-                kv_load=cfg.vllm_kv_load, load_threads=cfg.vllm_kv_load_threads)
+                w.model, dtype=w.dtype, device=device, load_failure_policy=cfg.transport.kv_load_failure_policy,
+                receive_timeout=cfg.transport.transfer_timeout_s, receiver=self.receiver, kv_cache_gib=w.vllm_kv_cache_gib,
+                max_model_len=w.vllm_max_model_len, threads=w.decode.threads,
+                kv_load=w.vllm_kv_load, load_threads=w.vllm_kv_load_threads)
             return
         from decode_workers.executor import DecodeExecutor
         from kvruntime.engine import ReferenceEngine
 
-        self.engine = ReferenceEngine(cfg.model, dtype=cfg.dtype, device=device, threads=cfg.decode.threads)
-        self.executor = DecodeExecutor(self.engine, self.receiver, load_failure_policy=cfg.kv_load_failure_policy,
-                                       receive_timeout=cfg.transfer_timeout_s, held=held)
+        self.engine = ReferenceEngine(w.model, dtype=w.dtype, device=device, threads=w.decode.threads)
+        self.executor = DecodeExecutor(self.engine, self.receiver, load_failure_policy=cfg.transport.kv_load_failure_policy,
+                                       receive_timeout=cfg.transport.transfer_timeout_s, held=held)
 
     def address(self) -> str:
         return self.receiver.endpoint.grpc_address

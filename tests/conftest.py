@@ -40,13 +40,13 @@ class DictSource:
 
 def api_key(cfg) -> str:
     """The key the embedded default created on its first start (``cluster.ops.launcher.start``)."""
-    return cfg.api_key_file.read_text().strip()
+    return cfg.state.api_key_file.read_text().strip()
 
 
 def http_client(cfg, **kw):
     """An httpx client for a started cluster, sending its API key (``Authorization: Bearer``)."""
     import httpx
-    return httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=kw.pop("timeout", 300),
+    return httpx.Client(base_url=f"http://127.0.0.1:{cfg.server.port}", timeout=kw.pop("timeout", 300),
                         headers={"authorization": f"Bearer {api_key(cfg)}", **kw.pop("headers", {})}, **kw)
 
 

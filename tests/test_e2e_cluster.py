@@ -23,12 +23,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     from cluster.ops.launcher import start, stop
 
-    cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
+    cfg = ClusterConfig.of(port=_free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
-    base = f"http://127.0.0.1:{cfg.port}"
+    base = f"http://127.0.0.1:{cfg.server.port}"
     client = http_client(cfg)
     assert client.get("/health").json()["status"] == "ok"
     for kind, body in (("skills", {"name": "refund", "text": SKILL}), ("memories", {"name": "dana", "text": MEMORY}),

@@ -13,10 +13,10 @@ SKILL = ("Returns policy of the Harbor Lane shop: unworn items may be returned w
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
 def model_cluster(request, tmp_path_factory):
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     from cluster.ops.launcher import start, stop
 
-    cfg = ClusterConfig(model=request.param, port=free_port(), tier_cpu_bytes=256 << 20,
+    cfg = ClusterConfig.of(model=request.param, port=free_port(), tier_cpu_bytes=256 << 20,
                         data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
     client = http_client(cfg)

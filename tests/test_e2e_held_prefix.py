@@ -21,13 +21,13 @@ QUESTION = "What does item 3 cost?"
 @pytest.fixture(scope="module")
 def held_cluster(tmp_path_factory):
     from cluster.ops.launcher import start, stop
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("held")
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=128 << 20, data_dir=str(root))
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=128 << 20, data_dir=str(root))
     (root / "c.json").write_text(json.dumps({"data_dir": str(root)}))
     start(cfg, local_cpus=4)
-    base = f"http://127.0.0.1:{cfg.port}"
+    base = f"http://127.0.0.1:{cfg.server.port}"
     clients = []
     try:
         out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "keys", "create", "--tenant", "globex",

@@ -11,7 +11,6 @@ directory finds it), and a refused checkpoint stops ``kvnotes serve`` in one lin
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -40,8 +39,8 @@ WALL: dict[str, float] = {}
 def ray_once(tmp_path_factory):
     """The base config; Ray is started by the first family's start() and stopped at the end."""
     from cluster.ops.launcher import stop
-    from kvruntime.messages.config import ClusterConfig
-    cfg = ClusterConfig(port=free_port(), auth=False, tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("s")),
+    from kvruntime.config import ClusterConfig
+    cfg = ClusterConfig.of(port=free_port(), auth=False, tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("s")),
                         profiles_dir=str(tmp_path_factory.mktemp("profiles")), shadow_fraction=0.0)
     yield cfg
     stop(cfg)
@@ -91,19 +90,19 @@ def test_checkpoint_served_end_to_end(ray_once, tiny_checkpoints, family):
     from kvruntime.models import get_model_spec
 
     ckpt = tiny_checkpoints[family]
-    cfg = dataclasses.replace(ray_once, model=str(ckpt))
+    cfg = ray_once.replace(model=str(ckpt))
     spec = get_model_spec(str(ckpt))
     if family == "llama3":           # one family calibrated (1 case): /health finds its profile by content hash
-        calibrate(str(ckpt), cases=1, out=cfg.profiles_dir, threads=1)
+        calibrate(str(ckpt), cases=1, out=cfg.policy.profiles_dir, threads=1)
     t0 = time.monotonic()
     start(cfg, local_cpus=4)
     try:
-        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300)
+        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.server.port}", timeout=300)
         health = http.get("/health").json()
         assert health["status"] == "ok"
         assert health["model"]["name"] == ckpt.name and health["model"]["id"] == spec.name
         assert health["model"]["calibrated"] is (family == "llama3")
-        assert health["model"]["profile"] == f"{cfg.profiles_dir}/{spec.name}.json"
+        assert health["model"]["profile"] == f"{cfg.policy.profiles_dir}/{spec.name}.json"
         if family != "llama3":       # uncalibrated: balanced composes nothing, and says why
             assert not health["fidelity"]["compose"]["balanced"]["allowed"]
             assert "only exact reuse" in health["fidelity"]["compose"]["balanced"]["reason"]

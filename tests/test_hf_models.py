@@ -201,9 +201,9 @@ def test_unusable_checkpoints_are_refused_in_one_line(tiny_checkpoints, tmp_path
 
 
 def test_config_takes_a_checkpoint_directory_and_three_dtypes(tiny_checkpoints):
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     for dtype in ("float32", "bfloat16", "float16"):
-        assert ClusterConfig(model=str(tiny_checkpoints["qwen3"]), dtype=dtype).dtype == dtype
+        assert ClusterConfig.of(model=str(tiny_checkpoints["qwen3"]), dtype=dtype).workers.dtype == dtype
     for bad in (dict(model="/no/such/dir"), dict(model="gpt-7"), dict(dtype="float64"), dict(dtype="fp8")):
         with pytest.raises(ValueError):
-            ClusterConfig(**bad)
+            ClusterConfig.of(**bad)

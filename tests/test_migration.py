@@ -120,11 +120,11 @@ def migration_cluster(tmp_path_factory):
     """1 prefill + 2 decode actors and the router (test_faults' cluster without its lm:// tier,
     which plays no part here); stopped by the launcher, every wait bounded."""
     from cluster.ops.launcher import start, stop
-    from kvruntime.messages.config import ClusterConfig, WorkerConfig
+    from kvruntime.config import ClusterConfig, WorkerConfig
     from tests.test_faults import _headers, _wait
 
     root = tmp_path_factory.mktemp("kvmigrate")
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
                         prefill=WorkerConfig(count=1), decode=WorkerConfig(count=2), decode_migrations=1,
                         health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5,
                         # the reference run and the disturbed run build each prompt's KV the same way
@@ -133,7 +133,7 @@ def migration_cluster(tmp_path_factory):
                         decode_prefix_cache_bytes=0)
     try:
         start(cfg, local_cpus=4)
-        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300, headers=_headers(cfg))
+        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.server.port}", timeout=300, headers=_headers(cfg))
 
         def ready():
             try:

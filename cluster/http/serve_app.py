@@ -30,7 +30,7 @@ from cluster.http.errors import error_response
 from cluster.control.limits import RequestLimits
 from cluster.http.body import read_json
 from cluster.control import metrics as request_metrics      # a module reference: Serve pickles this app
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.")
@@ -111,45 +111,45 @@ class RouterIngress:
 
         self.cfg = cfg
         heap.configure()            # large bodies go back to the system when freed (cluster.http.heap)
-        spec = get_model_spec(cfg.model)
+        spec = get_model_spec(cfg.workers.model)
         ckpt = ensure_checkpoint(spec)
         tok = transformers.AutoTokenizer.from_pretrained(ckpt)
         # keyed by what the weights are (a checkpoint's content hash), not by the config's path
-        self.profile = find_profile(spec, cfg.profiles_dir)
+        self.profile = find_profile(spec, cfg.policy.profiles_dir)
         self.served = cfg.served_name(spec.name)      # the API's `model`; KV and profiles use spec.name
         backends = RayBackends.from_names(cfg)
-        self.state = open_state(cfg.resolved_state_url, StoreLimits(cfg.session_ttl_s, cfg.session_max,
-                                                                    cfg.prompt_index_ttl_s, cfg.prompt_index_max,
-                                                                    cfg.state_timeout_s))
+        self.state = open_state(cfg.state.resolved_url, StoreLimits(cfg.state.session_ttl_s, cfg.state.session_max,
+                                                                    cfg.state.prompt_index_ttl_s, cfg.state.prompt_index_max,
+                                                                    cfg.state.timeout_s))
         self.router = Router(backends, Renderer(tok, spec, Registry(self.state), tok.bos_token_id), self.state,
-                             spec.name if spec.checkpoint else ckpt.name, cfg.dtype,   # = engine.model_id
-                             default_policy=cfg.default_policy, seam_tokens=cfg.seam_tokens,
+                             spec.name if spec.checkpoint else ckpt.name, cfg.workers.dtype,   # = engine.model_id
+                             default_policy=cfg.policy.default_policy, seam_tokens=cfg.policy.seam_tokens,
                              fidelity_summary=self.profile.summary, context_window=spec.context_window,
-                             max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant,
-                             balanced_target=FidelityTarget.from_config(cfg), fast_min_top1=cfg.fast_min_top1,
-                             shadow=ShadowConfig(cfg.shadow_fraction, frozenset(cfg.shadow_opt_out_tenants),
-                                                 cfg.shadow_max_in_flight, cfg.shadow_window,
-                                                 cfg.shadow_min_samples, cfg.shadow_demote_s),
+                             max_tokens_limit=cfg.server.max_tokens_limit, default_tenant=cfg.server.tenant,
+                             balanced_target=FidelityTarget.from_config(cfg), fast_min_top1=cfg.policy.fast_min_top1,
+                             shadow=ShadowConfig(cfg.shadow.fraction, frozenset(cfg.shadow.opt_out_tenants),
+                                                 cfg.shadow.max_in_flight, cfg.shadow.window,
+                                                 cfg.shadow.min_samples, cfg.shadow.demote_s),
                              # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
-                             decode_computes_cold=cfg.decode_engine == "vllm", served_model=self.served)
+                             decode_computes_cold=cfg.workers.decode_engine == "vllm", served_model=self.served)
         from cluster.control.state.watch import StoreWatch
         from cluster.http.auth import Authenticator
         from cluster.http.body import InflightLimiter
-        self.store_watch = StoreWatch(self.state, self.router.metrics, cfg.state_probe_s)
-        self.auth = Authenticator(self.state, enabled=cfg.auth, default_tenant=cfg.tenant,
-                                  trusted_proxies=cfg.trusted_proxies, cache_s=cfg.auth_cache_s)
+        self.store_watch = StoreWatch(self.state, self.router.metrics, cfg.state.probe_s)
+        self.auth = Authenticator(self.state, enabled=cfg.server.auth, default_tenant=cfg.server.tenant,
+                                  trusted_proxies=cfg.server.trusted_proxies, cache_s=cfg.server.auth_cache_s)
         self.limits = RequestLimits.from_config(cfg)
-        self.inflight = InflightLimiter(cfg.max_inflight_per_tenant)
+        self.inflight = InflightLimiter(cfg.server.max_inflight_per_tenant)
         for info in backends.ready:
             self.router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
         from kvruntime.telemetry import listen_host, start_exporter
-        self.router.metrics.set_tenant_labels(cfg.metrics_tenants)
+        self.router.metrics.set_tenant_labels(cfg.server.metrics_tenants)
         self.process = f"router-{_replica_id()}"
-        self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.bind_host))
+        self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.server.bind_host))
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
-        (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.model))
+        (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.workers.model))
         log.info("router up: model %s (%s), edit plans by %s; compose by fidelity target: %s", self.served,
                  spec.name, self.router.edit_choice, self.router.fidelity["compose"])
 
@@ -258,7 +258,7 @@ class RouterIngress:
         With ``metrics_auth`` it needs an API key, like the API (401 without one). A 503 while
         the state store does not answer (Prometheus keeps the targets it had)."""
         try:
-            if self.cfg.metrics_auth:
+            if self.cfg.server.metrics_auth:
                 self.auth.tenant(request.headers, request.client.host if request.client else None)
             announced = self.state.targets(time.time(), TARGET_TTL_S)
         except (RequestError, StateStoreUnavailable) as exc:
@@ -297,7 +297,7 @@ class RouterIngress:
         """``/health``'s model: the API name, the weights' id, and whether a fidelity profile was
         measured (uncalibrated: policy balanced gets exact reuse only)."""
         spec = self.router.renderer.spec
-        return {"name": self.served, "id": spec.name, "checkpoint": spec.checkpoint, "dtype": self.cfg.dtype,
+        return {"name": self.served, "id": spec.name, "checkpoint": spec.checkpoint, "dtype": self.cfg.workers.dtype,
                 "calibrated": self.profile.calibrated, "profile": str(self.profile.path)}
 
     @app.post("/v1/completions")

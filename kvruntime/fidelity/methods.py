@@ -31,7 +31,7 @@ from pathlib import Path
 
 from kvruntime.fidelity.report import load_rows, wilson
 from kvruntime.fidelity.runner import REFERENCE_OP
-from kvruntime.messages.config import BALANCED_ANSWER_TARGET
+from kvruntime.config import BALANCED_ANSWER_TARGET
 
 TARGET = dict(BALANCED_ANSWER_TARGET)   # drop_bound, decision, top1, max_ratio (the config's defaults)
 
