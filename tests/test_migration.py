@@ -97,7 +97,8 @@ def test_a_prefill_cancelled_while_it_runs_stops_between_layers(smol, one_torch_
             raise AssertionError("a cancelled plan sends nothing")
     ids = tuple(smol.tokenizer.encode(PROMPT * 4))
     plan = RequestPlan("r1", smol.spec.name, Policy.EXACT,
-                       (SegmentPlan(PlanKind.RECOMPUTE, "prompt", ids, 0, len(ids), 0),), (ids[-1],))
+                       (SegmentPlan(kind=PlanKind.RECOMPUTE, source="prompt", token_ids=ids, position=0,
+                                    computed=len(ids), reused=0),), (ids[-1],))
     ran = []
     hooks = [layer.register_forward_hook(lambda *_: ran.append(1)) for layer in smol.model.model.layers]
     try:
