@@ -70,7 +70,7 @@ def compose(client: httpx.Client, size: int, reps: int) -> list[str]:
             raise RuntimeError(f"registering {name}: HTTP {r.status_code} {r.text[:200]}")
         names.append(name)
     rows, base = [], None
-    for policy, label in (("exact", "recompute"), ("fast", "reposition")):   # balanced follows the profile (issue 14)
+    for policy, label in (("exact", "recompute"), ("fast", "reposition")):   # balanced follows the profile: not a fixed op
         ts, prompt, cached = [], 0, 0
         for k in range(reps):
             segs = [{"skill": n} for n in names] + [{"text": f"Question {uuid.uuid4().hex[:6]}: summarise part {k}."}]

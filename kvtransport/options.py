@@ -4,7 +4,8 @@ the transports' own typed configs, :class:`~kvtransport.grpc_transport.GrpcTrans
 its transports from these, and ``kvnotes serve`` checks them before anything starts.
 
 What the cluster decides is not an option: ``require_grant`` (every KV push needs the router's
-grant, see DESIGN's trust model) is always on and refused as a key."""
+grant: an inbox admits only a transfer the router announced, with its credential; see "The KV
+data plane" in docs/architecture.md) is always on and refused as a key."""
 from __future__ import annotations
 
 import dataclasses

@@ -33,11 +33,9 @@ def test_ray_up_yaml_has_what_ray_up_needs():
     assert c["available_node_types"]["decode"]["resources"]["decode"] == 1
 
 
-# Named in DESIGN.md section 7 and queried by the dashboard, but not exported by cluster.control.metrics
-# yet: the issue 15 work (metrics from every process, honest series) and issue 16 (stage
-# timings) add them. The test below fails once one of them is exported, so this list only
-# shrinks; nothing on the dashboard goes unchecked.
-DECLARED_NOT_YET_EXPORTED: set[str] = set()   # empty since the shadow checks (issue 14) export theirs
+# Queried by the dashboard but not exported by cluster.control.metrics yet. The test below fails
+# once one of them is exported, so this list only shrinks; nothing on the dashboard goes unchecked.
+DECLARED_NOT_YET_EXPORTED: set[str] = set()   # empty: every metric the dashboard queries is exported
 
 
 def test_dashboard_file_is_generated_and_uses_exported_metrics():

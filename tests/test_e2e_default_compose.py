@@ -1,6 +1,6 @@
 """The default policy composes on both shipped models, through the real cluster (Ray actors, Serve,
 HTTP): a registered skill right after the chat frame is exact reuse of its variant compiled after
-the frame (issue 24), so its KV comes from the tier, and the answer is a recompute's, token for token."""
+the frame, so its KV comes from the tier, and the answer is a recompute's, token for token."""
 from __future__ import annotations
 
 import pytest

@@ -24,7 +24,7 @@ SKILL = ("Warranty policy: laptops carry a two-year warranty covering hardware f
 
 
 def _headers(cfg) -> dict:
-    """Bearer key when the cluster wrote one (auth, issue 13); none otherwise."""
+    """Bearer key when the cluster wrote one (auth on); none otherwise."""
     p = Path(cfg.state.data_dir).expanduser() / "api_key"
     return {"Authorization": f"Bearer {p.read_text().strip()}"} if p.exists() else {}
 

@@ -1,5 +1,5 @@
 """Chunks compiled in their frame (exact reuse of the first chunk), question-guided recompute,
-and the yes/no decision cases (issue 24)."""
+and the yes/no decision cases of the answer-based fidelity target."""
 import dataclasses
 import re
 

@@ -1,4 +1,4 @@
-"""Decode migration and prefill cancellation (issue 27 item 6).
+"""Decode migration and prefill cancellation (a worker that dies mid-request).
 
 - Decode side, real engine: a continuation (prompt + the tokens already streamed, from step k)
   yields exactly the events an undisturbed run yields from step k on: seeded sampling, penalties,

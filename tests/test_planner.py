@@ -396,7 +396,7 @@ def test_balanced_by_answers_picks_the_cheapest_row_that_meets_it_and_cites_its_
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_shipped_profiles_explain_balanced_by_answers_with_the_profiles_numbers(model):
-    """On the shipped profiles (compose_answers from the issue-24 rows) balanced is allowed only
+    """On the shipped profiles (compose_answers from the measured rows in kvruntime/fidelity/tables/rows/) balanced is allowed only
     if a planned row meets every criterion; otherwise the reason names the nearest candidate and
     quotes, from the profile, each criterion it missed with its interval and case count."""
     from kvruntime.fidelity.report import load_summary

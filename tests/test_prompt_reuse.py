@@ -1,4 +1,4 @@
-"""Nothing is computed that a tier or the decode engine already holds (issue 26 item 4).
+"""Nothing is computed that a tier or the decode engine already holds.
 
 In process (router + real executors + real gRPC, no Ray): the prompt lookup falls back to the
 longest indexed prefix the tier still holds (one batched lookup), a decode engine holding the

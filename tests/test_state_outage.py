@@ -1,4 +1,4 @@
-"""State-store outages (issue 27): a real redis-server (AOF on, as docs/deploy.md recommends) on a
+"""State-store outages: a real redis-server (AOF on, as docs/deploy.md recommends) on a
 free loopback port is SIGKILLed by PID and restarted on the same port. Every store method then
 raises ``StateStoreUnavailable``; an API key validated within ``auth_cache_s`` keeps working, an
 unknown-to-the-cache one is a 503 ``state_store_unavailable`` with ``Retry-After``; the replica's

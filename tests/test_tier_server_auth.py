@@ -1,4 +1,4 @@
-"""The lm:// tier server as deployed (issue 27): a real server process (kvtransport.tier_server)
+"""The lm:// tier server as deployed: a real server process (kvtransport.tier_server)
 and real LMCache stores. Anonymous and wrong-key connections are refused before any command and
 counted on the server's own metrics endpoint; the cluster's key works end to end; least recently
 used pieces are evicted beyond the capacity, counted; a worker's ``kvnotes_tier_remote_up``

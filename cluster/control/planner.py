@@ -1,7 +1,7 @@
 """The planner: a pure function (no Ray, no I/O) from a rendered request, a snapshot of what
 the tier holds, the session's last context and the policy to a frozen :class:`RequestPlan`.
 
-Rules (per segment, left to right; DESIGN.md section 3):
+Rules (per segment, left to right; docs/architecture.md walks a request through them):
 - session context unchanged                    -> reuse it whole (an ``exact`` request only if that
   context KV is exact; a context whose template was re-registered is planned from scratch)
 - session context with edited template fields  -> erratum or edit-in-place (policy ``fast``;

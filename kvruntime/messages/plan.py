@@ -33,7 +33,7 @@ class Policy(str, enum.Enum):
     # <= 2 points at a one-sided 95% bound, decision agreement >= 98%, top-1 >= 95%, r <= 10%,
     # on >= 30 cases); no op meeting it: chunks are recomputed
     BALANCED = "balanced"
-    FAST = "fast"          # all kinds: reposition with seam repair and errata, no fidelity target
+    FAST = "fast"          # all kinds: reposition with seam repair and errata (a target only with fast_min_top1)
 
 
 @dataclass(frozen=True)
