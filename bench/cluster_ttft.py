@@ -70,7 +70,7 @@ def compose(client: httpx.Client, size: int, reps: int) -> list[str]:
             raise RuntimeError(f"registering {name}: HTTP {r.status_code} {r.text[:200]}")
         names.append(name)
     rows, base = [], None
-    for policy, label in (("exact", "recompute"), ("fast", "reposition")):   # balanced follows the profile (issue 14)
+    for policy, label in (("exact", "recompute"), ("fast", "reposition")):   # balanced follows the profile: not a fixed op
         ts, prompt, cached = [], 0, 0
         for k in range(reps):
             segs = [{"skill": n} for n in names] + [{"text": f"Question {uuid.uuid4().hex[:6]}: summarise part {k}."}]
@@ -128,18 +128,18 @@ def main(argv=None) -> int:
     cfg = None
     if args.start:
         import socket
-        from kvruntime.messages.config import ClusterConfig
+        from kvruntime.config import ClusterConfig
         from cluster.ops.launcher import start
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cfg = ClusterConfig(port=port)
+        cfg = ClusterConfig.of(port=port)
         start(cfg)
         args.url = f"http://127.0.0.1:{port}"
     key = args.api_key
     if key is None:
-        from kvruntime.messages.config import ClusterConfig
-        f = (cfg or ClusterConfig()).api_key_file
+        from kvruntime.config import ClusterConfig
+        f = (cfg or ClusterConfig()).state.api_key_file
         key = f.read_text().strip() if f.exists() else None
     client = httpx.Client(base_url=args.url, timeout=600,
                           headers={"authorization": f"Bearer {key}"} if key else {})

@@ -113,15 +113,15 @@ class Systems:
         kv_gib, tier_gib, workdir, model, dtype, ckpt = (self.kv_gib, self.tier_gib, self.workdir, self.model,
                                                          self.dtype, self.ckpt)
         # 1. the cluster
-        from kvruntime.messages.config import ClusterConfig
+        from kvruntime.config import ClusterConfig
         from cluster.ops.launcher import start
-        self.cfg = ClusterConfig(port=_port(), model=model, dtype=dtype, decode_engine="vllm", vllm_kv_cache_gib=kv_gib,
+        self.cfg = ClusterConfig.of(port=_port(), model=model, dtype=dtype, decode_engine="vllm", vllm_kv_cache_gib=kv_gib,
                                  vllm_max_model_len=8192, tier_cpu_bytes=int(tier_gib * 2**30), shadow_fraction=0.0,
                                  data_dir=str(workdir / "state"))
         with contextlib.redirect_stdout(sys.stderr):     # the throwaway API key's banner: not into the table
             start(self.cfg, local_cpus=4)
-        key = self.cfg.api_key_file.read_text().strip()
-        self.kv = httpx.Client(base_url=f"http://127.0.0.1:{self.cfg.port}", timeout=900,
+        key = self.cfg.state.api_key_file.read_text().strip()
+        self.kv = httpx.Client(base_url=f"http://127.0.0.1:{self.cfg.server.port}", timeout=900,
                                headers={"authorization": f"Bearer {key}"})
         # 2. plain vLLM (after Ray is up: starting both at once overloads 2 cores)
         vport = _port()

@@ -1,5 +1,5 @@
 """Pure functions over ``bench.cluster_vs_vllm`` results: percentiles, per-size ratios, the
-issue-11 targets (pass/miss, by how much, which kvnotes stage holds a miss back) and the
+targets against plain vLLM (pass/miss, by how much, which kvnotes stage holds a miss back) and the
 markdown tables. No I/O, no model: ``tests/test_bench_cluster_vs_vllm.py`` runs them on
 recorded numbers.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-# issue 11's targets: (key, description, size rule, goal, higher ratio is better)
+# the targets against plain vLLM (what composing must buy): key, description, size rule, goal, higher ratio is better
 COMPOSE_VS_RECOMPUTE = 20.0    # compose TTFT at 8k >= 20x lower than plain vLLM's recompute
 COMPOSE_VS_HIT = 2.0           # at 4k within 2x of vLLM's exact prefix-cache hit
 COLD_PARITY = 1.2              # cold prompts within 1.2x of plain vLLM
@@ -101,7 +101,7 @@ def _check(name: str, size: int, value: float, goal: float, higher: bool, unit: 
 
 
 def evaluate(r: dict) -> list[dict]:
-    """Every issue-11 target this run measured, with pass/miss, margin and (on a miss) the largest stage."""
+    """Every target this run measured, with pass/miss, margin and (on a miss) the largest stage."""
     out = []
     for row in size_rows(r):
         s = row["size"]
@@ -142,7 +142,7 @@ def markdown(r: dict) -> str:
             f"| {_f(g('inproc_speedup'), '.1f')}x | {_f(g('kept'), '.0%')} | {_f(g('cold_k'))} | {_f(g('cold_v'))} "
             f"| {_f(g('cold_ratio'))}x | {_f(g('edit_k50'))} / {_f(g('edit_k90'))} "
             f"| {_f(g('edit_v50'))} / {_f(g('edit_v90'))} | {_f(g('edit_ratio'), '.1f')}x | {', '.join(g('edit_plans', []))} |")
-    lines += ["", "### Targets (issue 11)", "", "| target | context | measured | goal | result | by how much "
+    lines += ["", "### Targets", "", "| target | context | measured | goal | result | by how much "
               "| largest kvnotes stage (on a miss) |", "|---|---|---|---|---|---|---|"]
     for t in evaluate(r):
         val = f"{t['value']:.0%}" if t["unit"] == "" else f"{t['value']:.2f}{t['unit'][:1]}"

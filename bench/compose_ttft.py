@@ -34,7 +34,7 @@ def _chunks(engine, passages: list[str], total: int, chunk_tokens: int) -> list[
 def main(argv=None) -> int:
     from kvruntime.engine import ReferenceEngine
     from kvruntime.fidelity.cases import load_passages
-    from kvruntime.fidelity.runner import _frame
+    from kvruntime.ops.frame import chat_frame
     from kvruntime.ops import ChunkSegment, TextSegment, compose, precompile_chunk, recompute
 
     ap = argparse.ArgumentParser(prog="python -m bench.compose_ttft")
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     if max(args.sizes) + 64 > engine.spec.context_window:
         ap.error(f"largest size exceeds {args.model}'s context window ({engine.spec.context_window})")
     passages = list(load_passages().values())
-    pre, suffix = _frame(engine)
+    pre, suffix = chat_frame(engine), engine.spec.chat_user_suffix
     q = engine.encode("Summarise the key facts above in one sentence." + suffix)
     print(f"# compose TTFT: {args.model} {args.dtype}, {args.threads} threads, {platform.machine()}, "
           f"chunks of {args.chunk_tokens} tokens, seam {args.seam}, median of {args.reps}")

@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     from cluster.control.render import Renderer
     from cluster.ops.launcher import start, stop
     from kvruntime.checkpoint import ensure_checkpoint
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     from kvruntime.models import get_model_spec
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     spec = get_model_spec(args.model)
@@ -240,14 +240,14 @@ def main(argv=None) -> int:
     run = {"model": args.model, "dtype": args.dtype, "reps": args.reps, "sizes": {},
            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
            "command": "python -m bench.control_path " + " ".join(argv if argv is not None else sys.argv[1:])}
-    cfg = ClusterConfig(port=_port(), model=args.model, dtype=args.dtype, shadow_fraction=0.0,
+    cfg = ClusterConfig.of(port=_port(), model=args.model, dtype=args.dtype, shadow_fraction=0.0,
                         tier_cpu_bytes=2 << 30, data_dir=str(workdir / "state"))
     tag = uuid.uuid4().hex[:6]
     try:
         with contextlib.redirect_stdout(sys.stderr):      # the throwaway key's banner: not into the table
             start(cfg, local_cpus=4)
-        key = cfg.api_key_file.read_text().strip()
-        with httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=900,
+        key = cfg.state.api_key_file.read_text().strip()
+        with httpx.Client(base_url=f"http://127.0.0.1:{cfg.server.port}", timeout=900,
                           headers={"authorization": f"Bearer {key}"}) as client:
             for _ in range(600):
                 with contextlib.suppress(httpx.HTTPError):

@@ -28,11 +28,11 @@ def run_layout(n_prefill: int, n_decode: int, requests: int, concurrency: int, m
     import tempfile
 
     from cluster.control.ray_backends import tier_key_of
-    from kvruntime.messages.config import ClusterConfig, WorkerConfig
+    from kvruntime.config import ClusterConfig, WorkerConfig
     from kvtransport.tier.server import free_port, start_tier_server, stop_tier_server
 
     tier_port = free_port()
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=tempfile.mkdtemp(prefix="kvnotes-bench-"),
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=tempfile.mkdtemp(prefix="kvnotes-bench-"),
                         prefill=WorkerConfig(count=n_prefill), decode=WorkerConfig(count=n_decode),
                         tier_remote_url=f"lm://127.0.0.1:{tier_port}" if remote_tier else None)
     # the layout's own lm:// tier server, its key derived from this cluster's secret like the actors'
@@ -56,8 +56,8 @@ def _measure(cfg, requests: int, concurrency: int, max_tokens: int, local_cpus: 
              runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
     start(cfg, local_cpus=local_cpus)
     try:
-        key = cfg.api_key_file.read_text().strip()        # the key the embedded default created
-        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=600,
+        key = cfg.state.api_key_file.read_text().strip()        # the key the embedded default created
+        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.server.port}", timeout=600,
                             headers={"authorization": f"Bearer {key}"})
         for _ in range(240):
             try:
@@ -69,7 +69,7 @@ def _measure(cfg, requests: int, concurrency: int, max_tokens: int, local_cpus: 
 
         def chat(i: int) -> int:
             r = http.post("/v1/chat/completions", json={
-                "model": cfg.model, "max_tokens": max_tokens, "temperature": 0,
+                "model": cfg.workers.model, "max_tokens": max_tokens, "temperature": 0,
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}]})
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
@@ -85,7 +85,8 @@ def _measure(cfg, requests: int, concurrency: int, max_tokens: int, local_cpus: 
         cpu = {n: round(_cpu(p) - before[n], 2) for n, p in pids.items()}
     finally:
         stop(cfg)
-    return {"layout": f"{cfg.prefill.count}+{cfg.decode.count}", "requests": requests, "seconds": round(wall, 2),
+    return {"layout": f"{cfg.workers.prefill.count}+{cfg.workers.decode.count}", "requests": requests,
+            "seconds": round(wall, 2),
             "req_per_s": round(requests / wall, 3), "completion_tokens": tokens, "cpu_s": cpu}
 
 

@@ -154,7 +154,7 @@ def capacity(s: Systems, size: int, n: int, tag: str, turns: int = 3) -> float:
 
 
 def targets(r: dict) -> list[dict]:
-    """Issue 26's online targets per size: kvnotes' hit rate >= 98% on edit turns (every rate), and
+    """The online targets per size (what an edit-heavy agent workload needs): kvnotes' hit rate >= 98% on edit turns (every rate), and
     at the highest offered rate p90 TTFT >= 50x lower and throughput >= 5x higher than plain vLLM."""
     out = []
     for size, block in r["sizes"].items():

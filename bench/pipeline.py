@@ -37,10 +37,12 @@ def _plan(engine, salt: str, frame: list[int], size: int, chunk_tokens: int, sea
         if k == 0:                               # frame + first chunk: one exact entry from position 0
             ids = tuple(frame) + ids
             ref = KVRef(ids, 0, salt, prefix=())
-            step = SegmentPlan(PlanKind.REUSE, "frame+skill:c0", ids, 0, 0, len(ids), ref)
+            step = SegmentPlan(kind=PlanKind.REUSE, source="frame+skill:c0", token_ids=ids, position=0, computed=0,
+                               reused=len(ids), kv=ref)
         else:                                    # a chunk compiled at its canonical position (after BOS)
             ref = KVRef(ids, 1, salt)
-            step = SegmentPlan(PlanKind.REPOSITION, f"skill:c{k}", ids, pos, seam, n - seam, ref, seam_tokens=seam)
+            step = SegmentPlan(kind=PlanKind.REPOSITION, source=f"skill:c{k}", token_ids=ids, position=pos,
+                               computed=seam, reused=n - seam, kv=ref, seam_tokens=seam)
         data = torch.randn(*shape, len(ids), engine.head_dim, generator=gen).to(engine.dtype)
         tier.put(ref, KVCache(data, torch.arange(ref.position, ref.position + len(ids)), torch.tensor(ids)))
         steps.append(step)

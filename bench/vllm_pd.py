@@ -101,12 +101,14 @@ class PrefillSide:
     def plan(self, model: str, chunks: dict, order: list[str], q: list[int]):
         from bench.vllm_side_by_side import BENCH_SALT
         from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
-        steps = [SegmentPlan(PlanKind.RECOMPUTE, "text", tuple(self.pre), 0, len(self.pre), 0)]
+        steps = [SegmentPlan(kind=PlanKind.RECOMPUTE, source="text", token_ids=tuple(self.pre), position=0,
+                             computed=len(self.pre), reused=0)]
         pos = len(self.pre)
         for name in order:
             ids = chunks[name]
-            steps.append(SegmentPlan(PlanKind.REPOSITION, f"skill:{name}", tuple(ids), pos, 1, len(ids) - 1,
-                                     KVRef(tuple(ids), self.chunk_pos, BENCH_SALT), seam_tokens=1))
+            steps.append(SegmentPlan(kind=PlanKind.REPOSITION, source=f"skill:{name}", token_ids=tuple(ids),
+                                     position=pos, computed=1, reused=len(ids) - 1,
+                                     kv=KVRef(tuple(ids), self.chunk_pos, BENCH_SALT), seam_tokens=1))
             pos += len(ids)
         return RequestPlan(uuid.uuid4().hex, model, Policy.BALANCED, tuple(steps), tuple(q))
 
@@ -296,8 +298,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.sizes, args.reps, args.warmup = [1024], 1, 1
     if args.dtype is None:
-        from kvruntime.messages.config import ClusterConfig
-        args.dtype = ClusterConfig().dtype
+        from kvruntime.config import ClusterConfig
+        args.dtype = ClusterConfig().workers.dtype
     if args.reps < 1 or args.warmup < 0 or args.max_tokens < 1 or not args.sizes or any(s < 256 or s > 8000 for s in args.sizes):
         ap.error("--reps >= 1, --warmup >= 0, --max-tokens >= 1 and sizes in 256..8000 required")
     # SIGTERM ends the run like Ctrl-C: the finally blocks stop Ray and both vLLM servers by PID

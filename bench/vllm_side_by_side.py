@@ -114,12 +114,14 @@ class Harness:
 
     # ---- plans (what the planner produces for these requests) ----------------------------------
     def compose_plan(self, chunk_names: list[str], chunks: dict[str, list[int]], q: list[int], seam: int) -> RequestPlan:
-        steps = [SegmentPlan(PlanKind.RECOMPUTE, "text", tuple(self.pre), 0, len(self.pre), 0)]
+        steps = [SegmentPlan(kind=PlanKind.RECOMPUTE, source="text", token_ids=tuple(self.pre), position=0,
+                             computed=len(self.pre), reused=0)]
         pos = len(self.pre)
         for name in chunk_names:
             ids = chunks[name]
-            steps.append(SegmentPlan(PlanKind.REPOSITION, f"skill:{name}", tuple(ids), pos, seam, len(ids) - seam,
-                                     KVRef(tuple(ids), self.chunk_pos, BENCH_SALT), seam_tokens=seam))
+            steps.append(SegmentPlan(kind=PlanKind.REPOSITION, source=f"skill:{name}", token_ids=tuple(ids),
+                                     position=pos, computed=seam, reused=len(ids) - seam,
+                                     kv=KVRef(tuple(ids), self.chunk_pos, BENCH_SALT), seam_tokens=seam))
             pos += len(ids)
         return RequestPlan(uuid.uuid4().hex, self.model, Policy.BALANCED, tuple(steps), tuple(q))
 
@@ -208,8 +210,9 @@ def bench_edit(h: Harness, sessions: int, filler_tokens: int, n_out: int) -> dic
         fix = h.engine.encode(erratum_text(c.label, c.new))
         res["kvnotes erratum"].append(h.vllm_request(old_ctx + fix + q, "apc", n_out))
         span = (len(b_ids), len(b_ids) + len(old_ids))
-        step = SegmentPlan(PlanKind.EDIT_IN_PLACE, f"session:{c.id}", tuple(new_ctx), 0, len(new_ids) + 16,
-                           len(new_ctx) - len(new_ids) - 16, key, field_span=span, top_k=16)
+        step = SegmentPlan(kind=PlanKind.EDIT_IN_PLACE, source=f"session:{c.id}", token_ids=tuple(new_ctx),
+                           position=0, computed=len(new_ids) + 16, reused=len(new_ctx) - len(new_ids) - 16, kv=key,
+                           field_span=span, top_k=16)
         plan = RequestPlan(uuid.uuid4().hex, h.model, Policy.FAST, (step,), tuple(q))
         res["kvnotes edit-in-place"].append(h.kvnotes_request(plan, n_out, f"edit-{c.id}-{c.new}"))
         done += 1

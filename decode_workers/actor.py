@@ -22,7 +22,7 @@ import threading
 from decode_workers.engine_api import DecodeEngine
 from decode_workers.engines import make_decode_engine
 from kvruntime import request_log
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 from kvruntime.messages.keys import token_hash
 from kvruntime.messages.plan import decode_computes_rest
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
@@ -49,17 +49,17 @@ class DecodeWorker:
         from kvruntime.models import get_model_spec
         request_log.install(worker=True)
         # block headers carry the model's spec name (a checkpoint's <dir>-<content hash>), not the config's path
-        self.index, self.model = index, get_model_spec(cfg.model).name
+        self.index, self.model = index, get_model_spec(cfg.workers.model).name
         self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
         self._cancel_lock = threading.Lock()
         self._own: set[str] = set()                # transfers announced with no block to come (announce)
         from kvruntime.device import resolve_device
-        device = resolve_device(cfg.decode.device, "decode")   # auto: cuda when Ray assigned a GPU and torch sees it
+        device = resolve_device(cfg.workers.decode.device, "decode")   # auto: cuda when Ray assigned a GPU and torch sees it
         self.device = device
         ip, node_id = node_address()
-        host = host or cfg.bind_host or ip        # bind_host: kvnotes' listeners bind and advertise it
+        host = host or cfg.server.bind_host or ip        # bind_host: kvnotes' listeners bind and advertise it
         confine_ucx(host)                          # NIXL's UCX listens where kvnotes does
-        self.receiver = Receiver(cfg.kv_transport, self.model, cfg.dtype, bind=host, advertise=host, node_id=node_id,
+        self.receiver = Receiver(cfg.transport.kind, self.model, w.dtype, bind=host, advertise=host, node_id=node_id,
                                  grpc_cfg=grpc_config(cfg), nixl_cfg=nixl_config(cfg))
         self.executor: DecodeEngine = make_decode_engine(cfg, self.receiver, device)
         # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine

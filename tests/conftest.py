@@ -40,13 +40,13 @@ class DictSource:
 
 def api_key(cfg) -> str:
     """The key the embedded default created on its first start (``cluster.ops.launcher.start``)."""
-    return cfg.api_key_file.read_text().strip()
+    return cfg.state.api_key_file.read_text().strip()
 
 
 def http_client(cfg, **kw):
     """An httpx client for a started cluster, sending its API key (``Authorization: Bearer``)."""
     import httpx
-    return httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=kw.pop("timeout", 300),
+    return httpx.Client(base_url=f"http://127.0.0.1:{cfg.server.port}", timeout=kw.pop("timeout", 300),
                         headers={"authorization": f"Bearer {api_key(cfg)}", **kw.pop("headers", {})}, **kw)
 
 
@@ -314,7 +314,7 @@ def stop_cluster(cfg) -> None:
         serve.shutdown()
     finally:
         stop_workers(cfg)
-        names = [f"prefill-{i}" for i in range(cfg.prefill.count)] + [f"decode-{i}" for i in range(cfg.decode.count)]
+        names = [f"prefill-{i}" for i in range(cfg.workers.prefill.count)] + [f"decode-{i}" for i in range(cfg.workers.decode.count)]
         deadline = time.monotonic() + 60
         for name in names:
             while time.monotonic() < deadline:
@@ -368,8 +368,8 @@ def default_cluster(tmp_path_factory, local_ray):
 
 
 def _default_cluster(tmp_path_factory):
-    from kvruntime.messages.config import ClusterConfig
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
+    from kvruntime.config import ClusterConfig
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
     start_cluster(cfg, local_cpus=4)
     client = http_client(cfg)
     try:

@@ -1,6 +1,6 @@
 """``bench.cluster_vs_vllm``'s target evaluation and tables on recorded numbers (no model, no
-servers): every issue-11 target is judged from the side-by-side medians, a miss says by how much
-and names the kvnotes stage with the most seconds."""
+servers): every target against plain vLLM is judged from the side-by-side medians, a miss says
+by how much and names the kvnotes stage with the most seconds."""
 from bench.cluster_vs_vllm_report import OUTSIDE, evaluate, largest_stage, markdown, pct, size_rows, stage_means
 
 

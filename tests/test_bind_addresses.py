@@ -43,30 +43,30 @@ def _ray_worker_ports() -> set[int]:
 
 
 def test_bind_host_is_validated():
-    from kvruntime.messages.config import ClusterConfig
-    assert ClusterConfig(bind_host="10.1.2.3").bind_host == "10.1.2.3"
+    from kvruntime.config import ClusterConfig
+    assert ClusterConfig.of(bind_host="10.1.2.3").server.bind_host == "10.1.2.3"
     for bad in ("0.0.0.0", "::", "my-host", ""):
         with pytest.raises(ValueError, match="bind_host"):
-            ClusterConfig(bind_host=bad)
+            ClusterConfig.of(bind_host=bad)
     with pytest.raises(ValueError, match="metrics_auth"):
-        ClusterConfig(metrics_auth=True, auth=False)
-    assert ClusterConfig().local_loopback and not ClusterConfig(host="0.0.0.0").local_loopback
+        ClusterConfig.of(metrics_auth=True, auth=False)
+    assert ClusterConfig().local_loopback and not ClusterConfig.of(host="0.0.0.0").local_loopback
 
 
 @pytest.mark.slow
 def test_a_loopback_cluster_listens_on_loopback_only_and_its_targets_need_a_key(tmp_path, local_ray):
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
 
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=64 << 20, data_dir=str(tmp_path), metrics_auth=True)
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=64 << 20, data_dir=str(tmp_path), metrics_auth=True)
     start(cfg, local_cpus=4)
     client = http_client(cfg, timeout=120)
     try:
         assert client.get("/health").json()["status"] == "ok"
         import httpx
-        anon = httpx.get(f"http://127.0.0.1:{cfg.port}/metrics/targets", timeout=60)
+        anon = httpx.get(f"http://127.0.0.1:{cfg.server.port}/metrics/targets", timeout=60)
         assert anon.status_code == 401 and anon.json()["error"]["request_id"], anon.text
-        bad = httpx.get(f"http://127.0.0.1:{cfg.port}/metrics/targets", timeout=60,
+        bad = httpx.get(f"http://127.0.0.1:{cfg.server.port}/metrics/targets", timeout=60,
                         headers={"authorization": "Bearer kvn-not-a-key"})
         assert bad.status_code == 401
         groups = client.get("/metrics/targets").json()

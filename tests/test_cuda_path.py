@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kvruntime.fidelity.cases import load_compose_cases, load_edit_cases, load_passages, split_template
-from kvruntime.fidelity.runner import _finish, _frame
+from kvruntime.fidelity.runner import _finish
+from kvruntime.ops.frame import chat_frame
 from kvruntime.ops import ChunkSegment, TextSegment, compose, edit_in_place, precompile_chunk, recompute
 from kvruntime.ops.compose import reposition
 
@@ -49,7 +50,7 @@ def test_cuda_recompute_matches_cpu(smol, cuda32):
 
 
 def _composed(engine, case, passages):
-    pre, close = _frame(engine)
+    pre, close = chat_frame(engine), engine.spec.chat_user_suffix
     chunks = [ChunkSegment(precompile_chunk(engine, engine.encode(passages[p].strip() + "\n\n")))
               for p in case.chunks]
     res = compose(engine, [TextSegment(pre)] + chunks + [TextSegment(engine.encode(case.question + close))],
@@ -82,7 +83,7 @@ def test_cuda_edit_in_place_matches_cpu(smol, cuda32):
     case = next(c for c in load_edit_cases() if c.kind == "lookup")
     results = []
     for e in (smol, cuda32):
-        pre, close = _frame(e)
+        pre, close = chat_frame(e), e.spec.chat_user_suffix
         before, after = split_template(case)
         b_ids, a_ids = pre + e.encode(before), e.encode(after)
         old_ids, new_ids = e.encode(case.old), e.encode(case.new)

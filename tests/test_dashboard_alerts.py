@@ -74,7 +74,8 @@ def test_rows_and_panels(board):
 def test_metric_list_is_exactly_what_the_panels_query(board):
     used = {_base_name(n) for _, expr in panel_queries(board) for n in _NAME.findall(expr)}
     assert used == set(METRICS), f"only in queries: {used - set(METRICS)}; unused: {set(METRICS) - used}"
-    # What issue 15 asks the dashboard to show (names of DESIGN.md section 7 and vLLM's).
+    # What the dashboard must show at least: request outcomes, latency, where prompt tokens came from,
+    # tier and transfer health, stages, fallbacks and retries (kvnotes' names and vLLM's).
     asked = {"kvnotes_ttft_seconds", "kvnotes_requests_total", "kvnotes_prompt_tokens_total",
              "kvnotes_tier_hits_total", "kvnotes_tier_lookups_total", "kvnotes_kv_transfer_bytes_total",
              "kvnotes_stage_seconds", "kvnotes_fallbacks_total", "kvnotes_retries_total",

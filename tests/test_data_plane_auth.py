@@ -1,4 +1,4 @@
-"""The authenticated data plane (issue 13 part 2, issue 16): a decode worker's Receiver accepts a
+"""The authenticated data plane: a decode worker's Receiver accepts a
 KV block only for a transfer the router announced (a TransferGrant), carrying that transfer's
 credential and the granted shape. Over the real gRPC server and real NIXL (a receiver in a child
 process): forged, unknown, wrong-model/dtype/length and corrupt blocks are refused with their

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 from cluster.ops.dashboard import METRICS, dashboard, panel_queries
 from cluster.control.metrics import Metrics
 
@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_example_serve_config_loads(monkeypatch):
     monkeypatch.setenv("KVNOTES_REDIS_PASSWORD", "pw/with@chars")
     cfg = ClusterConfig.from_file(ROOT / "deploy" / "kvnotes.yaml")
-    assert cfg.prefill.count == 2 and cfg.prefill.custom_resource and cfg.ray_address == "auto"
-    assert cfg.state_url == "redis://:pw%2Fwith%40chars@head-node:6379/0"     # the example's Redis has a password
+    assert cfg.workers.prefill.count == 2 and cfg.workers.prefill.custom_resource and cfg.ray.address == "auto"
+    assert cfg.state.url == "redis://:pw%2Fwith%40chars@head-node:6379/0"     # the example's Redis has a password
 
 
 def test_ray_up_yaml_has_what_ray_up_needs():
@@ -33,11 +33,9 @@ def test_ray_up_yaml_has_what_ray_up_needs():
     assert c["available_node_types"]["decode"]["resources"]["decode"] == 1
 
 
-# Named in DESIGN.md section 7 and queried by the dashboard, but not exported by cluster.control.metrics
-# yet: the issue 15 work (metrics from every process, honest series) and issue 16 (stage
-# timings) add them. The test below fails once one of them is exported, so this list only
-# shrinks; nothing on the dashboard goes unchecked.
-DECLARED_NOT_YET_EXPORTED: set[str] = set()   # empty since the shadow checks (issue 14) export theirs
+# Queried by the dashboard but not exported by cluster.control.metrics yet. The test below fails
+# once one of them is exported, so this list only shrinks; nothing on the dashboard goes unchecked.
+DECLARED_NOT_YET_EXPORTED: set[str] = set()   # empty: every metric the dashboard queries is exported
 
 
 def test_dashboard_file_is_generated_and_uses_exported_metrics():

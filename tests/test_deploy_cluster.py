@@ -50,7 +50,7 @@ def test_cluster_yaml_passes_rays_validator():
 
 def test_node_types_carry_exactly_what_the_actors_request(monkeypatch):
     from cluster.control.ray_backends import worker_resources
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
 
     monkeypatch.setenv("KVNOTES_REDIS_PASSWORD", "unused-here")
     cfg = ClusterConfig.from_file(ROOT / "deploy" / "kvnotes.yaml")
@@ -63,7 +63,7 @@ def test_node_types_carry_exactly_what_the_actors_request(monkeypatch):
         want = worker_resources(cfg, kind)
         assert types[kind]["resources"] == {k: int(v) if float(v).is_integer() else v for k, v in want.items()}
         assert "GPU" not in types[kind]["resources"]
-        count = (cfg.prefill if kind == "prefill" else cfg.decode).count
+        count = (cfg.workers.prefill if kind == "prefill" else cfg.workers.decode).count
         assert types[kind]["min_workers"] == types[kind]["max_workers"] == count
     # the GPU variant: prefill-gpu carries what its prefill actors ask for, started on demand only;
     # its decode actors are the CPU ones above

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvruntime.device import DeviceUnavailable, resolve_device
-from kvruntime.messages.config import ClusterConfig, WorkerConfig
+from kvruntime.config import ClusterConfig, WorkerConfig
 
 
 def _resolve(requested, cuda, ids, role="prefill"):
@@ -56,14 +56,14 @@ def test_real_probes_on_this_host():
 
 def test_config_device_and_num_gpus_per_role():
     cfg = ClusterConfig.from_dict({"prefill": {"num_gpus": 1, "device": "cuda"}, "decode": {"device": "cpu"}})
-    assert (cfg.prefill.device, cfg.prefill.num_gpus, cfg.decode.device) == ("cuda", 1, "cpu")
-    assert ClusterConfig().prefill.device == ClusterConfig().decode.device == "auto"
+    assert (cfg.workers.prefill.device, cfg.workers.prefill.num_gpus, cfg.workers.decode.device) == ("cuda", 1, "cpu")
+    assert ClusterConfig().workers.prefill.device == ClusterConfig().workers.decode.device == "auto"
     with pytest.raises(ValueError, match="prefill.device must be auto, cpu or cuda, got 'gpu'"):
         ClusterConfig.from_dict({"prefill": {"device": "gpu"}})
     with pytest.raises(ValueError, match="decode.device is cuda but decode.num_gpus is 0.0"):
         ClusterConfig.from_dict({"decode": {"device": "cuda"}})
     with pytest.raises(ValueError, match="num_gpus must be >= 0"):
-        ClusterConfig(prefill=WorkerConfig(num_gpus=-1))
+        ClusterConfig.of(prefill=WorkerConfig(num_gpus=-1))
 
 
 def test_actor_options_carry_num_gpus():
@@ -71,9 +71,9 @@ def test_actor_options_carry_num_gpus():
     cfg = ClusterConfig.from_dict({"prefill": {"num_gpus": 1, "num_cpus": 4, "device": "cuda",
                                                "custom_resource": True},
                                    "decode": {"num_gpus": 0.5}})
-    p = _options(cfg, cfg.prefill, "prefill", "prefill-0")
+    p = _options(cfg, cfg.workers.prefill, "prefill", "prefill-0")
     assert (p["num_gpus"], p["num_cpus"], p["resources"]) == (1, 4, {"prefill": 1})
-    assert _options(cfg, cfg.decode, "decode", "decode-0")["num_gpus"] == 0.5
+    assert _options(cfg, cfg.workers.decode, "decode", "decode-0")["num_gpus"] == 0.5
     assert worker_resources(cfg, "prefill") == {"CPU": 4.0, "GPU": 1.0, "prefill": 1.0}
     assert worker_resources(ClusterConfig(), "prefill") == {"CPU": 1.0}           # no GPU asked for by default
 
@@ -84,8 +84,8 @@ def test_actors_resolve_their_device_from_their_role():
     import inspect
     import decode_workers.actor as d
     import prefill_workers.actor as p
-    assert 'resolve_device(cfg.prefill.device, "prefill")' in inspect.getsource(p.PrefillWorker.__init__)
-    assert 'resolve_device(cfg.decode.device, "decode")' in inspect.getsource(d.DecodeWorker.__init__)
+    assert 'resolve_device(cfg.workers.prefill.device, "prefill")' in inspect.getsource(p.PrefillWorker.__init__)
+    assert 'resolve_device(cfg.workers.decode.device, "decode")' in inspect.getsource(d.DecodeWorker.__init__)
 
 
 # ---- staging -------------------------------------------------------------------------------------

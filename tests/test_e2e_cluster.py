@@ -26,7 +26,7 @@ def cluster(default_cluster):
     """The default cluster (tests/conftest.py, shared with test_request_pricing) with this module's
     skill, memory and template."""
     cfg, client = default_cluster
-    base = f"http://127.0.0.1:{cfg.port}"
+    base = f"http://127.0.0.1:{cfg.server.port}"
     assert client.get("/health").json()["status"] == "ok"
     for kind, body in (("skills", {"name": "refund", "text": SKILL}), ("memories", {"name": "dana", "text": MEMORY}),
                        ("templates", {"name": "booking", "text": TEMPLATE, "labels": {"status": "flight status"}})):

@@ -1,6 +1,6 @@
 """The default policy composes on both shipped models, through the real cluster (Ray actors, Serve,
 HTTP): a registered skill right after the chat frame is exact reuse of its variant compiled after
-the frame (issue 24), so its KV comes from the tier, and the answer is a recompute's, token for token."""
+the frame, so its KV comes from the tier, and the answer is a recompute's, token for token."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +16,7 @@ KEEPS = ("default_cluster",)            # SmolLM2's cluster is the default one (
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
 def model_cluster(request, tmp_path_factory, local_ray):
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     from tests.conftest import _default_cluster, kept, release_kept
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
 
@@ -27,7 +27,7 @@ def model_cluster(request, tmp_path_factory, local_ray):
         yield request.param, client
         return
     release_kept("default_cluster")         # one cluster per Ray: the kept one goes first
-    cfg = ClusterConfig(model=request.param, port=free_port(), tier_cpu_bytes=256 << 20,
+    cfg = ClusterConfig.of(model=request.param, port=free_port(), tier_cpu_bytes=256 << 20,
                         data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
     client = http_client(cfg)

@@ -27,13 +27,13 @@ def held_cluster(tmp_path_factory, local_ray):
 
 def _held_cluster(tmp_path_factory):
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("held")
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=128 << 20, data_dir=str(root))
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=128 << 20, data_dir=str(root))
     (root / "c.json").write_text(json.dumps({"data_dir": str(root)}))
     start(cfg, local_cpus=4)
-    base = f"http://127.0.0.1:{cfg.port}"
+    base = f"http://127.0.0.1:{cfg.server.port}"
     clients = []
     try:
         out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "keys", "create", "--tenant", "globex",

@@ -25,14 +25,14 @@ TEMPLATE = "Booking {ref} for {passenger}. Status: {status}.\n"
 @pytest.fixture(scope="module")
 def sec(tmp_path_factory, local_ray):
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("sec")
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=128 << 20, data_dir=str(root), max_body_bytes=6 << 20,
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=128 << 20, data_dir=str(root), max_body_bytes=6 << 20,
                         max_text_chars=5_000_000, max_segments=8, max_inflight_per_tenant=1, max_tokens_limit=64)
     (root / "c.json").write_text(json.dumps({"data_dir": str(root)}))
     start(cfg, local_cpus=4)
-    base = f"http://127.0.0.1:{cfg.port}"
+    base = f"http://127.0.0.1:{cfg.server.port}"
     # a second tenant's key through the CLI: the key is the last line it prints
     out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "keys", "create", "--tenant", "globex", "--config",
                           str(root / "c.json")], capture_output=True, text=True, timeout=120, check=True)
@@ -201,7 +201,7 @@ BAD = [
 
 def _snapshot(cfg, clients) -> tuple:
     from cluster.control.state import open_state
-    s = open_state(cfg.resolved_state_url)
+    s = open_state(cfg.state.resolved_url)
     try:
         sizes = s.sizes(time.time())
     finally:

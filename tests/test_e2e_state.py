@@ -38,10 +38,10 @@ def _turn(http, session, status, policy="fast", segments_extra=(), **kw):
 @pytest.fixture(scope="module")
 def state_cluster(tmp_path_factory, local_ray):
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("kvstate")
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=128 << 20, router_replicas=2, data_dir=str(root / "data"),
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=128 << 20, router_replicas=2, data_dir=str(root / "data"),
                         tier_persist_dir=str(root / "tier"))
     start(cfg, local_cpus=4)
     http = http_client(cfg)
@@ -90,7 +90,7 @@ def test_registration_through_one_replica_is_used_through_the_other_and_counters
     # what Prometheus scrapes: service discovery lists each replica's own endpoint, and their
     # counters add up to the same total (nothing depends on which replica the proxy picked)
     routers = [g["targets"][0] for g in http.get("/metrics/targets").json() if g["labels"]["kvnotes_role"] == "router"]
-    assert len(set(routers)) == cfg.router_replicas == 2, routers
+    assert len(set(routers)) == cfg.server.router_replicas == 2, routers
     own = sum(_metric(httpx.get(f"http://{a}/metrics", timeout=30).text, "kvnotes_requests_total") for a in routers)
     assert own == sum(_metric(t, "kvnotes_requests_total") for t in _replica_metrics(http).values())
 
@@ -127,7 +127,7 @@ def test_killed_router_replicas_lose_nothing(state_cluster):
     assert t1["plan"] in ("recompute", "reuse")
     replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
                 if "kvnotes-router" in a["name"] and a["namespace"] == "serve"]
-    assert len(replicas) == cfg.router_replicas, replicas
+    assert len(replicas) == cfg.server.router_replicas, replicas
     for a in replicas:                                                # every router process dies
         ray.kill(ray.get_actor(a["name"], namespace="serve"), no_restart=True)
     deadline = time.monotonic() + 180

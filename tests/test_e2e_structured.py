@@ -34,8 +34,8 @@ TOOLS = [{"type": "function", "function": {
 
 def start_cluster(tmp_path_factory, **kw):
     from cluster.ops.launcher import start
-    from kvruntime.messages.config import ClusterConfig
-    cfg = ClusterConfig(port=_free_port(), data_dir=str(tmp_path_factory.mktemp("state")), **kw)
+    from kvruntime.config import ClusterConfig
+    cfg = ClusterConfig.of(port=_free_port(), data_dir=str(tmp_path_factory.mktemp("state")), **kw)
     start(cfg, local_cpus=4)
     return cfg
 
@@ -48,7 +48,7 @@ def client(tmp_path_factory):
     cfg = start_cluster(tmp_path_factory, tier_cpu_bytes=128 << 20)
     http = http_client(cfg)
     try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key=http.headers["authorization"].split()[1],
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.server.port}/v1", api_key=http.headers["authorization"].split()[1],
                             max_retries=0, timeout=600), http
     finally:
         http.close()

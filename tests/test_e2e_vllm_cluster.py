@@ -12,10 +12,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def vcluster(tmp_path_factory, local_ray):
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
 
-    cfg = ClusterConfig(port=_free_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",
+    cfg = ClusterConfig.of(port=_free_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",
                         vllm_kv_cache_gib=1, vllm_max_model_len=4096, data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
     client = http_client(cfg)

@@ -23,7 +23,7 @@ def client(tmp_path_factory):
                         vllm_max_model_len=4096)
     http = http_client(cfg)
     try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key=http.headers["authorization"].split()[1],
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.server.port}/v1", api_key=http.headers["authorization"].split()[1],
                             max_retries=0, timeout=600), http
     finally:
         http.close()

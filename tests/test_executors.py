@@ -364,10 +364,12 @@ def _chunk_plan(e, src, n_chunks=4, chunk=24):
         ids = tuple(e.encode(f" Room {k} of the Varga Museum shows {k * 7} paintings.\n\n"))[:chunk]
         if k == 0:
             ref = KVRef(frame.token_ids + ids, 0, SALT, prefix=())
-            steps.append(SegmentPlan(PlanKind.REUSE, "frame+skill:c0", ref.token_ids, 0, 0, len(ref.token_ids), ref))
+            steps.append(SegmentPlan(kind=PlanKind.REUSE, source="frame+skill:c0", token_ids=ref.token_ids,
+                                     position=0, computed=0, reused=len(ref.token_ids), kv=ref))
         else:
             ref = KVRef(ids, 1, SALT)
-            steps.append(SegmentPlan(PlanKind.REPOSITION, f"skill:c{k}", ids, pos, 0, len(ids), ref))
+            steps.append(SegmentPlan(kind=PlanKind.REPOSITION, source=f"skill:c{k}", token_ids=ids, position=pos,
+                                     computed=0, reused=len(ids), kv=ref))
         if src.get(ref) is None:
             src.compile(ref)
         pos += len(ref.token_ids)
@@ -440,17 +442,20 @@ def _mixed_plan(e, src, n_chunks=6):
         ids = tuple(e.encode(f" Room {k} of the Varga Museum shows {k * 7} paintings.\n\n"))
         if k == 0:
             ref = KVRef(frame.token_ids + ids, 0, SALT, prefix=())
-            add(SegmentPlan(PlanKind.REUSE, "frame+skill:c0", ref.token_ids, 0, 0, len(ref.token_ids), ref),
+            add(SegmentPlan(kind=PlanKind.REUSE, source="frame+skill:c0", token_ids=ref.token_ids, position=0,
+                            computed=0, reused=len(ref.token_ids), kv=ref),
                 ChunkSegment(tier(ref), prefix=()))
         else:
             ref = KVRef(ids, 1, SALT)
-            add(SegmentPlan(PlanKind.REPOSITION, f"skill:c{k}", ids, pos, 1, len(ids) - 1, ref, seam_tokens=1),
+            add(SegmentPlan(kind=PlanKind.REPOSITION, source=f"skill:c{k}", token_ids=ids, position=pos, computed=1,
+                            reused=len(ids) - 1, kv=ref, seam_tokens=1),
                 ChunkSegment(tier(ref)))
         if k == 2:
             text = tuple(e.encode(" Visitors asked about the opening hours."))
-            add(SegmentPlan(PlanKind.RECOMPUTE, "text", text, pos, len(text), 0), TextSegment(list(text)))
+            add(SegmentPlan(kind=PlanKind.RECOMPUTE, source="text", token_ids=text, position=pos, computed=len(text),
+                            reused=0), TextSegment(list(text)))
     fix = tuple(e.encode(" Correction: the museum closes at 18:00."))
-    add(SegmentPlan(PlanKind.ERRATUM, "erratum", fix, pos, len(fix), 0), TextSegment(list(fix)))
+    add(SegmentPlan(kind=PlanKind.ERRATUM, source="erratum", token_ids=fix, position=pos, computed=len(fix), reused=0), TextSegment(list(fix)))
     return RequestPlan("r", e.spec.name, Policy.FAST, tuple(steps), q), segs
 
 

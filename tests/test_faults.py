@@ -24,8 +24,8 @@ SKILL = ("Warranty policy: laptops carry a two-year warranty covering hardware f
 
 
 def _headers(cfg) -> dict:
-    """Bearer key when the cluster wrote one (auth, issue 13); none otherwise."""
-    p = Path(cfg.data_dir).expanduser() / "api_key"
+    """Bearer key when the cluster wrote one (auth on); none otherwise."""
+    p = Path(cfg.state.data_dir).expanduser() / "api_key"
     return {"Authorization": f"Bearer {p.read_text().strip()}"} if p.exists() else {}
 
 
@@ -43,12 +43,12 @@ def _wait(pred, timeout_s: float, what: str, every: float = 0.5):
 def fault_cluster(tmp_path_factory, local_ray):
     from cluster.control.ray_backends import tier_key_of
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
-    from kvruntime.messages.config import ClusterConfig, WorkerConfig
+    from kvruntime.config import ClusterConfig, WorkerConfig
     from kvtransport.tier.server import start_tier_server, stop_tier_server
 
     root = tmp_path_factory.mktemp("kvfaults")
     tier_port = free_port()
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
                         tier_remote_url=f"lm://127.0.0.1:{tier_port}", tier_remote_probe_s=0.5,
                         prefill=WorkerConfig(count=2), decode=WorkerConfig(count=2),
                         health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5,
@@ -63,7 +63,7 @@ def fault_cluster(tmp_path_factory, local_ray):
     state = {"tier": tier, "tier_key": key}
     try:
         start(cfg, local_cpus=5)
-        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=180, headers=_headers(cfg))
+        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.server.port}", timeout=180, headers=_headers(cfg))
         def ready():
             try:
                 return http.get("/ready").status_code == 200
@@ -131,7 +131,7 @@ def test_prefill_load_spreads_across_actors_with_a_shared_system_prompt(fault_cl
     assert ntok > 900
 
     def chat(i: int) -> httpx.Response:
-        return http.post("/v1/chat/completions", json={"model": cfg.model, "max_tokens": 2, "temperature": 0,
+        return http.post("/v1/chat/completions", json={"model": cfg.workers.model, "max_tokens": 2, "temperature": 0,
                                                        "messages": [{"role": "system", "content": system},
                                                                     {"role": "user", "content": f"Question {i}: hi?"}]})
     r = chat(-1)                                    # warm-up: the shared prefix lands in the tiers

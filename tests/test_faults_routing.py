@@ -200,7 +200,7 @@ def test_deadline_stops_the_decode_worker_and_answers_504(smol, tmp_path):
 
 def test_fault_settings_are_validated_and_auth_mode_follows_the_token_file(tmp_path, monkeypatch):
     from cluster.ops.launcher import ray_auth_mode
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
 
     for bad in ({"worker_max_restarts": -2}, {"request_retries": -1}, {"health_period_s": 0},
                 {"prefill_load_factor": 0.9}, {"request_deadline_s": 0}, {"ray_auth_mode": "tls"}):
@@ -211,4 +211,4 @@ def test_fault_settings_are_validated_and_auth_mode_follows_the_token_file(tmp_p
     assert ray_auth_mode(ClusterConfig(), token) is None
     token.write_text("x" * 32)
     assert ray_auth_mode(ClusterConfig(), token) == "token"
-    assert ray_auth_mode(ClusterConfig(ray_auth_mode="disabled"), token) == "disabled"
+    assert ray_auth_mode(ClusterConfig.of(ray_auth_mode="disabled"), token) == "disabled"

@@ -1,5 +1,5 @@
 """Chunks compiled in their frame (exact reuse of the first chunk), question-guided recompute,
-and the yes/no decision cases (issue 24)."""
+and the yes/no decision cases of the answer-based fidelity target."""
 import dataclasses
 import re
 
@@ -67,6 +67,17 @@ def test_exact_first_chunk_takes_no_recompute_budget_and_matches_recompute(smol)
     full = recompute(smol, f + skill + q)
     assert res.computed_tokens == len(f) + len(q) and res.probed_tokens == 0
     assert kl_divergence(full.logits, res.logits) < 1e-6
+
+
+def test_the_router_and_the_engine_see_one_chat_frame(engine):
+    """The router's renderer (tokenizer only) and the engine's compile prefix come from the one
+    definition, ModelSpec.chat_frame: BOS where the model uses one, then the user-turn opener."""
+    from cluster.control.render import Renderer
+    r = Renderer(engine.tokenizer, engine.spec, None, engine.bos_id)
+    f = chat_frame(engine)
+    assert list(r.frame()) == f == engine.spec.chat_frame(engine.bos_id, engine.encode)
+    bos = [engine.bos_id] if engine.spec.prepend_bos else []
+    assert f[:len(bos)] == bos and len(f) == len(bos) + len(engine.encode(engine.spec.chat_user_prefix))
 
 
 def test_compile_modes_and_bad_input(smol):

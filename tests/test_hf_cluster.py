@@ -11,7 +11,6 @@ directory finds it), and a refused checkpoint stops ``kvnotes serve`` in one lin
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -39,9 +38,9 @@ WALL: dict[str, float] = {}
 @pytest.fixture(scope="module")
 def ray_once(tmp_path_factory, local_ray):
     """The base config; Ray (the session's shared local one) is kept between families."""
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     from tests.conftest import shared_ray, stop_cluster
-    cfg = ClusterConfig(port=free_port(), auth=False, tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("s")),
+    cfg = ClusterConfig.of(port=free_port(), auth=False, tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("s")),
                         profiles_dir=str(tmp_path_factory.mktemp("profiles")), shadow_fraction=0.0)
     shared_ray(cfg)
     yield cfg
@@ -92,19 +91,19 @@ def test_checkpoint_served_end_to_end(ray_once, tiny_checkpoints, family):
     from kvruntime.models import get_model_spec
 
     ckpt = tiny_checkpoints[family]
-    cfg = dataclasses.replace(ray_once, model=str(ckpt))
+    cfg = ray_once.replace(model=str(ckpt))
     spec = get_model_spec(str(ckpt))
     if family == "llama3":           # one family calibrated (1 case): /health finds its profile by content hash
-        calibrate(str(ckpt), cases=1, out=cfg.profiles_dir, threads=1)
+        calibrate(str(ckpt), cases=1, out=cfg.policy.profiles_dir, threads=1)
     t0 = time.monotonic()
     start(cfg, local_cpus=4)
     try:
-        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300)
+        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.server.port}", timeout=300)
         health = http.get("/health").json()
         assert health["status"] == "ok"
         assert health["model"]["name"] == ckpt.name and health["model"]["id"] == spec.name
         assert health["model"]["calibrated"] is (family == "llama3")
-        assert health["model"]["profile"] == f"{cfg.profiles_dir}/{spec.name}.json"
+        assert health["model"]["profile"] == f"{cfg.policy.profiles_dir}/{spec.name}.json"
         if family != "llama3":       # uncalibrated: balanced composes nothing, and says why
             assert not health["fidelity"]["compose"]["balanced"]["allowed"]
             assert "only exact reuse" in health["fidelity"]["compose"]["balanced"]["reason"]

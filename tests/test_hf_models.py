@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from kvruntime.ops.frame import chat_frame
 from tests.conftest import tiny_engine
 
 FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
@@ -21,10 +22,6 @@ QUESTION = "When does the Varga Museum close?"
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def _frame(e) -> list[int]:
-    return ([e.bos_id] if e.spec.prepend_bos and e.bos_id is not None else []) + e.encode(e.spec.chat_user_prefix)
 
 
 # ---- what is read from the checkpoint ----------------------------------------------------------
@@ -87,7 +84,7 @@ def test_keys_rerotated_from_p_equal_keys_computed_at_p_plus_d(tiny_checkpoints,
 def test_composed_prefix_with_r1_equals_recompute(tiny_checkpoints, family):
     from kvruntime.ops import ChunkSegment, TextSegment, compose, precompile_chunk, recompute
     e = tiny_engine(tiny_checkpoints, family)
-    frame, a, b, q = _frame(e), e.encode(CHUNK_A), e.encode(CHUNK_B), e.encode(QUESTION + e.spec.chat_user_suffix)
+    frame, a, b, q = chat_frame(e), e.encode(CHUNK_A), e.encode(CHUNK_B), e.encode(QUESTION + e.spec.chat_user_suffix)
     segs = [TextSegment(frame), ChunkSegment(precompile_chunk(e, a)), ChunkSegment(precompile_chunk(e, b)),
             TextSegment(q)]
     got = compose(e, segs, recompute_ratio=1.0)
@@ -103,7 +100,7 @@ def test_composed_prefix_with_r1_equals_recompute(tiny_checkpoints, family):
 def test_edit_in_place_with_every_token_recomputed_equals_recompute(tiny_checkpoints, family):
     from kvruntime.ops import edit_in_place, recompute
     e = tiny_engine(tiny_checkpoints, family)
-    pre, old, post = _frame(e) + e.encode("Flight LX318 from Zurich to London is "), e.encode("on time"), \
+    pre, old, post = chat_frame(e) + e.encode("Flight LX318 from Zurich to London is "), e.encode("on time"), \
         e.encode("; boarding starts at gate B12.\n\n" + QUESTION + e.spec.chat_user_suffix)
     new = e.encode("cancelled after a long delay")
     assert len(new) != len(old)                       # downstream slots are re-rotated first
@@ -123,7 +120,7 @@ def test_bfloat16_end_to_end_engine_block_and_key(tiny_checkpoints):
     from kvtransport.tier.store import key_for
     e16, e32 = tiny_engine(tiny_checkpoints, "qwen3", "bfloat16"), tiny_engine(tiny_checkpoints, "qwen3")
     assert e16.model.dtype == torch.bfloat16 and e16.rope.enabled        # self-test passed in bf16
-    frame, a, q = _frame(e16), e16.encode(CHUNK_A), e16.encode(QUESTION + e16.spec.chat_user_suffix)
+    frame, a, q = chat_frame(e16), e16.encode(CHUNK_A), e16.encode(QUESTION + e16.spec.chat_user_suffix)
     out = compose(e16, [TextSegment(frame), ChunkSegment(precompile_chunk(e16, a)), TextSegment(q)])
     assert out.kv.data.dtype == torch.bfloat16
     toks = e16.greedy(out.kv, out.logits, 3)
@@ -201,9 +198,9 @@ def test_unusable_checkpoints_are_refused_in_one_line(tiny_checkpoints, tmp_path
 
 
 def test_config_takes_a_checkpoint_directory_and_three_dtypes(tiny_checkpoints):
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     for dtype in ("float32", "bfloat16", "float16"):
-        assert ClusterConfig(model=str(tiny_checkpoints["qwen3"]), dtype=dtype).dtype == dtype
+        assert ClusterConfig.of(model=str(tiny_checkpoints["qwen3"]), dtype=dtype).workers.dtype == dtype
     for bad in (dict(model="/no/such/dir"), dict(model="gpt-7"), dict(dtype="float64"), dict(dtype="fp8")):
         with pytest.raises(ValueError):
-            ClusterConfig(**bad)
+            ClusterConfig.of(**bad)

@@ -178,8 +178,25 @@ def test_bench_only_code_lives_in_bench():
 
 def test_the_message_module_is_torch_free():
     code = ("import sys; import kvruntime.messages.plan, kvruntime.messages.keys, kvruntime.messages.decode, "
-            "kvruntime.messages.prefill, kvruntime.messages.config, cluster.control.state, cluster.control.planner; "
+            "kvruntime.messages.prefill, kvruntime.config, cluster.control.state, cluster.control.planner; "
+            "kvruntime.config.ClusterConfig.of(port=8001, prefill={'count': 2}); "
             "bad = [m for m in ('torch', 'transformers', 'ray', 'numpy') if m in sys.modules]; "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_config_sits_at_the_bottom():
+    """Every process (router, prefill and decode actors) imports ``kvruntime.config``: what it
+    reaches, directly or not, is the config's own sections and the model registry it validates
+    ``model`` against; no control plane, worker, transport, engine or op."""
+    edges, seen, todo = module_edges(), set(), ["kvruntime.config"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += sorted(edges.get(m, ()))
+    registry = {"kvruntime.models", "kvruntime.model_spec", "kvruntime.hf_models", "kvruntime.checkpoint",
+                "kvruntime.rope_config"}
+    outside = sorted(m for m in seen if not m.startswith("kvruntime.config") and m not in registry)
+    assert outside == [], f"kvruntime.config reaches {outside}"

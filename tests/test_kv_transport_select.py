@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvruntime.kv import KVCache
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 from kvruntime.messages.transfer import TransferGrant
 from kvtransport.transfer.blocks import decode_block
 from kvtransport.transfer.endpoints import Receiver, Sender
@@ -28,7 +28,7 @@ def _ship(rx, tx, kv, tid, dtype="float32"):
 
 
 def test_config_refuses_an_unknown_transport():
-    assert ClusterConfig(kv_transport="grpc").kv_transport == "grpc"
+    assert ClusterConfig.of(kv_transport="grpc").transport.kind == "grpc"
     with pytest.raises(ValueError, match="kv_transport"):
         ClusterConfig.from_dict({"kv_transport": "rdma"})
 

@@ -10,7 +10,7 @@ import sys
 import psutil
 import pytest
 
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 
 RAY_ERROR = ("The current node timed out during startup. This could happen because some of the raylet failed to "
              "startup or the GCS has become overloaded.")
@@ -53,7 +53,7 @@ def test_a_raylet_that_never_registers_is_cleaned_up_and_ray_started_again(fresh
     monkeypatch.setattr(fresh_ray, "init", fake)
     try:
         with caplog.at_level(logging.WARNING, logger="cluster.ops.launcher"):
-            retries = start_local_ray(ClusterConfig(ray_start_attempts=2), local_cpus=1)
+            retries = start_local_ray(ClusterConfig.of(ray_start_attempts=2), local_cpus=1)
         assert retries == 1
         assert fresh_ray.is_initialized() and fresh_ray.cluster_resources().get("CPU") == 1.0
         assert _gone(fake.orphans[0]), "the failed attempt's process was left running"
@@ -72,7 +72,7 @@ def test_the_last_attempt_raises_rays_error_and_leaves_nothing_running(fresh_ray
     monkeypatch.setattr(fresh_ray, "init", fake)
     try:
         with pytest.raises(Exception, match="timed out during startup"):
-            start_local_ray(ClusterConfig(ray_start_attempts=2), local_cpus=1)
+            start_local_ray(ClusterConfig.of(ray_start_attempts=2), local_cpus=1)
         assert len(fake.orphans) == 2 and all(_gone(p) for p in fake.orphans)
         assert not fresh_ray.is_initialized()
     finally:
@@ -92,10 +92,10 @@ def test_a_bad_argument_is_not_retried(fresh_ray, monkeypatch):
 
     monkeypatch.setattr(fresh_ray, "init", bad)
     with pytest.raises(ValueError):
-        start_local_ray(ClusterConfig(ray_start_attempts=3), local_cpus=1)
+        start_local_ray(ClusterConfig.of(ray_start_attempts=3), local_cpus=1)
     assert calls == [1]
 
 
 def test_ray_start_attempts_is_validated():
     with pytest.raises(ValueError, match="ray_start_attempts"):
-        ClusterConfig(ray_start_attempts=0)
+        ClusterConfig.of(ray_start_attempts=0)

@@ -1,4 +1,4 @@
-"""Decode migration and prefill cancellation (issue 27 item 6).
+"""Decode migration and prefill cancellation (a worker that dies mid-request).
 
 - Decode side, real engine: a continuation (prompt + the tokens already streamed, from step k)
   yields exactly the events an undisturbed run yields from step k on: seeded sampling, penalties,
@@ -97,7 +97,8 @@ def test_a_prefill_cancelled_while_it_runs_stops_between_layers(smol, one_torch_
             raise AssertionError("a cancelled plan sends nothing")
     ids = tuple(smol.tokenizer.encode(PROMPT * 4))
     plan = RequestPlan("r1", smol.spec.name, Policy.EXACT,
-                       (SegmentPlan(PlanKind.RECOMPUTE, "prompt", ids, 0, len(ids), 0),), (ids[-1],))
+                       (SegmentPlan(kind=PlanKind.RECOMPUTE, source="prompt", token_ids=ids, position=0,
+                                    computed=len(ids), reused=0),), (ids[-1],))
     ran = []
     hooks = [layer.register_forward_hook(lambda *_: ran.append(1)) for layer in smol.model.model.layers]
     try:
@@ -120,11 +121,11 @@ def migration_cluster(tmp_path_factory, local_ray):
     """1 prefill + 2 decode actors and the router (test_faults' cluster without its lm:// tier,
     which plays no part here); stopped by the launcher, every wait bounded."""
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
-    from kvruntime.messages.config import ClusterConfig, WorkerConfig
+    from kvruntime.config import ClusterConfig, WorkerConfig
     from tests.test_faults import _headers, _wait
 
     root = tmp_path_factory.mktemp("kvmigrate")
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
                         prefill=WorkerConfig(count=1), decode=WorkerConfig(count=2), decode_migrations=1,
                         health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5,
                         # bursts of 16-32 streams queue past the default admission budget on this
@@ -136,7 +137,7 @@ def migration_cluster(tmp_path_factory, local_ray):
                         decode_prefix_cache_bytes=0)
     try:
         start(cfg, local_cpus=4)
-        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=300, headers=_headers(cfg))
+        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.server.port}", timeout=300, headers=_headers(cfg))
 
         def ready():
             try:

@@ -39,10 +39,10 @@ def multinode(tmp_path_factory):
     import ray
 
     from cluster.control.ray_backends import RayBackends, start_workers, stop_workers
-    from kvruntime.messages.config import ClusterConfig, WorkerConfig
+    from kvruntime.config import ClusterConfig, WorkerConfig
 
     assert not ray.is_initialized()
-    cfg = ClusterConfig(prefill=WorkerConfig(num_cpus=1, custom_resource=True),
+    cfg = ClusterConfig.of(prefill=WorkerConfig(num_cpus=1, custom_resource=True),
                         decode=WorkerConfig(num_cpus=1, custom_resource=True), kv_transport="auto",
                         tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
     c = _start_cluster()
@@ -89,7 +89,7 @@ def test_composed_request_crosses_nodes_over_nixl_without_fallback(multinode, sm
 
     state = open_state(f"sqlite:///{tmp_path}/state.db")
     router = Router(backends, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state, "m",
-                    cfg.dtype, metrics=Metrics())
+                    cfg.workers.dtype, metrics=Metrics())
 
     async def run():
         await router.register_chunk("skill", "default", "refund", SKILL)

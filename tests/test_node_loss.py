@@ -60,11 +60,11 @@ def nodes(tmp_path_factory):
     import ray
     from ray import serve
     from cluster.ops.launcher import start, stop
-    from kvruntime.messages.config import ClusterConfig, WorkerConfig
+    from kvruntime.config import ClusterConfig, WorkerConfig
 
     assert not ray.is_initialized()
     root = tmp_path_factory.mktemp("kvnodeloss")
-    cfg = ClusterConfig(port=free_port(), data_dir=str(root / "data"), tier_cpu_bytes=64 << 20,
+    cfg = ClusterConfig.of(port=free_port(), data_dir=str(root / "data"), tier_cpu_bytes=64 << 20,
                         tier_persist_dir=str(root / "fs-tier"),
                         prefill=WorkerConfig(count=2, num_cpus=1, custom_resource=True),
                         decode=WorkerConfig(count=2, num_cpus=1, custom_resource=True),
@@ -74,7 +74,7 @@ def nodes(tmp_path_factory):
     c, a = _start_nodes()
     try:
         ray.init(address=c.address, namespace="kvnotes", log_to_driver=False)
-        serve.start(proxy_location="HeadOnly", http_options={"host": cfg.host, "port": cfg.port})
+        serve.start(proxy_location="HeadOnly", http_options={"host": cfg.server.host, "port": cfg.server.port})
         start(cfg)
         http = http_client(cfg, timeout=300)
         _wait(lambda: http.get("/ready").status_code == 200, 180, "/ready")

@@ -43,7 +43,7 @@ TIER: dict = {}       # the lm:// tier server of the module's cluster (the workl
 
 
 def _auth(cfg) -> dict:
-    key_file = Path(cfg.data_dir) / "api_key"
+    key_file = Path(cfg.state.data_dir) / "api_key"
     return {"authorization": f"Bearer {key_file.read_text().strip()}"} if key_file.exists() else {}
 
 
@@ -56,12 +56,12 @@ def _cli(*args, timeout=600, env=None):
 def cluster(tmp_path_factory, local_ray):
     from cluster.control.ray_backends import tier_key_of
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     from kvtransport.tier.server import start_tier_server, stop_tier_server
 
     root = tmp_path_factory.mktemp("operator")
     tier_port = free_port()
-    cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(root / "state"),
+    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(root / "state"),
                         tier_remote_url=f"lm://127.0.0.1:{tier_port}",
                         shadow_fraction=1.0,          # every approximate request gets a shadow check
                         metrics_tenants=("default",))  # the embedded key's tenant gets its own label
@@ -71,7 +71,7 @@ def cluster(tmp_path_factory, local_ray):
     try:
         start(cfg, local_cpus=4)
         try:
-            yield cfg, f"http://127.0.0.1:{cfg.port}"
+            yield cfg, f"http://127.0.0.1:{cfg.server.port}"
         finally:
             stop(cfg)
     finally:
@@ -152,11 +152,11 @@ def workload(cluster, prometheus, tmp_path_factory):
 
         from cluster.control.sessions import SessionStore
         from cluster.control.state import StoreLimits, open_state
-        state = open_state(cfg.resolved_state_url, StoreLimits(cfg.session_ttl_s, cfg.session_max,
-                                                               cfg.prompt_index_ttl_s, cfg.prompt_index_max))
-        ctx = SessionStore(state).get(cfg.tenant, "s1").context
+        state = open_state(cfg.state.resolved_url, StoreLimits(cfg.state.session_ttl_s, cfg.state.session_max,
+                                                               cfg.state.prompt_index_ttl_s, cfg.state.prompt_index_max))
+        ctx = SessionStore(state).get(cfg.server.tenant, "s1").context
         assert any(ray.get([ray.get_actor(f"prefill-{i}", namespace="kvnotes").evict.remote(ctx)
-                            for i in range(cfg.prefill.count)]))
+                            for i in range(cfg.workers.prefill.count)]))
         r = c.post("/v1/notes/completions", json={
             "session": "s1", "kv_policy": "fast", "max_tokens": 4, "temperature": 0, "explain": True,
             "segments": [{"template": "booking", "fields": {"passenger": "Ada Byron", "status": "CANCELLED",
@@ -166,7 +166,7 @@ def workload(cluster, prometheus, tmp_path_factory):
         TIER["server"] = start_tier_server(old.host, old.port, key=TIER["key"], log_path=old.log_path)
         prompt = "The three primary colours of light are red, green and blue. " * 24 + "Name one:"
         for _ in range(2):                            # stored, then reused
-            r = c.post("/v1/completions", json={"model": cfg.model, "prompt": prompt, "max_tokens": 3,
+            r = c.post("/v1/completions", json={"model": cfg.workers.model, "prompt": prompt, "max_tokens": 3,
                                                 "temperature": 0})
             assert r.status_code == 200, r.text
         r = c.post("/v1/notes/completions", json={"segments": [{"skill": "no-such-skill"}], "max_tokens": 2})
@@ -206,7 +206,7 @@ def test_every_request_is_counted_once_with_its_final_status(cluster, workload):
         assert metric(text, "kvnotes_requests_total", plan="none", status="unauthorized", tenant="none") >= 1
     assert metric(text, "kvnotes_requests_total", status="ok", tenant="other") == 0    # one tenant, labelled
     # 3 compose, 3 session turns, 2 prompts: ok; registrations and the template: ok with plan "none"
-    ok_planned = sum(metric(text, "kvnotes_requests_total", plan=p, status="ok", tenant=cfg.tenant)
+    ok_planned = sum(metric(text, "kvnotes_requests_total", plan=p, status="ok", tenant=cfg.server.tenant)
                      for p in ("reuse", "reposition", "recompute", "erratum", "edit_in_place"))
     assert ok_planned == 8, text
     assert metric(text, "kvnotes_requests_total", plan="none", status="ok") >= 3

@@ -41,10 +41,10 @@ def _wait(pred, timeout_s: float, what: str, every: float = 0.25):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from cluster.ops.launcher import start, stop
-    from kvruntime.messages.config import ClusterConfig, WorkerConfig
+    from kvruntime.config import ClusterConfig, WorkerConfig
 
     root = tmp_path_factory.mktemp("kvoverload")
-    cfg = ClusterConfig(port=free_port(), data_dir=str(root / "data"), tier_cpu_bytes=64 << 20,
+    cfg = ClusterConfig.of(port=free_port(), data_dir=str(root / "data"), tier_cpu_bytes=64 << 20,
                         prefill=WorkerConfig(count=1), decode=WorkerConfig(count=2), router_replicas=REPLICAS,
                         health_period_s=0.5, health_timeout_s=2.0, max_queue_wait_s=3.0,
                         decode_prefix_cache_bytes=0)

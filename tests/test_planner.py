@@ -360,7 +360,7 @@ def _aprof(ops):
 def test_the_answer_target_needs_every_criterion_on_enough_cases():
     """Each criterion alone keeps an operation out; so do too few cases of any kind. The counts
     come from the config (BALANCED_MIN_CASES): 30 cases, 30 judged answers, 20 decision cases."""
-    from kvruntime.messages.config import BALANCED_MIN_CASES, ClusterConfig
+    from kvruntime.config import BALANCED_MIN_CASES, ClusterConfig
     assert (ANSWERS.min_cases, ANSWERS.min_answered, ANSWERS.min_decisions) == tuple(BALANCED_MIN_CASES.values())
     assert FidelityTarget.from_config(ClusterConfig()) == ANSWERS
     assert ANSWERS.basis == "answers" and (ANSWERS.minimum, ANSWERS.max_drop, ANSWERS.min_decision,
@@ -371,7 +371,7 @@ def test_the_answer_target_needs_every_criterion_on_enough_cases():
         c = choose_compose(_aprof({"op": _arow(**bad)}), ANSWERS, model="m")
         assert not c.allowed and "nearest op" in c.reason, bad
     with pytest.raises(ValueError):
-        ClusterConfig(balanced_min_decision=1.5)
+        ClusterConfig.of(balanced_min_decision=1.5)
 
 
 def test_balanced_by_answers_picks_the_cheapest_row_that_meets_it_and_cites_its_intervals():
@@ -396,7 +396,7 @@ def test_balanced_by_answers_picks_the_cheapest_row_that_meets_it_and_cites_its_
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_shipped_profiles_explain_balanced_by_answers_with_the_profiles_numbers(model):
-    """On the shipped profiles (compose_answers from the issue-24 rows) balanced is allowed only
+    """On the shipped profiles (compose_answers from the measured rows in kvruntime/fidelity/tables/rows/) balanced is allowed only
     if a planned row meets every criterion; otherwise the reason names the nearest candidate and
     quotes, from the profile, each criterion it missed with its interval and case count."""
     from kvruntime.fidelity.report import load_summary

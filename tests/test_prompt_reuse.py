@@ -1,4 +1,4 @@
-"""Nothing is computed that a tier or the decode engine already holds (issue 26 item 4).
+"""Nothing is computed that a tier or the decode engine already holds.
 
 In process (router + real executors + real gRPC, no Ray): the prompt lookup falls back to the
 longest indexed prefix the tier still holds (one batched lookup), a decode engine holding the
@@ -201,15 +201,18 @@ def test_a_held_prefix_is_neither_built_nor_sent_and_cached_tokens_match_the_sou
 
 def test_tokens_the_prefill_worker_built_are_not_counted_as_cached():
     """The misreport: a decode engine holding the prefix the prefill worker computed anyway."""
-    steps = (SegmentPlan(PlanKind.RECOMPUTE, "prompt", tuple(range(100)), 0, 100, 0),)
+    steps = (SegmentPlan(kind=PlanKind.RECOMPUTE, source="prompt", token_ids=tuple(range(100)), position=0,
+                         computed=100, reused=0),)
     plan = RequestPlan("r", "m", Policy.EXACT, steps, (7,))
     res = PrefillResult("r", "t", 100, 0.1, 10, 0.0, PrefillStats(computed=100, not_sent=95), True)
     summary = DecodeSummary(1, "length", (), 0.0, "", cached_tokens=100, loaded_tokens=5)
     assert prompt_sources(plan, res, summary) == {"reused": 0, "repositioned": 0, "decode_cache": 0,
                                                   "erratum": 0, "computed": 101}
     lost = DecodeSummary(1, "length", ("kv_mismatch",), 0.0, "", cached_tokens=64, loaded_tokens=0)
-    reuse = (SegmentPlan(PlanKind.REUSE, "prompt", tuple(range(80)), 0, 0, 80),
-             SegmentPlan(PlanKind.RECOMPUTE, "prompt", tuple(range(80, 100)), 80, 20, 0))
+    reuse = (SegmentPlan(kind=PlanKind.REUSE, source="prompt", token_ids=tuple(range(80)), position=0, computed=0,
+                         reused=80),
+             SegmentPlan(kind=PlanKind.RECOMPUTE, source="prompt", token_ids=tuple(range(80, 100)), position=80,
+                         computed=20, reused=0))
     plan2 = RequestPlan("r", "m", Policy.EXACT, reuse, (7,))
     res2 = PrefillResult("r", "t", 100, 0.1, 10, 0.0, PrefillStats(computed=20, reused=80), True)
     assert prompt_sources(plan2, res2, lost)["decode_cache"] == 44     # its hit less what was computed

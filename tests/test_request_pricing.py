@@ -194,7 +194,7 @@ def test_oversized_valid_requests_are_refused_without_tokenising_them_and_leave_
     }
     paths = {"native": "/v1/notes/completions", "chat": "/v1/chat/completions", "completions": "/v1/completions"}
     raw = {k: json.dumps(b).encode() for k, b in bodies.items()}
-    assert max(len(b) for b in raw.values()) <= cfg.max_body_bytes, "every body must pass the size limits"
+    assert max(len(b) for b in raw.values()) <= cfg.server.max_body_bytes, "every body must pass the size limits"
     # a small request first, so the replica's start-up allocations are behind us
     ok = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
     assert ok.status_code == 200, ok.text

@@ -75,8 +75,10 @@ def test_sampling_is_deterministic_by_request_and_honours_opt_out():
 
 def _plan(rid="r1", policy=Policy.BALANCED):
     ids = tuple(range(10, 30))
-    step = SegmentPlan(PlanKind.REPOSITION, "skill:x", ids, 3, 1, 19, KVRef(ids, 1, "s"), seam_tokens=1)
-    return RequestPlan(rid, "m", policy, (SegmentPlan(PlanKind.RECOMPUTE, "frame", (1, 2, 3), 0, 3, 0), step), (7, 8))
+    step = SegmentPlan(kind=PlanKind.REPOSITION, source="skill:x", token_ids=ids, position=3, computed=1, reused=19,
+                       kv=KVRef(ids, 1, "s"), seam_tokens=1)
+    return RequestPlan(rid, "m", policy, (SegmentPlan(kind=PlanKind.RECOMPUTE, source="frame", token_ids=(1, 2, 3),
+                                                      position=0, computed=3, reused=0), step), (7, 8))
 
 
 def _profile():
@@ -100,7 +102,8 @@ def test_guard_bounds_checks_in_flight_counts_drops_and_skips_opted_out_tenants(
         sent = [g.after_response(_plan(f"r{i}"), "acme", 0) for i in range(5)]
         assert sent == [True, True, False, False, False] and g.runner.in_flight == 2
         assert not g.after_response(_plan("p"), "private", 0)
-        exact = RequestPlan("e", "m", Policy.EXACT, (SegmentPlan(PlanKind.RECOMPUTE, "t", (1,), 0, 1, 0),), (2,))
+        exact = RequestPlan("e", "m", Policy.EXACT, (SegmentPlan(kind=PlanKind.RECOMPUTE, source="t", token_ids=(1,),
+                                                                 position=0, computed=1, reused=0),), (2,))
         assert not g.after_response(exact, "acme", 0)                   # exact plans are never checked
         gate.set()
         await g.runner.drain(10)
@@ -148,15 +151,16 @@ FRAME = (1, 2, 3)
 def _frame_plan(rid="f1", policy=Policy.BALANCED, *later):
     """The chat frame, then a skill reused exactly as its variant compiled after that frame."""
     ids = tuple(range(10, 30))
-    steps = (SegmentPlan(PlanKind.RECOMPUTE, "frame", FRAME, 0, 3, 0),
-             SegmentPlan(PlanKind.REUSE, "skill:x", ids, 3, 0, 20, KVRef(ids, 3, "s", prefix=FRAME)), *later)
+    steps = (SegmentPlan(kind=PlanKind.RECOMPUTE, source="frame", token_ids=FRAME, position=0, computed=3, reused=0),
+             SegmentPlan(kind=PlanKind.REUSE, source="skill:x", token_ids=ids, position=3, computed=0, reused=20,
+                         kv=KVRef(ids, 3, "s", prefix=FRAME)), *later)
     return RequestPlan(rid, "m", policy, steps, (7, 8))
 
 
 def _later(r=0.0, probe="kv1"):
     ids = tuple(range(40, 60))
-    return SegmentPlan(PlanKind.REPOSITION, "skill:y", ids, 23, 3, 17, KVRef(ids, 1, "s"), seam_tokens=1,
-                       recompute_ratio=r, probe=probe)
+    return SegmentPlan(kind=PlanKind.REPOSITION, source="skill:y", token_ids=ids, position=23, computed=3, reused=17,
+                       kv=KVRef(ids, 1, "s"), seam_tokens=1, recompute_ratio=r, probe=probe)
 
 
 def test_plan_op_books_frame_reuse_and_probes_under_their_own_keys():
@@ -170,8 +174,9 @@ def test_plan_op_books_frame_reuse_and_probes_under_their_own_keys():
     assert plan_op(_frame_plan("f", Policy.FAST, _later(0.1, "kv1"))) == compose_op_key(1, 0.1)   # the old key
     # exact reuse that is no frame variant (a cached prompt prefix) has nothing to check
     ids = tuple(range(5, 25))
-    prompt = RequestPlan("p", "m", Policy.BALANCED, (SegmentPlan(PlanKind.REUSE, "prompt", ids, 0, 0, 20,
-                                                                 KVRef(ids, 0, "s")),), (7,))
+    prompt = RequestPlan("p", "m", Policy.BALANCED, (SegmentPlan(kind=PlanKind.REUSE, source="prompt", token_ids=ids,
+                                                                 position=0, computed=0, reused=20,
+                                                                 kv=KVRef(ids, 0, "s")),), (7,))
     assert not checkable(prompt) and plan_op(prompt) == "reuse"
     assert not checkable(RequestPlan("n", "m", Policy.BALANCED, _frame_plan().steps, ()))   # no question
 

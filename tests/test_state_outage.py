@@ -1,4 +1,4 @@
-"""State-store outages (issue 27): a real redis-server (AOF on, as docs/deploy.md recommends) on a
+"""State-store outages: a real redis-server (AOF on, as docs/deploy.md recommends) on a
 free loopback port is SIGKILLed by PID and restarted on the same port. Every store method then
 raises ``StateStoreUnavailable``; an API key validated within ``auth_cache_s`` keeps working, an
 unknown-to-the-cache one is a 503 ``state_store_unavailable`` with ``Retry-After``; the replica's
@@ -184,13 +184,13 @@ def test_the_probe_drives_the_gauge_and_the_error_is_a_503_with_retry_after(redi
 @pytest.fixture(scope="module")
 def outage_cluster(tmp_path_factory, local_ray):
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("kvoutage")
     rp = RedisProc(root)
     rp.start()
     try:
-        cfg = ClusterConfig(port=free_port(), tier_cpu_bytes=96 << 20, router_replicas=2, data_dir=str(root / "data"),
+        cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=96 << 20, router_replicas=2, data_dir=str(root / "data"),
                             state_url=rp.url, auth_cache_s=120.0, state_probe_s=1.0, state_timeout_s=1.0)
         start(cfg, local_cpus=4)
         http = http_client(cfg, timeout=120)
@@ -221,8 +221,8 @@ def test_redis_sigkilled_under_load_no_500_cached_keys_served_ready_follows(outa
     from cluster.http.auth import create_key
 
     cfg, http, rp = outage_cluster
-    state = open_state(cfg.resolved_state_url)
-    fresh, _ = create_key(state, cfg.tenant)          # valid, but no replica has seen it yet
+    state = open_state(cfg.state.resolved_url)
+    fresh, _ = create_key(state, cfg.server.tenant)          # valid, but no replica has seen it yet
     state.close()
     fresh_hdr = {"authorization": f"Bearer {fresh}"}
     r = http.post("/v1/skills", json={"name": "refunds", "text": "Refunds take five business days."})
@@ -231,7 +231,7 @@ def test_redis_sigkilled_under_load_no_500_cached_keys_served_ready_follows(outa
 
     def plain(i: int, headers=None):
         return http.post("/v1/completions", headers=headers, json={
-            "model": cfg.model, "prompt": f"Question {i}: what colour is the sky?", "max_tokens": 2, "temperature": 0})
+            "model": cfg.workers.model, "prompt": f"Question {i}: what colour is the sky?", "max_tokens": 2, "temperature": 0})
 
     # both replicas validate the cluster's key once (it is then cached there)
     warmed = set()

@@ -209,14 +209,14 @@ def test_embedded_default_key_is_created_once_and_private(tmp_path):
 
 
 def test_auth_off_only_on_loopback():
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
 
-    assert not ClusterConfig(auth=False, host="127.0.0.1").auth
-    assert ClusterConfig.from_dict({"trusted_proxies": ["10.0.0.7"]}).trusted_proxies == ("10.0.0.7",)
+    assert not ClusterConfig.of(auth=False, host="127.0.0.1").server.auth
+    assert ClusterConfig.from_dict({"trusted_proxies": ["10.0.0.7"]}).server.trusted_proxies == ("10.0.0.7",)
     with pytest.raises(ValueError, match="loopback"):
-        ClusterConfig(auth=False, host="0.0.0.0")
+        ClusterConfig.of(auth=False, host="0.0.0.0")
     with pytest.raises(ValueError, match="max_"):
-        ClusterConfig(max_body_bytes=0)
+        ClusterConfig.of(max_body_bytes=0)
 
 
 def test_keys_cli_create_list_revoke(tmp_path, capsys):
@@ -265,17 +265,17 @@ def test_redact_url_hides_only_the_password():
 
 
 def test_state_url_takes_a_password_from_the_environment_and_never_shows_it(monkeypatch):
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     monkeypatch.setenv("KVN_TEST_REDIS_PASSWORD", "p@ss:w/rd")
     cfg = ClusterConfig.from_dict({"state_url": "rediss://:${KVN_TEST_REDIS_PASSWORD}@redis:6380/0"})
-    assert cfg.state_url == "rediss://:p%40ss%3Aw%2Frd@redis:6380/0"
+    assert cfg.state.url == "rediss://:p%40ss%3Aw%2Frd@redis:6380/0"
     assert "p%40ss" not in repr(cfg) and "p@ss" not in repr(cfg)
     monkeypatch.delenv("KVN_TEST_REDIS_PASSWORD")
     with pytest.raises(ValueError, match="KVN_TEST_REDIS_PASSWORD is not set"):
         ClusterConfig.from_dict({"state_url": "redis://:${KVN_TEST_REDIS_PASSWORD}@redis:6379/0"})
-    assert ClusterConfig.from_dict({"state_url": "redis://:a$b@h:1/0"}).state_url == "redis://:a$b@h:1/0"
+    assert ClusterConfig.from_dict({"state_url": "redis://:a$b@h:1/0"}).state.url == "redis://:a$b@h:1/0"
     with pytest.raises(ValueError, match="rediss://"):
-        ClusterConfig(state_url="mysql://x")
+        ClusterConfig.of(state_url="mysql://x")
 
 
 def test_cli_against_a_redis_with_a_password(redis_auth_url, tmp_path):

@@ -203,7 +203,7 @@ def test_kvnotes_tier_server_cli_serves_with_the_cluster_key(tmp_path):
     import sys
 
     from cluster.control.ray_backends import tier_key_of
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     from kvtransport.tier.lmcache_remote import probe_lm_server
     from tests.conftest import free_port
 

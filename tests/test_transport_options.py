@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from kvruntime.kv import KVCache
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 from kvruntime.messages.transfer import TransferGrant
 from kvtransport.transfer.blocks import encode_block
 from kvtransport.transfer.endpoints import Receiver

@@ -26,7 +26,7 @@ vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed (scri
 
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent  # noqa: E402
 from kvruntime.fidelity.cases import load_compose_cases, load_edit_cases, load_passages, split_template  # noqa: E402
-from kvruntime.fidelity.runner import _frame  # noqa: E402
+from kvruntime.ops.frame import chat_frame  # noqa: E402
 from kvruntime.kv import KVCache  # noqa: E402
 from kvruntime.ops import edit_in_place, precompile_chunk, recompute  # noqa: E402
 from kvruntime.ops.compose import ChunkSegment, TextSegment, compose  # noqa: E402
@@ -81,7 +81,7 @@ def _reference(engine, kv: KVCache, suffix: list[int]) -> tuple[list[int], list[
 
 def _cases(engine):
     """(id, prefix KV built by a kvnotes operation, suffix ids): 8 compose + 4 edit-in-place."""
-    pre, close = _frame(engine)
+    pre, close = chat_frame(engine), engine.spec.chat_user_suffix
     passages = load_passages()
     for c in load_compose_cases()[:8]:
         chunks = [ChunkSegment(precompile_chunk(engine, engine.encode(passages[p].strip() + "\n\n")))
@@ -157,7 +157,7 @@ def test_composed_kv_decoded_by_vllm_matches_reference(smol, vx, sender, one_tor
 
 
 def _prompt(smol, n_words=300):
-    pre, close = _frame(smol)
+    pre, close = chat_frame(smol), smol.spec.chat_user_suffix
     doc = smol.encode(" ".join(f"Item {i} costs {i * 7 % 100} dollars." for i in range(n_words // 5)))
     return pre + doc, smol.encode("What does item 3 cost?" + close)
 

@@ -26,7 +26,7 @@ _SCRIPT = textwrap.dedent('''
     from kvruntime.engine import ReferenceEngine
     from kvruntime.kv import KVCache
     from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
-    from kvruntime.fidelity.runner import _frame
+    from kvruntime.ops.frame import chat_frame
     from kvruntime.ops import recompute, precompile_chunk
     from kvruntime.ops.compose import ChunkSegment, TextSegment, compose
     from kvtransport.transfer.blocks import encode_block
@@ -35,7 +35,7 @@ _SCRIPT = textwrap.dedent('''
 
     path, n = sys.argv[1], int(sys.argv[2])
     e = ReferenceEngine(path, dtype="float32", threads=1)
-    pre, close = _frame(e)
+    pre, close = chat_frame(e), e.spec.chat_user_suffix
     a = e.encode("Dana bought headphones on March 3; the store accepts returns within 30 days.\\n\\n")
     b = e.encode("The Varga Museum opens at nine and closes at six, except on Mondays.\\n\\n")
     suffix = e.encode("When does the Varga Museum close?" + close)

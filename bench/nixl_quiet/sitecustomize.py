@@ -2,7 +2,7 @@
 starts (this folder is put first on their PYTHONPATH; nothing else imports it).
 
 nixl 1.5.1 starts each agent's progress thread with no delay: it busy-polls a core per agent,
-idle or not (../shared/PLATFORM-NOTES.md), and vLLM's ``NixlConnector`` creates its agents with
+idle or not (seen as one full core per idle agent in top), and vLLM's ``NixlConnector`` creates its agents with
 that default. Here every ``nixl_agent_config`` is built with ``enable_prog_thread`` off, as
 kvnotes' own NIXL transport runs; vLLM's worker then drives UCX progress itself when it polls its
 transfers each engine step. It changes nothing else in vLLM.

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 
 if TYPE_CHECKING:
     from cluster.control.ray_backends import RayBackends
@@ -50,28 +50,28 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     from kvruntime.fidelity.profiles import find_profile
     from kvruntime.models import get_model_spec
 
-    spec = get_model_spec(cfg.model)
+    spec = get_model_spec(cfg.workers.model)
     ckpt = ensure_checkpoint(spec)
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     # keyed by what the weights are (a checkpoint's content hash), not by the config's path
-    profile = find_profile(spec, cfg.profiles_dir)
+    profile = find_profile(spec, cfg.policy.profiles_dir)
     served = cfg.served_name(spec.name)      # the API's `model`; KV and profiles use spec.name
     backends = RayBackends.from_names(cfg)
-    state = open_state(cfg.resolved_state_url, StoreLimits(cfg.session_ttl_s, cfg.session_max, cfg.prompt_index_ttl_s,
-                                                           cfg.prompt_index_max, cfg.state_timeout_s))
+    state = open_state(cfg.state.resolved_url, StoreLimits(cfg.state.session_ttl_s, cfg.state.session_max, cfg.state.prompt_index_ttl_s,
+                                                           cfg.state.prompt_index_max, cfg.state.timeout_s))
     router = Router(backends, Renderer(tok, spec, Registry(state), tok.bos_token_id), state,
-                    spec.name if spec.checkpoint else ckpt.name, cfg.dtype,   # = engine.model_id
-                    default_policy=cfg.default_policy, seam_tokens=cfg.seam_tokens,
+                    spec.name if spec.checkpoint else ckpt.name, cfg.workers.dtype,   # = engine.model_id
+                    default_policy=cfg.policy.default_policy, seam_tokens=cfg.policy.seam_tokens,
                     fidelity_summary=profile.summary, context_window=spec.context_window,
-                    max_tokens_limit=cfg.max_tokens_limit, default_tenant=cfg.tenant,
-                    balanced_target=FidelityTarget.from_config(cfg), fast_min_top1=cfg.fast_min_top1,
-                    shadow=ShadowConfig(cfg.shadow_fraction, frozenset(cfg.shadow_opt_out_tenants),
-                                        cfg.shadow_max_in_flight, cfg.shadow_window,
-                                        cfg.shadow_min_samples, cfg.shadow_demote_s),
+                    max_tokens_limit=cfg.server.max_tokens_limit, default_tenant=cfg.server.tenant,
+                    balanced_target=FidelityTarget.from_config(cfg), fast_min_top1=cfg.policy.fast_min_top1,
+                    shadow=ShadowConfig(cfg.shadow.fraction, frozenset(cfg.shadow.opt_out_tenants),
+                                        cfg.shadow.max_in_flight, cfg.shadow.window,
+                                        cfg.shadow.min_samples, cfg.shadow.demote_s),
                     # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
-                    decode_computes_cold=cfg.decode_engine == "vllm", served_model=served)
+                    decode_computes_cold=cfg.workers.decode_engine == "vllm", served_model=served)
     for info in backends.ready:
         router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
-    router.metrics.set_tenant_labels(cfg.metrics_tenants)
-    watch = StoreWatch(state, router.metrics, cfg.state_probe_s)
+    router.metrics.set_tenant_labels(cfg.server.metrics_tenants)
+    watch = StoreWatch(state, router.metrics, cfg.state.probe_s)
     return Assembly(router, backends, state, watch, profile, served)

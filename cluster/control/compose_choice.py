@@ -46,9 +46,9 @@ class FidelityTarget:
                 min_decision: float | None = None, max_ratio: float | None = None,
                 min_cases: int | None = None) -> "FidelityTarget":
         """``balanced``'s answer target; unset values are the config's defaults
-        (``kvruntime.messages.config.BALANCED_ANSWER_TARGET`` / ``BALANCED_MIN_CASES``): 30 cases,
+        (``kvruntime.config.BALANCED_ANSWER_TARGET`` / ``BALANCED_MIN_CASES``): 30 cases,
         30 judged answers, 20 decision cases at least."""
-        from kvruntime.messages.config import BALANCED_ANSWER_TARGET as T, BALANCED_MIN_CASES as N
+        from kvruntime.config import BALANCED_ANSWER_TARGET as T, BALANCED_MIN_CASES as N
         n = N["cases"] if min_cases is None else min_cases
         return cls("top1", T["top1"] if min_top1 is None else min_top1, n, "answers",
                    T["drop_bound"] if max_drop is None else max_drop,
@@ -58,10 +58,11 @@ class FidelityTarget:
 
     @classmethod
     def from_config(cls, cfg) -> "FidelityTarget":
-        """``balanced``'s target from a :class:`~kvruntime.messages.config.ClusterConfig`."""
-        return cls.answers(min_top1=cfg.balanced_min_top1, max_drop=cfg.balanced_max_accuracy_drop,
-                           min_decision=cfg.balanced_min_decision, max_ratio=cfg.balanced_max_recompute_ratio,
-                           min_cases=cfg.balanced_min_cases)
+        """``balanced``'s target from a :class:`~kvruntime.config.ClusterConfig`."""
+        p = cfg.policy
+        return cls.answers(min_top1=p.balanced_min_top1, max_drop=p.balanced_max_accuracy_drop,
+                           min_decision=p.balanced_min_decision, max_ratio=p.balanced_max_recompute_ratio,
+                           min_cases=p.balanced_min_cases)
 
     def describe(self) -> dict:
         """What ``Router.fidelity`` shows for this target."""

@@ -26,9 +26,9 @@ class RequestLimits:
 
     @staticmethod
     def from_config(cfg) -> "RequestLimits":
-        return RequestLimits(cfg.max_body_bytes, cfg.max_text_chars, cfg.max_segments, cfg.max_template_fields,
-                             cfg.max_name_chars, cfg.max_stop, cfg.max_stop_chars, cfg.max_tokens_limit,
-                             cfg.max_choices)
+        s = cfg.server
+        return RequestLimits(s.max_body_bytes, s.max_text_chars, s.max_segments, s.max_template_fields,
+                             s.max_name_chars, s.max_stop, s.max_stop_chars, s.max_tokens_limit, s.max_choices)
 
 
 def check_name(name, limits: RequestLimits | None = None, *, what: str = "name") -> str:

@@ -1,4 +1,4 @@
-"""Prometheus metrics (names from DESIGN.md section 7, ``kvnotes_`` prefix).
+"""Prometheus metrics (``kvnotes_`` prefix; every name and label is listed in docs/observability.md).
 
 Workers do not export metrics themselves: every worker result carries its measurements
 (tier hits, transfer bytes and seconds, fallbacks), and the router records them here, so one

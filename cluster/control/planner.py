@@ -1,7 +1,7 @@
 """The planner: a pure function (no Ray, no I/O) from a rendered request, a snapshot of what
 the tier holds, the session's last context and the policy to a frozen :class:`RequestPlan`.
 
-Rules (per segment, left to right; DESIGN.md section 3):
+Rules (per segment, left to right; docs/architecture.md walks a request through them):
 - session context unchanged                    -> reuse it whole (an ``exact`` request only if that
   context KV is exact; a context whose template was re-registered is planned from scratch)
 - session context with edited template fields  -> erratum or edit-in-place (policy ``fast``;
@@ -188,12 +188,14 @@ def _plan_frame_reuse(context: tuple[RenderedSegment, ...], tier: TierView, note
     what = f"chat frame ({nf} tokens) + {seg.kind}:{seg.name} compiled together" if nf else \
         f"{seg.kind}:{seg.name} compiled at position 0"
     if ref.digest in tier.chunk_keys:
-        return [SegmentPlan(PlanKind.REUSE, source, ref.token_ids, 0, 0, n, ref,
+        return [SegmentPlan(kind=PlanKind.REUSE, source=source, token_ids=ref.token_ids, position=0, computed=0,
+                            reused=n, kv=ref,
                             reason=f"{what}: exact, reused from the tier (no frame forward pass, no rotation, "
                                    "no seam)")]
     notes.append(f"{source} is not in the tier yet: compiled on first use (one forward pass from position 0) "
                  "and stored")
-    return [SegmentPlan(PlanKind.REUSE, source, ref.token_ids, 0, n, 0, ref,
+    return [SegmentPlan(kind=PlanKind.REUSE, source=source, token_ids=ref.token_ids, position=0, computed=n, reused=0,
+                        kv=ref,
                         reason=f"{what}: exact; this variant is compiled on first use and stored (no rotation, "
                                "no seam)")]
 
@@ -204,39 +206,44 @@ def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView
     n = len(seg.token_ids)
     if seg.kind == "prompt" and tier.prompt_prefix_hit > 0 and pos == 0:
         hit = min(tier.prompt_prefix_hit, n)
-        steps = [SegmentPlan(PlanKind.REUSE, source, seg.token_ids[:hit], pos, 0, hit, tier.prompt_prefix_kv,
+        steps = [SegmentPlan(kind=PlanKind.REUSE, source=source, token_ids=seg.token_ids[:hit], position=pos,
+                             computed=0, reused=hit, kv=tier.prompt_prefix_kv,
                              reason=f"cached prompt prefix of {hit} tokens")]
         if hit < n:
-            steps.append(SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids[hit:], pos + hit, n - hit, 0,
+            steps.append(SegmentPlan(kind=PlanKind.RECOMPUTE, source=source, token_ids=seg.token_ids[hit:],
+                                     position=pos + hit, computed=n - hit, reused=0,
                                      reason="prompt after the cached prefix"))
         return steps
     if seg.kind in ("skill", "memory"):
         if seg.kv is None:
-            return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="not registered")]
+            return [SegmentPlan(kind=PlanKind.RECOMPUTE, source=source, token_ids=seg.token_ids, position=pos,
+                                computed=n, reused=0, reason="not registered")]
         if policy is Policy.EXACT:
-            return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0,
+            return [SegmentPlan(kind=PlanKind.RECOMPUTE, source=source, token_ids=seg.token_ids, position=pos,
+                                computed=n, reused=0,
                                 reason="policy exact: a repositioned chunk is not bit-identical to recompute")]
         choice = config.compose_for(policy)
         if choice is not None and not choice.allowed:
-            return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0,
-                                reason=f"policy {policy.value}: {choice.reason}")]
-        k = min(choice.seam_tokens if choice else config.seam_tokens, n)
+            return [SegmentPlan(kind=PlanKind.RECOMPUTE, source=source, token_ids=seg.token_ids, position=pos,
+                                computed=n, reused=0, reason=f"policy {policy.value}: {choice.reason}")]
+        k = min(choice.seam_tokens if choice else config.policy.seam_tokens, n)
         r = choice.recompute_ratio if choice else 0.0
         probe = choice.probe if choice and r else EXECUTED_PROBE
         why = f"; chosen because {choice.reason}" if choice else ""
         if seg.kv.digest not in tier.chunk_keys:
             notes.append(f"{source} is not in the tier: re-warmed (compiled and stored back) before use")
-            return [SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, n, 0, seg.kv, seam_tokens=k,
-                                recompute_ratio=r, probe=probe,
+            return [SegmentPlan(kind=PlanKind.REPOSITION, source=source, token_ids=seg.token_ids, position=pos,
+                                computed=n, reused=0, kv=seg.kv, seam_tokens=k, recompute_ratio=r, probe=probe,
                                 reason=f"evicted chunk re-warmed, then moved to position {pos}{why}")]
         c = k + math.ceil(r * (n - k) - 1e-9)
-        return [SegmentPlan(PlanKind.REPOSITION, source, seg.token_ids, pos, c, n - c, seg.kv, seam_tokens=k,
-                            recompute_ratio=r, probe=probe,
+        return [SegmentPlan(kind=PlanKind.REPOSITION, source=source, token_ids=seg.token_ids, position=pos,
+                            computed=c, reused=n - c, kv=seg.kv, seam_tokens=k, recompute_ratio=r, probe=probe,
                             reason=f"precompiled chunk moved to position {pos}, {k} seam token(s)"
                                    + (f" + {r:.0%} selectively" + ("" if probe == EXECUTED_PROBE else
                                                                    f" (picked by the question, {probe})")
                                       if r else "") + f" recomputed{why}")]
-    return [SegmentPlan(PlanKind.RECOMPUTE, source, seg.token_ids, pos, n, 0, reason="computed in context")]
+    return [SegmentPlan(kind=PlanKind.RECOMPUTE, source=source, token_ids=seg.token_ids, position=pos, computed=n,
+                        reused=0, reason="computed in context")]
 
 
 def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, config: PlannerConfig,
@@ -275,8 +282,8 @@ def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, confi
     src = f"session:{sess.session}"
     ctx = sess.token_ids
     if not edits:
-        return [SegmentPlan(PlanKind.REUSE, src, ctx, 0, 0, len(ctx), sess.context,
-                            reason=f"session context unchanged ({len(ctx)} tokens)")]
+        return [SegmentPlan(kind=PlanKind.REUSE, source=src, token_ids=ctx, position=0, computed=0, reused=len(ctx),
+                            kv=sess.context, reason=f"session context unchanged ({len(ctx)} tokens)")]
     if req.policy is not Policy.FAST:
         notes.append(f"{len(edits)} field edit(s) under policy {req.policy.value}: recomputed (erratum needs 'fast')")
         return None
@@ -291,17 +298,20 @@ def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, confi
     if choice.kind is PlanKind.EDIT_IN_PLACE and one_span:
         e = edits[0]
         new_ids = tuple(encode(e.new))
-        return [SegmentPlan(PlanKind.EDIT_IN_PLACE, src, ctx[:spans[0][0]] + new_ids + ctx[spans[0][1]:], 0,
-                            len(new_ids) + choice.top_k, len(ctx) - (spans[0][1] - spans[0][0]) - choice.top_k,
-                            sess.context, edits=(e,), field_span=spans[0], top_k=choice.top_k,
+        return [SegmentPlan(kind=PlanKind.EDIT_IN_PLACE, source=src,
+                            token_ids=ctx[:spans[0][0]] + new_ids + ctx[spans[0][1]:], position=0,
+                            computed=len(new_ids) + choice.top_k,
+                            reused=len(ctx) - (spans[0][1] - spans[0][0]) - choice.top_k, kv=sess.context, edits=(e,),
+                            field_span=spans[0], top_k=choice.top_k,
                             reason=f"edit-in-place chosen by {choice.reason}")]
     if choice.kind is PlanKind.EDIT_IN_PLACE:
         notes.append("edit-in-place needs exactly one edit on an uncorrected context: erratum instead")
     text = "".join(erratum_text(e.label, e.new, old=e.old, style=choice.erratum_style) for e in edits)
     err_ids = tuple(encode(text))
     return [
-        SegmentPlan(PlanKind.REUSE, src, ctx, 0, 0, len(ctx), sess.context,
-                    reason=f"old context reused whole ({len(ctx)} tokens)"),
-        SegmentPlan(PlanKind.ERRATUM, "erratum", err_ids, len(ctx), len(err_ids), 0, edits=tuple(edits),
+        SegmentPlan(kind=PlanKind.REUSE, source=src, token_ids=ctx, position=0, computed=0, reused=len(ctx),
+                    kv=sess.context, reason=f"old context reused whole ({len(ctx)} tokens)"),
+        SegmentPlan(kind=PlanKind.ERRATUM, source="erratum", token_ids=err_ids, position=len(ctx),
+                    computed=len(err_ids), reused=0, edits=tuple(edits),
                     reason=f"{len(edits)} field(s) corrected by an appended erratum ({choice.reason})"),
     ]

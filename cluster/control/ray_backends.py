@@ -18,7 +18,7 @@ from cluster.control.backends import Backends
 from cluster.control.health import ACTOR_LOST, HEALTH_GROUP, HealthMonitor
 from cluster.control.probe import PROBE_GROUP
 from cluster.control.routing import FaultPolicy, WorkerLost, WorkerView
-from kvruntime.messages.config import ClusterConfig, WorkerConfig
+from kvruntime.config import ClusterConfig, WorkerConfig
 from decode_workers.actor import DecodeWorker
 from prefill_workers.actor import PrefillWorker
 
@@ -28,7 +28,7 @@ NAMESPACE = "kvnotes"
 
 def _options(cfg: ClusterConfig, w: WorkerConfig, kind: str, name: str) -> dict:
     opts = {"num_cpus": w.num_cpus, "num_gpus": w.num_gpus, "name": name, "namespace": NAMESPACE,
-            "lifetime": "detached", "get_if_exists": True, "max_restarts": cfg.worker_max_restarts}
+            "lifetime": "detached", "get_if_exists": True, "max_restarts": cfg.workers.max_restarts}
     if w.custom_resource:
         opts["resources"] = {kind: 1}
     return opts
@@ -36,7 +36,7 @@ def _options(cfg: ClusterConfig, w: WorkerConfig, kind: str, name: str) -> dict:
 
 def worker_resources(cfg: ClusterConfig, kind: str) -> dict[str, float]:
     """What one actor of ``kind`` asks Ray for (deploy/cluster.yaml's node types provide it)."""
-    w = cfg.prefill if kind == "prefill" else cfg.decode
+    w = cfg.workers.prefill if kind == "prefill" else cfg.workers.decode
     want = {"CPU": w.num_cpus, "GPU": w.num_gpus, **({kind: 1.0} if w.custom_resource else {})}
     return {k: float(v) for k, v in want.items() if v}
 
@@ -50,19 +50,19 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
     groups = {HEALTH_GROUP: 1, PROBE_GROUP: 1}
     key = tier_key_of(cfg)
     pre = [ray.remote(concurrency_groups=groups)(PrefillWorker)
-           .options(runtime_env=env, **_options(cfg, cfg.prefill, "prefill", f"prefill-{i}")).remote(cfg, i, key)
-           for i in range(cfg.prefill.count)]
+           .options(runtime_env=env, **_options(cfg, cfg.workers.prefill, "prefill", f"prefill-{i}")).remote(cfg, i, key)
+           for i in range(cfg.workers.prefill.count)]
     dec = []
-    for i in range(cfg.decode.count):
-        dopts = _options(cfg, cfg.decode, "decode", f"decode-{i}")
-        if cfg.decode_engine == "vllm":
+    for i in range(cfg.workers.decode.count):
+        dopts = _options(cfg, cfg.workers.decode, "decode", f"decode-{i}")
+        if cfg.workers.decode_engine == "vllm":
             # a threaded actor: concurrent generate() calls reach one vLLM engine, which batches them
-            dopts["max_concurrency"] = cfg.vllm_max_concurrency
+            dopts["max_concurrency"] = cfg.workers.vllm_max_concurrency
         dec.append(ray.remote(concurrency_groups=groups)(DecodeWorker).options(runtime_env=env, **dopts)
                    .remote(cfg, i))
     names = [f"prefill-{i}" for i in range(len(pre))] + [f"decode-{i}" for i in range(len(dec))]
     refs = [a.ready.remote() for a in pre + dec]
-    done, pending = ray.wait(refs, num_returns=len(refs), timeout=cfg.start_timeout_s)
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=cfg.workers.start_timeout_s)
     if pending:
         missing = [n for n, r in zip(names, refs) if r in set(pending)]
         stop_workers(cfg)
@@ -82,11 +82,11 @@ def tier_key_of(cfg: ClusterConfig) -> bytes | None:
     """The lm:// tier key (kvtransport.tier.auth.tier_key of the cluster secret in the state
     store), or None without a remote tier. Ray keeps it in the actors' creation arguments, so a
     restarted prefill actor gets it again."""
-    if not cfg.tier_remote_url:
+    if not cfg.tier.remote_url:
         return None
     from cluster.control.state import open_state
     from kvtransport.tier.auth import tier_key
-    state = open_state(cfg.resolved_state_url)
+    state = open_state(cfg.state.resolved_url)
     try:
         return tier_key(state.secret())
     finally:
@@ -109,11 +109,12 @@ def _start_timeout_message(cfg: ClusterConfig, missing: list[str]) -> str:
                            f"(largest: {', '.join(f'{k} {v:g}' for k, v in most.items())})")
     parts = unplaceable + ([f"{', '.join(loading)} placed but still loading (or waiting for resources in use)"]
                            if loading else [])
-    return (f"{len(missing)} worker actor(s) did not start within {cfg.start_timeout_s:g} s: " + "; ".join(parts))
+    return (f"{len(missing)} worker actor(s) did not start within {cfg.workers.start_timeout_s:g} s: "
+            + "; ".join(parts))
 
 
 def stop_workers(cfg: ClusterConfig) -> None:
-    for kind, n in (("prefill", cfg.prefill.count), ("decode", cfg.decode.count)):
+    for kind, n in (("prefill", cfg.workers.prefill.count), ("decode", cfg.workers.decode.count)):
         for i in range(n):
             try:
                 ray.kill(ray.get_actor(f"{kind}-{i}", namespace=NAMESPACE))
@@ -136,8 +137,9 @@ class RayBackends(Backends):
         self.endpoints = ray.get([d.endpoint.remote() for d in decode])
         self.addresses = [e.grpc_address for e in self.endpoints]
         self.ready = ray.get([a.ready.remote() for a in prefill])
-        self.view = WorkerView(self.num_prefill, self.num_decode, prefill_load_factor=cfg.prefill_load_factor)
-        self.fault_policy = FaultPolicy(cfg.request_retries, cfg.request_deadline_s, cfg.decode_migrations)
+        self.view = WorkerView(self.num_prefill, self.num_decode, prefill_load_factor=cfg.routing.prefill_load_factor)
+        r = cfg.routing
+        self.fault_policy = FaultPolicy(r.request_retries, r.request_deadline_s, r.decode_migrations)
         self.cfg = cfg
         self.remote_up: dict[int, bool] = {}      # prefill index -> remote tier reachable (if configured)
         self.health_sweeps = 0                    # completed health sweeps (/ready waits for the first)
@@ -145,8 +147,8 @@ class RayBackends(Backends):
 
     @staticmethod
     def from_names(cfg: ClusterConfig) -> "RayBackends":
-        pre = [ray.get_actor(f"prefill-{i}", namespace=NAMESPACE) for i in range(cfg.prefill.count)]
-        dec = [ray.get_actor(f"decode-{i}", namespace=NAMESPACE) for i in range(cfg.decode.count)]
+        pre = [ray.get_actor(f"prefill-{i}", namespace=NAMESPACE) for i in range(cfg.workers.prefill.count)]
+        dec = [ray.get_actor(f"decode-{i}", namespace=NAMESPACE) for i in range(cfg.workers.decode.count)]
         return RayBackends(pre, dec, cfg)
 
     def actors(self, role: str) -> list:
@@ -155,14 +157,15 @@ class RayBackends(Backends):
     def start_health(self, metrics) -> None:
         """Start the health thread (once): it keeps :attr:`view` and the metrics current."""
         if self._monitor is None:
-            self._monitor = HealthMonitor(self, metrics, self.cfg.health_period_s, self.cfg.health_timeout_s)
+            r = self.cfg.routing
+            self._monitor = HealthMonitor(self, metrics, r.health_period_s, r.health_timeout_s)
             self._monitor.start()
 
     def close(self) -> None:
         """Stop the health thread (before ``ray.shutdown()`` in a driver that built these backends)."""
         if self._monitor is not None:
             self._monitor.stopped.set()
-            self._monitor.join(timeout=self.cfg.health_timeout_s + self.cfg.health_period_s)
+            self._monitor.join(timeout=self.cfg.routing.health_timeout_s + self.cfg.routing.health_period_s)
 
     def _lost(self, role: str, index: int, exc: BaseException) -> WorkerLost:
         reason = f"{type(exc).__name__}"

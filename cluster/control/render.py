@@ -81,8 +81,7 @@ class Renderer:
 
     def frame(self) -> tuple[int, ...]:
         if self._frame is None:          # the same for every request: tokenised once
-            ids = [self.bos_id] if self.spec.prepend_bos and self.bos_id is not None else []
-            self._frame = tuple(ids + self.markup(self.spec.chat_user_prefix))
+            self._frame = tuple(self.spec.chat_frame(self.bos_id, self.markup))
         return self._frame
 
     def user_then_markup(self, user: str, markup: str) -> list[int]:

@@ -35,7 +35,7 @@ from cluster.control.limits import RequestLimits
 from cluster.http.body import read_json
 from cluster.control import metrics as request_metrics      # a module reference: Serve pickles this app
 from kvruntime import request_log
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.")
@@ -122,18 +122,18 @@ class RouterIngress:
         built = assemble(cfg)       # the router and its collaborators (cluster.control.assembly)
         self.router, self.state, self.store_watch = built.router, built.state, built.store_watch
         self.profile, self.served = built.profile, built.served
-        self.auth = Authenticator(self.state, enabled=cfg.auth, default_tenant=cfg.tenant,
-                                  trusted_proxies=cfg.trusted_proxies, cache_s=cfg.auth_cache_s)
+        self.auth = Authenticator(self.state, enabled=cfg.server.auth, default_tenant=cfg.server.tenant,
+                                  trusted_proxies=cfg.server.trusted_proxies, cache_s=cfg.server.auth_cache_s)
         self.limits = RequestLimits.from_config(cfg)
-        self.inflight = InflightLimiter(cfg.max_inflight_per_tenant)
+        self.inflight = InflightLimiter(cfg.server.max_inflight_per_tenant)
         self.admission = admission_queue.Admission(admission_queue.AdmissionConfig.from_config(cfg),
                                                    self.router.metrics)
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
         self.process = f"router-{_replica_id()}"
-        self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.bind_host))
+        self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.server.bind_host))
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
-        (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.model))
+        (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.workers.model))
         log.info("router up: model %s (%s), edit plans by %s; compose by fidelity target: %s", self.served,
                  self.router.renderer.spec.name, self.router.edit_choice, self.router.fidelity["compose"])
 
@@ -259,7 +259,7 @@ class RouterIngress:
         With ``metrics_auth`` it needs an API key, like the API (401 without one). A 503 while
         the state store does not answer (Prometheus keeps the targets it had)."""
         try:
-            if self.cfg.metrics_auth:
+            if self.cfg.server.metrics_auth:
                 self.auth.tenant(request.headers, request.client.host if request.client else None)
             announced = self.state.targets(time.time(), TARGET_TTL_S)
         except (RequestError, StateStoreUnavailable) as exc:
@@ -299,7 +299,7 @@ class RouterIngress:
         """``/health``'s model: the API name, the weights' id, and whether a fidelity profile was
         measured (uncalibrated: policy balanced gets exact reuse only)."""
         spec = self.router.renderer.spec
-        return {"name": self.served, "id": spec.name, "checkpoint": spec.checkpoint, "dtype": self.cfg.dtype,
+        return {"name": self.served, "id": spec.name, "checkpoint": spec.checkpoint, "dtype": self.cfg.workers.dtype,
                 "calibrated": self.profile.calibrated, "profile": str(self.profile.path)}
 
     @app.post("/v1/completions")

@@ -38,14 +38,14 @@ class Target:
 def resolve_target(url: str | None, key: str | None, config: str | None) -> Target:
     cfg = None
     if config:
-        from kvruntime.messages.config import ClusterConfig
+        from kvruntime.config import ClusterConfig
         cfg = ClusterConfig.from_file(config)
     url = url or os.environ.get("KVNOTES_URL") or (
-        f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}" if cfg else
+        f"http://{'127.0.0.1' if cfg.server.host in ('0.0.0.0', '::') else cfg.server.host}:{cfg.server.port}" if cfg else
         "http://127.0.0.1:8000")
     key = key or os.environ.get("KVNOTES_API_KEY")
     if not key and cfg is not None:
-        f = Path(cfg.data_dir).expanduser() / "api_key"
+        f = Path(cfg.state.data_dir).expanduser() / "api_key"
         if f.exists():
             key = f.read_text().strip()
     return Target(url.rstrip("/"), key)

@@ -116,15 +116,15 @@ def _parser() -> argparse.ArgumentParser:
 def _tier_server(args) -> int:
     """Serve the lm:// tier in the foreground with the key every prefill actor derives too."""
     from cluster.control.ray_backends import tier_key_of
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
     from kvtransport.tier.lmcache_remote import parse_lm_url
     from kvtransport.tier.server import serve
 
     cfg = ClusterConfig.from_file(args.config)
-    if not cfg.tier_remote_url:
+    if not cfg.tier.remote_url:
         raise ValueError(f"{args.config} sets no tier_remote_url: no prefill actor would use a tier server")
-    host, port = parse_lm_url(cfg.tier_remote_url)
-    serve(args.host or host, args.port or port, tier_key_of(cfg), cfg.tier_remote_capacity_bytes,
+    host, port = parse_lm_url(cfg.tier.remote_url)
+    serve(args.host or host, args.port or port, tier_key_of(cfg), cfg.tier.remote_capacity_bytes,
           metrics_port=args.metrics_port)
     return 0
 
@@ -139,14 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(list_models()))
             return 0
         if args.cmd in ("run", "serve"):
-            from kvruntime.messages.config import ClusterConfig
+            from kvruntime.config import ClusterConfig
             from cluster.ops.launcher import run_forever
-            cfg = (ClusterConfig(model=args.model, port=args.port, decode_engine=args.decode_engine)
+            cfg = (ClusterConfig.of(model=args.model, port=args.port, decode_engine=args.decode_engine)
                    if args.cmd == "run"
                    else ClusterConfig.from_file(args.config))
             if args.cmd == "serve" and args.address:
-                import dataclasses
-                cfg = dataclasses.replace(cfg, ray_address=args.address)
+                cfg = cfg.replace(ray_address=args.address)
             return run_forever(cfg, register_demo=args.cmd == "run")
         if args.cmd == "tier-server":
             return _tier_server(args)
@@ -154,12 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             return _keys(args)
         if args.cmd == "calibrate":
             from cluster.ops.calibrate import calibrate
-            from kvruntime.messages.config import ClusterConfig
+            from kvruntime.config import ClusterConfig
             cfg = ClusterConfig.from_file(args.config) if args.config else None
             from cluster.control.planner import FidelityTarget
             calibrate(args.model, cases=args.cases, decisions=args.decisions,
-                      out=args.out or (cfg.profiles_dir if cfg else None),
-                      dtype=args.dtype or (cfg.dtype if cfg else "float32"), device=args.device, threads=args.threads,
+                      out=args.out or (cfg.policy.profiles_dir if cfg else None),
+                      dtype=args.dtype or (cfg.workers.dtype if cfg else "float32"), device=args.device, threads=args.threads,
                       target=FidelityTarget.from_config(cfg) if cfg else FidelityTarget.answers(),
                       command="kvnotes " + " ".join(argv if argv is not None else sys.argv[1:]))
             return 0
@@ -199,12 +198,12 @@ def _keys(args) -> int:
 
     from cluster.http.auth import check_tenant, create_key
     from cluster.control.state import open_state
-    from kvruntime.messages.config import ClusterConfig
+    from kvruntime.config import ClusterConfig
 
     cfg = ClusterConfig.from_file(args.config) if args.config else ClusterConfig()
     if args.action == "create":
         check_tenant(args.tenant)
-    state = open_state(cfg.resolved_state_url)
+    state = open_state(cfg.state.resolved_url)
     try:
         if args.action == "create":
             key, rec = create_key(state, args.tenant)

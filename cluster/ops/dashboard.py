@@ -11,8 +11,8 @@ before ``rate``-derived ratios and quantiles. Two state gauges are not sums: eve
 replica reports the same ``kvnotes_workers_alive{role}`` count (``max by (role)``), and
 ``kvnotes_tier_remote_up`` is 0 where any process cannot reach the remote tier (``min``).
 
-:data:`METRICS` lists every metric the dashboard queries (names of DESIGN.md section 7 and
-vLLM's own); ``tests/test_dashboard_alerts.py`` checks it matches the panels' queries and
+:data:`METRICS` lists every metric the dashboard queries (kvnotes' own, :mod:`cluster.control.metrics`,
+and vLLM's; docs/observability.md); ``tests/test_dashboard_alerts.py`` checks it matches the panels' queries and
 ``tests/test_deploy.py`` checks it against what the code exports.
 """
 from __future__ import annotations

@@ -38,14 +38,14 @@ def _timed(fn):
 def run_demo(model: str = "smollm2-135m", threads: int | None = None) -> int:
     from kvruntime.engine import ReferenceEngine
     from kvruntime.ops import ChunkSegment, TextSegment, compose, erratum, precompile_chunk, recompute
-    from kvruntime.fidelity.runner import _frame
+    from kvruntime.ops.frame import chat_frame
 
     print(f"== kvnotes demo on {model} (reference engine, CPU, fp32)")
     engine, secs = _timed(lambda: ReferenceEngine(model, threads=threads))
     rope = engine.rope
     print(f"loaded in {secs:.1f} s; RoPE re-rotation self-test: "
           f"{'passed' if rope.enabled else 'FAILED (reposition disabled)'} (rel. error {rope.self_test_error:.1e})")
-    pre, suffix = _frame(engine)
+    pre, suffix = chat_frame(engine), engine.spec.chat_user_suffix
 
     print("\n-- 1. precompile skills and memories (each at its canonical position, after BOS)")
     chunks = {}

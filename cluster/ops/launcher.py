@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +24,10 @@ class ConnectError(RuntimeError):
 
 
 def ray_auth_mode(cfg: ClusterConfig, token_path: Path | None = None) -> str | None:
-    """The ``RAY_AUTH_MODE`` to join ``cfg.ray_address`` with: the config's, else ``token`` when
+    """The ``RAY_AUTH_MODE`` to join ``cfg.ray.address`` with: the config's, else ``token`` when
     Ray's token file exists (Ray 2.60 heads started by ``ray start`` require it), else unset."""
-    if cfg.ray_auth_mode:
-        return cfg.ray_auth_mode
+    if cfg.ray.auth_mode:
+        return cfg.ray.auth_mode
     token_path = token_path or Path.home() / ".ray" / "auth_token"
     return "token" if token_path.exists() or os.environ.get("RAY_AUTH_TOKEN") else None
 
@@ -49,22 +49,22 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
 
 
 def connect(cfg: ClusterConfig) -> None:
-    """Join the Ray cluster at ``cfg.ray_address``; ConnectError (one line) when it cannot."""
+    """Join the Ray cluster at ``cfg.ray.address``; ConnectError (one line) when it cannot."""
     import ray
 
-    _probe(cfg.ray_address)
+    _probe(cfg.ray.address)
     mode = ray_auth_mode(cfg)
     if mode and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = mode
         from ray._raylet import Config
         Config.initialize("")     # Ray read its config at import: make it see the auth mode (as Ray itself does)
-        log.info("joining %s with RAY_AUTH_MODE=%s", cfg.ray_address, mode)
+        log.info("joining %s with RAY_AUTH_MODE=%s", cfg.ray.address, mode)
     try:
-        ray.init(address=cfg.ray_address, namespace="kvnotes", log_to_driver=False)
+        ray.init(address=cfg.ray.address, namespace="kvnotes", log_to_driver=False)
     except Exception as exc:   # Ray raises ConnectionError, RuntimeError, AuthenticationError, ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = "" if mode == "token" else " (a token-auth head needs ~/.ray/auth_token or ray_auth_mode: token)"
-        raise ConnectError(f"cannot connect to the Ray cluster at {cfg.ray_address}: {type(exc).__name__}: "
+        raise ConnectError(f"cannot connect to the Ray cluster at {cfg.ray.address}: {type(exc).__name__}: "
                            f"{first[:300]}{hint}") from None
 
 
@@ -72,13 +72,13 @@ def check_model(cfg: ClusterConfig):
     """The model's spec (a checkpoint directory: read, hashed, its architecture checked), or
     ``ValueError`` of one line (``ModelRefused`` names what is missing) before anything starts."""
     from kvruntime.models import get_model_spec
-    return get_model_spec(cfg.model)
+    return get_model_spec(cfg.workers.model)
 
 
 def calibration_line(cfg: ClusterConfig, spec) -> str:
     """One line: which fidelity profile the planner reads for this model, or that there is none."""
     from kvruntime.fidelity.profiles import calibration_line as line, find_profile
-    return line(find_profile(spec, cfg.profiles_dir), cfg.model)
+    return line(find_profile(spec, cfg.policy.profiles_dir), cfg.workers.model)
 
 
 def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
@@ -92,7 +92,7 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     check_model(cfg)         # a refused architecture fails here in one line, before Ray starts
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     if not ray.is_initialized():
-        if cfg.ray_address:
+        if cfg.ray.address:
             connect(cfg)
         else:
             start_local_ray(cfg, local_cpus)
@@ -104,10 +104,10 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     t = time.monotonic()
     start_workers(cfg)
     log.info("workers ready in %.1f s", time.monotonic() - t)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
-    serve.run(RouterIngress.options(num_replicas=cfg.router_replicas,
-                                    max_ongoing_requests=cfg.router_max_ongoing_requests,
-                                    max_queued_requests=cfg.router_max_queued_requests).bind(cfg),
+    serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port}, detached=False)
+    serve.run(RouterIngress.options(num_replicas=cfg.server.router_replicas,
+                                    max_ongoing_requests=cfg.server.router_max_ongoing_requests,
+                                    max_queued_requests=cfg.server.router_max_queued_requests).bind(cfg),
               name="kvnotes", route_prefix="/", blocking=False)
 
 
@@ -116,12 +116,10 @@ def listen_on_loopback(cfg: ClusterConfig) -> ClusterConfig:
     cluster it did not join by address: Ray itself always runs on the node's reachable address
     (it replaces 127.0.0.1), so kvnotes' own listeners (decode inboxes, metrics exporters) are put
     on loopback here instead. An explicit ``bind_host`` is kept."""
-    import dataclasses
-
     import ray
-    if cfg.bind_host is None and cfg.local_loopback and len([n for n in ray.nodes() if n.get("Alive")]) == 1:
-        log.info("serving %s from one node: kvnotes listeners bind 127.0.0.1", cfg.host)
-        return dataclasses.replace(cfg, bind_host="127.0.0.1")
+    if cfg.server.bind_host is None and cfg.local_loopback and len([n for n in ray.nodes() if n.get("Alive")]) == 1:
+        log.info("serving %s from one node: kvnotes listeners bind 127.0.0.1", cfg.server.host)
+        return cfg.replace(bind_host="127.0.0.1")
     return cfg
 
 
@@ -130,13 +128,13 @@ def start_local_ray(cfg: ClusterConfig, local_cpus: int | None = None) -> int:
     cluster found on the machine, which refuses num_cpus; else attach to a local cluster if there is
     one, or start one). Ray gives a raylet 30 s to register with its GCS and then raises, leaving a
     half-started node (a loaded machine, a port taken between Ray choosing and binding it): that
-    node is shut down and Ray started again, up to ``cfg.ray_start_attempts`` times in all, each
+    node is shut down and Ray started again, up to ``cfg.ray.start_attempts`` times in all, each
     retry logged with Ray's reason. Returns the retries taken; raises Ray's last error."""
     import psutil
     import ray
 
     me = psutil.Process()
-    for attempt in range(1, cfg.ray_start_attempts + 1):
+    for attempt in range(1, cfg.ray.start_attempts + 1):
         before = {p.pid for p in me.children(recursive=True)}
         try:
             ray.init(address="local" if local_cpus is not None else None, num_cpus=local_cpus, namespace="kvnotes",
@@ -150,10 +148,10 @@ def start_local_ray(cfg: ClusterConfig, local_cpus: int | None = None) -> int:
             # the failed node was never handed to ray (shutdown does not know it): stop, by PID, what
             # this attempt started (GCS, raylet, reaper, log monitor ...) before the next one
             _stop_pids([p for p in me.children(recursive=True) if p.pid not in before])
-            if attempt == cfg.ray_start_attempts:
+            if attempt == cfg.ray.start_attempts:
                 raise
             log.warning("local Ray did not start (attempt %d of %d): %s: starting it again (ray_start_attempts)",
-                        attempt, cfg.ray_start_attempts, str(exc).strip().splitlines()[0] if str(exc).strip() else
+                        attempt, cfg.ray.start_attempts, str(exc).strip().splitlines()[0] if str(exc).strip() else
                         type(exc).__name__)
     raise AssertionError("unreachable")
 
@@ -177,13 +175,13 @@ def _stop_pids(procs, grace_s: float = 10.0) -> None:
 def ensure_api_key(cfg: ClusterConfig) -> str | None:
     """With auth on: the key in ``<data_dir>/api_key`` (created, printed and saved mode 0600 on
     first start when the state store holds no key); None when auth is off or other keys exist."""
-    if not cfg.auth:
+    if not cfg.server.auth:
         return None
     from cluster.http.auth import ensure_default_key
     from cluster.control.state import open_state
-    state = open_state(cfg.resolved_state_url)
+    state = open_state(cfg.state.resolved_url)
     try:
-        return ensure_default_key(state, cfg.tenant, cfg.api_key_file)
+        return ensure_default_key(state, cfg.server.tenant, cfg.state.api_key_file)
     finally:
         state.close()
 
@@ -192,7 +190,7 @@ def check_state(cfg: ClusterConfig) -> None:
     """Open and close the state store: ConnectionError (one line, password redacted) when it does
     not answer or refuses the credentials in ``state_url``."""
     from cluster.control.state import open_state
-    open_state(cfg.resolved_state_url).close()
+    open_state(cfg.state.resolved_url).close()
 
 
 def stop(cfg: ClusterConfig) -> None:
@@ -214,17 +212,17 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     from kvtransport.transfer.options import check
     check(cfg)                         # kv_grpc / kv_nixl: a bad option is one line, nothing started or written
     spec = check_model(cfg)            # refused: one line from the CLI, nothing started
-    where = f"joining the Ray cluster at {cfg.ray_address}" if cfg.ray_address else "starting local cluster"
-    print(f"kvnotes: {where} (model {cfg.model}, {cfg.prefill.count} prefill + "
-          f"{cfg.decode.count} decode actors); the first start converts the model (~30 s)...", flush=True)
-    base = f"http://{cfg.host}:{cfg.port}"
+    where = f"joining the Ray cluster at {cfg.ray.address}" if cfg.ray.address else "starting local cluster"
+    print(f"kvnotes: {where} (model {cfg.workers.model}, {cfg.workers.prefill.count} prefill + "
+          f"{cfg.workers.decode.count} decode actors); the first start converts the model (~30 s)...", flush=True)
+    base = f"http://{cfg.server.host}:{cfg.server.port}"
     check_state(cfg)                   # a state store that is down or refuses us: one line, nothing started
     print(f"kvnotes: {calibration_line(cfg, spec)}", flush=True)
     try:
         start(cfg)
         key = ensure_api_key(cfg)
-        if register_demo and cfg.auth and key is None:
-            print(f"kvnotes: not registering the demo skill: API keys exist but {cfg.api_key_file} holds none of them")
+        if register_demo and cfg.server.auth and key is None:
+            print(f"kvnotes: not registering the demo skill: API keys exist but {cfg.state.api_key_file} holds none of them")
         elif register_demo:
             import httpx
             auth = {"authorization": f"Bearer {key}"} if key else {}
@@ -239,11 +237,11 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
         print("kvnotes: start failed; stopping what was started", flush=True)
         stop(cfg)
         raise
-    hdr = f"-H \"authorization: Bearer $(cat {cfg.api_key_file})\" " if cfg.auth else ""
-    print(f"""kvnotes: serving {cfg.model} on {base}  (Ctrl-C to stop)
+    hdr = f"-H \"authorization: Bearer $(cat {cfg.state.api_key_file})\" " if cfg.server.auth else ""
+    print(f"""kvnotes: serving {cfg.workers.model} on {base}  (Ctrl-C to stop)
   curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
   curl -s {base}/v1/chat/completions {hdr}-H 'content-type: application/json' -d '{{"model": "{cfg.served_name(spec.name)}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
-  kvnotes status --url {base}{' --key "$(cat ' + str(cfg.api_key_file) + ')"' if cfg.auth else ''}     # workers, state, tier
+  kvnotes status --url {base}{' --key "$(cat ' + str(cfg.state.api_key_file) + ')"' if cfg.server.auth else ''}     # workers, state, tier
   metrics: every process is listed at {base}/metrics/targets (Prometheus: deploy/prometheus.yml);
   dashboard: deploy/grafana/kvnotes.json; without Grafana: kvnotes report --prometheus URL --out DIR""", flush=True)
     done = threading.Event()

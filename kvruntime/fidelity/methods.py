@@ -1,4 +1,4 @@
-"""Compile prefix x token selection sweep (issue 24), with intervals and the answer-based target.
+"""Compile prefix x token selection sweep (which compose op meets `balanced`'s target), with intervals and the answer-based target.
 
     python -m kvruntime.fidelity.methods --model smollm2-135m --threads 1 --answered 24 \
         --decisions 40 --compile bos frame --methods seam1 kv1 qlast qlate --ratios 0.05 0.1 \
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from kvruntime.fidelity.report import load_rows, wilson
 from kvruntime.fidelity.runner import REFERENCE_OP
-from kvruntime.messages.config import BALANCED_ANSWER_TARGET
+from kvruntime.config import BALANCED_ANSWER_TARGET
 
 TARGET = dict(BALANCED_ANSWER_TARGET)   # drop_bound, decision, top1, max_ratio (the config's defaults)
 

@@ -16,7 +16,7 @@ def main(argv=None) -> int:
 
     from kvruntime.engine import ReferenceEngine
     from kvruntime.fidelity.cases import load_compose_cases, load_passages
-    from kvruntime.fidelity.runner import _frame
+    from kvruntime.ops.frame import chat_frame
     from kvruntime.ops import ChunkSegment, TextSegment, compose, precompile_chunk, recompute
 
     ap = argparse.ArgumentParser(prog="python -m kvruntime.fidelity.noise")
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     if args.cases < 1:
         ap.error("--cases must be >= 1")
     e = ReferenceEngine(args.model, threads=args.threads)
-    pre, suffix = _frame(e)
+    pre, suffix = chat_frame(e), e.spec.chat_user_suffix
     passages = load_passages()
     print("| model | case | max abs logit diff | mean abs logit diff | recompute top-1/top-2 margin | same top-1 |")
     print("|---|---|---|---|---|---|")

@@ -14,6 +14,7 @@ from kvruntime.fidelity.metrics import answer_correct, compare
 from kvruntime.kv import KVCache
 from kvruntime.ops import (ChunkSegment, TextSegment, compose, edit_in_place, erratum, precompile_chunk,
                            recompute)
+from kvruntime.ops.frame import chat_frame
 
 COMPOSE_OPS = {  # name -> compose() keyword arguments
     "naive splice (no re-rotation)": dict(rotate=False, seam_tokens=0),
@@ -55,14 +56,6 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _frame(engine) -> tuple[list[int], list[int]]:
-    """Token ids that open (BOS + user-turn prefix) and close a prompt for this model."""
-    spec = engine.spec
-    pre = ([engine.bos_id] if spec.prepend_bos and engine.bos_id is not None else [])
-    pre += engine.encode(spec.chat_user_prefix) if spec.chat_user_prefix else []
-    return pre, spec.chat_user_suffix
-
-
 def _finish(engine, kv: KVCache, question_ids: list[int]):
     start = int(kv.positions.max()) + 1
     out = engine.prefill(question_ids, torch.arange(start, start + len(question_ids)), kv, logits=True)
@@ -98,7 +91,7 @@ def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, g
     ``share_probe=False`` runs each ratio's probe anew (honest per-op wall time)."""
     from kvruntime.ops.frame import compile_prefix
     ops = COMPOSE_OPS if ops is None else ops
-    pre, suffix = _frame(engine)
+    pre, suffix = chat_frame(engine), engine.spec.chat_user_suffix
     chunk_ids = {pid: engine.encode(passages[pid].strip() + "\n\n") for c in cases for pid in c.chunks}
     chunk_kv: dict[tuple[str, str], KVCache] = {}
     prefixes: dict[str, list[int] | None] = {}
@@ -173,7 +166,7 @@ def run_edit(engine, cases: list[EditCase], *, cot: bool = False, greedy_n: int 
              progress: Progress = _stderr) -> tuple[dict[str, list[dict]], dict[str, bool]]:
     """Per op, one row per case, plus which cases are *informative* (the oracle's greedy
     answer differs from the stale context's: the edit changes what the model says)."""
-    pre, suffix = _frame(engine)
+    pre, suffix = chat_frame(engine), engine.spec.chat_user_suffix
     ops = COT_OPS if cot else EDIT_OPS
     rows: dict[str, list[dict]] = defaultdict(list)
     informative: dict[str, bool] = {}

@@ -12,6 +12,5 @@ transformers or Ray, so the router and the state store can use them without a mo
   <-> decode worker boundary.
 - ``prefill``: :class:`PrefillStats`, :class:`PrefillResult` -- what a prefill worker reports.
 - ``fidelity``: :class:`ShadowResult` -- an online shadow check (prefill worker -> router).
-- ``config``: :class:`ClusterConfig`, :class:`WorkerConfig` -- typed configuration, one place.
 - ``transfer``: :class:`KVEndpoint`, :class:`TransferGrant` (per-transfer credential), stage names.
 """

@@ -1,6 +1,6 @@
 """Content-addressed keys of the KV tier: :class:`ChunkKey` and the pieces it is made of.
 
-A key is derived from the plan alone (DESIGN.md section 5): model id, KV dtype, RoPE
+A key is derived from the plan alone (docs/architecture.md, "State model"): model id, KV dtype, RoPE
 fingerprint, canonical position of the first slot, the token ids (hashed), the prefix the chunk
 was compiled after (hashed; "" for the default BOS anchor, see ``kvruntime.ops.frame``), the tenant's salt
 (an HMAC of the tenant under a cluster secret), and whether the KV is exact (a full forward of

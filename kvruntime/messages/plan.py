@@ -28,8 +28,12 @@ _SEVERITY = [PlanKind.RECOMPUTE, PlanKind.REUSE, PlanKind.REPOSITION, PlanKind.E
 
 class Policy(str, enum.Enum):
     EXACT = "exact"        # reuse only: output identical to recompute
-    BALANCED = "balanced"  # reuse + the cheapest compose op whose measured profile meets top-1 >= 97%
-    FAST = "fast"          # all kinds
+    # reuse + the cheapest compose op whose measured profile answers like recompute (the answer
+    # target in cluster.control.compose_choice, `balanced_*` in the policy config: accuracy drop
+    # <= 2 points at a one-sided 95% bound, decision agreement >= 98%, top-1 >= 95%, r <= 10%,
+    # on >= 30 cases); no op meeting it: chunks are recomputed
+    BALANCED = "balanced"
+    FAST = "fast"          # all kinds: reposition with seam repair and errata (a target only with fast_min_top1)
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,10 @@ class KVRef:
         return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SegmentPlan:
+    """One step of a plan, built by keyword only (``SegmentPlan(kind=..., source=..., ...)``):
+    six of its fields are numbers or token tuples that read alike in a positional list."""
     kind: PlanKind
     source: str                    # "skill:NAME" | "memory:NAME" | "template:NAME" | "text" | "session:ID" | "prompt"
     token_ids: tuple[int, ...]     # tokens this step contributes to the context, in order

@@ -2,8 +2,7 @@
 
 A chunk is precompiled after a *prefix* whose slots are then dropped: by default the model's
 BOS token alone (the anchor), so the chunk's slots sit at positions 1..n. (Without the anchor the
-chunk's first token becomes an attention sink and, on Gemma-3, the splice fails outright; see
-../shared/PLATFORM-NOTES.md.) Compiled after the prefix it will actually follow (the chat frame,
+chunk's first token becomes an attention sink and, on Gemma-3, the splice fails outright.) Compiled after the prefix it will actually follow (the chat frame,
 ``kvruntime.ops.frame``), a chunk placed right after that prefix is exact reuse: ``compose``
 splices it without rotation or seam repair.
 """

@@ -18,11 +18,9 @@ COMPILE_MODES = ("bos", "frame", "nl")   # nl<k>: BOS + k newlines (APE), e.g. "
 
 
 def chat_frame(engine) -> list[int]:
-    """Token ids that open a prompt for ``engine``'s model up to the first segment: BOS (where the
-    model's prompts start with it) + the user-turn opener (which carries the system prompt)."""
-    spec = engine.spec
-    pre = [engine.bos_id] if spec.prepend_bos and engine.bos_id is not None else []
-    return pre + (engine.encode(spec.chat_user_prefix) if spec.chat_user_prefix else [])
+    """``engine``'s chat frame (:meth:`kvruntime.model_spec.ModelSpec.chat_frame`): BOS where the
+    model uses one + the user-turn opener, up to the first segment."""
+    return engine.spec.chat_frame(engine.bos_id, engine.encode)
 
 
 def newline_prefix(engine, k: int) -> list[int]:

@@ -30,6 +30,7 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
+from kvruntime.telemetry import log_fallback_once
 from kvtransport.transfer.blocks import DTYPES, KVBlock, block_header, wire_header
 from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransport.transfer.inbox import Inbox, InboxStats
@@ -39,13 +40,6 @@ log = logging.getLogger(__name__)
 
 #: NIXL send failures after which the block is pushed over gRPC instead (nothing reached the receiver's inbox)
 _NIXL_RETRY_OVER_GRPC = ("unknown_peer", "unavailable")
-_logged: set[str] = set()
-
-
-def _log_once(reason: str, msg: str, *args) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        log.warning(msg + " (counted in kvnotes_fallbacks_total{reason=%s}; logged once)", *args, reason)
 
 
 def _start_nixl(kind: str, cfg=None, require_grant: bool = False, **kw):
@@ -56,7 +50,8 @@ def _start_nixl(kind: str, cfg=None, require_grant: bool = False, **kw):
     except Exception as exc:  # ImportError, or NIXL/UCX failing to start: auto falls back, counted + logged
         if kind == "nixl":
             raise RuntimeError(f"kv_transport is 'nixl' but NIXL cannot start: {exc}") from exc
-        _log_once("kv_transport_nixl_unavailable", "NIXL unavailable (%s): KV blocks travel over gRPC", exc)
+        log_fallback_once(log, "kv_transport_nixl_unavailable", "NIXL unavailable (%s): KV blocks travel over gRPC",
+                          exc)
         return None, "kv_transport_nixl_unavailable"
 
 
@@ -116,7 +111,8 @@ class Sender:
         try:
             return self.nixl.add_peer(ep.nixl_agent, ep.nixl_metadata)
         except ValueError as exc:
-            _log_once("kv_transport_nixl_to_grpc", "NIXL peer %s unusable (%s): sending over gRPC", ep.nixl_agent, exc)
+            log_fallback_once(log, "kv_transport_nixl_to_grpc", "NIXL peer %s unusable (%s): sending over gRPC",
+                              ep.nixl_agent, exc)
             return None
 
     def send(self, ep: KVEndpoint, transfer_id: str, model: str, kv: KVCache, *, credential: str,
@@ -142,7 +138,8 @@ class Sender:
             except TransferError as exc:
                 if exc.reason not in _NIXL_RETRY_OVER_GRPC:
                     raise
-                _log_once("kv_transport_nixl_to_grpc", "NIXL send to %s failed (%s): sending over gRPC", peer, exc)
+                log_fallback_once(log, "kv_transport_nixl_to_grpc", "NIXL send to %s failed (%s): sending over gRPC",
+                                  peer, exc)
                 fallbacks.append("kv_transport_nixl_to_grpc")
         t = time.perf_counter()
         header, payload = block_header(transfer_id, model, kv, dtype=ep.dtype, credential=credential)

@@ -4,14 +4,15 @@ the transports' own typed configs, :class:`~kvtransport.transfer.grpc_transport.
 its transports from these, and ``kvnotes serve`` checks them before anything starts.
 
 What the cluster decides is not an option: ``require_grant`` (every KV push needs the router's
-grant, see DESIGN's trust model) is always on and refused as a key."""
+grant: an inbox admits only a transfer the router announced, with its credential; see "The KV
+data plane" in docs/architecture.md) is always on and refused as a key."""
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
 import os
 
-from kvruntime.messages.config import ClusterConfig
+from kvruntime.config import ClusterConfig
 
 #: set by the cluster itself, never by the config file
 FIXED = ("require_grant",)
@@ -45,15 +46,15 @@ def _build(cls, section: str, options: dict, **fixed):
 
 
 def grpc_config(cfg: ClusterConfig, *, require_grant: bool = True):
-    """The gRPC transport's config from ``cfg.kv_grpc``."""
+    """The gRPC transport's config from ``cfg.transport.grpc``."""
     from kvtransport.transfer.grpc_transport import GrpcTransportConfig
-    return _build(GrpcTransportConfig, "kv_grpc", cfg.transport_options("grpc"), require_grant=require_grant)
+    return _build(GrpcTransportConfig, "kv_grpc", cfg.transport.options("grpc"), require_grant=require_grant)
 
 
 def nixl_config(cfg: ClusterConfig, *, require_grant: bool = True):
-    """The NIXL transport's config from ``cfg.kv_nixl`` (imports no NIXL: the config is plain)."""
+    """The NIXL transport's config from ``cfg.transport.nixl`` (imports no NIXL: the config is plain)."""
     from kvtransport.transfer.nixl_transport import NixlTransportConfig
-    return _build(NixlTransportConfig, "kv_nixl", cfg.transport_options("nixl"), require_grant=require_grant)
+    return _build(NixlTransportConfig, "kv_nixl", cfg.transport.options("nixl"), require_grant=require_grant)
 
 
 def check(cfg: ClusterConfig) -> None:

@@ -1,0 +1,43 @@
+"""The ``state`` section: the store of what survives a restart (registrations, templates,
+sessions, the prompt index, API keys, the cluster secret) and how long entries live. Flat keys
+in a config file: ``state_url`` -> ``state.url``, ``state_timeout_s`` -> ``state.timeout_s``,
+``state_probe_s`` -> ``state.probe_s``; the others keep their names."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    # None: sqlite:///<data_dir>/state.db; or sqlite:///PATH, redis://[:PASSWORD@]HOST:PORT/DB, rediss://... (TLS);
+    # in a config file ${VAR} is read from the environment (only here); kept out of repr (it may hold a password)
+    url: str | None = field(default=None, repr=False)
+    data_dir: str = "~/.local/share/kvnotes"   # default home of the SQLite state file
+    session_ttl_s: float = 86400.0             # a session unused this long is forgotten
+    session_max: int = 100_000                 # and at most this many are kept (least recently used go first)
+    prompt_index_ttl_s: float = 3600.0         # plain-prompt prefix index entries expire after this
+    prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
+    timeout_s: float = 2.0                     # a Redis call without an answer within this fails: 503 state_store_unavailable
+    probe_s: float = 1.0                       # each router replica pings the state store this often (/ready, kvnotes_state_store_up)
+
+    def __post_init__(self):
+        if self.url is not None and not (isinstance(self.url, str)
+                                         and self.url.startswith(("sqlite:///", "redis://", "rediss://"))):
+            raise ValueError("state_url must start with sqlite:///, redis:// or rediss://")
+        if not 0 < self.timeout_s <= 60 or not 0 < self.probe_s <= 60:
+            raise ValueError("state_timeout_s and state_probe_s must be in (0, 60] seconds")
+        if self.session_ttl_s <= 0 or self.prompt_index_ttl_s <= 0 or self.session_max < 1 or self.prompt_index_max < 1:
+            raise ValueError("session_ttl_s, prompt_index_ttl_s > 0 and session_max, prompt_index_max >= 1 required")
+
+    @property
+    def api_key_file(self) -> Path:
+        """Where the embedded default keeps the key it created on first start (mode 0600)."""
+        return Path(self.data_dir).expanduser() / "api_key"
+
+    @property
+    def resolved_url(self) -> str:
+        """``url``, or the SQLite file in ``data_dir`` (the embedded default)."""
+        if self.url:
+            return self.url
+        return "sqlite:///" + str(Path(self.data_dir).expanduser() / "state.db")

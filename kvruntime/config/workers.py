@@ -1,0 +1,76 @@
+"""The ``workers`` section: what the prefill and decode actors run (model, dtype, decode engine)
+and how many of each, with their Ray resources and device. Every actor receives the whole
+frozen config; this module imports no torch or Ray (the actor passes in what it sees)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One role's actors (``prefill:`` / ``decode:`` in a config file)."""
+    count: int = 1                     # actors of this kind
+    num_cpus: float = 1.0              # Ray CPUs reserved per actor
+    num_gpus: float = 0.0              # Ray GPUs reserved per actor (may be fractional: actors share a GPU)
+    device: str = "auto"               # auto: cuda when Ray gave the actor a GPU and torch sees one, else cpu | cpu | cuda
+    custom_resource: bool = False      # also require {"prefill": 1} / {"decode": 1} (pin to node types)
+    threads: int = 1                   # torch threads inside the actor
+
+    def validate(self, kind: str) -> None:
+        if not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"{kind}.count must be an integer >= 1")
+        if self.num_cpus < 0 or self.num_gpus < 0 or self.threads < 1:
+            raise ValueError(f"{kind}: num_cpus/num_gpus must be >= 0 and threads >= 1")
+        if self.device not in DEVICES:
+            raise ValueError(f"{kind}.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not self.num_gpus > 0:
+            raise ValueError(f"{kind}.device: cuda needs {kind}.num_gpus > 0 (Ray gives the actor its GPU)")
+        if self.device == "cpu" and self.num_gpus > 0:
+            raise ValueError(f"{kind}: num_gpus > 0 with device: cpu reserves a GPU the actor never uses")
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    model: str = "smollm2-135m"                # registry name, or a local HF checkpoint directory (kvruntime.hf_models)
+    dtype: str = "float32"                     # reference engine weights and KV (tier, wire): float32 | bfloat16 | float16
+    prefill: WorkerConfig = field(default_factory=WorkerConfig)
+    decode: WorkerConfig = field(default_factory=WorkerConfig)
+    decode_engine: str = "reference"           # reference (torch oracle) | vllm (vLLM v1 + kvnotes KV connector)
+    grammar_cache_entries: int = 64            # structured outputs: compiled grammars a decode worker keeps (LRU)
+    decode_prefix_cache_bytes: int = 256 << 20  # engine=reference: prefix KV a decode actor keeps (LRU) so it is not sent twice; 0 = off
+    vllm_kv_cache_gib: float = 1.0             # engine=vllm: paged KV space per decode actor (GiB; CPU: VLLM_CPU_KVCACHE_SPACE)
+    vllm_max_model_len: int = 8192             # engine=vllm: longest prompt + completion (tokens)
+    vllm_max_concurrency: int = 16             # engine=vllm: requests one decode actor accepts at once (batched by vLLM)
+    vllm_kv_load: str = "async"                # engine=vllm: async (running streams keep decoding while a block loads) | sync
+    vllm_kv_load_threads: int = 2              # engine=vllm, async: blocks claimed, checked and written at once
+    max_restarts: int = 5                      # Ray restarts a dead worker actor this often (-1: forever)
+    start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        from kvruntime.models import is_model_name
+        if not isinstance(self.model, str) or not is_model_name(self.model):
+            raise ValueError(f"model must be a registry name or a checkpoint directory with a config.json, "
+                             f"got {self.model!r}")
+        for kind in ("prefill", "decode"):
+            role = getattr(self, kind)
+            if not isinstance(role, WorkerConfig):
+                raise ValueError(f"{kind} must be a mapping of WorkerConfig fields")
+            role.validate(kind)
+        if self.decode_engine not in ("reference", "vllm"):
+            raise ValueError("decode_engine must be reference or vllm")
+        if not isinstance(self.grammar_cache_entries, int) or self.grammar_cache_entries < 1:
+            raise ValueError("grammar_cache_entries must be an integer >= 1")
+        if not isinstance(self.decode_prefix_cache_bytes, int) or self.decode_prefix_cache_bytes < 0:
+            raise ValueError("decode_prefix_cache_bytes must be an integer >= 0 (0 = off)")
+        if self.vllm_kv_cache_gib <= 0 or self.vllm_max_model_len < 16 or self.vllm_max_concurrency < 1:
+            raise ValueError("vllm_kv_cache_gib > 0, vllm_max_model_len >= 16 and vllm_max_concurrency >= 1 required")
+        if self.vllm_kv_load not in ("async", "sync") or self.vllm_kv_load_threads < 1:
+            raise ValueError("vllm_kv_load must be async or sync and vllm_kv_load_threads >= 1")
+        if self.max_restarts < -1:
+            raise ValueError("worker_max_restarts must be >= -1")
+        if self.start_timeout_s <= 0:
+            raise ValueError("start_timeout_s must be > 0")

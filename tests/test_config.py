@@ -1,0 +1,92 @@
+"""The config split by concern: typed frozen sections, today's flat keys and the nested form load
+the same value, unknown keys and bad values are ValueError naming the key, and the per-role
+device settings resolve as documented."""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+import yaml
+
+from kvruntime.config import FLAT_KEYS, SECTIONS, ClusterConfig, WorkerConfig
+
+
+def test_every_section_field_has_exactly_one_flat_key():
+    fields = {(s, f.name) for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert set(FLAT_KEYS.values()) == fields and len(FLAT_KEYS) == len(fields)
+    assert FLAT_KEYS["tier_cpu_bytes"] == ("tier", "cpu_bytes") and FLAT_KEYS["port"] == ("server", "port")
+    assert FLAT_KEYS["kv_transport"] == ("transport", "kind") and FLAT_KEYS["prefill"] == ("workers", "prefill")
+
+
+def test_flat_and_nested_forms_load_the_same_value(tmp_path):
+    flat = {"port": 8123, "tier_cpu_bytes": 1 << 28, "kv_transport": "grpc", "kv_grpc": {"inbox_bytes": 1 << 20},
+            "state_url": "sqlite:///x.db", "shadow_fraction": 0.5, "prefill": {"count": 2, "threads": 2},
+            "decode_engine": "reference", "ray_start_attempts": 3, "health_period_s": 2.0, "default_policy": "fast"}
+    nested = {"server": {"port": 8123}, "tier": {"cpu_bytes": 1 << 28},
+              "transport": {"kind": "grpc", "grpc": {"inbox_bytes": 1 << 20}}, "state": {"url": "sqlite:///x.db"},
+              "shadow": {"fraction": 0.5}, "workers": {"prefill": {"count": 2, "threads": 2}, "decode_engine": "reference"},
+              "ray": {"start_attempts": 3}, "routing": {"health_period_s": 2.0}, "policy": {"default_policy": "fast"}}
+    p = tmp_path / "flat.yaml"
+    p.write_text(yaml.safe_dump(flat))
+    a = ClusterConfig.from_file(p)
+    assert a == ClusterConfig.from_dict(nested) == ClusterConfig.of(**flat)
+    assert (a.server.port, a.tier.cpu_bytes, a.transport.kind, a.transport.options("grpc")) == \
+        (8123, 1 << 28, "grpc", {"inbox_bytes": 1 << 20})
+    assert (a.workers.prefill.count, a.workers.decode.count, a.state.url, a.ray.start_attempts) == \
+        (2, 1, "sqlite:///x.db", 3)
+    assert hash(a) == hash(ClusterConfig.from_dict(nested)) and pickle.loads(pickle.dumps(a)) == a
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.server.port = 1                                            # type: ignore[misc]
+
+
+def test_unknown_keys_and_double_settings_are_named():
+    with pytest.raises(ValueError, match="unknown config key.*tier_cpu_byte"):
+        ClusterConfig.from_dict({"tier_cpu_byte": 1})
+    with pytest.raises(ValueError, match="unknown config key.*in tier: tier_cpu_bytes"):
+        ClusterConfig.from_dict({"tier": {"tier_cpu_bytes": 1}})      # nested form: the section's own names
+    with pytest.raises(ValueError, match="server.port.*already set by port"):
+        ClusterConfig.from_dict({"port": 1, "server": {"port": 2}})
+    with pytest.raises(ValueError, match="tier must be a mapping"):
+        ClusterConfig.from_dict({"tier": 5})
+    with pytest.raises(ValueError, match="prefill must be a mapping"):
+        ClusterConfig.from_dict({"prefill": {"gpus": 1}})
+    with pytest.raises(ValueError, match="port must be in"):
+        ClusterConfig.from_dict({"port": 0})
+    with pytest.raises(ValueError, match="server must be a ServerConfig"):
+        ClusterConfig(server={"port": 1})                            # type: ignore[arg-type]
+
+
+def test_replace_keeps_the_rest_and_old_attribute_names_say_where_they_went():
+    c = ClusterConfig.of(port=9000, tier_cpu_bytes=1 << 27)
+    d = c.replace(bind_host="127.0.0.1", prefill=WorkerConfig(count=3))
+    assert (d.server.port, d.server.bind_host, d.tier.cpu_bytes, d.workers.prefill.count) == \
+        (9000, "127.0.0.1", 1 << 27, 3)
+    assert c.server.bind_host is None                                # the original is unchanged
+    with pytest.raises(AttributeError, match=r"config\.tier\.cpu_bytes"):
+        c.tier_cpu_bytes                                             # noqa: B018
+    assert "state_url" not in repr(ClusterConfig.of(state_url="redis://:secret@h:1/0"))
+    assert "secret" not in repr(ClusterConfig.of(state_url="redis://:secret@h:1/0"))
+
+
+def test_device_per_role_is_validated_and_resolved():
+    assert ClusterConfig.of(prefill={"device": "cuda", "num_gpus": 1}).workers.prefill.device == "cuda"
+    assert ClusterConfig.of(decode={"num_gpus": 0.5}).workers.decode.num_gpus == 0.5
+    for bad, msg in (({"device": "tpu"}, "device must be auto, cpu or cuda"),
+                     ({"device": "cuda"}, "cuda needs decode.num_gpus > 0"),
+                     ({"device": "cpu", "num_gpus": 1}, "reserves a GPU"),
+                     ({"num_gpus": -1}, "num_gpus")):
+        with pytest.raises(ValueError, match=msg):
+            ClusterConfig.of(decode=bad)
+    # resolved in the actor (kvruntime.device): what torch sees and what Ray assigned
+    from kvruntime.device import DeviceUnavailable, resolve_device
+
+    def on(device, *, cuda, ids):
+        return resolve_device(device, "prefill", cuda=lambda: cuda, gpu_ids=lambda: ids)
+    assert on("auto", cuda=True, ids=[0]) == "cuda"
+    assert on("auto", cuda=True, ids=[]) == "cpu"        # Ray gave this actor no GPU
+    assert on("auto", cuda=False, ids=[0]) == "cpu"      # torch sees none
+    assert on("cpu", cuda=True, ids=[0]) == "cpu"
+    assert on("cuda", cuda=True, ids=["0"]) == "cuda"
+    with pytest.raises(DeviceUnavailable, match="no CUDA device"):
+        on("cuda", cuda=False, ids=[])
