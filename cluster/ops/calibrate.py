@@ -248,16 +248,17 @@ def _measure(engine, log: RunLog, bar, compose_cases, dec_cases, edit_cases, pas
              dec_ops) -> None:
     from kvruntime.fidelity.runner import run_compose, run_edit
     quiet = lambda _msg: None          # noqa: E731 - the bar reports progress
-    last = [time.monotonic()]
+    last = [time.monotonic(), time.process_time()]
 
     def record(kind):
         def on_case(case, rows, informative=None):
-            now = time.monotonic()
-            rec = {"set": kind, "case": case.id, "rows": rows, "wall_s": now - last[0]}
+            now, cpu = time.monotonic(), time.process_time()
+            # cpu_s: this process's CPU time for the case (1 thread: the case's wall time on an idle core)
+            rec = {"set": kind, "case": case.id, "rows": rows, "wall_s": now - last[0], "cpu_s": cpu - last[1]}
             if informative is not None:
                 rec["informative"] = informative
             log.append(rec)
-            last[0] = now
+            last[0], last[1] = now, cpu
             bar.set_postfix_str(f"{kind} {case.id}", refresh=False)
             bar.update(1)
         return on_case
@@ -297,6 +298,7 @@ def _finish(spec, model, dtype, device, command, log, case_ids, informative, row
             "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
             "seconds": sum(r.get("wall_s", 0.0) for r in log.done.values()),
+            "cpu_seconds": sum(r.get("cpu_s", 0.0) for r in log.done.values()),
             "cases": {"compose": len(case_ids["compose"]), "decision": len(case_ids["decision"]),
                       "edit": len(case_ids["edit"]), "informative": sum(informative.values())}}
     fixed = {op: r for op, r in rows.items() if op in COMPOSE_OPS or op == REFERENCE_OP}
@@ -307,7 +309,7 @@ def _finish(spec, model, dtype, device, command, log, case_ids, informative, row
     path = write_profile(spec, summary, out)
     balanced = choose_compose(summary, target, model=spec.name)
     edit = choose_edit_kind(summary)
-    print(f"kvnotes: profile of {spec.name} written to {path} ({meta['seconds']:.0f} s measuring, "
+    print(f"kvnotes: profile of {spec.name} written to {path} ({meta['seconds']:.0f} s measuring, {meta['cpu_seconds']:.0f} s CPU, "
           f"{sum(meta['cases'][k] for k in ('compose', 'decision', 'edit'))} cases; run log {log.path})", file=stream)
     if balanced.allowed:
         print(f"kvnotes: balanced will compose chunks after the first with {balanced.op}: "
