@@ -232,7 +232,8 @@ def _bar(total: int, done: int, enabled: bool):
     # smoothing=0: the ETA is the mean time per case measured in this run times the cases left
     return tqdm(total=total, initial=done, unit="case", desc="calibrate", file=sys.stderr, smoothing=0,
                 disable=not enabled, dynamic_ncols=True,
-                bar_format="{desc}: {n}/{total} cases |{bar}| {elapsed} elapsed, ETA {remaining} ({rate_inv_fmt}){postfix}")
+                bar_format="{desc}: {n}/{total} cases |{bar}| {elapsed} elapsed, ETA {remaining} "
+                           "({rate_inv_fmt}){postfix}")
 
 
 def _engine(spec, dtype: str, device: str, threads: int | None):
@@ -309,7 +310,8 @@ def _finish(spec, model, dtype, device, command, log, case_ids, informative, row
     path = write_profile(spec, summary, out)
     balanced = choose_compose(summary, target, model=spec.name)
     edit = choose_edit_kind(summary)
-    print(f"kvnotes: profile of {spec.name} written to {path} ({meta['seconds']:.0f} s measuring, {meta['cpu_seconds']:.0f} s CPU, "
+    print(f"kvnotes: profile of {spec.name} written to {path} ({meta['seconds']:.0f} s measuring, "
+          f"{meta['cpu_seconds']:.0f} s CPU, "
           f"{sum(meta['cases'][k] for k in ('compose', 'decision', 'edit'))} cases; run log {log.path})", file=stream)
     if balanced.allowed:
         print(f"kvnotes: balanced will compose chunks after the first with {balanced.op}: "

@@ -54,7 +54,8 @@ def measure(model: str, n_compose: int, n_decisions: int, n_sessions: int, threa
         else:
             text = engine.decode(engine.greedy(out.kv, out.logits, 16, stop_at_eos=True))
             ok = bool(answer_correct(text, answers))
-        rows.append(dict(model=model, kind=kind, case=cid, tokens=len(ids), prefill_s=secs, prefill_cpu_s=cpu, ok=ok, text=text))
+        rows.append(dict(model=model, kind=kind, case=cid, tokens=len(ids), prefill_s=secs, prefill_cpu_s=cpu,
+                         ok=ok, text=text))
         print(json.dumps(rows[-1]), flush=True)
     return summarize(model, rows)
 
