@@ -20,9 +20,10 @@ again with the same arguments, loads the finished cases and measures only the re
 is the same as an uninterrupted run's (apart from wall times). A progress bar on stderr shows
 the cases done and an ETA (the mean time per case so far times the cases left).
 
-Cases run one at a time: on CPU a batched forward of several cases was no faster than the same
-forwards one after another (see ``docs/_incoming/calib.md``), and most of a case's time is the
-16-token greedy continuation per operation, which is sequential anyway.
+Cases run one at a time through the reference engine, which prefills and decodes one sequence
+per forward: several cases per forward would need a padded batched prefill and decode there.
+On CPU a forward over a few hundred tokens is already matrix-matrix work on one core, so
+batching cases buys little; the measurement is in ``docs/_incoming/calib.md``.
 """
 from __future__ import annotations
 
