@@ -61,7 +61,7 @@ class PrefillSide:
         import torch
         torch.set_num_threads(threads)
         from kvruntime.engine import ReferenceEngine
-        from kvruntime.fidelity.runner import _frame
+        from kvruntime.ops.frame import chat_frame
         from kvtransport.transfer.endpoints import Sender
         from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
         from prefill_workers.executor import PrefillExecutor
@@ -72,7 +72,7 @@ class PrefillSide:
         self.source = PrefillTier(self.store, self.engine)
         self.prefill = PrefillExecutor(self.engine, self.source, Sender(transport), transfer_timeout=120.0)
         self.chunk_pos = 0 if self.engine.bos_id is None else 1
-        self.pre, self.post = _frame(self.engine)
+        self.pre, self.post = chat_frame(self.engine), self.engine.spec.chat_user_suffix
 
     def prompts(self, size: int, n: int, seed: int) -> dict:
         """``n`` composed prompts of ~``size`` tokens (chunks shuffled per prompt, a question each),

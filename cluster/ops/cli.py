@@ -36,10 +36,17 @@ def _parser() -> argparse.ArgumentParser:
                                                "~/.cache/kvnotes/profiles)")
     c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: the config's dtype, else float32")
-    c.add_argument("--device", default="cpu")
+    c.add_argument("--device", default="cpu", help="cpu or cuda[:N] (an error if torch sees no such GPU)")
     c.add_argument("--threads", type=int, default=None)
     c.add_argument("--decisions", type=int, default=None,
                    help="yes/no decision cases for the answer target (default 20, capped by --cases; 0: none)")
+    c.add_argument("--budget", type=float, default=None, metavar="HALF_WIDTH",
+                   help="pick the compose + decision case count: the fewest cases whose 95%% Wilson interval of "
+                        "an agreement rate at 95%% is at most +-HALF_WIDTH (e.g. 0.05); not with --cases/--decisions")
+    c.add_argument("--run-dir", default=None, help="where finished cases are logged, so a killed run resumes "
+                                                   "(default: $KVNOTES_CACHE/calibrate/<model>-<key of weights, "
+                                                   "cases and operations>)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     c.add_argument("--config", default=None, help="the cluster's config (profiles_dir, dtype, balanced_* target)")
 
     k = sub.add_parser("keys", help="API keys: each maps to a tenant (only its hash is stored)")
@@ -160,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                       out=args.out or (cfg.policy.profiles_dir if cfg else None),
                       dtype=args.dtype or (cfg.workers.dtype if cfg else "float32"), device=args.device, threads=args.threads,
                       target=FidelityTarget.from_config(cfg) if cfg else FidelityTarget.answers(),
-                      command="kvnotes " + " ".join(argv if argv is not None else sys.argv[1:]))
+                      command="kvnotes " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      run_dir=args.run_dir, budget=args.budget, progress=not args.no_progress)
             return 0
         if args.cmd == "demo":
             from cluster.ops.demo import run_demo

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from kvruntime.fidelity.metrics import kl_divergence
-from kvruntime.kv import KVCache
+# The skill `kvnotes run` registers and the question its start-up message and the README ask
+# (tests/test_demo_answer.py checks the default model's greedy answer contains DEMO_FACT).
+DEMO_SKILL_NAME = "refund-policy"
+DEMO_SKILL = ("Refund policy: customers may return unused items within 30 days of delivery for a full refund. "
+              "Opened electronics can be returned within 14 days with a 15 percent restocking fee. Gift cards and "
+              "perishable food are never refundable.")
+DEMO_QUESTION = "What is the restocking fee for opened electronics?"
+DEMO_FACT = ("15%", "15 percent")     # accepted answers (any one, whole word, case-insensitive)
 
 SKILLS = {
     "refund-policy": ("Refund policy: customers may return unused items within 30 days of delivery for a "
@@ -36,6 +40,10 @@ def _timed(fn):
 
 
 def run_demo(model: str = "smollm2-135m", threads: int | None = None) -> int:
+    import torch
+
+    from kvruntime.fidelity.metrics import kl_divergence
+    from kvruntime.kv import KVCache
     from kvruntime.engine import ReferenceEngine
     from kvruntime.ops import ChunkSegment, TextSegment, compose, erratum, precompile_chunk, recompute
     from kvruntime.ops.frame import chat_frame

@@ -10,13 +10,10 @@ import threading
 import time
 from pathlib import Path
 
+from cluster.ops.demo import DEMO_QUESTION, DEMO_SKILL, DEMO_SKILL_NAME
 from kvruntime.config import ClusterConfig
 
 log = logging.getLogger(__name__)
-
-DEMO_SKILL = ("Refund policy: customers may return unused items within 30 days of delivery for a full refund. "
-              "Opened electronics can be returned within 14 days with a 15 percent restocking fee. Gift cards and "
-              "perishable food are never refundable.")
 
 
 class ConnectError(RuntimeError):
@@ -226,11 +223,11 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
         elif register_demo:
             import httpx
             auth = {"authorization": f"Bearer {key}"} if key else {}
-            r = httpx.post(f"{base}/v1/skills", json={"name": "refund-policy", "text": DEMO_SKILL}, headers=auth,
+            r = httpx.post(f"{base}/v1/skills", json={"name": DEMO_SKILL_NAME, "text": DEMO_SKILL}, headers=auth,
                            timeout=300)
             if r.status_code != 201:
                 raise RuntimeError(f"registering the demo skill failed: HTTP {r.status_code}: {r.text[:300]}")
-            print(f"kvnotes: registered demo skill 'refund-policy' ({r.json()['tokens']} tokens precompiled)")
+            print(f"kvnotes: registered demo skill '{DEMO_SKILL_NAME}' ({r.json()['tokens']} tokens precompiled)")
     except ConnectError:
         raise                          # nothing was started
     except BaseException:
@@ -239,7 +236,7 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
         raise
     hdr = f"-H \"authorization: Bearer $(cat {cfg.state.api_key_file})\" " if cfg.server.auth else ""
     print(f"""kvnotes: serving {cfg.workers.model} on {base}  (Ctrl-C to stop)
-  curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "refund-policy"}}, {{"text": "Can I return opened headphones after 10 days?"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
+  curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "{DEMO_SKILL_NAME}"}}, {{"text": "{DEMO_QUESTION}"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
   curl -s {base}/v1/chat/completions {hdr}-H 'content-type: application/json' -d '{{"model": "{cfg.served_name(spec.name)}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
   kvnotes status --url {base}{' --key "$(cat ' + str(cfg.state.api_key_file) + ')"' if cfg.server.auth else ''}     # workers, state, tier
   metrics: every process is listed at {base}/metrics/targets (Prometheus: deploy/prometheus.yml);

@@ -79,7 +79,7 @@ def decision_of(engine, logits: torch.Tensor) -> str:
 
 def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, greedy_n: int = 16,
                 progress: Progress = _stderr, ops: dict[str, dict] | None = None,
-                rows_out=None, share_probe: bool = True) -> dict[str, list[dict]]:
+                rows_out=None, share_probe: bool = True, on_case=None) -> dict[str, list[dict]]:
     """Per op, one row per case. Chunks are precompiled once per passage (and compile prefix:
     an op's ``compile`` keyword, see ``kvruntime.ops.frame.compile_prefix``) and reused across
     cases, as the tier would. Cases with expected answers also get ``answer_ok`` per op and a
@@ -88,7 +88,8 @@ def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, g
     recompute's top-1/top-2 logit margin (``oracle_margin``: a near-tie flips easily) and the
     op's wall time (``seconds``: compose + question, not the offline chunk compile). With
     ``rows_out`` (a text file) every row is also written as one JSON line as it is measured.
-    ``share_probe=False`` runs each ratio's probe anew (honest per-op wall time)."""
+    ``share_probe=False`` runs each ratio's probe anew (honest per-op wall time). ``on_case(case,
+    {op: row})`` is called after each case (``kvnotes calibrate`` appends it to its run log)."""
     from kvruntime.ops.frame import compile_prefix
     ops = COMPOSE_OPS if ops is None else ops
     pre, suffix = chat_frame(engine), engine.spec.chat_user_suffix
@@ -150,6 +151,8 @@ def run_compose(engine, cases: list[ComposeCase], passages: dict[str, str], *, g
                        seconds=secs, **judged(g, res.logits))
             rows[name].append(row)
             _dump(rows_out, name, row, g, engine)
+        if on_case is not None:
+            on_case(case, {op: rs[-1] for op, rs in rows.items() if rs and rs[-1]["case"] == case.id})
         progress(f"  compose [{i}/{len(cases)}] {case.id}: {len(ids)} tokens, "
                  f"{time.monotonic() - t0:.0f} s elapsed")
     return dict(rows)
@@ -163,9 +166,10 @@ def _dump(out, op: str, row: dict, greedy: list[int], engine) -> None:
 
 
 def run_edit(engine, cases: list[EditCase], *, cot: bool = False, greedy_n: int = 16,
-             progress: Progress = _stderr) -> tuple[dict[str, list[dict]], dict[str, bool]]:
+             progress: Progress = _stderr, on_case=None) -> tuple[dict[str, list[dict]], dict[str, bool]]:
     """Per op, one row per case, plus which cases are *informative* (the oracle's greedy
-    answer differs from the stale context's: the edit changes what the model says)."""
+    answer differs from the stale context's: the edit changes what the model says).
+    ``on_case(case, {op: row}, informative)`` is called after each case."""
     pre, suffix = chat_frame(engine), engine.spec.chat_user_suffix
     ops = COT_OPS if cot else EDIT_OPS
     rows: dict[str, list[dict]] = defaultdict(list)
@@ -202,6 +206,8 @@ def run_edit(engine, cases: list[EditCase], *, cot: bool = False, greedy_n: int 
                        recomputed_tokens=recomputed + len(q), context_tokens=n_ctx + extra)
             rows[name].append(row)
         informative[case.id] = rows["stale (no fix)"][-1]["greedy_exact"] < 1.0
+        if on_case is not None:
+            on_case(case, {op: rows[op][-1] for op in ops}, informative[case.id])
         progress(f"  edit{' (CoT)' if cot else ''} [{i}/{len(cases)}] {case.id}: {n_ctx} tokens, "
                  f"{time.monotonic() - t0:.0f} s elapsed")
     return dict(rows), informative
