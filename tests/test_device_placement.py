@@ -60,7 +60,7 @@ def test_config_device_and_num_gpus_per_role():
     assert ClusterConfig().workers.prefill.device == ClusterConfig().workers.decode.device == "auto"
     with pytest.raises(ValueError, match="prefill.device must be auto, cpu or cuda, got 'gpu'"):
         ClusterConfig.from_dict({"prefill": {"device": "gpu"}})
-    with pytest.raises(ValueError, match="decode.device is cuda but decode.num_gpus is 0.0"):
+    with pytest.raises(ValueError, match="decode.device: cuda needs decode.num_gpus > 0"):
         ClusterConfig.from_dict({"decode": {"device": "cuda"}})
     with pytest.raises(ValueError, match="num_gpus must be >= 0"):
         ClusterConfig.of(prefill=WorkerConfig(num_gpus=-1))
