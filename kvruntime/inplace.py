@@ -87,25 +87,31 @@ def causal_tail_mask(q: int, n: int, window: int | None, device) -> torch.Tensor
 
 
 def _mask_for(module, query, key, attention_mask, sliding_window):
+    """(mask, is_causal): the given mask; else plain causality (``is_causal``, no mask) for a
+    block that is all the keys, or the [q x keys] lower-right causal mask."""
     if attention_mask is not None:
-        return attention_mask[..., : key.shape[-2]] if attention_mask.dim() == 4 else attention_mask
+        return (attention_mask[..., : key.shape[-2]] if attention_mask.dim() == 4 else attention_mask), False
     q, n = query.shape[2], key.shape[2]
     window = sliding_window if sliding_window is not None and n > sliding_window else None
+    if q == n and q > 1 and window is None:
+        return None, True
     m = causal_tail_mask(q, n, window, query.device)
-    return None if m is None else m[None, None]
+    return (None if m is None else m[None, None]), False
 
 
 def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
            softcap: float | None = None, sliding_window: int | None = None, **kwargs):
     """query [1, H, q, d], key/value [1, Hkv, n, d] (views of the buffer) -> ([1, q, H, d], None)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    mask = _mask_for(module, query, key, attention_mask, sliding_window)
+    mask, causal = _mask_for(module, query, key, attention_mask, sliding_window)
+    if causal and (softcap is not None or getattr(_local, "rec", None) is not None):
+        mask, causal = causal_tail_mask(query.shape[2], key.shape[2], None, query.device)[None, None], False
     rec = getattr(_local, "rec", None)
     if rec is not None and id(module) in rec["modules"]:
         _record(rec, query, key, mask, scaling)
     h, hkv = query.shape[1], key.shape[1]
     if softcap is None:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, is_causal=causal,
                                              enable_gqa=h != hkv)
         return out.transpose(1, 2).contiguous(), None
     # transformers' eager attention with soft-capping, queries grouped per kv head (no expansion)

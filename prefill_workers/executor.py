@@ -282,16 +282,17 @@ class PrefillExecutor:
             if loaded is None or n_new <= 0:
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
                 return self._compute(kv, step.token_ids, step.position, st)
+            into = self._b if not self._b.length else None      # the edited context written into the buffer
             try:
                 with _timed(st, "forward"):
                     res = edit_in_place(self.engine, loaded.to(self.engine.device, self.engine.dtype), (a, b),
-                                        list(step.token_ids[a:a + n_new]), step.top_k)
+                                        list(step.token_ids[a:a + n_new]), step.top_k, into=into)
             except RepositionDisabled:            # the field's length changed and rotation is off
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
             st.computed += res.recomputed_tokens
             st.reused += step.tokens - res.recomputed_tokens
-            return self._splice(kv, res.kv)
+            return res.kv if into is not None else self._splice(kv, res.kv)
         raise ValueError(f"unknown plan step kind {k}")
 
     def shadow(self, plan: RequestPlan, greedy_n: int = 16) -> ShadowResult:

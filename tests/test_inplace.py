@@ -96,7 +96,7 @@ def test_seam_repair_erratum_and_edit_equal_the_path_they_replaced(request, name
     res = compose(e, [ChunkSegment(ca), ChunkSegment(cb), TextSegment(q)], seam_tokens=2)
     # the old path: reposition, cat, then the seams recomputed against the rest (DynamicCache)
     from kvruntime.ops.compose import reposition
-    moved = KVCache.cat([reposition(e.rope, ca, -1), reposition(e.rope, cb, 40 - 1)])
+    moved = KVCache.cat([reposition(e.rope, ca, -int(ca.positions[0])), reposition(e.rope, cb, 40 - int(cb.positions[0]))])
     seams = [0, 1, 40, 41]
     keep = torch.tensor([i not in seams for i in range(70)])
     _, fresh = _old_prefill(e, moved.token_ids[seams], moved.positions[seams], moved.select(torch.nonzero(keep).flatten()))
@@ -135,7 +135,6 @@ def test_seam_repair_question_and_erratum_write_into_the_buffer_without_copying_
     e = _engine(request, "llama3")
     a, b, q = _ids(e, 150, 1), _ids(e, 150, 2), _ids(e, 7, 3)
     ca, cb = precompile_chunk(e, a), precompile_chunk(e, b)
-    text = erratum  # noqa: F841  (the erratum's own token count is read below)
     room = 64
     bld = Builder(e, 300 + len(q) + room)
     bld.reposition(ca, -int(ca.positions[0]))

@@ -51,7 +51,8 @@ class EditResult:
 
 
 def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_tokens: list[int],
-                  top_k: int, *, probe_layer: int = 1, probe_chunk: int | None = None) -> EditResult:
+                  top_k: int, *, probe_layer: int = 1, probe_chunk: int | None = None,
+                  into: Builder | None = None) -> EditResult:
     """Replace slots ``[a, b)`` of ``cached`` (the field's old tokens) by ``new_tokens``.
 
     1. The field is recomputed in context (prefix + new field); downstream slots are
@@ -66,7 +67,9 @@ def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_toke
     3. The chosen tokens are recomputed through all layers attending to the prefix, the new
        field and every downstream slot at or before their position (cached or fresh).
     Cost: O(f * P * L) for f field tokens + O(D * P * probe_layer) probe + O(K * P * L).
-    ``top_k == 0`` is "field only".
+    ``top_k == 0`` is "field only". ``into``: an empty :class:`~kvruntime.ops.build.Builder`
+    (the request's buffer, e.g. the prefill executor's) the edited context is written into;
+    default a new one of the edited context's size.
     """
     a, b = field_span
     if not 0 <= a <= b <= cached.num_tokens:
@@ -85,7 +88,9 @@ def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_toke
         raise RepositionDisabled("the field's length changed and re-rotation is disabled")
     # the edited context is ONE buffer: prefix copied, the field computed into its slots, the
     # downstream slots re-rotated (or copied) into theirs, the chosen ones recomputed in place
-    out = Builder(engine, a + len(new_tokens) + down.num_tokens)
+    if into is not None and into.length:
+        raise ValueError("edit_in_place writes the whole edited context: its builder must be empty")
+    out = into if into is not None else Builder(engine, a + len(new_tokens) + down.num_tokens)
     out.append(prefix)
     out.compute(new_tokens, start)
     h = out.length
@@ -94,10 +99,11 @@ def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_toke
     else:
         out.append(down)
     edited = out.kv
+    h_end = edited.num_tokens
     k = min(top_k, down.num_tokens)
     if k == 0:
         return EditResult(edited, len(new_tokens), 0, [])
-    head, moved = edited.slice(0, h), edited.slice(h)
+    head, moved = edited.slice(0, h), edited.slice(h, h_end)
     probe = probe_kv(engine, moved.token_ids, moved.positions, head, probe_layer, chunk=probe_chunk)
     dev = ((probe - moved.data[probe_layer]).float() ** 2).sum(dim=(0, 1, 3))  # [D]
     chosen = torch.topk(dev, k).indices.sort().values
