@@ -17,7 +17,7 @@ import torch
 from kvruntime.checkpoint import ensure_checkpoint
 from kvruntime.decode_cache import DecodeSession
 from kvruntime.hf_models import ModelRefused, arch_info, describe
-from kvruntime.inplace import SlotCache, StopForward, register, tail_is_causal
+from kvruntime.inplace import Cancelled, SlotCache, StopForward, register, tail_is_causal  # noqa: F401 (Cancelled re-exported)
 from kvruntime.kv import KVCache
 from kvruntime.models import ModelSpec, get_model_spec
 from kvruntime.rope import RopeTable, self_test
@@ -32,10 +32,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class PrefillOutput:
     logits: torch.Tensor | None  # [vocab] fp32 logits after the last new token (None if not asked)
     kv: KVCache                  # KV of the new tokens only, at the given positions
-
-
-class Cancelled(Exception):
-    """A forward stopped between layers because its ``cancelled()`` check said so."""
 
 
 class ReferenceEngine:

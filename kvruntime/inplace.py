@@ -29,6 +29,11 @@ _registered = False
 _lock = threading.Lock()
 
 
+class Cancelled(Exception):
+    """A forward stopped between layers because its ``cancelled()`` check said so
+    (re-exported as ``kvruntime.engine.Cancelled``)."""
+
+
 class StopForward(Exception):
     """Raised by a :class:`SlotCache` once its ``stop_layer`` has written its K/V (a probe)."""
 
@@ -48,7 +53,6 @@ class SlotCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.cancelled is not None and self.cancelled():
-            from kvruntime.engine import Cancelled
             raise Cancelled("forward cancelled")
         lyr = self.data[layer_idx]
         if isinstance(self.slots, slice):

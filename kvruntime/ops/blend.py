@@ -218,7 +218,7 @@ def recompute_slots(engine, kv: KVCache, slots: list[int], *, in_place: bool = F
     attending by position to every other slot's cached KV and to each other's fresh KV, written
     into ``kv.data`` (``in_place``; the caller owns it) or into one copy of it.
     Cost: O(len(slots) * P * L)."""
-    from kvruntime.ops.compose import write_slots
+    from kvruntime.ops.slots import write_slots
     if not slots:
         return kv
     data = kv.data if in_place else kv.data.clone()

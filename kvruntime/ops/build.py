@@ -66,7 +66,7 @@ class Builder:
 
     def reposition(self, chunk: KVCache, delta: int) -> KVCache:
         """``chunk`` moved by ``delta`` positions, its keys re-rotated straight into its slots."""
-        from kvruntime.ops.compose import reposition
+        from kvruntime.ops.slots import reposition
         buf = self.buffer()
         src = chunk.to(self.engine.device)
         moved = reposition(self.engine.rope, src, delta, out=buf.slot(chunk.num_tokens))
@@ -104,7 +104,7 @@ class Builder:
         ``ops.qselect``, ranked by ``question``, the text that follows). Returns the
         ``blend.BlendResult`` (None when nothing was pending)."""
         from kvruntime.ops.blend import BlendResult, selective_recompute
-        from kvruntime.ops.compose import seam_repair
+        from kvruntime.ops.slots import seam_repair
         from kvruntime.ops.probes import is_question_probe
         pending, self.seams = self.seams, []
         if not pending:
