@@ -4,12 +4,11 @@ process on the reference engine. Run:
 
 Per context size: a ~N-token record whose field (the account owner, near the start) changes to
 a value of another length (so the downstream slots are re-rotated too). Compared side by side,
-interleaved per repetition: ``old`` = the one-shot probe this module keeps a copy of (all D
-downstream tokens through layers 0..probe_layer in ONE forward: [heads, D, P + D] scores and a
-[D, P + D] float mask per layer), ``new`` = ``edit_in_place`` (probe in query chunks of
-``blend.PROBE_CHUNK``), and ``full`` = recomputing the whole edited prompt (what plain vLLM does).
-Reported: median ms, the peak resident memory above the pre-call level (sampled every 2 ms) and
-whether old and new select the same slots. 1 torch thread (the cluster's prefill actor setting).
+interleaved per repetition: ``edit`` = the product's own ``kvruntime.ops.edit_in_place`` (probe in
+query chunks of ``blend.PROBE_CHUNK``, the edited context written into one buffer) and ``full`` =
+recomputing the whole edited prompt (what plain vLLM does). Reported: median ms and the peak
+resident memory above the pre-call level (sampled every 2 ms). 1 torch thread (the cluster's
+prefill actor setting).
 """
 from __future__ import annotations
 
@@ -53,32 +52,6 @@ class _Peak:
         self.mib = (self.peak - self.base) / 2 ** 20
 
 
-def old_edit_in_place(engine, cached, field_span, new_tokens, top_k, probe_layer=1):
-    """edit_in_place before the chunked probe (commit 9ecac15), kept to measure against."""
-    from kvruntime.kv import KVCache
-    from kvruntime.ops.compose import reposition
-    a, b = field_span
-    prefix, down = cached.slice(0, a), cached.slice(b)
-    start = int(cached.positions[a])
-    field = engine.prefill(new_tokens, torch.arange(start, start + len(new_tokens)), prefix).kv
-    delta = len(new_tokens) - (b - a)
-    if delta and down.num_tokens:
-        down = reposition(engine.rope, down, delta)
-    head = KVCache.cat([prefix, field])
-    k = min(top_k, down.num_tokens)
-    probe = engine.prefill(down.token_ids, down.positions, head, stop_after_layer=probe_layer).kv
-    dev = ((probe.data[probe_layer] - down.data[probe_layer]).float() ** 2).sum(dim=(0, 1, 3))
-    chosen = torch.topk(dev, k).indices.sort().values
-    keep = torch.ones(down.num_tokens, dtype=torch.bool)
-    keep[chosen] = False
-    rest = down.select(torch.nonzero(keep).flatten())
-    fresh = engine.prefill(down.token_ids[chosen], down.positions[chosen], KVCache.cat([head, rest])).kv
-    data = down.data.clone()
-    data[:, :, :, chosen] = fresh.data
-    edited = KVCache.cat([head, KVCache(data, down.positions, down.token_ids)])
-    return edited, [head.num_tokens + int(i) for i in chosen]
-
-
 def _context(engine, tokens: int):
     text, i = RECORD, 0
     while len(engine.encode(text)) < tokens:
@@ -109,7 +82,6 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--no-old", action="store_true", help="skip the one-shot probe (GBs at 8k)")
     args = ap.parse_args(argv)
     engine = ReferenceEngine(args.model, dtype="float32", threads=1)
     new_ids = engine.encode(NEW_VALUE)
@@ -120,36 +92,26 @@ def main(argv=None) -> int:
         ids, span = _context(engine, n)
         cached = recompute(engine, ids, logits=False).kv
         edited_ids = ids[:span[0]] + new_ids + ids[span[1]:]
-        t = {"old": [], "new": [], "full": []}
-        m = {"old": 0.0, "new": 0.0, "full": 0.0}
-        same = None
+        t = {"new": [], "full": []}
+        m = {"new": 0.0, "full": 0.0}
         for r in range(args.reps):
-            if not args.no_old:
-                (o_kv, o_slots), ms, mib = _timed(lambda: old_edit_in_place(engine, cached, span, new_ids, args.top_k))
-                t["old"].append(ms)
-                m["old"] = max(m["old"], mib)
             res, ms, mib = _timed(lambda: edit_in_place(engine, cached, span, new_ids, args.top_k))
             t["new"].append(ms)
             m["new"] = max(m["new"], mib)
-            if not args.no_old:
-                same = (o_slots == res.selected_slots, float((o_kv.data - res.kv.data).abs().max()))
-                del o_kv
+            del res
             if r == 0:
                 _, ms, mib = _timed(lambda: recompute(engine, edited_ids, logits=True))
                 t["full"].append(ms)
                 m["full"] = mib
-        med = {k: statistics.median(v) if v else float("nan") for k, v in t.items()}
-        rows.append((n, med, m, same))
-        print(f"  {n}: old {med['old']:.0f} ms, new {med['new']:.0f} ms, full {med['full']:.0f} ms", flush=True)
+        med = {k: statistics.median(v) for k, v in t.items()}
+        rows.append((n, med, m))
+        print(f"  {n}: edit {med['new']:.0f} ms, full {med['full']:.0f} ms", flush=True)
     print()
-    print("| tokens | old edit ms (peak MiB) | new edit ms (peak MiB) | old/new | full recompute ms (peak MiB) "
-          "| full/new | same slots (max KV diff) |")
-    print("|---|---|---|---|---|---|---|")
-    for n, med, m, same in rows:
-        s = "-" if same is None else f"{'yes' if same[0] else 'NO'} ({same[1]:.1e})"
-        print(f"| {n} | {med['old']:.0f} ({m['old']:.0f}) | {med['new']:.0f} ({m['new']:.0f}) | "
-              f"{med['old'] / med['new']:.1f}x | {med['full']:.0f} ({m['full']:.0f}) | "
-              f"{med['full'] / med['new']:.1f}x | {s} |")
+    print("| tokens | edit_in_place ms (peak MiB) | full recompute ms (peak MiB) | full/edit |")
+    print("|---|---|---|---|")
+    for n, med, m in rows:
+        print(f"| {n} | {med['new']:.0f} ({m['new']:.0f}) | {med['full']:.0f} ({m['full']:.0f}) | "
+              f"{med['full'] / med['new']:.1f}x |")
     return 0
 
 

@@ -17,6 +17,7 @@ import torch
 from kvruntime.checkpoint import ensure_checkpoint
 from kvruntime.decode_cache import DecodeSession
 from kvruntime.hf_models import ModelRefused, arch_info, describe
+from kvruntime.inplace import Cancelled, SlotCache, StopForward, register, tail_is_causal  # noqa: F401 (Cancelled re-exported)
 from kvruntime.kv import KVCache
 from kvruntime.models import ModelSpec, get_model_spec
 from kvruntime.rope import RopeTable, self_test
@@ -31,14 +32,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class PrefillOutput:
     logits: torch.Tensor | None  # [vocab] fp32 logits after the last new token (None if not asked)
     kv: KVCache                  # KV of the new tokens only, at the given positions
-
-
-class Cancelled(Exception):
-    """A forward stopped between layers because its ``cancelled()`` check said so."""
-
-
-class _StopAfterLayer(Exception):
-    pass
 
 
 class ReferenceEngine:
@@ -62,8 +55,10 @@ class ReferenceEngine:
         # the architecture is read (and refused with one line) before any weight is loaded
         self.arch = arch_info(transformers.AutoConfig.from_pretrained(path))
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        # every layer attends through kvruntime.inplace.attend: SDPA with GQA (or, with soft-capping,
+        # transformers' eager arithmetic per kv head), reading K/V in place from the request's buffer
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=self.dtype, attn_implementation=self.arch.attn_implementation).to(self.device).eval()
+            path, dtype=self.dtype, attn_implementation=register()).to(self.device).eval()
         a = self.arch
         self.num_layers: int = a.num_layers
         self.kv_heads: int = a.kv_heads
@@ -122,15 +117,55 @@ class ReferenceEngine:
 
     # ---- the primitive ---------------------------------------------------------------------
     @torch.inference_mode()
+    def write(self, data: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor, slots, keys: int, *,
+              logits: bool = False, stop_layer: int | None = None, cancelled=None) -> torch.Tensor | None:
+        """Run the tokens ``token_ids[slots]`` at ``positions[slots]`` through the model; every layer
+        writes their K/V into ``data[layer, :, :, slots]`` (the request's buffer, [layers, 2,
+        kv_heads, capacity, head_dim]) and attends to slots ``[0, keys)`` -- the new ones included
+        -- by position (causal; sliding layers within the window). Nothing else is copied.
+
+        ``slots``: a ``slice`` (a block) or a LongTensor of slot indices (seams, selected tokens).
+        A block at the end of position-ordered contiguous slots (the question, an erratum, a
+        chunk of a prefill) runs with no mask but lower-right causality; anything else with the
+        additive [q x keys] mask by position. ``stop_layer=i``: stop once layer i has written its
+        K/V (a probe; later layers' slots are left as they were). ``cancelled``: checked before
+        each layer, True raises :class:`Cancelled`. Returns the last new token's fp32 logits
+        when ``logits``. Cost: O(q * keys) attention + O(q) MLP per layer for q new tokens."""
+        if isinstance(slots, slice):
+            idx = torch.arange(slots.start, slots.stop, device=self.device)
+        else:
+            idx = slots = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        q = idx.numel()
+        if q == 0 or keys > data.shape[3] or int(idx.max()) >= keys or int(idx.min()) < 0:
+            raise ValueError(f"slots must be non-empty and inside the {keys} attended slots")
+        ids, pos = token_ids[idx].to(self.device), positions[idx].to(self.device)
+        if bool((pos < 0).any()):
+            raise ValueError("positions must be >= 0")
+        block = isinstance(slots, slice) and slots.stop == keys
+        mask = None if block and tail_is_causal(positions, slots.start, keys) \
+            else self._mask(pos, positions[:keys].to(self.device))
+        cache = SlotCache(data, slots, keys, stop_layer=stop_layer, cancelled=cancelled)
+        out = None
+        with self._lock:
+            try:
+                out = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+            except StopForward:
+                pass
+        return out.logits[0, -1].float() if (logits and out is not None) else None
+
+    @torch.inference_mode()
     def prefill(self, token_ids, positions, past: KVCache | None = None, *, logits: bool = False,
                 stop_after_layer: int | None = None, cancelled=None) -> PrefillOutput:
         """Run ``token_ids`` ([n]) at ``positions`` ([n] int64) attending to ``past`` + themselves.
 
-        Returns the new tokens' KV (and the last token's logits if ``logits``). With
-        ``stop_after_layer=i`` the forward stops after layer i and only layers 0..i of the
-        returned KV are meaningful (the rest are zeros): a cheap probe for selective recompute.
+        Returns the new tokens' KV (and the last token's logits if ``logits``). A convenience
+        over :meth:`write` for a caller without a buffer: ``past`` is copied once into a new
+        buffer with room for the new tokens (callers that own a buffer call :meth:`write`).
+        With ``stop_after_layer=i`` the forward stops once layer i has its K/V and only layers
+        0..i of the returned KV are meaningful (the rest are zeros): a cheap probe.
         ``cancelled``: a callable checked before each layer; when it returns True the forward stops
-        and :class:`Cancelled` is raised (a request nobody waits for any more). Cost: O(n * (len(past) + n)) attention per layer plus O(n) MLP per layer.
+        and :class:`Cancelled` is raised. Cost: O(n * (len(past) + n)) attention per layer plus O(n) MLP per layer.
         """
         ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
                               dtype=torch.long, device=self.device)
@@ -140,43 +175,20 @@ class ReferenceEngine:
                              f"{tuple(ids.shape)} and {tuple(pos.shape)}")
         if bool((pos < 0).any()):
             raise ValueError("positions must be >= 0")
-        from transformers import DynamicCache
-
         past = past if past is not None else self.empty_kv()
-        n_past = past.num_tokens
-        cache = DynamicCache(ddp_cache_data=past.to(self.device, self.dtype).to_legacy()) if n_past else DynamicCache()
-        mask = self._mask(pos, torch.cat([past.positions.to(self.device), pos]))
-        handles = []
-        out = None
-        with self._lock:
-            # hooks are registered under the lock: another thread's forward must not see them
-            if stop_after_layer is not None:
-                def _hook(*_):
-                    raise _StopAfterLayer
-                handles.append(self.model.model.layers[stop_after_layer].register_forward_hook(_hook))
-            if cancelled is not None:
-                def _check(*_):
-                    if cancelled():
-                        raise Cancelled("forward cancelled")
-                handles += [layer.register_forward_pre_hook(_check) for layer in self.model.model.layers]
-            try:
-                out = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
-                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
-            except _StopAfterLayer:
-                pass
-            finally:
-                for h in handles:
-                    h.remove()
-        n_layers = self.num_layers if stop_after_layer is None else stop_after_layer + 1
-        data = torch.zeros(self.num_layers, 2, self.kv_heads, ids.numel(), self.head_dim,
-                           dtype=self.dtype, device=self.device)
-        for i in range(n_layers):
-            layer = cache.layers[i]
-            data[i, 0] = layer.keys[0, :, n_past:]
-            data[i, 1] = layer.values[0, :, n_past:]
-        kv = KVCache(data, pos.clone(), ids.clone())
-        last = out.logits[0, -1].float() if (logits and out is not None) else None
-        return PrefillOutput(last, kv)
+        p, n = past.num_tokens, ids.numel()
+        data = torch.zeros(self.num_layers, 2, self.kv_heads, p + n, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+        all_pos = torch.empty(p + n, dtype=torch.long, device=self.device)
+        all_ids = torch.empty(p + n, dtype=torch.long, device=self.device)
+        if p:
+            data[:, :, :, :p] = past.data
+            all_pos[:p], all_ids[:p] = past.positions, past.token_ids
+        all_pos[p:], all_ids[p:] = pos, ids
+        last = self.write(data, all_pos, all_ids, slice(p, p + n), p + n, logits=logits,
+                          stop_layer=stop_after_layer, cancelled=cancelled)
+        new = data[:, :, :, p:]
+        return PrefillOutput(last, KVCache(new.clone() if p else new, all_pos[p:].clone(), all_ids[p:].clone()))
 
     # ---- decoding --------------------------------------------------------------------------
     @torch.inference_mode()

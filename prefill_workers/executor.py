@@ -14,12 +14,13 @@ from typing import Protocol
 import torch
 
 from kvruntime.engine import Cancelled
-from kvruntime.kv import KVBuffer, KVCache
+from kvruntime.kv import KVCache
 from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan, SegmentPlan
 from kvruntime.messages.prefill import PrefillResult, PrefillStats
 from kvruntime.messages.transfer import KVEndpoint
-from kvruntime.ops import edit_in_place, reposition, seam_repair, selective_recompute
+from kvruntime.ops import edit_in_place
+from kvruntime.ops.build import Builder
 from kvruntime.rope import RepositionDisabled
 from kvruntime.telemetry import log_fallback_once
 from kvtransport.transfer.blocks import encode_block
@@ -88,52 +89,30 @@ class PrefillExecutor:
         if plan.model != self.engine.spec.name:
             raise ValueError(f"plan is for model {plan.model!r}, this worker runs {self.engine.spec.name!r}")
         kv, st = self.engine.empty_kv(), PrefillStats()
-        self._alloc, self._pool_misses = (self._counting(alloc) if alloc is not None else None), 0
-        self._seams: list[int] = []               # chunk starts awaiting one batched seam repair
+        # the one builder (kvruntime.ops.build): the same code compose() runs for the harness
+        self._b = Builder(self.engine, plan.prefix_tokens, alloc=alloc, cancelled=cancelled)
         self._seam_k, self._ratio = 0, 0.0       # ratio > 0: selective recompute (ops.blend)
         self._probe, self._question = "kv1", plan.suffix_ids   # q probes rank by the plan's suffix (ops.qselect)
-        self._borrowed: set[int] = set()         # storages of loaded KV (a tier's memory): never written
         self._cancelled = cancelled
-        self._out: KVBuffer | None = None        # the prefix KV's buffer, allocated at the first write
-        self._capacity, self._final = plan.prefix_tokens, False
+        self._final = False
         refs = [s.kv for s in plan.steps if s.kind in _LOADS and s.kv is not None]
         self._ahead = Prefetcher(self.source, refs, self.prefetch) if self.prefetch and len(refs) > 1 else None
         try:
             for i, step in enumerate(plan.steps):
                 _check(cancelled)
                 if step.kind is not PlanKind.REPOSITION:
-                    kv = self._adopt(self._flush_seams(kv, st))   # computed steps must see repaired seams
+                    kv = self._flush_seams(kv, st)        # computed steps must see repaired seams
                 self._final = i == len(plan.steps) - 1
                 kv = self._step(kv, step, st)
-            kv = self._adopt(self._flush_seams(kv, st))
+            kv = self._flush_seams(kv, st)
         finally:
             if self._ahead is not None:
                 self._ahead.close()                       # reads not started are cancelled
             self._ahead = None
-            self._out = None                              # a cancelled build's pool lease ends with it
+            self._pool_misses = self._b.pool_misses
+            self._b = None                                # a cancelled build's pool lease ends with it
         self._alloc = self._cancelled = None
         return kv, st
-
-    def _counting(self, alloc):
-        def counted(shape, dtype):
-            out = alloc(shape, dtype)
-            self._pool_misses += out is None
-            return out
-        return counted
-
-    def _buffer(self, kv: KVCache) -> KVBuffer:
-        """The prefix KV's buffer (``plan.prefix_tokens`` slots in the engine's dtype, in
-        ``self._alloc``'s registered memory when it has room), allocated at the first write;
-        ``kv`` is the KV built so far, always the slots already written there."""
-        if self._out is None:
-            e = self.engine
-            shape = (e.num_layers, 2, e.kv_heads, self._capacity, e.head_dim)
-            data = self._alloc(shape, e.dtype) if self._alloc is not None and e.device.type == "cpu" else None
-            self._out = KVBuffer(data if data is not None else torch.empty(shape, dtype=e.dtype, device=e.device))
-        if kv.num_tokens != self._out.length:
-            raise RuntimeError(f"KV built so far ({kv.num_tokens} slots) is not the buffer's "
-                               f"({self._out.length} written)")
-        return self._out
 
     def _splice(self, kv: KVCache, part: KVCache) -> KVCache:
         """``kv`` + ``part`` (loaded or freshly computed KV): ``part`` is copied into its slots of
@@ -141,66 +120,43 @@ class PrefillExecutor:
         Cost: one copy of ``part``. A plan whose whole KV is ``part`` gets it as is."""
         if not part.num_tokens:
             return kv
-        if self._final and self._out is None and not kv.num_tokens:
+        if self._final and self._b.buf is None and not kv.num_tokens:
             return part.to(self.engine.device, self.engine.dtype)
-        return self._buffer(kv).append(part)
-
-    def _adopt(self, kv: KVCache) -> KVCache:
-        """``kv`` after a seam repair: written in place into the buffer (nothing to do), or, if
-        the repair returned a copy, copied back so that later steps and the result see it."""
-        out = self._out
-        if out is None or not kv.num_tokens or kv.data.data_ptr() == out.data.data_ptr():
-            return kv
-        out.data[:, :, :, :kv.num_tokens].copy_(kv.data)
-        return out.view()
+        return self._b.append(part)
 
     def _reposition_into(self, kv: KVCache, chunk: KVCache, delta: int, st: PrefillStats) -> KVCache:
         """``kv`` + ``chunk`` moved by ``delta``: the chunk's keys are re-rotated straight into
         its slots of the buffer (registered memory when the pool had room), in the engine's
         dtype; ``chunk`` (a tier's memory) is only read. Cost: one pass over the chunk."""
-        e, out = self.engine, self._buffer(kv)
         with _timed(st, "rerotate"):
-            src = chunk.to(e.device)      # the rotation casts to the engine's dtype as it writes
-            moved = reposition(e.rope, src, delta, out=out.slot(chunk.num_tokens))
-        self._borrowed.add(src.data.untyped_storage().data_ptr())
-        return out.commit(moved.positions, moved.token_ids)
+            return self._b.reposition(chunk, delta)
 
     def _flush_seams(self, kv: KVCache, st: PrefillStats) -> KVCache:
-        """Repair the pending chunks' seams; with the plan's r > 0 also recompute the top-r chunk
-        tokens in the same forward, ranked by the step's probe: ``kv1`` (``ops.blend``: layer-1 K
-        deviation) or a question probe ``q...`` (``ops.qselect``: the attention the plan's suffix,
-        the question, pays to each chunk slot when run right after the composed KV; exactly
-        ``compose(...)``'s choice when the chunks are the last prefix step). A q probe with no
-        suffix to rank by falls back to kv1 (``st.fallbacks``: "question_probe_without_suffix")."""
-        # the fresh KV is written into kv's buffer when it is the build's buffer, not a tier's chunk
-        owned = kv.data.untyped_storage().data_ptr() not in self._borrowed
-        if self._seams and self._ratio > 0:       # the plan's r: seams + top-r chunk tokens, one forward
-            seams = {i for c in self._seams for i in range(c, min(c + self._seam_k, kv.num_tokens))}
-            with _timed(st, "forward"):
-                res = self._select(kv, seams, owned, st)
-            extra = len(res.recomputed_slots) - len(seams)
+        """Repair the pending chunks' seams in place (``Builder.flush``); with the plan's r > 0
+        also recompute the top-r chunk tokens in the same forward, ranked by the step's probe:
+        ``kv1`` (``ops.blend``: layer-1 K deviation) or a question probe ``q...`` (``ops.qselect``:
+        the attention the plan's suffix, the question, pays to each chunk slot when run right
+        after the composed KV; exactly ``compose(...)``'s choice when the chunks are the last
+        prefix step). A q probe with no suffix to rank by falls back to kv1 (``st.fallbacks``:
+        "question_probe_without_suffix")."""
+        b = self._b
+        if not b.seams:
+            return kv
+        from kvruntime.ops.probes import is_question_probe
+        probe = self._probe
+        if self._ratio > 0 and not (is_question_probe(probe) and self._question) and probe != "kv1":
+            reason = "question_probe_without_suffix" if is_question_probe(probe) else "unknown_probe"
+            st.fallbacks.append(reason)
+            log_fallback_once(log, reason, "selective recompute: probe %r cannot run here (%s); kv1 used", probe, reason)
+            probe = "kv1"
+        n_seams = len({i for c in b.seams for i in range(c, min(c + self._seam_k, b.length))})
+        with _timed(st, "forward"):
+            res = b.flush(self._seam_k, self._ratio, probe, self._question)
+        if self._ratio > 0:
+            extra = len(res.recomputed_slots) - n_seams
             st.computed += extra
             st.repositioned -= extra
-            kv, self._seams = res.kv, []
-        elif self._seams:
-            with _timed(st, "forward"):
-                kv = seam_repair(self.engine, kv, self._seams, self._seam_k, in_place=owned)
-            self._seams = []
-        return kv
-
-    def _select(self, kv: KVCache, seams: set[int], owned: bool, st: PrefillStats):
-        """The pending chunks' selective recompute by the plan's probe (see :meth:`_flush_seams`)."""
-        from kvruntime.ops.probes import is_question_probe
-        if is_question_probe(self._probe) and self._question:
-            from kvruntime.ops.qselect import question_recompute
-            return question_recompute(self.engine, kv, self._seams[0], self._ratio, list(self._question),
-                                      seam_slots=seams, probe=self._probe, in_place=owned)
-        if self._probe != "kv1":
-            reason = "question_probe_without_suffix" if is_question_probe(self._probe) else "unknown_probe"
-            st.fallbacks.append(reason)
-            log_fallback_once(log, reason, "selective recompute: probe %r cannot run here (%s); kv1 used",
-                              self._probe, reason)
-        return selective_recompute(self.engine, kv, self._seams[0], self._ratio, seam_slots=seams, in_place=owned)
+        return b.kv
 
     def _fallback(self, step: SegmentPlan, reason: str, st: PrefillStats) -> None:
         st.fallbacks.append(reason)
@@ -269,10 +225,9 @@ class PrefillExecutor:
         if not ids:
             return kv
         with _timed(st, "forward"):
-            out = self.engine.prefill(list(ids), torch.arange(position, position + len(ids)), kv,
-                                      cancelled=getattr(self, "_cancelled", None))
+            self._b.compute(list(ids), position)       # written in place after the slots before it
         st.computed += len(ids)
-        return self._splice(kv, out.kv)
+        return self._b.kv
 
     def _step(self, kv: KVCache, step: SegmentPlan, st: PrefillStats) -> KVCache:
         k = step.kind
@@ -305,11 +260,11 @@ class PrefillExecutor:
             if not self.engine.rope.enabled:
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
-            if self._seams and (step.seam_tokens, step.recompute_ratio, step.probe) != (self._seam_k, self._ratio,
-                                                                                        self._probe):
+            if self._b.seams and (step.seam_tokens, step.recompute_ratio, step.probe) != (self._seam_k, self._ratio,
+                                                                                          self._probe):
                 kv = self._flush_seams(kv, st)
             if step.seam_tokens or step.recompute_ratio:
-                self._seams.append(kv.num_tokens)
+                self._b.mark_seam()
                 self._seam_k, self._ratio, self._probe = step.seam_tokens, step.recompute_ratio, step.probe
             kv = self._reposition_into(kv, loaded, step.position - int(loaded.positions[0]), st)
             st.computed += step.seam_tokens
@@ -321,16 +276,17 @@ class PrefillExecutor:
             if loaded is None or n_new <= 0:
                 self._fallback(step, "kv_load_failed" if loaded is None else "kv_mismatch", st)
                 return self._compute(kv, step.token_ids, step.position, st)
+            into = self._b if not self._b.length else None      # the edited context written into the buffer
             try:
                 with _timed(st, "forward"):
                     res = edit_in_place(self.engine, loaded.to(self.engine.device, self.engine.dtype), (a, b),
-                                        list(step.token_ids[a:a + n_new]), step.top_k)
+                                        list(step.token_ids[a:a + n_new]), step.top_k, into=into)
             except RepositionDisabled:            # the field's length changed and rotation is off
                 self._fallback(step, "reposition_disabled", st)
                 return self._compute(kv, step.token_ids, step.position, st)
             st.computed += res.recomputed_tokens
             st.reused += step.tokens - res.recomputed_tokens
-            return self._splice(kv, res.kv)
+            return res.kv if into is not None else self._splice(kv, res.kv)
         raise ValueError(f"unknown plan step kind {k}")
 
     def shadow(self, plan: RequestPlan, greedy_n: int = 16) -> ShadowResult:

@@ -505,3 +505,32 @@ def test_a_kv_buffer_is_written_left_to_right_and_refuses_to_overflow():
     assert kv.positions.tolist() == [0, 1, 2, 3, 4] and bool((buf.data[:, :, :, 3:] == 1).all())
     with pytest.raises(ValueError, match="overflow"):
         buf.append(part.slice(0, 1))
+
+
+@pytest.mark.slow
+def test_the_executor_and_compose_build_through_the_one_builder(wired, monkeypatch):
+    """What is calibrated is what is served: ``ops.compose`` (the fidelity harness, calibrate, the
+    demo, the benches) and the executor build a plan's KV through the same calls of
+    ``kvruntime.ops.build.Builder`` -- the same writes, in the same order, with the same seams --
+    so their KV is the same bytes, not kept equal by a parity test of two implementations."""
+    from kvruntime.ops import compose
+    from kvruntime.ops.build import Builder
+    e, src, _, _, _ = wired
+    plan, segs = _mixed_plan(e, src)
+    calls: list = []
+    for name in ("append", "reposition", "compute", "mark_seam", "flush"):
+        real = getattr(Builder, name)
+
+        def spy(self, *a, _real=real, _name=name, **kw):
+            calls.append((_name, self.length, len(self.seams)))
+            return _real(self, *a, **kw)
+        monkeypatch.setattr(Builder, name, spy)
+    want = compose(e, segs, seam_tokens=1)
+    by_compose, calls[:] = list(calls), []
+    kv, _ = PrefillExecutor(e, src, None).build(plan)
+    # compose also flushes before a text with no seam pending (a no-op); every write and every
+    # repair is the same call at the same slot
+    real = [c for c in by_compose if c[0] != "flush" or c[2]]
+    assert real == [c for c in calls if c[0] != "flush" or c[2]]
+    assert [c[0] for c in real].count("flush") == 2 and [c[0] for c in real].count("reposition") == 5
+    assert torch.equal(kv.data, want.kv.data)

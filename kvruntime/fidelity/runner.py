@@ -57,9 +57,13 @@ def _stderr(msg: str) -> None:
 
 
 def _finish(engine, kv: KVCache, question_ids: list[int]):
-    start = int(kv.positions.max()) + 1
-    out = engine.prefill(question_ids, torch.arange(start, start + len(question_ids)), kv, logits=True)
-    return KVCache.cat([kv, out.kv]), out.logits
+    """The question after ``kv``, through the one builder (kvruntime.ops.build): ``kv`` copied
+    once into a buffer with room for the question, whose K/V are written in place."""
+    from kvruntime.ops.build import Builder
+    b = Builder(engine, kv.num_tokens + len(question_ids))
+    b.append(kv)
+    logits = b.compute(question_ids, int(kv.positions.max()) + 1, logits=True)
+    return b.kv, logits
 
 
 def decision_margin(engine, logits: torch.Tensor) -> float:

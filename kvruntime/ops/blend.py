@@ -77,44 +77,26 @@ def _dev(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return ((a - b).float() ** 2).sum(dim=(0, 1, 3))
 
 
-class _Stop(Exception):
-    pass
-
-
 def _layer_kv(engine, token_ids, positions, past: KVCache, layer: int, *,
               all_layers: bool = False) -> torch.Tensor:
     """K/V ([2, kv_heads, n, head_dim]) that ``layer`` computes for the new tokens attending to
     ``past`` + themselves. The forward stops as soon as that layer has projected (and rotated)
-    its keys and values: the layer's attention and MLP, and every later layer, never run. Same
-    mask and cache as ``engine.prefill`` (whose ``stop_after_layer`` would also run the layer's
-    attention and MLP): the K/V are identical, the probe costs ``layer`` layers plus projections.
-    ``all_layers=True``: layers 0..``layer``'s K/V ([layer+1, 2, kv_heads, n, head_dim]); only
-    layers 0..``layer`` of ``past`` are read (it may hold just those)."""
-    from transformers import DynamicCache
-
-    class StopCache(DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-            if layer_idx == layer:
-                raise _Stop
-            return out
-    ids = torch.as_tensor(token_ids, dtype=torch.long, device=engine.device)
-    pos = torch.as_tensor(positions, dtype=torch.long, device=engine.device)
-    n_past = past.num_tokens
-    cache = StopCache(ddp_cache_data=past.to(engine.device, engine.dtype).to_legacy()) if n_past else StopCache()
-    mask = engine._mask(pos, torch.cat([past.positions.to(engine.device), pos]))
-    with torch.inference_mode(), engine._lock:
-        try:
-            engine.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-            raise RuntimeError(f"layer {layer} never updated its cache")
-        except _Stop:
-            pass
+    its keys and values (``engine.write(stop_layer=)``): the layer's attention and MLP, and every
+    later layer, never run. ``all_layers=True``: layers 0..``layer``'s K/V ([layer+1, 2,
+    kv_heads, n, head_dim]). Only layers 0..``layer`` of ``past`` are copied, into a scratch
+    buffer of those layers (the probe must not overwrite the cached KV it is compared with)."""
+    dev = engine.device
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
+    pos = torch.as_tensor(positions, dtype=torch.long, device=dev)
+    p, n = past.num_tokens, ids.numel()
+    buf = torch.zeros(layer + 1, 2, engine.kv_heads, p + n, engine.head_dim, dtype=engine.dtype, device=dev)
+    buf[:, :, :, :p] = past.data[:layer + 1]
+    all_pos = torch.cat([past.positions.to(dev), pos])      # [P] int64 positions, not KV
+    all_ids = torch.cat([past.token_ids.to(dev), ids])
+    engine.write(buf, all_pos, all_ids, slice(p, p + n), p + n, stop_layer=layer)
     if all_layers:
-        return torch.stack([torch.stack([cache.layers[i].keys[0, :, n_past:], cache.layers[i].values[0, :, n_past:]])
-                            for i in range(layer + 1)])
-    lyr = cache.layers[layer]
-    return torch.stack([lyr.keys[0, :, n_past:], lyr.values[0, :, n_past:]]).clone()
+        return buf[:, :, :, p:]
+    return buf[layer, :, :, p:]
 
 
 def probe_kv(engine, token_ids, positions, past: KVCache, layer: int, *,
@@ -134,14 +116,13 @@ def probe_kv(engine, token_ids, positions, past: KVCache, layer: int, *,
     n, p = ids.numel(), past.num_tokens
     if n == 0:
         raise ValueError("probe needs at least one token")
-    buf = torch.empty(layer + 1, 2, engine.kv_heads, p + n, engine.head_dim, dtype=engine.dtype, device=dev)
+    buf = torch.zeros(layer + 1, 2, engine.kv_heads, p + n, engine.head_dim, dtype=engine.dtype, device=dev)
     buf[:, :, :, :p] = past.data[:layer + 1]
     all_pos = torch.cat([past.positions.to(dev), pos])
     all_ids = torch.cat([past.token_ids.to(dev), ids])
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
-        ctx = KVCache(buf[:, :, :, :p + s], all_pos[:p + s], all_ids[:p + s])
-        buf[:, :, :, p + s:p + e] = _layer_kv(engine, ids[s:e], pos[s:e], ctx, layer, all_layers=True)
+        engine.write(buf, all_pos, all_ids, slice(p + s, p + e), p + e, stop_layer=layer)
     return buf[layer, :, :, p:]
 
 
@@ -234,15 +215,13 @@ def selective_recompute(engine, kv: KVCache, start: int, ratio: float, *, seam_s
 
 def recompute_slots(engine, kv: KVCache, slots: list[int], *, in_place: bool = False) -> KVCache:
     """``kv`` with ``slots`` (sorted slot indices) recomputed through every layer in ONE forward,
-    attending by position to every other slot's cached KV and to each other's fresh KV.
+    attending by position to every other slot's cached KV and to each other's fresh KV, written
+    into ``kv.data`` (``in_place``; the caller owns it) or into one copy of it.
     Cost: O(len(slots) * P * L)."""
+    from kvruntime.ops.slots import write_slots
     if not slots:
         return kv
-    dev = kv.positions.device
-    idx = torch.tensor(slots, dtype=torch.long, device=dev)
-    keep = torch.ones(kv.num_tokens, dtype=torch.bool, device=dev)
-    keep[idx] = False
-    fresh = engine.prefill(kv.token_ids[idx], kv.positions[idx], kv.select(torch.nonzero(keep).flatten())).kv
     data = kv.data if in_place else kv.data.clone()
-    data[:, :, :, idx] = fresh.data.to(data.dtype)
-    return KVCache(data, kv.positions, kv.token_ids)
+    out = KVCache(data, kv.positions, kv.token_ids)
+    write_slots(engine, out, sorted(slots))
+    return out

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvruntime.kv import KVCache
+from kvruntime.ops.slots import reposition, seam_repair, write_slots  # noqa: F401 (re-exported)
 
 
 def default_prefix(engine) -> list[int]:
@@ -32,18 +33,6 @@ def precompile_chunk(engine, token_ids: list[int], prefix: list[int] | None = No
     return kv.slice(len(prefix)) if prefix else kv
 
 
-def reposition(rope, chunk: KVCache, delta: int | torch.Tensor, out: torch.Tensor | None = None) -> KVCache:
-    """Move ``chunk`` by ``delta`` positions: keys re-rotated, values untouched (copied), written
-    into ``out`` ([layers, 2, kv_heads, n, head_dim], e.g. the tail of the buffer that is shipped;
-    None: a new tensor). Cost: one pass over the KV, no forward pass. Raises
-    ``RepositionDisabled`` when the startup self-test failed."""
-    if out is None:
-        out = torch.empty(chunk.data.shape, dtype=chunk.data.dtype, device=chunk.data.device)
-    rope.rotate(chunk.keys, delta, out=out[:, 0])
-    out[:, 1].copy_(chunk.values)
-    return KVCache(out, chunk.positions + torch.as_tensor(delta, device=chunk.positions.device), chunk.token_ids)
-
-
 def naive_splice(chunk: KVCache, start: int) -> KVCache:
     """Claim positions start.. for ``chunk`` *without* re-rotating its keys: the baseline that
     shows why reposition exists. Never used by a plan."""
@@ -57,35 +46,6 @@ def splice(parts: list[KVCache]) -> KVCache:
     if not out.is_position_ordered():
         raise ValueError("spliced parts must have strictly increasing positions")
     return out
-
-
-def seam_repair(engine, composed: KVCache, chunk_starts: list[int], k: int = 1, *,
-                in_place: bool = False) -> KVCache:
-    """Recompute the first ``k`` slots of each chunk starting at slot ``chunk_starts[i]`` in the
-    context of everything before it.
-
-    All seam slots go through ONE forward: each attends (by position) to the cached slots before
-    it and to the earlier seams' fresh KV computed in the same forward, layer by layer, which is
-    exactly what repairing the chunks one after another left to right would give. Cost: one
-    forward of (chunks * k) tokens attending to the context, O(chunks * k * P * L), instead of
-    one forward (and one copy of the context) per chunk. ``in_place=True`` writes the fresh
-    KV into ``composed.data`` (the caller owns that buffer) instead of a copy of it.
-    """
-    if k <= 0 or not chunk_starts:
-        return composed
-    seams: list[int] = []
-    for s in sorted(set(chunk_starts)):
-        if not 0 <= s < composed.num_tokens:
-            raise ValueError(f"chunk start {s} outside the composed cache of {composed.num_tokens} slots")
-        seams += [i for i in range(s, min(s + k, composed.num_tokens)) if not seams or i > seams[-1]]
-    idx = torch.tensor(seams, dtype=torch.long, device=composed.positions.device)
-    keep = torch.ones(composed.num_tokens, dtype=torch.bool, device=idx.device)
-    keep[idx] = False
-    past = composed.select(torch.nonzero(keep).flatten())
-    fresh = engine.prefill(composed.token_ids[idx], composed.positions[idx], past).kv
-    data = composed.data if in_place else composed.data.clone()
-    data[:, :, :, idx] = fresh.data
-    return KVCache(data, composed.positions, composed.token_ids)
 
 
 @dataclass(frozen=True)
@@ -135,60 +95,50 @@ def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: 
     that follows, :mod:`kvruntime.ops.qselect`); ``probe_cache`` (a dict kept by the caller for one
     context) lets several ratios share one probe. A chunk whose ``prefix`` is exactly the context
     before it (see :meth:`ChunkSegment.follows`) is exact reuse: no rotation, seam or recompute."""
-    from kvruntime.ops.blend import blend_count, selective_recompute
-    from kvruntime.ops.probes import is_question_probe
-    from kvruntime.ops.qselect import question_recompute
+    from kvruntime.ops.blend import blend_count
+    from kvruntime.ops.build import Builder
     blend_count(recompute_ratio, 0)  # validates the ratio
-    kv = engine.empty_kv()
+    total = sum(len(s.token_ids) if isinstance(s, TextSegment) else s.kv.num_tokens for s in segments
+                if isinstance(s, (TextSegment, ChunkSegment)))
+    b = Builder(engine, total)
     logits = None
     computed = reused = probed = 0
     starts: list[int] = []
-    pending: list[int] = []          # chunk starts whose seams are not repaired yet
-    borrowed = {s.kv.data.untyped_storage().data_ptr() for s in segments if isinstance(s, ChunkSegment)}
 
-    def flush(kv: KVCache, pending: list[int], text: list[int] | None = None) -> KVCache:
+    def flush(text: list[int] | None = None) -> None:
         nonlocal computed, reused, probed
-        if not pending or recompute_ratio <= 0:
-            return seam_repair(engine, kv, pending, seam_tokens)
-        seams = {i for s in pending for i in range(s, min(s + seam_tokens, kv.num_tokens))}
-        owned = kv.data.untyped_storage().data_ptr() not in borrowed   # a cat's copy, not a caller's chunk
-        if is_question_probe(probe):                # ranked by the text that follows (ops.qselect)
-            if text is None:
-                raise ValueError(f"probe {probe!r} needs text after the chunks to rank them by")
-            res = question_recompute(engine, kv, pending[0], recompute_ratio, text, seam_slots=seams,
-                                     probe=probe, in_place=owned)
-        else:
-            res = selective_recompute(engine, kv, pending[0], recompute_ratio, seam_slots=seams, probe=probe,
-                                      in_place=owned, probe_cache=probe_cache)
-        extra = len(res.recomputed_slots) - len(seams)
-        computed, reused, probed = computed + extra, reused - extra, probed + res.probed_tokens
-        return res.kv
+        n_seams = len({i for s in b.seams for i in range(s, min(s + seam_tokens, b.length))})
+        res = b.flush(seam_tokens, recompute_ratio, probe, text, probe_cache)
+        if res is not None and recompute_ratio > 0:
+            extra = len(res.recomputed_slots) - n_seams
+            computed, reused, probed = computed + extra, reused - extra, probed + res.probed_tokens
     for seg in segments:
-        cursor = int(kv.positions[-1]) + 1 if kv.num_tokens else 0
         if isinstance(seg, TextSegment):
             if not seg.token_ids:
                 continue
-            kv, pending = flush(kv, pending, seg.token_ids), []   # text must see repaired seams
-            out = engine.prefill(seg.token_ids, torch.arange(cursor, cursor + len(seg.token_ids)), kv, logits=True)
-            kv, logits = KVCache.cat([kv, out.kv]), out.logits
+            flush(seg.token_ids)                     # text must see repaired seams
+            logits = b.compute(seg.token_ids, logits=True)
             computed += len(seg.token_ids)
-        elif isinstance(seg, ChunkSegment) and not pending and seg.follows(kv):
-            starts.append(kv.num_tokens)           # compiled after exactly this context: exact reuse
-            kv = KVCache.cat([kv, seg.kv.to(engine.device, engine.dtype)])
+        elif isinstance(seg, ChunkSegment) and not b.seams and seg.follows(b.kv):
+            starts.append(b.length)                  # compiled after exactly this context: exact reuse
+            b.append(seg.kv)
             reused += seg.kv.num_tokens
             logits = None
         elif isinstance(seg, ChunkSegment):
-            chunk = seg.kv.to(engine.device, engine.dtype)
-            moved = (reposition(engine.rope, chunk, cursor - int(chunk.positions[0])) if rotate
-                     else naive_splice(chunk, cursor))
-            starts.append(kv.num_tokens)
-            kv = KVCache.cat([kv, moved])
-            k = min(seam_tokens, moved.num_tokens)
-            pending.append(starts[-1])
+            chunk = seg.kv
+            starts.append(b.length)
+            if seam_tokens > 0 or recompute_ratio > 0:
+                b.mark_seam()
+            if rotate:
+                b.reposition(chunk, b.cursor - int(chunk.positions[0]))
+            else:
+                b.append(naive_splice(chunk, b.cursor))
+            k = min(seam_tokens, chunk.num_tokens)
             computed += k
-            reused += moved.num_tokens - k
+            reused += chunk.num_tokens - k
             logits = None
         else:
             raise TypeError(f"unknown segment type {type(seg).__name__}")
-    kv = flush(kv, pending)
+    flush()
+    kv = b.kv
     return ComposeResult(kv, logits, computed, reused, starts, probed)

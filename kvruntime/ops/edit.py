@@ -9,7 +9,7 @@ import torch
 from kvruntime.errata import DEFAULT_ERRATUM_STYLE, erratum_text
 from kvruntime.kv import KVCache
 from kvruntime.ops.blend import probe_kv, recompute_slots
-from kvruntime.ops.compose import reposition
+from kvruntime.ops.build import Builder
 
 
 @dataclass(frozen=True)
@@ -20,15 +20,26 @@ class ErratumResult:
     logits: torch.Tensor       # [vocab] after the erratum
 
 
-def erratum(engine, old_context: KVCache, label: str, old: str | None, new: str, *,
+def erratum(engine, old_context: KVCache | Builder, label: str, old: str | None, new: str, *,
             style: str = DEFAULT_ERRATUM_STYLE) -> ErratumResult:
     """Append "Correction: the <label> is now <new>." after the cached ``old_context`` (reused
-    whole, nothing recomputed). Cost: O(e * P * L) for an e-token erratum."""
+    whole, nothing recomputed). ``old_context``: a :class:`~kvruntime.ops.build.Builder` with
+    room for the erratum (the request's buffer: the erratum's K/V are written into its next
+    slots, the context is not copied), or a KVCache (copied once into a new buffer).
+    Cost: O(e * P * L) for an e-token erratum."""
     text = erratum_text(label, new, old=old, style=style)
     ids = engine.encode(text)
-    start = int(old_context.positions.max()) + 1 if old_context.num_tokens else 0
-    out = engine.prefill(ids, torch.arange(start, start + len(ids)), old_context, logits=True)
-    return ErratumResult(text, ids, KVCache.cat([old_context, out.kv]), out.logits)
+    b = old_context if isinstance(old_context, Builder) else _room_after(engine, old_context, len(ids))
+    start = int(b.kv.positions.max()) + 1 if b.length else 0
+    logits = b.compute(ids, start, logits=True)
+    return ErratumResult(text, ids, b.kv, logits)
+
+
+def _room_after(engine, kv: KVCache, extra: int) -> Builder:
+    """A builder holding ``kv`` (one copy) with room for ``extra`` more slots."""
+    b = Builder(engine, kv.num_tokens + extra)
+    b.append(kv)
+    return b
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,8 @@ class EditResult:
 
 
 def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_tokens: list[int],
-                  top_k: int, *, probe_layer: int = 1, probe_chunk: int | None = None) -> EditResult:
+                  top_k: int, *, probe_layer: int = 1, probe_chunk: int | None = None,
+                  into: Builder | None = None) -> EditResult:
     """Replace slots ``[a, b)`` of ``cached`` (the field's old tokens) by ``new_tokens``.
 
     1. The field is recomputed in context (prefix + new field); downstream slots are
@@ -55,7 +67,9 @@ def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_toke
     3. The chosen tokens are recomputed through all layers attending to the prefix, the new
        field and every downstream slot at or before their position (cached or fresh).
     Cost: O(f * P * L) for f field tokens + O(D * P * probe_layer) probe + O(K * P * L).
-    ``top_k == 0`` is "field only".
+    ``top_k == 0`` is "field only". ``into``: an empty :class:`~kvruntime.ops.build.Builder`
+    (the request's buffer, e.g. the prefill executor's) the edited context is written into;
+    default a new one of the edited context's size.
     """
     a, b = field_span
     if not 0 <= a <= b <= cached.num_tokens:
@@ -68,19 +82,32 @@ def edit_in_place(engine, cached: KVCache, field_span: tuple[int, int], new_toke
         raise ValueError(f"probe_layer must be in [0, {engine.num_layers - 1}], got {probe_layer}")
     prefix, down = cached.slice(0, a), cached.slice(b)
     start = int(cached.positions[a]) if a < cached.num_tokens else (int(cached.positions[-1]) + 1 if a else 0)
-    field = engine.prefill(new_tokens, torch.arange(start, start + len(new_tokens)), prefix).kv
     delta = len(new_tokens) - (b - a)
+    if delta and down.num_tokens and not engine.rope.enabled:
+        from kvruntime.rope import RepositionDisabled
+        raise RepositionDisabled("the field's length changed and re-rotation is disabled")
+    # the edited context is ONE buffer: prefix copied, the field computed into its slots, the
+    # downstream slots re-rotated (or copied) into theirs, the chosen ones recomputed in place
+    if into is not None and into.length:
+        raise ValueError("edit_in_place writes the whole edited context: its builder must be empty")
+    out = into if into is not None else Builder(engine, a + len(new_tokens) + down.num_tokens)
+    out.append(prefix)
+    out.compute(new_tokens, start)
+    h = out.length
     if delta and down.num_tokens:
-        down = reposition(engine.rope, down, delta)
-    head = KVCache.cat([prefix, field])
+        out.reposition(down, delta)
+    else:
+        out.append(down)
+    edited = out.kv
+    h_end = edited.num_tokens
     k = min(top_k, down.num_tokens)
     if k == 0:
-        return EditResult(KVCache.cat([head, down]), len(new_tokens), 0, [])
-    probe = probe_kv(engine, down.token_ids, down.positions, head, probe_layer, chunk=probe_chunk)
-    dev = ((probe - down.data[probe_layer]).float() ** 2).sum(dim=(0, 1, 3))  # [D]
+        return EditResult(edited, len(new_tokens), 0, [])
+    head, moved = edited.slice(0, h), edited.slice(h, h_end)
+    probe = probe_kv(engine, moved.token_ids, moved.positions, head, probe_layer, chunk=probe_chunk)
+    dev = ((probe - moved.data[probe_layer]).float() ** 2).sum(dim=(0, 1, 3))  # [D]
     chosen = torch.topk(dev, k).indices.sort().values
-    slots = [head.num_tokens + int(i) for i in chosen]
-    # the chosen slots attend to head + the other downstream slots (cached) + each other (fresh);
-    # written into the one new buffer of the edited context
-    edited = recompute_slots(engine, KVCache.cat([head, down]), slots, in_place=True)
+    slots = [h + int(i) for i in chosen]
+    # the chosen slots attend to head + the other downstream slots (cached) + each other (fresh)
+    edited = recompute_slots(engine, edited, slots, in_place=True)
     return EditResult(edited, len(new_tokens) + k, down.num_tokens, slots)

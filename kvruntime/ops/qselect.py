@@ -20,78 +20,40 @@ instead of the probe's ~1 layer over every chunk token; then O((r*T + seams) * P
 """
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-
 import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.ops.probes import question_layers
 
-_local = threading.local()
-_installed = False
-_install_lock = threading.Lock()
 
-
-def _install() -> None:
-    """Wrap transformers' "sdpa" attention once, process-wide: unchanged output; when the calling
-    thread is recording (``_recording``) and the module is one of the recorded layers, it also
-    accumulates the attention probabilities per key slot. Idle cost: one attribute lookup."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from transformers.modeling_utils import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        def scored_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
-            out = sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-            rec = getattr(_local, "rec", None)
-            if rec is not None and id(module) in rec["modules"]:
-                k = key.float()
-                if k.shape[1] != query.shape[1]:
-                    k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
-                scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-                w = (query.float() @ k.transpose(-1, -2)) * scale          # [1, H, q, N]
-                if attention_mask is not None:
-                    w = w + attention_mask[..., : k.shape[-2]].float()
-                p = torch.softmax(w, dim=-1).mean(dim=(0, 1, 2))           # [N]
-                rec["sum"] = p if rec["sum"] is None else rec["sum"] + p
-                rec["n"] += 1
-            return out
-        AttentionInterface.register("sdpa", scored_sdpa)
-        _installed = True
-
-
-@contextmanager
-def _recording(engine, layers):
-    _install()
-    attn = [engine.model.model.layers[i].self_attn for i in layers]
-    rec = {"modules": {id(a) for a in attn}, "sum": None, "n": 0}
-    _local.rec = rec
-    try:
-        yield rec
-    finally:
-        _local.rec = None
-
-
-def question_scores(engine, kv: KVCache, text_ids: list[int], layers) -> torch.Tensor:
+def question_scores(engine, kv: KVCache, text_ids: list[int], layers, room=None) -> torch.Tensor:
     """[kv.num_tokens] float32: the mean attention probability the tokens ``text_ids`` (placed right
-    after ``kv``) pay to each slot of ``kv``, averaged over ``layers``, heads and text tokens."""
+    after ``kv``) pay to each slot of ``kv``, averaged over ``layers``, heads and text tokens
+    (recorded by ``kvruntime.inplace.attend``). ``room``: the ``KVBuffer`` ``kv`` is the written
+    part of; when it has room for the text, the text's K/V go into its next slots (not committed:
+    the text is run again after the repair) and nothing is copied; else ``kv`` is copied once."""
+    from kvruntime.inplace import recording
     if not text_ids:
         raise ValueError("question-guided selection needs a non-empty text after the chunks")
-    if getattr(engine.model.config, "_attn_implementation", "sdpa") != "sdpa":
-        raise ValueError("question-guided selection needs the engine's sdpa attention")
+    if engine.arch.attn_softcap:
+        raise ValueError("question-guided selection does not score soft-capped attention")
     start = int(kv.positions.max()) + 1 if kv.num_tokens else 0
-    with _recording(engine, layers) as rec:
-        engine.prefill(text_ids, torch.arange(start, start + len(text_ids)), kv)
+    q, n = len(text_ids), kv.num_tokens
+    attn = [engine.model.model.layers[i].self_attn for i in layers]
+    with recording(attn) as rec:
+        if room is not None and room.length == n and room.capacity >= n + q:
+            room.positions[n:n + q] = torch.arange(start, start + q, device=room.positions.device)
+            room.token_ids[n:n + q] = torch.as_tensor(text_ids, dtype=torch.long, device=room.token_ids.device)
+            engine.write(room.data, room.positions, room.token_ids, slice(n, n + q), n + q)
+        else:
+            engine.prefill(text_ids, torch.arange(start, start + q), kv)
     if rec["n"] != len(layers):
-        raise RuntimeError(f"recorded {rec['n']} of {len(layers)} layers (attention not routed through sdpa)")
+        raise RuntimeError(f"recorded {rec['n']} of {len(layers)} layers (attention not routed through kvnotes)")
     return (rec["sum"] / rec["n"])[: kv.num_tokens].to(kv.positions.device)
 
 
 def question_recompute(engine, kv: KVCache, start: int, ratio: float, text_ids: list[int], *,
-                       seam_slots=(), probe: str = "qlast", in_place: bool = False):
+                       seam_slots=(), probe: str = "qlast", in_place: bool = False, room=None):
     """Recompute the ``ratio`` share of slots ``[start, kv.num_tokens)`` that ``text_ids`` attends
     to most (``probe``: see the module doc), plus ``seam_slots``, in one forward. Returns a
     ``blend.BlendResult`` whose ``probed_tokens`` is the scoring pass's text tokens."""
@@ -112,7 +74,7 @@ def question_recompute(engine, kv: KVCache, start: int, ratio: float, text_ids: 
     elif k == 0:
         chosen = []
     else:
-        s = question_scores(engine, kv, text_ids, layers)[start:]
+        s = question_scores(engine, kv, text_ids, layers, room)[start:]
         if group:
             s = torch.nn.functional.avg_pool1d(s[None, None], 2 * group + 1, stride=1, padding=group,
                                                count_include_pad=False)[0, 0]
