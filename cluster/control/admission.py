@@ -109,19 +109,19 @@ class Admission:
             mine, ahead, iv = self.queued.get(tenant, 0), self.total, self.interval
             if iv is not None and self._mark is not None:
                 iv = max(iv, now - self._mark)    # no first token for longer than that: the service slowed
-            budget = self.cfg.server.max_queue_wait_s if deadline_s is None else min(self.cfg.server.max_queue_wait_s, deadline_s)
+            budget = self.cfg.max_queue_wait_s if deadline_s is None else min(self.cfg.max_queue_wait_s, deadline_s)
             if iv is None:                    # nothing measured yet: a bounded queue
                 slots, wait, drain = float(self.cfg.cold_queue), 0.0, 1.0
                 full = ahead >= self.cfg.cold_queue
             else:
-                slots, wait, drain = max(1.0, self.cfg.server.max_queue_wait_s / iv), ahead * iv, iv
+                slots, wait, drain = max(1.0, self.cfg.max_queue_wait_s / iv), ahead * iv, iv
                 full = wait > budget
             share = max(1.0, slots / active)
             if active > 1 and mine + 1 > share:
                 reason = "tenant_over_share"
                 retry = (mine + 1 - share) * drain * active
             elif full:
-                reason = "queue_full" if iv is None or wait > self.cfg.server.max_queue_wait_s else "deadline"
+                reason = "queue_full" if iv is None or wait > self.cfg.max_queue_wait_s else "deadline"
                 retry = (ahead - (slots if reason == "queue_full" else budget / iv) + 1) * drain
             else:
                 self.queued[tenant] = mine + 1
@@ -139,7 +139,7 @@ class Admission:
         what = (f"the predicted queue wait ({wait:.1f} s) exceeds the request's deadline_s ({budget:g} s)"
                 if reason == "deadline" else
                 f"the server is full: {ahead} requests queued, predicted wait {wait:.1f} s over the "
-                f"{self.cfg.server.max_queue_wait_s:g} s limit" if iv is not None else
+                f"{self.cfg.max_queue_wait_s:g} s limit" if iv is not None else
                 f"the server is full: {ahead} requests queued before any service time was measured")
         raise RequestError(503, f"{what}; retry after {retry:.0f} s", code="overloaded", retry_after=retry)
 
@@ -172,5 +172,5 @@ class Admission:
         with self._lock:
             return {"queued": self.total, "by_tenant": dict(self.queued), "service_interval_s": self.interval,
                     "predicted_wait_s": self.total * (self.interval or 0.0),
-                    "max_queue_wait_s": self.cfg.server.max_queue_wait_s}
+                    "max_queue_wait_s": self.cfg.max_queue_wait_s}
 

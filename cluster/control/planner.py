@@ -226,7 +226,7 @@ def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView
         if choice is not None and not choice.allowed:
             return [SegmentPlan(kind=PlanKind.RECOMPUTE, source=source, token_ids=seg.token_ids, position=pos,
                                 computed=n, reused=0, reason=f"policy {policy.value}: {choice.reason}")]
-        k = min(choice.seam_tokens if choice else config.policy.seam_tokens, n)
+        k = min(choice.seam_tokens if choice else config.seam_tokens, n)
         r = choice.recompute_ratio if choice else 0.0
         probe = choice.probe if choice and r else EXECUTED_PROBE
         why = f"; chosen because {choice.reason}" if choice else ""
