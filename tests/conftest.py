@@ -50,6 +50,19 @@ def http_client(cfg, **kw):
                         headers={"authorization": f"Bearer {api_key(cfg)}", **kw.pop("headers", {})}, **kw)
 
 
+def wait_for(pred, timeout_s: float, what: str, every: float = 0.5):
+    """``pred()``'s first truthy value, polled every ``every`` s; AssertionError naming ``what``
+    after ``timeout_s`` (fault tests stay bounded in time)."""
+    import time
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

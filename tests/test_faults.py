@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, metric
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +31,7 @@ def _headers(cfg) -> dict:
 
 
 def _wait(pred, timeout_s: float, what: str, every: float = 0.5):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    return wait_for(pred, timeout_s, what, every)
 
 
 @pytest.fixture(scope="module")

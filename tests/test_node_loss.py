@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, http_client, metric
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
 STREAMS = int(os.environ.get("KVNOTES_NODE_LOSS_STREAMS", "32"))
@@ -27,13 +28,7 @@ WORKER_NODE = {"num_cpus": 2, "resources": {"prefill": 1, "decode": 1}}
 
 
 def _wait(pred, timeout_s: float, what: str, every: float = 0.5):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    return wait_for(pred, timeout_s, what, every)
 
 
 def _start_nodes():

@@ -22,6 +22,7 @@ import pytest
 
 from bench.overload import body_of, offer, one, summary, unloaded
 from tests.conftest import free_port, http_client, metric
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
 OVERLOAD_S = float(os.environ.get("KVNOTES_OVERLOAD_S", "20"))
@@ -29,13 +30,7 @@ REPLICAS = 2
 
 
 def _wait(pred, timeout_s: float, what: str, every: float = 0.25):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    return wait_for(pred, timeout_s, what, every)
 
 
 @pytest.fixture(scope="module")
