@@ -59,7 +59,7 @@ class DecodeWorker:
         ip, node_id = node_address()
         host = host or cfg.server.bind_host or ip        # bind_host: kvnotes' listeners bind and advertise it
         confine_ucx(host)                          # NIXL's UCX listens where kvnotes does
-        self.receiver = Receiver(cfg.transport.kind, self.model, w.dtype, bind=host, advertise=host, node_id=node_id,
+        self.receiver = Receiver(cfg.transport.kind, self.model, cfg.workers.dtype, bind=host, advertise=host, node_id=node_id,
                                  grpc_cfg=grpc_config(cfg), nixl_cfg=nixl_config(cfg))
         self.executor: DecodeEngine = make_decode_engine(cfg, self.receiver, device)
         # this process' own endpoint: the inbox's series, and vLLM's engine metrics when the engine
