@@ -21,9 +21,9 @@ is the same as an uninterrupted run's (apart from wall times). A progress bar on
 the cases done and an ETA (the mean time per case so far times the cases left).
 
 Cases run one at a time through the reference engine, which prefills and decodes one sequence
-per forward: several cases per forward would need a padded batched prefill and decode there.
-On CPU a forward over a few hundred tokens is already matrix-matrix work on one core, so
-batching cases buys little; the measurement is in ``docs/_incoming/calib.md``.
+per forward. Several cases per forward are not built: that needs a padded batched prefill and
+decode in the engine, and its gain on CPU (where a forward over a few hundred tokens is already
+matrix-matrix work) has not been measured yet (docs/fidelity.md, "Calibrating a model").
 """
 from __future__ import annotations
 
