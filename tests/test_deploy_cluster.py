@@ -68,9 +68,9 @@ def test_node_types_carry_exactly_what_the_actors_request(monkeypatch):
     # the GPU variant: prefill-gpu carries what its prefill actors ask for, started on demand only;
     # its decode actors are the CPU ones above
     want = worker_resources(gpu, "prefill")
-    assert want["GPU"] == 1 and gpu.prefill.device == "cuda"
+    assert want["GPU"] == 1 and gpu.workers.prefill.device == "cuda"
     assert types["prefill-gpu"]["resources"] == {k: int(v) if float(v).is_integer() else v for k, v in want.items()}
-    assert types["prefill-gpu"]["min_workers"] == 0 and types["prefill-gpu"]["max_workers"] == gpu.prefill.count
+    assert types["prefill-gpu"]["min_workers"] == 0 and types["prefill-gpu"]["max_workers"] == gpu.workers.prefill.count
     assert worker_resources(gpu, "decode") == worker_resources(cfg, "decode")
 
 
