@@ -15,7 +15,7 @@ def test_the_default_model_answers_the_readme_demo_question():
     from kvruntime.config import ClusterConfig
     from tests.conftest import get_engine
 
-    model = ClusterConfig().model                   # what `kvnotes run` / `scripts/dev.sh run` serves
+    model = ClusterConfig().workers.model                   # what `kvnotes run` / `scripts/dev.sh run` serves
     e = get_engine(model)
     r = Renderer(e.tokenizer, e.spec, None, e.bos_id)
     ids = list(r.frame()) + list(r.chunk_ids(DEMO_SKILL)) + r.user_then_markup(DEMO_QUESTION, e.spec.chat_user_suffix)
