@@ -127,7 +127,7 @@ def _stream(client: httpx.Client, i: int, first: threading.Event) -> dict:
 
 def test_node_lost_under_load_no_client_error_actors_replaced_and_counted(nodes):
     cfg, http, c, node_a = nodes
-    lost_node = node_a.unique_id
+    lost_node = node_a.node_id                  # the Ray node id the actors report (ready()["node_id"])
     placed = _actor_nodes()
     on_a = sorted(n for n, nid in placed.items() if nid == lost_node)
     assert {n.split("-")[0] for n in on_a} == {"prefill", "decode"}, placed
