@@ -193,7 +193,7 @@ BAD = [
     ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": ""}, 400, "prompt"),
     ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": ["a", "b"]}, 400, "prompt"),
     ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": [999999999]}, 400, "vocabulary"),
-    ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": "hi", "n": 3}, 400, "n=1"),
+    ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": "hi", "n": 99}, 400, "n must be between 1 and 8"),
     ("POST", "/v1/chat/completions", {"model": "smollm2-135m", "messages": []}, 400, "messages"),
     ("POST", "/v1/chat/completions", {"model": "smollm2-135m", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("POST", "/v1/skills", {"name": "", "text": "x"}, 400, "name"),
