@@ -252,7 +252,7 @@ def test_alert_rules_are_loaded_and_evaluated(prometheus, workload):
     with urllib.request.urlopen(prometheus + "/api/v1/rules", timeout=10) as r:
         groups = json.loads(r.read())["data"]["groups"]
     rules = {rule["name"]: rule for g in groups for rule in g["rules"]}
-    assert len(rules) == 8 and all(rule["health"] in ("ok", "unknown") for rule in rules.values()), rules
+    assert len(rules) == 9 and all(rule["health"] in ("ok", "unknown") for rule in rules.values()), rules
     assert rules["KvnotesStateStoreDown"]["state"] == "inactive"      # the store answered throughout
     assert rules["KvnotesExactOperationDisagreed"]["state"] == "inactive"   # frame variants agreed
     assert {s["value"][1] for s in _query(prometheus, "kvnotes_state_store_up")} == {"1"}
