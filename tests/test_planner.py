@@ -204,10 +204,35 @@ def test_choose_edit_kind_reads_the_fidelity_table():
     table = {"edit_informative": {
         "erratum: correction": {"n": 10, "greedy_exact": 0.3, "top1": 0.6, "kl_mean": 0.2},
         "field + top-16": {"n": 10, "greedy_exact": 0.8, "top1": 0.9, "kl_mean": 0.01}}}
-    c = choose_edit_kind(table)
+    c = choose_edit_kind(table)             # neither meets top-1 >= 95%: the most faithful
     assert c.kind is PlanKind.EDIT_IN_PLACE and c.top_k == 16 and "10 informative" in c.reason
+    assert "none meets" in c.reason
     table["edit_informative"]["erratum: correction"]["greedy_exact"] = 0.9
     assert choose_edit_kind(table).kind is PlanKind.ERRATUM
+
+
+def test_choose_edit_kind_takes_the_cheapest_operation_that_meets_the_target():
+    ok = {"n": 20, "greedy_exact": 0.9, "top1": 0.97, "kl_mean": 0.01}
+    table = {"edit_informative": {"erratum: correction": {**ok, "seconds_mean": 0.05, "recomputed_tokens_mean": 40},
+                                  "field + top-16": {**ok, "greedy_exact": 1.0, "top1": 1.0, "seconds_mean": 0.30,
+                                                     "recomputed_tokens_mean": 30}}}
+    c = choose_edit_kind(table, min_top1=0.95)      # both meet it: the erratum costs 6x less, measured
+    assert c.kind is PlanKind.ERRATUM and c.top_k == 0 and "measured time" in c.reason and "50 ms" in c.reason
+    # the erratum below the target: edit-in-place, however cheap the erratum is
+    assert choose_edit_kind(table, min_top1=0.98).kind is PlanKind.EDIT_IN_PLACE
+    # no timings (a table from before they were measured): the tokens each computes, said so
+    for s in table["edit_informative"].values():
+        s["seconds_mean"] = float("nan")
+    c = choose_edit_kind(table, min_top1=0.95)
+    assert c.kind is PlanKind.EDIT_IN_PLACE and "no timings" in c.reason
+
+
+def test_the_shipped_models_edit_in_place_because_the_erratum_misses_their_target():
+    from kvruntime.fidelity.profiles import load_summary
+    for model in ("smollm2-135m", "gemma3-270m"):
+        c = choose_edit_kind(load_summary(model), min_top1=0.95)
+        assert c.kind is PlanKind.EDIT_IN_PLACE, (model, c.reason)
+        assert "erratum: correction: top-1" in c.reason
 
 
 # ---- fidelity-targeted composition --------------------------------------------------------------
@@ -470,3 +495,21 @@ def test_a_cold_prompt_goes_whole_to_a_decode_engine_that_computes_it():
     assert [s.kind for s in first_turn.steps] == [PlanKind.RECOMPUTE]
     # the reference decode engine (default) keeps the prefill worker's recompute
     assert plan_request(req(prompt), TierView(), None, encode).steps[0].kind is PlanKind.RECOMPUTE
+
+
+def test_a_held_exact_context_is_reused_whole_under_every_policy():
+    ids = tuple(t for s in (FRAME, TXT, SKILL, MEM) for t in s.token_ids)
+    exact = KVRef(ids, 0, SALT)
+    tier = TierView(frozenset({SKILL.kv.digest, MEM.kv.digest}), held_context=exact)
+    for policy in Policy:
+        p = plan_request(req(FRAME, TXT, SKILL, MEM, policy=policy), tier, None, encode)
+        assert [s.kind for s in p.steps] == [PlanKind.REUSE] and p.steps[0].kv == exact, policy
+        assert p.prefix_ids == ids and p.reused_tokens == len(ids) and not p.approx and "held" in p.steps[0].reason
+    # approximate KV (an earlier fast plan's recipe) is never read by an exact request
+    approx = TierView(tier.chunk_keys, held_context=KVRef(ids, 0, SALT, "recipe-1"))
+    assert plan_request(req(FRAME, TXT, SKILL, MEM, policy=Policy.FAST), approx, None, encode).steps[0].kv.approx
+    assert len(plan_request(req(FRAME, TXT, SKILL, MEM, policy=Policy.EXACT), approx, None, encode).steps) > 1
+    # other tokens, a session's turn: planned per segment as before
+    other = TierView(tier.chunk_keys, held_context=KVRef(ids[:-1], 0, SALT))
+    assert len(plan_request(req(FRAME, TXT, SKILL, MEM), other, None, encode).steps) > 1
+    assert len(plan_request(req(FRAME, TXT, SKILL, MEM, session="s1"), tier, None, encode).steps) > 1

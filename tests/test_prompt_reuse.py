@@ -300,6 +300,43 @@ def test_concurrent_requests_sharing_a_long_prefix_reuse_it(smol, rig):
     assert any(dict(f.sources)["reused"] >= 2 * PROMPT_BLOCK for _, f in out)
 
 
+def test_a_repeated_native_request_reuses_its_context_whole_and_prefers_the_exact_one(smol, rig):
+    """Two skills after the frame, outside a session: the first ``fast`` request composes the
+    second skill (approximate KV, stored under its recipe); the same request again reuses that
+    context whole. Once an ``exact`` request computed the context (stored exact, in the prompt
+    index), every policy reuses that exact prefix (its very bytes) instead of composing."""
+    router, b = rig
+    words = WORDS.split(". ")
+    for k, name in enumerate(("north", "south")):
+        asyncio.run(router.register_chunk("skill", "default", name, ". ".join(words[k::2]) + "."))
+    segs = [{"skill": "north"}, {"skill": "south"}]
+
+    def ask(policy, q):
+        b.dec.held = HeldPrefixes(256 << 20)          # the tier, not the decode engine, serves repeats
+        return asyncio.run(_native(router, segs + [{"text": q}], policy))[1]
+    composed = ask("fast", "Who keeps unit 13 tidy?")
+    assert composed.plan.approx and len(composed.plan.steps) > 1
+    assert len(composed.plan.prefix_ids) >= PROMPT_BLOCK
+    again = ask("fast", "And unit 26?")
+    assert [s.kind for s in again.plan.steps] == [PlanKind.REUSE] and again.plan.steps[0].source == "context"
+    assert again.plan.approx == composed.plan.approx and again.plan.prefix_ids == composed.plan.prefix_ids
+    assert dict(again.sources)["reused"] == len(again.plan.prefix_ids)
+    built = []
+    build = b.pre.build
+    b.pre.build = lambda *a, **kw: built.append(build(*a, **kw)) or built[-1]
+    exact = ask("exact", "And unit 39?")                 # computes it exactly (its recipe is another)
+    assert not exact.plan.approx and len(exact.plan.steps) > 1
+    n = len(exact.plan.prefix_ids)
+    exact_kv = built[-1][0].data[:, :, :, :n].clone()
+    for policy in ("fast", "balanced", "exact"):
+        fin = ask(policy, "And unit 52?")
+        step = fin.plan.steps[0]
+        assert [s.kind for s in fin.plan.steps] == [PlanKind.REUSE] and not fin.plan.approx, policy
+        assert "exact context is held" in step.reason and dict(fin.sources)["reused"] == step.tokens == n
+        assert torch.equal(built[-1][0].data[:, :, :, :n], exact_kv), policy     # the exact request's KV
+    b.pre.build = build
+
+
 from tests.test_e2e_held_prefix import held_cluster  # noqa: E402,F401  (a real cluster, reference decode)
 
 

@@ -67,6 +67,8 @@ class TierView:
     chunk_keys: frozenset[str] = frozenset()    # KVRef.digest of the precompiled chunks the tier holds
     prompt_prefix_hit: int = 0                  # plain prompts: tokens of the longest cached prefix
     prompt_prefix_kv: KVRef | None = None       # and its content address
+    held_context: KVRef | None = None           # native requests: the whole context's KV, held at position 0
+                                                # (exact, or built earlier by this very plan's recipe)
 
 
 @dataclass(frozen=True)
@@ -101,24 +103,51 @@ class PlannerConfig:
         return {Policy.BALANCED: self.balanced, Policy.FAST: self.fast}.get(policy)
 
 
-def choose_edit_kind(summary: dict | None, *, top_k: int = 16) -> EditChoice:
-    """Erratum vs edit-in-place from a model's fidelity summary (``kvnotes eval fidelity``):
-    the one with higher greedy agreement on informative edit cases (ties: top-1, then lower
-    KL) wins. Without a table the answer is erratum, and the reason says so."""
+EDIT_OPS = {PlanKind.ERRATUM: "erratum: correction", PlanKind.EDIT_IN_PLACE: "field + top-16"}
+
+
+def choose_edit_kind(summary: dict | None, *, min_top1: float = 0.95, top_k: int = 16) -> EditChoice:
+    """Erratum vs edit-in-place from a model's fidelity summary (``kvnotes eval fidelity``), on the
+    informative edit cases (those where the edit changes the model's answer): of the operations
+    whose top-1 agreement with a full recompute meets ``min_top1`` (the model's fidelity target),
+    the cheapest by measured cost (``seconds_mean``: the fix and the question, timed in the same
+    run; the tokens each one computes when the table has no timings); when none meets the target,
+    the most faithful one (greedy agreement, then top-1, then lower KL), and the reason says so.
+    Without a table the answer is erratum, and the reason says so."""
     if not summary or not summary.get("edit_informative"):
         return EditChoice(PlanKind.ERRATUM, reason="no fidelity table for this model: erratum by default")
     table = summary["edit_informative"]
-    cand = {PlanKind.ERRATUM: table.get("erratum: correction"), PlanKind.EDIT_IN_PLACE: table.get("field + top-16")}
+    cand = {k: table.get(op) for k, op in EDIT_OPS.items()}
     cand = {k: v for k, v in cand.items() if v and v.get("n")}
     if not cand:
         return EditChoice(PlanKind.ERRATUM, reason="fidelity table has no informative edit cases: erratum by default")
 
-    def score(s):
+    def faithful(s):
         return (s.get("greedy_exact") or 0.0, s.get("top1") or 0.0, -(s.get("kl_mean") or 0.0))
-    best = max(cand, key=lambda k: score(cand[k]))
-    s = cand[best]
-    why = (f"fidelity table ({s['n']} informative cases): greedy agreement {s['greedy_exact']:.0%}, "
-           f"top-1 {s['top1']:.0%}")
+
+    def measured(s):
+        v = s.get("seconds_mean")
+        return v is not None and v == v       # NaN: not timed
+
+    timed = all(measured(s) for s in cand.values())
+
+    def cost(s):
+        return s["seconds_mean"] if timed else s.get("recomputed_tokens_mean") or 0.0
+
+    def stats(k):
+        s = cand[k]
+        c = f"{s['seconds_mean'] * 1e3:.0f} ms" if timed else f"{s.get('recomputed_tokens_mean') or 0:.0f} tokens computed"
+        return f"{EDIT_OPS[k]}: top-1 {s.get('top1') or 0:.0%}, greedy {s.get('greedy_exact') or 0:.0%}, {c}"
+    meets = [k for k, s in cand.items() if (s.get("top1") or 0.0) >= min_top1]
+    n = max(s["n"] for s in cand.values())
+    if meets:
+        best = min(meets, key=lambda k: cost(cand[k]))
+        why = (f"fidelity table ({n} informative cases): the cheapest {'by measured time' if timed else 'by tokens computed (no timings in the table)'} "
+               f"of those meeting top-1 >= {min_top1:.0%}; " + "; ".join(stats(k) for k in cand))
+    else:
+        best = max(cand, key=lambda k: faithful(cand[k]))
+        why = (f"fidelity table ({n} informative cases): none meets top-1 >= {min_top1:.0%}, the most faithful; "
+               + "; ".join(stats(k) for k in cand))
     return EditChoice(best, top_k=top_k if best is PlanKind.EDIT_IN_PLACE else 0, reason=why)
 
 
@@ -134,6 +163,9 @@ def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext |
         if steps is not None:
             return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids,
                                req.session, tuple(notes))
+    held = _held_context(req, tier, session)
+    if held is not None:
+        return RequestPlan(req.request_id, req.model, req.policy, (held,), req.suffix_ids, req.session, tuple(notes))
     steps, pos = [], 0
     first = first_after_frame(req.context)
     for i, seg in enumerate(req.context):
@@ -152,6 +184,22 @@ def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext |
         ids = tuple(t for s in steps for t in s.token_ids) + req.suffix_ids
         return RequestPlan(req.request_id, req.model, req.policy, (), ids, None, tuple(notes))
     return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids, req.session, tuple(notes))
+
+
+def _held_context(req: RenderedRequest, tier: TierView, session: SessionContext | None) -> SegmentPlan | None:
+    """The whole context as one reuse of KV the tier holds for exactly its tokens, when it does:
+    an exact prefix is preferred to composing the segments again under every policy; approximate
+    KV only by a request of a policy that may read it (never ``exact``)."""
+    ref = tier.held_context
+    if ref is None or session is not None or req.session is not None or not req.context or ref.position != 0:
+        return None
+    ids = tuple(t for seg in req.context for t in seg.token_ids)
+    if ref.token_ids != ids or (not ref.exact and req.policy is Policy.EXACT):
+        return None
+    why = ("the exact context is held in the tier (an earlier request computed it): reused whole, not composed again"
+           if ref.exact else "this plan's composed context is held in the tier (the same recipe built it before): reused whole")
+    return SegmentPlan(kind=PlanKind.REUSE, source="context", token_ids=ids, position=0, computed=0,
+                       reused=len(ids), kv=ref, reason=why)
 
 
 def first_after_frame(context: tuple[RenderedSegment, ...]) -> int | None:

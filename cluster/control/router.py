@@ -58,8 +58,8 @@ class Router:
         self.metrics = metrics or Metrics()
         self.sessions = SessionStore(state)
         self.default_policy = Policy(default_policy)
-        self.edit_choice = choose_edit_kind(fidelity_summary)
         targets = {Policy.BALANCED: balanced_target or FidelityTarget.answers(min_top1=balanced_min_top1)}
+        self.edit_choice = choose_edit_kind(fidelity_summary, min_top1=targets[Policy.BALANCED].minimum)
         if fast_min_top1 is not None:
             targets[Policy.FAST] = FidelityTarget("top1", fast_min_top1)
         self.guard = FidelityGuard(fidelity_summary, targets, shadow or ShadowConfig(), self.metrics,
@@ -240,15 +240,19 @@ class Router:
                 self.metrics.record_fallback("session_context_evicted")
                 log.warning("session %s: cached context no longer in the tier; planning from scratch", session)
                 sess = None
-            plan = plan_request(req, TierView(frozenset(present)), sess, self.renderer.encode, self.planner_config)
+            plan = await self._plan_native(req, frozenset(present), sess, tenant, salt, pi)
             self._check_budget(plan.prompt_tokens, sampling)
             store_as = None
-            if session and plan.steps and not (len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE):
+            whole_reuse = len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE
+            if plan.steps and not whole_reuse and (session or len(plan.prefix_ids) >= PROMPT_BLOCK):
+                # a session's next turn, or the same request again (any policy, _plan_native), reuses it
                 store_as = KVRef(plan.prefix_ids, 0, salt, plan.approx)
             lap(clock, "plan")
             async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant, clock):
                 if isinstance(ev, Finished) and session:
                     self._remember(tenant, req, sess, plan, store_as if ev.stored else None)
+                elif isinstance(ev, Finished) and ev.stored and store_as is not None and store_as.exact:
+                    self._index_prompt(tenant, store_as.token_ids)
                 yield ev
                 if marks:        # the first event is out: the writes stay off the time to first token
                     self._mark_used_later(tenant, marks, now)
@@ -256,6 +260,32 @@ class Router:
         finally:
             if marks:            # the request ended before its first event (an error, the client left)
                 self._mark_used_later(tenant, marks, now)
+
+    async def _plan_native(self, req, present: frozenset, sess, tenant: str, salt: str, pi: int) -> RequestPlan:
+        """Plan a native request; outside a session, the whole context is first looked up as KV the
+        tier holds: the exact prefix (the prompt index: an earlier exact plan or plain prompt with
+        these tokens) is reused under every policy; else the plan's own recipe, when an earlier
+        request stored what it composes (``approx`` key: the same bytes), is reused whole."""
+        ids = tuple(t for seg in req.context for t in seg.token_ids)
+        held, lone = None, req.session is None      # a session's turns go through its own context
+        if lone and len(ids) >= PROMPT_BLOCK:
+            ref, hit = await self._prompt_lookup(tenant, salt, ids, pi)
+            held = ref if hit == len(ids) else None
+        plan = plan_request(req, TierView(present, held_context=held), sess, self.renderer.encode, self.planner_config)
+        if held is None and lone and plan.approx and len(ids) >= PROMPT_BLOCK:
+            ref = KVRef(ids, 0, salt, plan.approx)
+            if ref.digest in await self._present([ref], pi):
+                plan = plan_request(req, TierView(present, held_context=ref), sess, self.renderer.encode,
+                                    self.planner_config)
+        return plan
+
+    def _index_prompt(self, tenant: str, prefix: tuple[int, ...]) -> None:
+        """Record ``prefix``'s block boundaries (and its length) in the prompt index: it is stored."""
+        bounds = {*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)}
+        try:
+            self.state.put_prompt_blocks(tenant, {_h(tenant, prefix[:b]): b for b in bounds}, time.time())
+        except StateStoreUnavailable as exc:    # the answer stands; the prefix is just not indexed
+            self._prompt_index_unavailable(exc)
 
     async def _stream_prompt(self, leases: list, tenant: str, prompt_ids: list[int], *, policy: str | None,
                              sampling: SamplingParams, deadline_s: float | None = None,
@@ -280,11 +310,7 @@ class Router:
         lap(clock, "plan")
         async for ev in self.runner.run(plan, sampling, t0, store_as, pi, salt, deadline_s, leases, tenant, clock):
             if isinstance(ev, Finished) and ev.stored:
-                bounds = {*range(PROMPT_BLOCK, len(prefix) + 1, PROMPT_BLOCK), len(prefix)}
-                try:
-                    self.state.put_prompt_blocks(tenant, {_h(tenant, prefix[:b]): b for b in bounds}, time.time())
-                except StateStoreUnavailable as exc:    # the answer stands; the prefix is just not indexed
-                    self._prompt_index_unavailable(exc)
+                self._index_prompt(tenant, prefix)
             yield ev
 
     async def _prompt_lookup(self, tenant: str, salt: str, prefix: tuple[int, ...], pi: int) -> tuple[KVRef | None, int]:

@@ -310,7 +310,7 @@ def _finish(spec, model, dtype, device, command, log, case_ids, informative, row
     summary["compose_answers"] = answers_section(as_method_rows(rows, decision_rows), meta)
     path = write_profile(spec, summary, out)
     balanced = choose_compose(summary, target, model=spec.name)
-    edit = choose_edit_kind(summary)
+    edit = choose_edit_kind(summary, min_top1=target.minimum)
     print(f"kvnotes: profile of {spec.name} written to {path} ({meta['seconds']:.0f} s measuring, "
           f"{meta['cpu_seconds']:.0f} s CPU, "
           f"{sum(meta['cases'][k] for k in ('compose', 'decision', 'edit'))} cases; run log {log.path})", file=stream)

@@ -72,4 +72,6 @@ def summarize(rows: list[dict]) -> dict:
         "recomputed_tokens_mean": mean("recomputed_tokens"), "context_tokens_mean": mean("context_tokens"),
         "probed_tokens_mean": (sum(r["probed_tokens"] for r in rows) / len(rows)
                                if rows and all("probed_tokens" in r for r in rows) else math.nan),
+        "seconds_mean": (sum(r["seconds"] for r in rows) / len(rows)      # the op's own wall time, timed
+                         if rows and all("seconds" in r for r in rows) else math.nan),
     }

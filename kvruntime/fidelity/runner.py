@@ -192,6 +192,7 @@ def run_edit(engine, cases: list[EditCase], *, cot: bool = False, greedy_n: int 
         n_ctx = len(b_ids) + len(new_ids) + len(a_ids) + len(q)
         for name in ops:
             extra = 0
+            t = time.perf_counter()             # the fix and the question: the operation's cost
             if name == "stale (no fix)":
                 kv, recomputed = cached, 0
             elif name.startswith("field"):
@@ -204,10 +205,11 @@ def run_edit(engine, cases: list[EditCase], *, cot: bool = False, greedy_n: int 
                 res = erratum(engine, cached, case.label, case.old, case.new, style=style)
                 kv, recomputed, extra = res.kv, len(res.token_ids), len(res.token_ids)
             full, logits = _finish(engine, kv, q)
+            secs = time.perf_counter() - t
             g = engine.greedy(full, logits, greedy_n, stop_at_eos=True)
             row = compare(oracle.logits, oracle_greedy, logits, g)
             row.update(case=case.id, kind=case.kind, category=case.category,
-                       recomputed_tokens=recomputed + len(q), context_tokens=n_ctx + extra)
+                       recomputed_tokens=recomputed + len(q), context_tokens=n_ctx + extra, seconds=secs)
             rows[name].append(row)
         informative[case.id] = rows["stale (no fix)"][-1]["greedy_exact"] < 1.0
         if on_case is not None:

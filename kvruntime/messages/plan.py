@@ -159,6 +159,8 @@ class RequestPlan:
         never read it and two recipes never share it."""
         if not any(s.approximate for s in self.steps):
             return ""
+        if len(self.steps) == 1 and self.steps[0].kind is PlanKind.REUSE and self.steps[0].position == 0:
+            return self.steps[0].kv.approx          # the stored context reused whole: the same bytes, its tag
         recipe = [(s.kind.value, s.position, s.tokens, s.seam_tokens, s.top_k, s.recompute_ratio, s.field_span,
                    s.kv.digest if s.kv else None, tuple((e.field, e.old, e.new) for e in s.edits))
                   for s in self.steps]
