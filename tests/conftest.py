@@ -8,14 +8,6 @@ import pytest
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
-# Under pytest-xdist (scripts/dev.sh test runs two test processes) each process keeps its Ray
-# clusters, and what their subprocesses start, under its own temp root: a `ray.init()` in one
-# process's subprocess can never find the other process's `ray start` head (Ray looks it up in
-# <temp root>/ray/ray_current_cluster). Short path: Ray's socket paths are bounded.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["RAY_TMPDIR"] = f"/tmp/kvt-{os.environ['PYTEST_XDIST_WORKER']}"
-    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
-
 _ENGINES: dict = {}
 
 
@@ -429,25 +421,6 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 KEPT_CLUSTERS = ("default_cluster", "held_cluster")
-
-
-class _ModuleGroups:
-    """Under ``--dist loadgroup`` (scripts/dev.sh test) a test process takes whole modules, so a
-    module-scoped cluster starts once, and the modules keeping one cluster (KEPT_CLUSTERS) together."""
-
-    @pytest.hookimpl(tryfirst=True)     # before pytest-xdist's own hook reads the marks
-    def pytest_collection_modifyitems(self, session, config, items):
-        for it in items:
-            mod = getattr(it, "module", None)
-            names = set(getattr(it, "fixturenames", ())) | set(getattr(mod, "KEEPS", ()))
-            group = next((k for k in KEPT_CLUSTERS if k in names), None) or getattr(mod, "__name__", None) \
-                or it.nodeid.split("::")[0]
-            it.add_marker(pytest.mark.xdist_group(group))
-
-
-def pytest_configure(config):
-    if getattr(config.option, "dist", "no") == "loadgroup":
-        config.pluginmanager.register(_ModuleGroups(), "kvnotes-module-groups")
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)

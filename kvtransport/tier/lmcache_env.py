@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -35,12 +36,22 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 @contextmanager
 def contained_globals() -> Iterator[None]:
-    """Run LMCache engine construction, then restore the globals it changes (see module doc)."""
+    """Run LMCache engine construction, then restore the globals it changes (see module doc).
+
+    While it runs, vLLM is not importable unless this process already imported it: LMCache's
+    token database imports vLLM (``vllm.utils.hashing``, ``vllm.v1.core``) only to borrow its
+    prefix hash, which kvnotes replaces with its own (``StableTokenDatabase``); that import alone
+    took 3-5 s of CPU in every prefill worker that never runs vLLM."""
     prom = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     method = multiprocessing.get_start_method(allow_none=True)
+    hide_vllm = "vllm" not in sys.modules
+    if hide_vllm:
+        sys.modules["vllm"] = None          # `import vllm...` raises ImportError, which LMCache handles
     try:
         yield
     finally:
+        if hide_vllm and sys.modules.get("vllm", 0) is None:
+            del sys.modules["vllm"]
         if prom is None:
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         else:
