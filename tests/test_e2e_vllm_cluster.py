@@ -71,7 +71,8 @@ def test_a_repeated_composed_prefix_is_not_sent_twice(vcluster):
     b1 = sent()
     second = http.post("/v1/notes/completions", json=body).json()
     b2 = sent()
-    assert first["plan"] == second["plan"] == "reposition" and second["text"] == first["text"], second
+    # the repeat reuses the context the first one composed, whole (the same bytes, the same salt)
+    assert first["plan"] == "reposition" and second["plan"] == "reuse" and second["text"] == first["text"], second
     assert b1 - b0 > 0 and 0 < b2 - b1 < (b1 - b0) / 2, (b0, b1, b2)      # only the tail travelled again
     assert second["explain"]["transport"] in ("nixl", "grpc") and "transfer" in second["explain"]["stages"]
     assert _metric(http.get("/metrics").text, "kvnotes_fallbacks_total") == 0
