@@ -268,9 +268,14 @@ class Router:
         request stored what it composes (``approx`` key: the same bytes), is reused whole."""
         ids = tuple(t for seg in req.context for t in seg.token_ids)
         held, lone = None, req.session is None      # a session's turns go through its own context
-        if lone and len(ids) >= PROMPT_BLOCK:
-            ref, hit = await self._prompt_lookup(tenant, salt, ids, pi)
-            held = ref if hit == len(ids) else None
+        if lone and len(ids) >= PROMPT_BLOCK:       # the whole context only: one hash, one tier lookup
+            try:
+                indexed = self.state.get_prompt_blocks(tenant, [_h(tenant, ids)], time.time())
+            except StateStoreUnavailable as exc:        # the index is a cache: plan without it
+                self._prompt_index_unavailable(exc)
+                indexed = {}
+            ref = KVRef(ids, 0, salt)
+            held = ref if indexed and ref.digest in await self._present([ref], pi) else None
         plan = plan_request(req, TierView(present, held_context=held), sess, self.renderer.encode, self.planner_config)
         if held is None and lone and plan.approx and len(ids) >= PROMPT_BLOCK:
             ref = KVRef(ids, 0, salt, plan.approx)
