@@ -276,7 +276,7 @@ def tiny_engine(checkpoints: dict, family: str, dtype: str = "float32"):
 # (Serve, the worker actors, waited for until gone) and keeps Ray for the next module. Those modules
 # run one after another, at the end (pytest_collection_modifyitems), and Ray is shut down before the
 # first test that does not ask for it: no other test, and no subprocess's ``ray.init()``, finds it.
-_RAY = {"owned": False, "active": False}
+_RAY = {"owned": False, "active": False, "serve": None}   # serve: (host, port) of the kept Serve proxy
 RAY_CPUS = 5                    # the most any shared-Ray module asks for (test_faults: 2 + 2 actors + router)
 
 
@@ -295,25 +295,51 @@ def shared_ray(cfg, local_cpus: int = 4) -> None:
     if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < local_cpus:
         ray.shutdown()
     if not ray.is_initialized():
+        _RAY["serve"] = None
         start_local_ray(cfg, max(local_cpus, RAY_CPUS))
     _RAY.update(owned=True, active=True)
+
+
+_CLUSTER_PORT: list = []
+
+
+def cluster_port() -> int:
+    """The router port of every cluster on the shared Ray (``start_cluster``): one per session, so
+    Serve's controller and HTTP proxy (~8 s to start and stop) are kept from one cluster to the next
+    and only the ``kvnotes`` app is replaced. A cluster on another port or host gets a fresh Serve."""
+    if not _CLUSTER_PORT:
+        _CLUSTER_PORT.append(free_port())
+    return _CLUSTER_PORT[0]
+
+
+def _serve_for(cfg) -> None:
+    """Shut down the kept Serve when ``cfg`` serves on another host or port (its proxy listens
+    where the first cluster asked; ``serve.start`` would silently keep that)."""
+    from ray import serve
+    want = (cfg.server.host, cfg.server.port)
+    if _RAY["serve"] is not None and _RAY["serve"] != want:
+        serve.shutdown()
+        _RAY["serve"] = None
 
 
 def start_cluster(cfg, local_cpus: int = 4) -> None:
     """``cluster.ops.launcher.start`` on the shared local Ray (the fixture asks for ``local_ray``)."""
     from cluster.ops.launcher import start
     shared_ray(cfg, local_cpus)
+    _serve_for(cfg)
     try:
         start(cfg, local_cpus=local_cpus)
+        _RAY["serve"] = (cfg.server.host, cfg.server.port)
     except BaseException:
         stop_cluster(cfg)
         raise
 
 
 def stop_cluster(cfg) -> None:
-    """Stop what ``start_cluster`` started except Ray: the Serve app and proxy, the worker actors
-    (waited for until Ray no longer finds them, so the next cluster's get_if_exists cannot get a
-    dying one). Safe to call twice."""
+    """Stop what ``start_cluster`` started except Ray and Serve's controller and proxy (kept for the
+    next cluster on ``cluster_port()``): the ``kvnotes`` app (its router replicas) and the worker
+    actors (waited for until Ray no longer finds them, so the next cluster's get_if_exists cannot get
+    a dying one). Safe to call twice."""
     import time
 
     import ray
@@ -324,7 +350,13 @@ def stop_cluster(cfg) -> None:
     if not ray.is_initialized():
         return
     try:
+        if _RAY["serve"] is None:
+            serve.shutdown()            # a Serve this module started itself (or a failed start)
+        elif "kvnotes" in serve.status().applications:
+            serve.delete("kvnotes")
+    except Exception:                   # the kept Serve is in doubt: a fresh one for the next cluster
         serve.shutdown()
+        _RAY["serve"] = None
     finally:
         stop_workers(cfg)
         names = [f"prefill-{i}" for i in range(cfg.workers.prefill.count)] + [f"decode-{i}" for i in range(cfg.workers.decode.count)]
@@ -376,13 +408,15 @@ def _uses(item) -> set:
 def default_cluster(tmp_path_factory, local_ray):
     """The default config (SmolLM2, one prefill and one decode actor, a 256 MiB tier, API keys on):
     ``(cfg, client sending the key)``, kept for the modules that ask for it (test_e2e_cluster,
-    test_request_pricing); each registers only names of its own."""
+    test_e2e_held_prefix, test_e2e_structured, test_prompt_reuse, test_request_pricing, and
+    test_e2e_default_compose's SmolLM2 case); each registers only names and texts of its own and
+    asserts counters by their change."""
     return kept("default_cluster", lambda: _default_cluster(tmp_path_factory))
 
 
 def _default_cluster(tmp_path_factory):
     from kvruntime.config import ClusterConfig
-    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
+    cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=256 << 20, data_dir=str(tmp_path_factory.mktemp("state")))
     start_cluster(cfg, local_cpus=4)
     client = http_client(cfg)
     try:
@@ -420,7 +454,7 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = rest + block
 
 
-KEPT_CLUSTERS = ("default_cluster", "held_cluster")
+KEPT_CLUSTERS = ("default_cluster",)
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)
@@ -431,7 +465,7 @@ def pytest_runtest_teardown(item, nextitem):
         release_kept(name)
     if _RAY["owned"] and not _RAY["active"] and not _KEPT and "local_ray" not in upcoming:
         import ray
-        _RAY["owned"] = False
+        _RAY.update(owned=False, serve=None)
         if ray.is_initialized():
             ray.shutdown()
 
@@ -443,6 +477,6 @@ def pytest_sessionfinish(session, exitstatus):
         release_kept(name)
     if _RAY["owned"]:
         import ray
-        _RAY.update(owned=False, active=False)
+        _RAY.update(owned=False, active=False, serve=None)
         if ray.is_initialized():
             ray.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import direct_text, free_port, get_engine, http_client
+from tests.conftest import cluster_port, direct_text, get_engine, http_client
 
 SKILL = ("Returns policy of the Harbor Lane shop: unworn items may be returned within 30 days with a "
          "receipt; sale items are final; refunds go back to the original card within 5 business days.")
@@ -27,7 +27,7 @@ def model_cluster(request, tmp_path_factory, local_ray):
         yield request.param, client
         return
     release_kept("default_cluster")         # one cluster per Ray: the kept one goes first
-    cfg = ClusterConfig.of(model=request.param, port=free_port(), tier_cpu_bytes=256 << 20,
+    cfg = ClusterConfig.of(model=request.param, port=cluster_port(), tier_cpu_bytes=256 << 20,
                         data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
     client = http_client(cfg)

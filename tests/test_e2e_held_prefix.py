@@ -6,11 +6,12 @@ or sent. Another tenant's identical text is a different salt: everything travels
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import api_key, direct_text, free_port, get_engine, kept, metric
+from tests.conftest import api_key, direct_text, get_engine, metric
 
 pytestmark = pytest.mark.slow
 
@@ -19,27 +20,21 @@ QUESTION = "What does item 3 cost?"
 
 
 @pytest.fixture(scope="module")
-def held_cluster(tmp_path_factory, local_ray):
-    """Two tenants' clients with the same skill registered; kept for test_prompt_reuse, which asks
-    for this cluster too."""
-    return kept("held_cluster", lambda: _held_cluster(tmp_path_factory))
-
-
-def _held_cluster(tmp_path_factory):
-    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
-    from kvruntime.config import ClusterConfig
-
-    root = tmp_path_factory.mktemp("held")
-    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=128 << 20, data_dir=str(root))
-    (root / "c.json").write_text(json.dumps({"data_dir": str(root)}))
-    start(cfg, local_cpus=4)
-    base = f"http://127.0.0.1:{cfg.server.port}"
-    clients = []
-    try:
+def held_cluster(default_cluster):
+    """Two tenants' clients with the same skill registered, on the kept default cluster
+    (tests/conftest.py); test_prompt_reuse asks for this fixture too. The second tenant's key is
+    created through the CLI once per cluster (its state directory)."""
+    cfg, _ = default_cluster
+    root = Path(cfg.state.data_dir)
+    if root not in _SECOND_KEY:
+        (root / "c.json").write_text(json.dumps({"data_dir": str(root)}))
         out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "keys", "create", "--tenant", "globex",
                               "--config", str(root / "c.json")], capture_output=True, text=True, timeout=120, check=True)
-        for key in (api_key(cfg), out.stdout.strip().splitlines()[-1]):
-            clients.append(httpx.Client(base_url=base, timeout=300, headers={"authorization": f"Bearer {key}"}))
+        _SECOND_KEY[root] = out.stdout.strip().splitlines()[-1]
+    base = f"http://127.0.0.1:{cfg.server.port}"
+    clients = [httpx.Client(base_url=base, timeout=300, headers={"authorization": f"Bearer {key}"})
+               for key in (api_key(cfg), _SECOND_KEY[root])]
+    try:
         for c in clients:                              # the same text, registered by each tenant
             r = c.post("/v1/skills", json={"name": "prices", "text": PRICES})
             assert r.status_code == 201, r.text
@@ -47,7 +42,9 @@ def _held_cluster(tmp_path_factory):
     finally:
         for c in clients:
             c.close()
-        stop(cfg)
+
+
+_SECOND_KEY: dict = {}          # state directory -> the second tenant's key
 
 
 def _sent(http) -> float:

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import api_key, free_port, metric
+from tests.conftest import api_key, cluster_port, metric
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def sec(tmp_path_factory, local_ray):
     from kvruntime.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("sec")
-    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=128 << 20, data_dir=str(root), max_body_bytes=6 << 20,
+    cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=128 << 20, data_dir=str(root), max_body_bytes=6 << 20,
                         max_text_chars=5_000_000, max_segments=8, max_inflight_per_tenant=1, max_tokens_limit=64)
     (root / "c.json").write_text(json.dumps({"data_dir": str(root)}))
     start(cfg, local_cpus=4)

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import direct_text, free_port, http_client, metric
+from tests.conftest import cluster_port, direct_text, http_client, metric
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def state_cluster(tmp_path_factory, local_ray):
     from kvruntime.config import ClusterConfig
 
     root = tmp_path_factory.mktemp("kvstate")
-    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=128 << 20, router_replicas=2, data_dir=str(root / "data"),
+    cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=128 << 20, router_replicas=2, data_dir=str(root / "data"),
                         tier_persist_dir=str(root / "tier"))
     start(cfg, local_cpus=4)
     http = http_client(cfg)

@@ -33,6 +33,7 @@ TOOLS = [{"type": "function", "function": {
 
 
 def start_cluster(tmp_path_factory, **kw):
+    """A cluster of the default config with ``kw`` on its own local Ray (test_e2e_vllm_structured)."""
     from cluster.ops.launcher import start
     from kvruntime.config import ClusterConfig
     cfg = ClusterConfig.of(port=_free_port(), data_dir=str(tmp_path_factory.mktemp("state")), **kw)
@@ -41,18 +42,13 @@ def start_cluster(tmp_path_factory, **kw):
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def client(default_cluster):
+    """The kept default cluster (tests/conftest.py; reference decode): its config is this module's."""
     import openai
 
-    from cluster.ops.launcher import stop
-    cfg = start_cluster(tmp_path_factory, tier_cpu_bytes=128 << 20)
-    http = http_client(cfg)
-    try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.server.port}/v1", api_key=http.headers["authorization"].split()[1],
-                            max_retries=0, timeout=600), http
-    finally:
-        http.close()
-        stop(cfg)
+    cfg, http = default_cluster
+    return (openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.server.port}/v1", api_key=http.headers["authorization"].split()[1],
+                          max_retries=0, timeout=600), http)
 
 
 def _schema_format(schema, strict=True):

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.conftest import free_port, tiny_engine
+from tests.conftest import cluster_port, free_port, tiny_engine
 
 pytestmark = pytest.mark.slow
 ALL = ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
@@ -39,10 +39,11 @@ WALL: dict[str, float] = {}
 def ray_once(tmp_path_factory, local_ray):
     """The base config; Ray (the session's shared local one) is kept between families."""
     from kvruntime.config import ClusterConfig
-    from tests.conftest import shared_ray, stop_cluster
-    cfg = ClusterConfig.of(port=free_port(), auth=False, tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("s")),
+    from tests.conftest import _serve_for, shared_ray, stop_cluster
+    cfg = ClusterConfig.of(port=cluster_port(), auth=False, tier_cpu_bytes=64 << 20, data_dir=str(tmp_path_factory.mktemp("s")),
                         profiles_dir=str(tmp_path_factory.mktemp("profiles")), shadow_fraction=0.0)
     shared_ray(cfg)
+    _serve_for(cfg)           # Serve kept from an earlier module on the same port is used as is
     yield cfg
     stop_cluster(cfg)
     print("\nwall time per family (start + requests + stop): "

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cluster.ops.dashboard import dashboard, panel_queries
-from tests.conftest import free_port, metric, prom_query, prometheus_server, sd_prometheus_config
+from tests.conftest import cluster_port, free_port, metric, prom_query, prometheus_server, sd_prometheus_config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def cluster(tmp_path_factory, local_ray):
 
     root = tmp_path_factory.mktemp("operator")
     tier_port = free_port()
-    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=256 << 20, data_dir=str(root / "state"),
+    cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=256 << 20, data_dir=str(root / "state"),
                         tier_remote_url=f"lm://127.0.0.1:{tier_port}",
                         shadow_fraction=1.0,          # every approximate request gets a shadow check
                         metrics_tenants=("default",))  # the embedded key's tenant gets its own label
