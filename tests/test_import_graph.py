@@ -200,3 +200,45 @@ def test_the_config_sits_at_the_bottom():
                 "kvruntime.rope_config"}
     outside = sorted(m for m in seen if not m.startswith("kvruntime.config") and m not in registry)
     assert outside == [], f"kvruntime.config reaches {outside}"
+
+
+def test_the_router_replica_starts_without_torch():
+    """The router runs no model: importing the HTTP ingress and running :func:`assemble` up to the
+    worker lookup (tokenizer and fidelity profile of the default model loaded, every module it
+    imports imported) leaves torch unimported, and the tokenizer class was decided without
+    ``AutoTokenizer`` (no fallback counted). The worker lookup is replaced by a stop: no Ray."""
+    code = """
+import sys
+import cluster.http.serve_app
+import cluster.control.ray_backends as rb
+import kvruntime.tokenizer as kt
+from cluster.control.assembly import assemble
+from kvruntime.config import ClusterConfig
+from kvruntime.fidelity.profiles import calibration_line
+
+class Stop(Exception):
+    pass
+
+def stop(*a, **k):
+    raise Stop
+
+loaded, load = [], kt.load_tokenizer
+kt.load_tokenizer = lambda path: loaded.append(load(path)) or loaded[-1]
+rb.RayBackends.from_names = staticmethod(stop)
+cfg = ClusterConfig.of(port=8001)
+try:
+    assemble(cfg)
+except Stop:
+    pass
+from kvruntime.fidelity.profiles import find_profile
+from kvruntime.models import get_model_spec
+profile = find_profile(get_model_spec(cfg.workers.model), cfg.policy.profiles_dir)
+assert profile.calibrated, profile
+calibration_line(profile, cfg.workers.model)
+assert len(loaded) == 1 and loaded[0].encode("hello"), loaded
+assert not kt.FALLBACKS, dict(kt.FALLBACKS)
+bad = [m for m in ("torch", "transformers.generation", "transformers.modeling_utils") if m in sys.modules]
+assert not bad, bad
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -35,9 +35,10 @@ class Assembly:
 
 def assemble(cfg: ClusterConfig) -> Assembly:
     """Open the state store, find the named worker actors, load the tokenizer and the model's
-    fidelity profile, and build the router over them (its health thread started)."""
-    import transformers
-
+    fidelity profile, and build the router over them (its health thread started). Imports no
+    torch for a registry model (the router runs no model): the tokenizer comes from
+    ``kvruntime.tokenizer`` (the class ``AutoTokenizer`` picks, loaded directly), the profile from
+    the torch-free ``kvruntime.fidelity.profiles``."""
     from cluster.control.compose_choice import FidelityTarget
     from cluster.control.ray_backends import RayBackends
     from cluster.control.registry import Registry
@@ -49,10 +50,11 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     from kvruntime.checkpoint import ensure_checkpoint
     from kvruntime.fidelity.profiles import find_profile
     from kvruntime.models import get_model_spec
+    from kvruntime.tokenizer import load_tokenizer
 
     spec = get_model_spec(cfg.workers.model)
     ckpt = ensure_checkpoint(spec)
-    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    tok = load_tokenizer(ckpt)
     # keyed by what the weights are (a checkpoint's content hash), not by the config's path
     profile = find_profile(spec, cfg.policy.profiles_dir)
     served = cfg.served_name(spec.name)      # the API's `model`; KV and profiles use spec.name

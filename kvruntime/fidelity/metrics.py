@@ -1,21 +1,29 @@
-"""Distances between an operation's next-token distribution / greedy output and the oracle's."""
+"""Distances between an operation's next-token distribution / greedy output and the oracle's.
+
+Torch is imported only by the two functions that take tensors: the summaries (``summarize``,
+``percentile``) are read by ``report`` -> ``profiles`` in the router, which loads no model and
+must not pay torch's import (seconds of CPU, hundreds of MB) on every replica start.
+"""
 from __future__ import annotations
 
 import math
 import re
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:
+    import torch
 
 
 def kl_divergence(oracle_logits: torch.Tensor, op_logits: torch.Tensor) -> float:
     """KL(P_oracle || P_op) in nats, computed in fp64."""
+    import torch.nn.functional as F
     p = F.log_softmax(oracle_logits.double(), -1)
     q = F.log_softmax(op_logits.double(), -1)
     return float((p.exp() * (p - q)).sum().clamp_min(0.0))
 
 
 def logit_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    import torch.nn.functional as F
     return float(F.cosine_similarity(a.double(), b.double(), dim=0))
 
 
