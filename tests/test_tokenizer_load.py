@@ -45,19 +45,24 @@ def assert_same_tokenizer(ours, auto):
                 auto.apply_chat_template(_CHAT, add_generation_prompt=gen, return_dict=False)
 
 
-def _same_as_auto(path):
+def _same_as_auto(path, auto=None):
+    """``auto``: AutoTokenizer's load of ``path`` where one is at hand (an engine's), else loaded here."""
     import transformers
     before = sum(kt.FALLBACKS.values())
     ours = kt.load_tokenizer(path)
     assert sum(kt.FALLBACKS.values()) == before, f"{path} went to AutoTokenizer: {dict(kt.FALLBACKS)}"
-    assert_same_tokenizer(ours, transformers.AutoTokenizer.from_pretrained(path))
+    assert_same_tokenizer(ours, auto or transformers.AutoTokenizer.from_pretrained(path))
 
 
 @pytest.mark.parametrize("model", _SHIPPED)
 def test_a_shipped_model_loads_the_tokenizer_autotokenizer_loads(model):
     from kvruntime.checkpoint import ensure_checkpoint
     from kvruntime.models import get_model_spec
-    _same_as_auto(ensure_checkpoint(get_model_spec(model)))
+    from tests.conftest import get_engine
+    e = get_engine(model)                   # the session's engine: its tokenizer is AutoTokenizer's
+    path = ensure_checkpoint(get_model_spec(model))
+    assert e.tokenizer.name_or_path == str(path), (e.tokenizer.name_or_path, path)
+    _same_as_auto(path, e.tokenizer)
 
 
 @pytest.mark.parametrize("family", _FAMILIES)
