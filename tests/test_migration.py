@@ -5,23 +5,17 @@
   stop strings spanning the boundary, log-probs, ``max_tokens`` and the summary's counts.
 - Prefill side, real engine: a plan cancelled while it runs stops between layers (the number of
   layers it ran is counted, not timed).
-- Real cluster (1 prefill + 2 decode Ray actors, the router under Serve): a decode actor SIGKILLed
-  by PID under 32 concurrent greedy streams: every stream ends with a finish_reason and no in-band
-  error, the text equals an undisturbed run's, ``kvnotes_retries_total{reason="migrated"}`` grew;
-  a prefill past its request's deadline is stopped by its worker (the worker's counter grew).
+- Real cluster: tests/test_faults.py (its cluster, started once for both: a decode actor SIGKILLed
+  by PID under 32 concurrent greedy streams, every stream completes unchanged; a prefill past its
+  request's deadline is stopped by its worker).
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
-import json
-import random
 
-import httpx
 import pytest
 
 from kvruntime.messages.decode import Continuation, DecodeSummary, SamplingParams, TokenEvent
-from tests.conftest import free_port, metric
 
 PROMPT = "The lighthouse keeper wrote in his log every night. On the first night of winter he wrote:"
 
@@ -112,137 +106,3 @@ def test_a_prefill_cancelled_while_it_runs_stops_between_layers(smol, one_torch_
     finally:
         for h in hooks:
             h.remove()
-
-
-# ---- the real cluster ---------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def migration_cluster(tmp_path_factory, local_ray):
-    """1 prefill + 2 decode actors and the router (test_faults' cluster without its lm:// tier,
-    which plays no part here); stopped by the launcher, every wait bounded."""
-    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
-    from kvruntime.config import ClusterConfig, WorkerConfig
-    from tests.test_faults import _headers, _wait
-
-    root = tmp_path_factory.mktemp("kvmigrate")
-    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
-                        prefill=WorkerConfig(count=1), decode=WorkerConfig(count=2), decode_migrations=1,
-                        health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5,
-                        # bursts of 16-32 streams queue past the default admission budget on this
-                        # 2-core machine: admitted all the same (tests/test_overload.py covers shedding)
-                        max_queue_wait_s=600.0,
-                        # the reference run and the disturbed run build each prompt's KV the same way
-                        # (prefill, or its tier copy): a decode-held prefix would compute the rest in
-                        # other chunks, whose fp32 rounding can flip a greedy near-tie on its own
-                        decode_prefix_cache_bytes=0)
-    try:
-        start(cfg, local_cpus=4)
-        http = httpx.Client(base_url=f"http://127.0.0.1:{cfg.server.port}", timeout=300, headers=_headers(cfg))
-
-        def ready():
-            try:
-                return http.get("/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-        _wait(ready, 180, "/ready")
-        yield cfg, http, None
-        http.close()
-    finally:
-        stop(cfg)
-
-
-def _stream(http, prompt: str, max_tokens: int = 24, out: dict | None = None) -> dict:
-    """One streamed completion: its text, finish_reason, usage, and any in-band error (``out``
-    is filled as the events arrive)."""
-    out = {} if out is None else out
-    out.update({"text": "", "finish": None, "error": None, "usage": None, "events": 0})
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                out["error"] = ev["error"]
-                continue
-            c = ev["choices"][0]
-            out["text"] += c.get("text") or ""
-            out["events"] += 1
-            out["finish"] = c.get("finish_reason") or out["finish"]
-            out["usage"] = ev.get("usage") or out["usage"]
-    return out
-
-
-@pytest.mark.slow
-def test_decode_actor_killed_under_32_streams_every_stream_completes_unchanged(migration_cluster):
-    from tests.test_faults import _all_alive, _health, _kill, _metrics, _wait
-
-    cfg, http, _ = migration_cluster
-    _wait(lambda: _all_alive(http), 180, "all workers alive")
-    prompts = [f"Story {i}: the lighthouse keeper counted the ships passing by. The first ship was" for i in range(32)]
-    with cf.ThreadPoolExecutor(32) as ex:
-        ref = list(ex.map(lambda p: _stream(http, p), prompts))
-    assert all(r["error"] is None and r["finish"] for r in ref), ref
-    before = _metrics(http)
-    progress = [{"events": 0, "finish": None} for _ in prompts]
-    with cf.ThreadPoolExecutor(32) as ex:
-        futs = [ex.submit(_stream, http, p, 24, out) for p, out in zip(prompts, progress)]
-
-        def streaming():
-            # a reference decode actor streams one request at a time: two streams half-way through
-            # mean both actors are mid-stream, so the one killed loses a stream after its first token
-            mid = [p for p in progress if 1 <= p["events"] <= 12 and p["finish"] is None and p.get("error") is None]
-            return len(mid) >= 2
-        _wait(streaming, 300, "two streams half-way through", every=0.01)
-        _, snap = _health(http)
-        victim = max(snap["workers"]["decode"]["workers"], key=lambda w: w["in_flight"])
-        _kill(victim["pid"])
-        done, pending = cf.wait(futs, timeout=400)
-    assert not pending, "streams hung after a decode worker died"
-    got = [f.result() for f in futs]
-    errors = [g["error"] for g in got if g["error"]]
-    assert not errors, errors
-    assert all(g["finish"] in ("stop", "length") for g in got), [g["finish"] for g in got]
-    assert [g["text"] for g in got] == [r["text"] for r in ref]            # greedy: as if undisturbed
-    assert [g["usage"]["completion_tokens"] for g in got] == [r["usage"]["completion_tokens"] for r in ref]
-    after = _metrics(http)
-    migrated = metric(after, "kvnotes_retries_total", role="decode", reason="migrated") - \
-        metric(before, "kvnotes_retries_total", role="decode", reason="migrated")
-    assert migrated > 0, {r: metric(after, "kvnotes_retries_total", role="decode", reason=r) -
-                          metric(before, "kvnotes_retries_total", role="decode", reason=r)
-                          for r in ("migrated", "lost_before_first_token", "lost_mid_stream")}
-    assert metric(after, "kvnotes_retries_total", role="decode", reason="lost_mid_stream") == \
-        metric(before, "kvnotes_retries_total", role="decode", reason="lost_mid_stream")
-    _wait(lambda: _all_alive(http), 180, "the restarted decode worker to be alive again")
-
-
-@pytest.mark.slow
-def test_a_prefill_past_its_deadline_is_stopped_by_its_worker(migration_cluster):
-    from tests.test_faults import _all_alive, _metrics, _wait
-
-    cfg, http, _ = migration_cluster
-    _wait(lambda: _all_alive(http), 180, "all workers alive")
-
-    def worker_cancels() -> float:
-        targets = http.get("/metrics/targets").json()
-        addrs = [t for g in targets if g["labels"].get("kvnotes_role") == "prefill" for t in g["targets"]]
-        assert len(addrs) == 1, targets
-        return sum(metric(httpx.get(f"http://{a}/metrics", timeout=10).text, "kvnotes_worker_prefill_cancelled_total")
-                   for a in addrs)
-    start = worker_cancels()
-    rng = random.Random(7)
-    words = ["harbour", "signal", "lantern", "tide", "keeper", "storm", "beacon", "rock", "gull", "night"]
-    sent = 0
-    for attempt in range(6):                   # until one deadline falls inside a running prefill (bounded)
-        before = metric(_metrics(http), "kvnotes_cancels_total", role="prefill", reason="deadline")
-        prompt = " ".join(rng.choice(words) for _ in range(1500))        # distinct: no tier hit
-        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0,
-                                               "deadline_s": 0.4 + 0.2 * attempt})
-        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
-        if metric(_metrics(http), "kvnotes_cancels_total", role="prefill", reason="deadline") > before:
-            sent += 1
-            break
-    assert sent, "no deadline passed during a running prefill in 6 attempts"
-    _wait(lambda: worker_cancels() > start, 60, "the prefill worker to stop the cancelled plan")

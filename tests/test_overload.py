@@ -1,7 +1,7 @@
 """Overload and stale health on the real cluster (Ray actors, two Serve router replicas):
 
 - at ~4x the capacity measured in the test, offered open loop for ``KVNOTES_OVERLOAD_S`` seconds
-  (20 by default on this machine; issue 35 asks for 60), what cannot be served within
+  (10 by default on this machine; issue 35 asks for 60), what cannot be served within
   ``max_queue_wait_s`` is refused at once with 429/503 and Retry-After, no client times out, and
   ``kvnotes_requests_total`` summed over outcomes and over both replicas equals the requests sent;
 - a decode worker that stops answering while abandoned requests pile cancels on it (SIGSTOP by
@@ -25,7 +25,10 @@ from tests.conftest import free_port, http_client, metric
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
-OVERLOAD_S = float(os.environ.get("KVNOTES_OVERLOAD_S", "20"))
+# at 4x capacity the predicted wait passes max_queue_wait_s (3 s) within about a second, so 10 s
+# (was 20) is mostly shedding: what is asserted (shed with Retry-After, no timeout, every request
+# counted) does not depend on how long it goes on
+OVERLOAD_S = float(os.environ.get("KVNOTES_OVERLOAD_S", "10"))
 REPLICAS = 2
 
 
@@ -34,8 +37,8 @@ def _wait(pred, timeout_s: float, what: str, every: float = 0.25):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from cluster.ops.launcher import start, stop
+def cluster(tmp_path_factory, local_ray):
+    from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.config import ClusterConfig, WorkerConfig
 
     root = tmp_path_factory.mktemp("kvoverload")
