@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port, metric
+from tests.conftest import cluster_port, free_port, metric
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def fault_cluster(tmp_path_factory, local_ray):
 
     root = tmp_path_factory.mktemp("kvfaults")
     tier_port = free_port()
-    cfg = ClusterConfig.of(port=free_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
+    cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=96 << 20, data_dir=str(root / "data"),
                         tier_remote_url=f"lm://127.0.0.1:{tier_port}", tier_remote_probe_s=0.5,
                         prefill=WorkerConfig(count=2), decode=WorkerConfig(count=2),
                         health_period_s=0.5, health_timeout_s=5.0, worker_max_restarts=5,

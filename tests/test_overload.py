@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from bench.overload import body_of, offer, one, summary, unloaded
-from tests.conftest import free_port, http_client, metric
+from tests.conftest import cluster_port, http_client, metric
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def cluster(tmp_path_factory, local_ray):
     from kvruntime.config import ClusterConfig, WorkerConfig
 
     root = tmp_path_factory.mktemp("kvoverload")
-    cfg = ClusterConfig.of(port=free_port(), data_dir=str(root / "data"), tier_cpu_bytes=64 << 20,
+    cfg = ClusterConfig.of(port=cluster_port(), data_dir=str(root / "data"), tier_cpu_bytes=64 << 20,
                         prefill=WorkerConfig(count=1), decode=WorkerConfig(count=2), router_replicas=REPLICAS,
                         health_period_s=0.5, health_timeout_s=2.0, max_queue_wait_s=3.0,
                         decode_prefix_cache_bytes=0)
