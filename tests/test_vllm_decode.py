@@ -174,13 +174,15 @@ _PROMPT: dict = {}
 
 
 def _prompt_kv(smol):
-    """``(prefix, suffix, the reference engine's KV of prefix)`` of the one ~600-token prompt the
+    """``(prefix, suffix, the reference engine's KV of prefix)`` of the one ~310-token prompt the
     load tests below share, computed once for the module (a recompute costs seconds). Sharing it
     changes nothing they check: each request carries a salt of its own, so vLLM's prefix cache
-    never carries one test's blocks into another, and none of them depends on the prompt's length
-    beyond spanning several vLLM blocks and ending in a partial one."""
+    never carries one test's blocks into another. Its length (150 words; they used 250-400) only
+    has to span several vLLM blocks and end in a partial one: what they check (fallbacks, load
+    parity, prefix-cache reuse by whole blocks) holds at any such length, and every vLLM prefill
+    of it (four recompute fallbacks per load mode) costs half as much."""
     if not _PROMPT:
-        prefix, suffix = _prompt(smol)
+        prefix, suffix = _prompt(smol, 150)
         _PROMPT["v"] = prefix, suffix, recompute(smol, prefix, logits=False).kv
     return _PROMPT["v"]
 
