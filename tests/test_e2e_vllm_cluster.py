@@ -4,26 +4,42 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (scripts/dev.sh installs it)")
 
-from tests.conftest import http_client  # noqa: E402
+from tests.conftest import http_client, kept  # noqa: E402
 from tests.test_e2e_cluster import MEMORY, SKILL, _direct, _free_port, _metric  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def vcluster(tmp_path_factory, local_ray):
+def _vllm_cluster(tmp_path_factory):
     from kvruntime.config import ClusterConfig
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
 
     cfg = ClusterConfig.of(port=_free_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",
-                        vllm_kv_cache_gib=1, vllm_max_model_len=4096, data_dir=str(tmp_path_factory.mktemp("state")))
+                           vllm_kv_cache_gib=1, vllm_max_model_len=4096, data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
-    client = http_client(cfg)
-    for kind, body in (("skills", {"name": "refund", "text": SKILL}), ("memories", {"name": "dana", "text": MEMORY})):
-        assert client.post(f"/v1/{kind}", json=body).status_code == 201
-    yield client
-    client.close()
-    stop(cfg)
+    try:
+        yield cfg
+    finally:
+        stop(cfg)
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(tmp_path_factory, local_ray):
+    """The embedded cluster with ``decode_engine: vllm`` (its decode actor builds a vLLM engine,
+    tens of seconds), kept for the modules that ask for it: this one and test_e2e_vllm_structured,
+    whose tests only add names of their own and read counters as deltas."""
+    return kept("vllm_cluster", lambda: _vllm_cluster(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def vcluster(vllm_cluster):
+    client = http_client(vllm_cluster)
+    try:
+        for kind, body in (("skills", {"name": "refund", "text": SKILL}), ("memories", {"name": "dana", "text": MEMORY})):
+            assert client.post(f"/v1/{kind}", json=body).status_code == 201
+        yield client
+    finally:
+        client.close()
 
 
 def test_vllm_decode_actor_serves_exact_and_composed_requests(vcluster):

@@ -6,7 +6,7 @@ precompiled chunks repositioned + seam) sent as a KV block over gRPC into vLLM's
 through the kvnotes connector. vLLM's greedy tokens equal the reference engine's, and it stops at the same end-of-turn
 tokens, up to a
 near-tie (the two candidates' log-probs within NEAR_TIE nats). Each family runs in its own
-process (one vLLM engine per process)."""
+process (one vLLM engine per process), the two side by side."""
 from __future__ import annotations
 
 import json
@@ -80,14 +80,41 @@ _SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_vllm_decodes_the_checkpoint_directory_like_the_reference_engine(tmp_path, family):
+FAMILIES = ["llama3", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """family -> (process, its output directory): every selected family's process is started at
+    once, so their start-ups (vLLM's import and engine build, single-threaded, tens of seconds)
+    run side by side on the machine's cores instead of one after the other. Killed by PID if
+    still running at the end."""
     from tests.tiny_checkpoints import build
-    d = build(tmp_path, family, for_vllm=True)
-    res = subprocess.run([sys.executable, "-c", _SCRIPT, str(d), str(GREEDY)], capture_output=True, text=True,
-                         timeout=560)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    wanted = [f for f in FAMILIES if any(it.module is request.module and getattr(it, "callspec", None)
+                                         and it.callspec.params.get("family") == f for it in request.session.items)]
+    procs = {}
+    try:
+        for family in wanted:
+            d = tmp_path_factory.mktemp(f"vllm-hf-{family}")
+            ckpt = build(d, family, for_vllm=True)
+            with open(d / "stdout", "w") as out, open(d / "stderr", "w") as err:
+                procs[family] = (subprocess.Popen([sys.executable, "-c", _SCRIPT, str(ckpt), str(GREEDY)],
+                                                  stdout=out, stderr=err), d)
+        yield procs
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_decodes_the_checkpoint_directory_like_the_reference_engine(runs, family):
+    proc, d = runs[family]
+    rc = proc.wait(timeout=560)
+    stdout = (d / "stdout").read_text()
+    lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+    assert rc == 0 and lines, (d / "stderr").read_text()[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
     print(family, json.dumps(out))
     assert out["vllm_max_model_len"] == 1024
