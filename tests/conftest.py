@@ -454,7 +454,7 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = rest + block
 
 
-KEPT_CLUSTERS = ("default_cluster",)
+KEPT_CLUSTERS = ("default_cluster", "vllm_cluster")
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)

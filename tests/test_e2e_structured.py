@@ -8,8 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.conftest import http_client, metric
-from tests.test_e2e_cluster import _free_port
+from tests.conftest import metric
 
 pytestmark = pytest.mark.slow
 
@@ -30,15 +29,6 @@ TOOLS = [{"type": "function", "function": {
         "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
                                            "required": ["zone"]},
         "description": "The current local time in an IANA time zone such as Europe/Paris or Asia/Tokyo. " * 6}}]
-
-
-def start_cluster(tmp_path_factory, **kw):
-    """A cluster of the default config with ``kw`` on its own local Ray (test_e2e_vllm_structured)."""
-    from cluster.ops.launcher import start
-    from kvruntime.config import ClusterConfig
-    cfg = ClusterConfig.of(port=_free_port(), data_dir=str(tmp_path_factory.mktemp("state")), **kw)
-    start(cfg, local_cpus=4)
-    return cfg
 
 
 @pytest.fixture(scope="module")

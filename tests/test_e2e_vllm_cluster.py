@@ -4,8 +4,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (scripts/dev.sh installs it)")
 
-from tests.conftest import http_client, kept  # noqa: E402
-from tests.test_e2e_cluster import MEMORY, SKILL, _direct, _free_port, _metric  # noqa: E402
+from tests.conftest import cluster_port, http_client, kept  # noqa: E402
+from tests.test_e2e_cluster import MEMORY, SKILL, _direct, _metric  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +14,7 @@ def _vllm_cluster(tmp_path_factory):
     from kvruntime.config import ClusterConfig
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
 
-    cfg = ClusterConfig.of(port=_free_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",
+    cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",
                            vllm_kv_cache_gib=1, vllm_max_model_len=4096, data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
     try:

@@ -11,7 +11,6 @@ import concurrent.futures as cf
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
