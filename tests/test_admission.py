@@ -108,3 +108,49 @@ def test_a_stall_without_first_tokens_raises_the_predicted_wait_at_once():
     with pytest.raises(RequestError) as e:
         adm.admit("a")                              # 3 ahead x 3 s > 4 s
     assert e.value.status == 503
+
+
+def _alone(adm, clock, ttft: float, n: int):
+    """``n`` requests, each admitted to an empty queue and at its first token ``ttft`` s later."""
+    for _ in range(n):
+        t = adm.admit("solo")
+        clock.t += ttft
+        t.first_token()
+        t.release()
+
+
+def test_the_ttft_objective_refuses_a_predicted_first_token_past_factor_times_the_unloaded_p90():
+    adm, clock, m = _adm(max_queue_wait_s=30.0, ttft_factor=2.0)
+    _alone(adm, clock, 1.0, 2)
+    assert adm.snapshot()["ttft_budget_s"] is None               # two samples: the objective waits
+    _alone(adm, clock, 1.0, 1)
+    assert adm.snapshot()["ttft_budget_s"] == pytest.approx(2.0)  # 2 x the unloaded p90 (1 s)
+    assert m.registry.get_sample_value("kvnotes_admission_ttft_budget_seconds") == pytest.approx(2.0)
+    assert adm.interval == pytest.approx(1.0)
+    clock.t += 60
+    first, second = adm.admit("a"), adm.admit("a")            # predicted first tokens at 1 and 2 s: admitted
+    with pytest.raises(RequestError) as e:
+        adm.admit("a")                                        # (2 ahead + 1) x 1 s = 3 s > 2 s
+    assert e.value.status == 503 and e.value.code == "overloaded"
+    assert "time to the first token (3.0 s)" in e.value.message and "2 x its unloaded TTFT p90" in e.value.message
+    assert e.value.retry_after == pytest.approx(1.0)
+    assert m.registry.get_sample_value("kvnotes_shed_total", {"reason": "ttft_objective"}) == 1
+    # the wait budget alone (30 s) would have admitted it
+    off, oclock, _ = _adm(max_queue_wait_s=30.0)
+    _alone(off, oclock, 1.0, 3)
+    oclock.t += 60
+    assert [off.admit("a") for _ in range(3)] and off.snapshot()["ttft_budget_s"] is None
+    clock.t += 1
+    first.first_token()
+    clock.t += 1
+    second.first_token()
+    assert list(adm._unloaded) == [1.0] * 4                   # `first` was admitted alone, `second` behind it
+    adm.admit("a")                                            # drained: room again
+
+
+def test_ttft_factor_is_zero_or_at_least_one():
+    from kvruntime.config import ClusterConfig
+    assert ClusterConfig.of(admission_ttft_factor=2.5).server.admission_ttft_factor == 2.5
+    for bad in (0.5, -1):
+        with pytest.raises(ValueError, match="admission_ttft_factor"):
+            ClusterConfig.of(admission_ttft_factor=bad)

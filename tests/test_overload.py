@@ -2,7 +2,9 @@
 
 - at ~4x the capacity measured in the test, offered open loop for ``KVNOTES_OVERLOAD_S`` seconds
   (10 by default on this machine; issue 35 asks for 60), what cannot be served within
-  ``max_queue_wait_s`` is refused at once with 429/503 and Retry-After, no client times out, and
+  ``max_queue_wait_s`` or whose predicted first token is past the TTFT objective
+  (``admission_ttft_factor`` 2: twice the replica's unloaded TTFT p90) is refused at once with
+  429/503 and Retry-After, no client times out, and
   ``kvnotes_requests_total`` summed over outcomes and over both replicas equals the requests sent;
 - a decode worker that stops answering while abandoned requests pile cancels on it (SIGSTOP by
   PID) is shown down by every replica (``kvnotes_workers_alive`` read from each replica's own
@@ -44,7 +46,7 @@ def cluster(tmp_path_factory, local_ray):
     root = tmp_path_factory.mktemp("kvoverload")
     cfg = ClusterConfig.of(port=cluster_port(), data_dir=str(root / "data"), tier_cpu_bytes=64 << 20,
                         prefill=WorkerConfig(count=1), decode=WorkerConfig(count=2), router_replicas=REPLICAS,
-                        health_period_s=0.5, health_timeout_s=2.0, max_queue_wait_s=3.0,
+                        health_period_s=0.5, health_timeout_s=2.0, max_queue_wait_s=3.0, admission_ttft_factor=2.0,
                         decode_prefix_cache_bytes=0)
     try:
         start(cfg, local_cpus=4)

@@ -18,7 +18,14 @@ before any work with
 
 both with ``Retry-After``: the predicted time until the queue (or the tenant's part of it) has
 drained to where the request fits. Before the first interval is measured the queue is bounded
-by ``admission_cold_queue``. Counted: ``kvnotes_shed_total{reason}``; gauges
+by ``admission_cold_queue``.
+
+A TTFT objective (``admission_ttft_factor`` F > 0) bounds the first token, not only the wait: a
+request's predicted TTFT is ``(queued + 1) x interval`` (the departures up to and including its
+own), and it is refused with **503** ``ttft_objective`` when that exceeds F x this replica's
+unloaded TTFT p90: the p90 of the last ``TTFT_SAMPLES`` admit-to-first-token times of requests
+admitted to an empty queue (under overload none is, so the reference stays the unloaded one;
+fewer than ``TTFT_MIN_SAMPLES`` samples: the objective waits). Counted: ``kvnotes_shed_total{reason}``; gauges
 ``kvnotes_admission_queue_depth``, ``kvnotes_admission_predicted_wait_seconds`` and
 ``kvnotes_admission_service_interval_seconds``.
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -45,24 +53,31 @@ class AdmissionConfig:
     tenant_window_s: float = 10.0
     cold_queue: int = 64
     ewma_alpha: float = 0.2
+    ttft_factor: float = 0.0           # 0: off; else refuse a predicted TTFT over this x the unloaded TTFT p90
 
     @staticmethod
     def from_config(cfg) -> "AdmissionConfig":
         return AdmissionConfig(cfg.server.admission, cfg.server.max_queue_wait_s, cfg.server.admission_tenant_window_s,
-                               cfg.server.admission_cold_queue, cfg.server.admission_ewma_alpha)
+                               cfg.server.admission_cold_queue, cfg.server.admission_ewma_alpha,
+                               cfg.server.admission_ttft_factor)
+
+
+TTFT_SAMPLES = 20          # unloaded admit-to-first-token times kept (the objective's reference)
+TTFT_MIN_SAMPLES = 3       # before that many, the TTFT objective is not applied
 
 
 class Ticket:
     """One admitted request's place in the queue; :meth:`first_token` and :meth:`release` are
     idempotent."""
 
-    def __init__(self, owner: "Admission | None", tenant: str):
+    def __init__(self, owner: "Admission | None", tenant: str, admitted: float = 0.0, alone: bool = False):
         self.owner, self.tenant, self.queued = owner, tenant, owner is not None
+        self.admitted, self.alone = admitted, alone     # admit time; admitted to an empty queue
 
     def first_token(self) -> None:
         if self.queued:
             self.queued = False
-            self.owner._left(self.tenant, served=True)
+            self.owner._left(self.tenant, served=True, ticket=self)
 
     def release(self) -> None:
         if self.queued:
@@ -90,9 +105,10 @@ class Admission:
         self.interval: float | None = None    # EWMA seconds between first tokens while busy
         self._mark: float | None = None       # last departure (or start of the busy period)
         self._seen: dict[str, float] = {}     # tenant -> last admit attempt
+        self._unloaded: deque[float] = deque(maxlen=TTFT_SAMPLES)   # admit -> first token, admitted alone
         m = metrics or Metrics()
         self.shed, self.depth = m.shed, m.admission_depth
-        self.wait, self.service = m.admission_wait, m.admission_interval
+        self.wait, self.service, self.ttft_budget = m.admission_wait, m.admission_interval, m.admission_ttft_budget
 
     # ---- decisions ------------------------------------------------------------------------
     def admit(self, tenant: str, deadline_s: float | None = None) -> Ticket:
@@ -117,19 +133,24 @@ class Admission:
                 slots, wait, drain = max(1.0, self.cfg.max_queue_wait_s / iv), ahead * iv, iv
                 full = wait > budget
             share = max(1.0, slots / active)
+            objective = self._ttft_budget()
+            ttft = None if iv is None else (ahead + 1) * iv          # departures up to and including its own
             if active > 1 and mine + 1 > share:
                 reason = "tenant_over_share"
                 retry = (mine + 1 - share) * drain * active
             elif full:
                 reason = "queue_full" if iv is None or wait > self.cfg.max_queue_wait_s else "deadline"
                 retry = (ahead - (slots if reason == "queue_full" else budget / iv) + 1) * drain
+            elif objective is not None and ttft is not None and ttft > objective:
+                reason = "ttft_objective"
+                retry = ttft - objective
             else:
                 self.queued[tenant] = mine + 1
                 self.total += 1
                 if self._mark is None:
                     self._mark = now
                 self._publish()
-                return Ticket(self, tenant)
+                return Ticket(self, tenant, now, alone=ahead == 0)
         self.shed.labels(reason).inc()
         retry = max(1.0, retry)
         if reason == "tenant_over_share":
@@ -138,15 +159,27 @@ class Admission:
                                code="tenant_over_share", retry_after=retry)
         what = (f"the predicted queue wait ({wait:.1f} s) exceeds the request's deadline_s ({budget:g} s)"
                 if reason == "deadline" else
+                f"the predicted time to the first token ({ttft:.1f} s) exceeds this server's objective "
+                f"({objective:.1f} s: {self.cfg.ttft_factor:g} x its unloaded TTFT p90)"
+                if reason == "ttft_objective" else
                 f"the server is full: {ahead} requests queued, predicted wait {wait:.1f} s over the "
                 f"{self.cfg.max_queue_wait_s:g} s limit" if iv is not None else
                 f"the server is full: {ahead} requests queued before any service time was measured")
         raise RequestError(503, f"{what}; retry after {retry:.0f} s", code="overloaded", retry_after=retry)
 
     # ---- bookkeeping ----------------------------------------------------------------------
-    def _left(self, tenant: str, served: bool) -> None:
+    def _ttft_budget(self) -> float | None:
+        """F x the unloaded TTFT p90, or None (off, or too few samples yet); under the lock."""
+        if self.cfg.ttft_factor <= 0 or len(self._unloaded) < TTFT_MIN_SAMPLES:
+            return None
+        xs = sorted(self._unloaded)
+        return self.cfg.ttft_factor * xs[min(len(xs) - 1, int(0.9 * len(xs)))]
+
+    def _left(self, tenant: str, served: bool, ticket: Ticket | None = None) -> None:
         now = self.clock()
         with self._lock:
+            if served and ticket is not None and ticket.alone:
+                self._unloaded.append(now - ticket.admitted)
             n = self.queued.get(tenant, 0) - 1
             if n > 0:
                 self.queued[tenant] = n
@@ -163,6 +196,7 @@ class Admission:
             self._publish()
 
     def _publish(self) -> None:
+        self.ttft_budget.set(self._ttft_budget() or 0.0)
         self.depth.set(self.total)
         self.wait.set(self.total * (self.interval or 0.0))
         if self.interval is not None:
@@ -172,5 +206,5 @@ class Admission:
         with self._lock:
             return {"queued": self.total, "by_tenant": dict(self.queued), "service_interval_s": self.interval,
                     "predicted_wait_s": self.total * (self.interval or 0.0),
-                    "max_queue_wait_s": self.cfg.max_queue_wait_s}
+                    "max_queue_wait_s": self.cfg.max_queue_wait_s, "ttft_budget_s": self._ttft_budget()}
 

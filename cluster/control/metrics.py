@@ -116,7 +116,7 @@ def status_label(code: int) -> str:
         return "ok"
     return _STATUS_BY_CODE.get(code, "client_error" if 400 <= code < 500 else "error")
 
-SHED_REASONS = ("tenant_over_share", "queue_full", "deadline")
+SHED_REASONS = ("tenant_over_share", "queue_full", "deadline", "ttft_objective")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16)
 
@@ -204,7 +204,8 @@ class Metrics:
             self.constrained.labels(kind)
         # admission control (cluster.control.admission)
         self.shed = Counter("kvnotes_shed_total", "Generation requests refused at admission before any work, by "
-                            "reason (tenant_over_share: 429; queue_full, deadline: 503), each with Retry-After",
+                            "reason (tenant_over_share: 429; queue_full, deadline, ttft_objective: 503), each with "
+                            "Retry-After",
                             ["reason"], registry=r)
         self.admission_depth = Gauge("kvnotes_admission_queue_depth", "Requests this router replica admitted that "
                                      "have not reached their first token", registry=r)
@@ -214,6 +215,9 @@ class Metrics:
         self.admission_interval = Gauge("kvnotes_admission_service_interval_seconds", "Measured seconds between "
                                         "first tokens while requests queue (EWMA): the inverse of this replica's "
                                         "service rate", registry=r)
+        self.admission_ttft_budget = Gauge("kvnotes_admission_ttft_budget_seconds", "The TTFT this router replica "
+                                           "admits up to (admission_ttft_factor x its unloaded TTFT p90; 0 while "
+                                           "off or not yet measured)", registry=r)
         for reason in SHED_REASONS:
             self.shed.labels(reason)                # zeros: the first shed is an increase rate() sees
         for src in PROMPT_SOURCES:

@@ -42,6 +42,7 @@ METRICS = (
     "kvnotes_admission_queue_depth",          # gauge, per router replica
     "kvnotes_admission_predicted_wait_seconds",  # gauge, per router replica
     "kvnotes_admission_service_interval_seconds",  # gauge, per router replica
+    "kvnotes_admission_ttft_budget_seconds",      # gauge, per router replica (0 while off)
     "kvnotes_tier_remote_up",                 # gauge, 1 = the remote tier answers
     "kvnotes_rope_selftest_ok",               # gauge {worker}, 1 = the RoPE self-test passed
     "kvnotes_fidelity_agree_total",           # counter {op, metric}: shadow checks that agreed
@@ -149,14 +150,17 @@ ROWS = (
            "(the client left).", stacked=True),
         Panel("Requests shed by reason", "reqps", (
             Query("sum by (reason) (rate(kvnotes_shed_total[5m]))", "{{reason}}"),
-        ), "Generation requests refused at admission before any work: tenant_over_share (429), queue_full "
-           "and deadline (503), each with Retry-After. Alert KvnotesShedding fires above 10% of requests."),
+        ), "Generation requests refused at admission before any work: tenant_over_share (429), queue_full, "
+           "deadline and ttft_objective (503), each with Retry-After. Alert KvnotesShedding fires above 10% "
+           "of requests."),
         Panel("Admission queue and predicted wait", "short", (
             Query("sum(kvnotes_admission_queue_depth)", "queued (all replicas)"),
             Query("max(kvnotes_admission_predicted_wait_seconds)", "predicted wait s (worst replica)"),
             Query("max(kvnotes_admission_service_interval_seconds)", "s between first tokens (worst replica)"),
+            Query("min(kvnotes_admission_ttft_budget_seconds > 0)", "TTFT objective s (tightest replica)"),
         ), "Requests admitted and not yet at their first token, the predicted queue wait of the next one "
-           "(compare max_queue_wait_s) and the measured service interval it rests on."),
+           "(compare max_queue_wait_s), the measured service interval it rests on, and the TTFT objective "
+           "(admission_ttft_factor x the unloaded TTFT p90; absent while off)."),
         Panel("Remote KV tier up", "short", (
             Query("min(kvnotes_tier_remote_up)", "remote tier up"),
         ), "1 when every process reaches the remote KV tier, 0 when any cannot.", kind="stat"),

@@ -43,6 +43,9 @@ class ServerConfig:
     admission_tenant_window_s: float = 10.0    # a tenant seen this recently holds a share of the queue
     admission_cold_queue: int = 64             # queue bound before the first service time is measured
     admission_ewma_alpha: float = 0.2          # weight of the newest service-interval sample
+    # a TTFT objective: refuse also what is predicted to reach its first token later than this many times
+    # the replica's own unloaded TTFT p90 (requests admitted to an empty queue); 0 = off
+    admission_ttft_factor: float = 0.0
     router_max_ongoing_requests: int = 256     # Serve's per-replica concurrency (must exceed max_inflight_per_tenant)
     router_max_queued_requests: int = 64       # Serve's own queue in front of the replicas (its 503 past that)
     metrics_tenants: tuple[str, ...] = ()      # tenants with their own label on kvnotes_requests_total (others: "other")
@@ -82,6 +85,9 @@ class ServerConfig:
                 or not 0 < self.admission_ewma_alpha <= 1:
             raise ValueError("max_queue_wait_s, admission_tenant_window_s > 0, admission_cold_queue >= 1 and "
                              "admission_ewma_alpha in (0, 1] required")
+        if not (self.admission_ttft_factor == 0 or self.admission_ttft_factor >= 1):
+            raise ValueError(f"admission_ttft_factor must be 0 (off) or >= 1 (times the unloaded TTFT p90), "
+                             f"got {self.admission_ttft_factor}")
         if self.router_max_queued_requests < 1 or self.router_max_ongoing_requests <= self.max_inflight_per_tenant:
             raise ValueError(f"router_max_ongoing_requests ({self.router_max_ongoing_requests}) must exceed "
                              f"max_inflight_per_tenant ({self.max_inflight_per_tenant}) so that the 429 can fire, "
