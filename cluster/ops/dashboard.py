@@ -157,10 +157,10 @@ ROWS = (
             Query("sum(kvnotes_admission_queue_depth)", "queued (all replicas)"),
             Query("max(kvnotes_admission_predicted_wait_seconds)", "predicted wait s (worst replica)"),
             Query("max(kvnotes_admission_service_interval_seconds)", "s between first tokens (worst replica)"),
-            Query("min(kvnotes_admission_ttft_budget_seconds > 0)", "TTFT objective s (tightest replica)"),
+            Query("min(kvnotes_admission_ttft_budget_seconds)", "TTFT objective s (tightest replica; 0: off)"),
         ), "Requests admitted and not yet at their first token, the predicted queue wait of the next one "
            "(compare max_queue_wait_s), the measured service interval it rests on, and the TTFT objective "
-           "(admission_ttft_factor x the unloaded TTFT p90; absent while off)."),
+           "(admission_ttft_factor x the unloaded TTFT p90; 0 while off)."),
         Panel("Remote KV tier up", "short", (
             Query("min(kvnotes_tier_remote_up)", "remote tier up"),
         ), "1 when every process reaches the remote KV tier, 0 when any cannot.", kind="stat"),
