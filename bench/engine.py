@@ -286,7 +286,8 @@ def few_token_target(e, cached: int, reps: int, dev, fl, vocab: int) -> None:
     from kvruntime.kv import KVCache
     g = torch.Generator().manual_seed(1)
     # the cached KV's values do not change the cost: random KV instead of a 4k-token prefill
-    data = torch.randn(e.num_layers, 2, e.kv_heads, cached, e.head_dim, generator=g).to(dev, e.dtype)
+    torch.manual_seed(1)
+    data = torch.randn(e.num_layers, 2, e.kv_heads, cached, e.head_dim, device=dev, dtype=e.dtype)
     ctx = KVCache(data, torch.arange(cached, device=dev),
                   torch.randint(100, vocab, (cached,), generator=g).to(dev))
     print(f"\n| new tokens over {cached} cached (random KV) | engine.write | plain in-place reference | ratio | floor |")

@@ -19,6 +19,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 from transformers.cache_utils import Cache
 
 from kvruntime.kv import KVCache
@@ -99,6 +100,10 @@ def _mask_for(module, query, key, attention_mask, sliding_window):
     window = sliding_window if sliding_window is not None and n > sliding_window else None
     if q == n and q > 1 and window is None:
         return None, True
+    if window is None and q > 1 and query.is_cuda:
+        # lower-right causality as a bias object: SDPA then runs the flash kernel (GQA included)
+        # with no [q x keys] mask at all; on CPU the same object would only materialize the mask
+        return causal_lower_right(q, n), False
     m = causal_tail_mask(q, n, window, query.device)
     return (None if m is None else m[None, None]), False
 
@@ -108,6 +113,8 @@ def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scal
     """query [1, H, q, d], key/value [1, Hkv, n, d] (views of the buffer) -> ([1, q, H, d], None)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     mask, causal = _mask_for(module, query, key, attention_mask, sliding_window)
+    if isinstance(mask, CausalBias) and (softcap is not None or getattr(_local, "rec", None) is not None):
+        mask = mask._materialize(query.device)[None, None]
     if causal and (softcap is not None or getattr(_local, "rec", None) is not None):
         mask, causal = causal_tail_mask(query.shape[2], key.shape[2], None, query.device)[None, None], False
     rec = getattr(_local, "rec", None)

@@ -260,12 +260,12 @@ def tiny_checkpoints(tmp_path_factory):
     return build_all(tmp_path_factory.mktemp("tiny-checkpoints"))
 
 
-def tiny_engine(checkpoints: dict, family: str, dtype: str = "float32"):
-    """The reference engine of a tiny checkpoint, loaded once per session and dtype."""
+def tiny_engine(checkpoints: dict, family: str, dtype: str = "float32", device: str = "cpu"):
+    """The reference engine of a tiny checkpoint, loaded once per session, dtype and device."""
     from kvruntime.engine import ReferenceEngine
-    key = (str(checkpoints[family]), dtype)
+    key = (str(checkpoints[family]), dtype) if device == "cpu" else (str(checkpoints[family]), dtype, device)
     if key not in _ENGINES:
-        _ENGINES[key] = ReferenceEngine(str(checkpoints[family]), dtype=dtype, threads=1)
+        _ENGINES[key] = ReferenceEngine(str(checkpoints[family]), dtype=dtype, threads=1, device=device)
     return _ENGINES[key]
 
 
