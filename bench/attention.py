@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(dev) if gpu else "CPU"
     print(f"device: {name}; {dtype}; copy {bw / 1e9:.0f} GB/s (read + write); heads {a.heads}/{a.kv_heads}, "
           f"head_dim {a.head_dim}; median of {a.reps}")
-    print("| keys | queries | kv MB | floor ms | mask ms | bias ms | expand ms | none ms | best GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| keys | queries | kv MB | floor ms | mask ms | bias ms | expand ms | none ms | best GB/s | bias vs mask |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     g = a.heads // a.kv_heads
     for n in keys:
         k = torch.randn(1, a.kv_heads, n, a.head_dim, device=dev, dtype=dtype)
@@ -85,10 +85,15 @@ def main(argv=None) -> int:
                 qs, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=m), a.reps, sync)
             if q == 1:
                 row["none"] = _time(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True), a.reps, sync)
+            diff = "-"
+            if q > 1:
+                d = (F.scaled_dot_product_attention(qs, k, v, attn_mask=bias, enable_gqa=True)
+                     - F.scaled_dot_product_attention(qs, k, v, attn_mask=m, enable_gqa=True)).abs().max()
+                diff = f"{float(d):.1e}"
             best = min(row.values())
             cells = " | ".join(f"{row[c] * 1e3:.2f}" if c in row else "-" for c in ("mask", "bias", "expand", "none"))
             print(f"| {n} | {q} | {kv_bytes / 1e6:.0f} | {kv_bytes / bw * 1e3:.2f} | {cells} | "
-                  f"{kv_bytes / best / 1e9:.0f} |", flush=True)
+                  f"{kv_bytes / best / 1e9:.0f} | {diff} |", flush=True)
     return 0
 
 

@@ -180,6 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cached", type=int, default=4096, help="cached tokens of the few-token target")
     ap.add_argument("--skip", nargs="*", default=[], help="columns to skip (hf, recompute, ...)")
     ap.add_argument("--target-only", action="store_true", help="only the few-token forwards over --cached tokens")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler of the question forward at the largest length: top kernels by device time")
     a = ap.parse_args(argv)
     gpu = a.device.startswith("cuda")
     lengths = a.lengths or ([4096, 8192, 16384, 32768] if gpu else [1024, 2048, 4096, 8192])
@@ -241,6 +243,8 @@ def main(argv=None) -> int:
             b.flush(1)
         r["seam"] = timed(seams, a.reps, dev, seam_b)
         r["question"] = timed(lambda b: b.compute(qids, logits=True), a.reps, dev, with_room(a.question))
+        if a.profile and n == max(lengths):
+            profile_question(e, with_room(a.question)(), qids, dev)
         r["kv_bytes"] = ctx.nbytes
         r["floor"] = {
             "recompute": fl.seconds(*costs(e, n, n, full=True)),
@@ -275,6 +279,18 @@ def main(argv=None) -> int:
               f"({fr['question'] * 1e3:.1f}) | {fr['recompute']:.3f} s |")
     few_token_target(e, a.cached, a.reps, dev, fl, vocab)
     return 0
+
+
+def profile_question(e, builder, qids, dev, top: int = 14) -> None:
+    """Where a question forward's time goes: torch.profiler, kernels by self device time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as p:
+        builder.compute(qids, logits=True)
+        _sync(dev)
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    print(f"\nprofile: {len(qids)}-token question over {builder.length - len(qids)} cached tokens")
+    print(p.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
 def few_token_target(e, cached: int, reps: int, dev, fl, vocab: int) -> None:

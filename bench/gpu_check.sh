@@ -15,12 +15,11 @@ fi
 step() { local name=$1 limit=$2; shift 2; echo "== $name (limit ${limit}s): $*"; local t=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"; echo "== $name rc=$? in $((SECONDS - t)) s" | tee -a "$OUT/steps.txt"; }
 step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"'
+[ -n "$SKIP_KERNELS" ] || step attention 60 python3 -m bench.attention --device cuda
+[ -n "$SKIP_KERNELS" ] || step rotate 60 python3 -m bench.rotate --device cuda
+step engine ${ENGINE_LIMIT:-300} python3 -m bench.engine --device cuda --shape llama3-8b --dtype bfloat16 \
+  --lengths 4096 8192 16384 32768 --reps 3 --cached 32768 --profile
 # (test_cuda_path.py needs the shipped SmolLM2 weights, 94 MB: more than a call carries)
 step tests 180 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_families.py tests/test_rope_triton.py \
   tests/test_bench_rotate.py tests/test_rope_fused.py \
-  "tests/test_device_placement.py::test_cuda_kv_is_staged_through_pinned_memory_exactly" \
-  "tests/test_device_placement.py::test_real_probes_on_this_host"
-step attention 60 python3 -m bench.attention --device cuda
-step rotate 60 python3 -m bench.rotate --device cuda
-step engine ${ENGINE_LIMIT:-300} python3 -m bench.engine --device cuda --shape llama3-8b --dtype bfloat16 \
-  --lengths 4096 8192 16384 32768 --reps 3 --cached 32768
+  "tests/test_device_placement.py::test_cuda_kv_is_staged_through_pinned_memory_exactly"

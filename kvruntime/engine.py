@@ -51,6 +51,9 @@ class ReferenceEngine:
         self.dtype_name = dtype
         self.dtype = _DTYPES[dtype]
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # tensors report cuda:N: a bare "cuda" would never compare equal to their device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         path = ensure_checkpoint(self.spec)
         # the architecture is read (and refused with one line) before any weight is loaded
         self.arch = arch_info(transformers.AutoConfig.from_pretrained(path))
@@ -73,7 +76,9 @@ class ReferenceEngine:
         self.eos_ids: set[int] = self._eos_ids()
         self.rope = RopeTable.from_model(self.model)
         want = rope_frequencies(self.model.config).inv_freq
-        if want.shape != self.rope.inv_freq.shape or not torch.equal(want, self.rope.inv_freq):
+        # within float32 rounding: a model built on a GPU computes its frequencies there (last-ulp
+        # differences from the CPU's), a custom RoPE differs by far more
+        if want.shape != self.rope.inv_freq.shape or not torch.allclose(want, self.rope.inv_freq, rtol=1e-6, atol=0):
             raise ModelRefused(f"model {self.spec.name}: its rotary module's frequencies differ from those "
                                "derived from config.json (a custom RoPE); re-rotation cannot be trusted")
         log.info("%s", describe(self.spec, a))

@@ -63,3 +63,22 @@ def test_cuda_bf16_runs_and_stays_finite(tiny_checkpoints, family):
     assert e.rope.enabled, e.rope.self_test_error
     for k, v in _run(e).items():
         assert v.dtype in (torch.bfloat16, torch.float32) and bool(torch.isfinite(v).all()), k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("q,n", [(16, 4096), (45, 3000), (300, 300 + 1024)])
+def test_lower_right_blocks_on_cuda_equal_the_materialized_mask(dtype, q, n):
+    """The causal_lower_right form attend() passes on CUDA (GQA 32/8) = SDPA with the boolean mask."""
+    import torch.nn.functional as F
+
+    from kvruntime.inplace import attend, causal_tail_mask
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qs = torch.randn(1, 32, q, 128, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(1, 8, n, 128, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(1, 8, n, 128, device="cuda", dtype=dtype, generator=g)
+    got, _ = attend(None, qs, k, v, None, scaling=0.088)
+    m = causal_tail_mask(q, n, None, "cuda")[None, None]
+    want = F.scaled_dot_product_attention(qs.float(), k.float(), v.float(), attn_mask=m, scale=0.088,
+                                          enable_gqa=True).transpose(1, 2)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert float((got.float() - want).abs().max()) <= tol
