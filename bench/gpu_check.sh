@@ -17,7 +17,7 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name (limit ${limit}s): $*";
 step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"'
 [ -n "$SKIP_KERNELS" ] || step attention 60 python3 -m bench.attention --device cuda
 [ -n "$SKIP_KERNELS" ] || step rotate 60 python3 -m bench.rotate --device cuda
-step engine ${ENGINE_LIMIT:-300} python3 -m bench.engine --device cuda --shape llama3-8b --dtype bfloat16 \
+[ -n "$SKIP_ENGINE" ] || step engine ${ENGINE_LIMIT:-300} python3 -m bench.engine --device cuda --shape llama3-8b --dtype bfloat16 \
   --lengths 4096 8192 16384 32768 --reps 3 --cached 32768 --profile
 # (test_cuda_path.py needs the shipped SmolLM2 weights, 94 MB: more than a call carries)
 step tests 180 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_families.py tests/test_rope_triton.py \
