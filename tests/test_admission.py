@@ -154,3 +154,25 @@ def test_ttft_factor_is_zero_or_at_least_one():
     for bad in (0.5, -1):
         with pytest.raises(ValueError, match="admission_ttft_factor"):
             ClusterConfig.of(admission_ttft_factor=bad)
+
+
+def test_the_ttft_objective_never_refuses_a_request_alone_in_the_queue():
+    """An interval measured in a slow spell (over the objective) must not refuse a request with
+    nothing ahead: else the queue stays empty, nothing is measured again and every request is refused."""
+    adm, clock, m = _adm(max_queue_wait_s=60.0, ttft_factor=2.0)
+    _alone(adm, clock, 1.0, 20)
+    clock.t += 60
+    a, b = adm.admit("a"), adm.admit("a")          # first tokens predicted at 1 and 2 s
+    clock.t += 20                                  # a stall: 20 s per first token
+    a.first_token()
+    clock.t += 20
+    b.first_token()
+    assert adm.interval > 2.0 and adm.snapshot()["ttft_budget_s"] == pytest.approx(2.0)
+    clock.t += 60
+    alone = adm.admit("a")                         # nothing ahead: admitted
+    with pytest.raises(RequestError) as e:
+        adm.admit("a")                             # behind it: (1 + 1) x interval > 2 s
+    assert e.value.code == "overloaded"
+    clock.t += 1
+    alone.first_token()
+    assert adm.interval < 7.0                      # measured again: the spell fades

@@ -25,7 +25,9 @@ request's predicted TTFT is ``(queued + 1) x interval`` (the departures up to an
 own), and it is refused with **503** ``ttft_objective`` when that exceeds F x this replica's
 unloaded TTFT p90: the p90 of the last ``TTFT_SAMPLES`` admit-to-first-token times of requests
 admitted to an empty queue (under overload none is, so the reference stays the unloaded one;
-fewer than ``TTFT_MIN_SAMPLES`` samples: the objective waits). Counted: ``kvnotes_shed_total{reason}``; gauges
+fewer than ``TTFT_MIN_SAMPLES`` samples: the objective waits). A request with nothing ahead of it
+is never refused by the objective (it is the unloaded case; refusing it would leave the queue empty
+and the interval never measured again). Counted: ``kvnotes_shed_total{reason}``; gauges
 ``kvnotes_admission_queue_depth``, ``kvnotes_admission_predicted_wait_seconds`` and
 ``kvnotes_admission_service_interval_seconds``.
 
@@ -141,7 +143,9 @@ class Admission:
             elif full:
                 reason = "queue_full" if iv is None or wait > self.cfg.max_queue_wait_s else "deadline"
                 retry = (ahead - (slots if reason == "queue_full" else budget / iv) + 1) * drain
-            elif objective is not None and ttft is not None and ttft > objective:
+            elif objective is not None and ttft is not None and ttft > objective and ahead > 0:
+                # (alone in the queue a request is the unloaded case itself: an interval measured
+                # in a slow spell must not refuse it, or an empty queue would never measure again)
                 reason = "ttft_objective"
                 retry = ttft - objective
             else:
