@@ -171,12 +171,15 @@ def test_shipped_compose_answers_is_what_its_command_computes_from_the_shipped_r
     files, and recomputing it from those rows gives the same numbers."""
     from pathlib import Path
 
-    from kvruntime.fidelity.methods import answers_section, fill_chunk_counts
-    from kvruntime.fidelity.report import load_rows, load_summary
+    from kvruntime.fidelity.methods import answers_section, fill_chunk_counts, load_sources
+    from kvruntime.fidelity.report import load_summary
     sec = load_summary(model)["compose_answers"]
     root = Path(__file__).resolve().parents[1]
-    assert sec["meta"]["model"] == model and sec["meta"]["rows"] and "--profile-out" in sec["meta"]["command"]
-    again = answers_section(fill_chunk_counts(load_rows([root / p for p in sec["meta"]["rows"]]), model), {})
+    meta = sec["meta"]
+    assert meta["model"] == model and (meta["rows"] or meta.get("calibrate_rows")) and "--profile-out" in meta["command"]
+    cal = meta.get("calibrate_rows")
+    rows = load_sources([root / p for p in meta["rows"]], root / cal if cal else None)
+    again = answers_section(fill_chunk_counts(rows, model), {})
     assert again["meta"]["cases"] == sec["meta"]["cases"]
     assert json.loads(json.dumps(again["ops"])) == sec["ops"]
     for name, row in sec["ops"].items():         # measured chunk share: r plus the seams (frame: first chunk exact)

@@ -222,6 +222,33 @@ def as_method_rows(*row_sets: dict[str, list[dict]]) -> dict[str, list[dict]]:
     return out
 
 
+def load_sources(from_rows=None, from_calibrate=None) -> dict[str, list[dict]]:
+    """Per-op rows of ``--from-rows`` files and a ``--from-calibrate`` run log: the calibrate run's
+    operations as it measured them, the rows files only for operations it did not measure."""
+    rows = load_rows(from_rows) if from_rows else {}
+    if not from_calibrate:
+        return rows
+    calibrated = calibrate_rows(from_calibrate)
+    extra = {op: rs for op, rs in rows.items() if op not in calibrated}
+    print(f"from the calibrate run: {len(calibrated)} ops; added from --from-rows: {sorted(extra) or 'none'}",
+          file=sys.stderr)
+    return {**calibrated, **extra}
+
+
+def calibrate_rows(path: str | Path) -> dict[str, list[dict]]:
+    """The compose and decision rows of a ``kvnotes calibrate`` run log (one JSON line per case:
+    ``{"set", "case", "rows": {op: row}}``), under method names (:func:`as_method_rows`)."""
+    sets: dict[str, dict[str, list[dict]]] = {"compose": {}, "decision": {}}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec.get("set") in sets:
+            for op, row in rec["rows"].items():
+                sets[rec["set"]].setdefault(op, []).append(row)
+    return as_method_rows(sets["compose"], sets["decision"])
+
+
 def fill_chunk_counts(rows: dict[str, list[dict]], model: str) -> dict[str, list[dict]]:
     """Rows written before ``run_compose`` recorded chunk counts get them from the model's tokenizer
     (the chunk ids as ``run_compose`` encodes them; no weights loaded): ``chunk_tokens`` and
@@ -312,17 +339,20 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", help="measure only these op names of the grid (e.g. 'frame | kv1 10%%')")
     ap.add_argument("--rows-out")
     ap.add_argument("--from-rows", nargs="+")
+    ap.add_argument("--from-calibrate", metavar="ROWS_JSONL",
+                    help="a `kvnotes calibrate` run log (<run dir>/rows.jsonl): its compose and decision rows, "
+                         "under method names; --from-rows then adds only operations it did not measure")
     ap.add_argument("--profile-out", nargs="+", metavar="JSON",
                     help="write the section compose_answers (intervals per op) into these profile files "
                          "(e.g. kvruntime/fidelity/tables/<model>.json; the other sections are kept)")
     args = ap.parse_args(argv)
-    if args.from_rows:
-        for f in args.from_rows:
+    if args.from_rows or args.from_calibrate:
+        for f in [*(args.from_rows or []), *([args.from_calibrate] if args.from_calibrate else [])]:
             if not Path(f).is_file():
-                raise ValueError(f"--from-rows: {f} does not exist")
-        rows = load_rows(args.from_rows)
+                raise ValueError(f"--from-rows / --from-calibrate: {f} does not exist")
+        rows = load_sources(args.from_rows, args.from_calibrate)
         if not rows:
-            raise ValueError("--from-rows: the files hold no rows")
+            raise ValueError("--from-rows / --from-calibrate: the files hold no rows")
         if args.profile_out:
             fill_chunk_counts(rows, args.model)
     else:
@@ -331,7 +361,8 @@ def main(argv=None) -> int:
         section = answers_section(rows, {
             "model": args.model, "command": "python -m kvruntime.fidelity.methods " + " ".join(
                 sys.argv[1:] if argv is None else argv),
-            "date": datetime.date.today().isoformat(), "rows": list(args.from_rows or [])})
+            "date": datetime.date.today().isoformat(), "rows": list(args.from_rows or []),
+            **({"calibrate_rows": args.from_calibrate} if args.from_calibrate else {})})
         for path in args.profile_out:
             write_section(Path(path), section, args.model)
     print(f"#### {args.model}: all cases\n\n{summary_table(rows)}\n")
