@@ -19,7 +19,11 @@ step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --f
 [ -n "$SKIP_KERNELS" ] || step rotate 60 python3 -m bench.rotate --device cuda
 [ -n "$SKIP_ENGINE" ] || step engine ${ENGINE_LIMIT:-300} python3 -m bench.engine --device cuda --shape llama3-8b --dtype bfloat16 \
   --lengths 4096 8192 16384 32768 --reps 3 --cached 32768 --profile
+[ -n "$SKIP_TESTS" ] || true
 # (test_cuda_path.py needs the shipped SmolLM2 weights, 94 MB: more than a call carries)
-step tests 180 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_families.py tests/test_rope_triton.py \
+[ -n "$SKIP_TESTS" ] || step tests 180 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_families.py tests/test_rope_triton.py \
   tests/test_bench_rotate.py tests/test_rope_fused.py \
   "tests/test_device_placement.py::test_cuda_kv_is_staged_through_pinned_memory_exactly"
+# what kvnotes calibrate costs on the 8B shape (random weights: cost only)
+[ -n "$SKIP_CALIBRATE" ] || step calibrate ${CALIBRATE_LIMIT:-240} python3 -m bench.calibrate_cost --shape llama3-8b --device cuda \
+  --dtype bfloat16 --cases ${CALIBRATE_CASES:-3} --decisions 2

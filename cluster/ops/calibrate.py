@@ -243,6 +243,8 @@ def _engine(spec, dtype: str, device: str, threads: int | None):
     if not engine.rope.enabled:
         raise RuntimeError(f"model {spec.name}: RoPE self-test failed (error {engine.rope.self_test_error}); "
                            "repositioning is disabled for it, so there is nothing to calibrate")
+    print(f"kvnotes: {spec.name} loaded on {engine.device} ({dtype}); RoPE self-test passed "
+          f"(relative error {engine.rope.self_test_error:.2e})", file=sys.stderr)
     return engine
 
 
