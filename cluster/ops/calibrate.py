@@ -3,7 +3,7 @@
 Runs the fidelity sweep (``kvruntime.fidelity``) on the shipped calibration cases with the
 reference engine: every compose operation the planner may choose (reposition + seam 1, with
 selective recompute of r of each chunk's tokens for r in ``BLEND_RATIOS`` picked by the kv1 probe,
-and for r <= the answer target's ratio also by the question, ``qlate``) on the compose cases and
+and for r <= the answer target's ratio also by the question, ``qlate`` and ``qlast``) on the compose cases and
 on ``decisions`` yes/no decision cases (``cases.load_decision_cases``), and the field edits
 (erratum vs edit-in-place), each against a full recompute. The answer-based rows ``balanced`` is
 checked against (section ``compose_answers``, with intervals) come from the compose and decision
@@ -200,7 +200,7 @@ def calibrate(model: str, *, cases: int | None = None, decisions: int | None = N
     dec_cases, dec_passages = load_decision_cases(decisions) if decisions else ([], {})
     passages = load_passages()
     ops = {**compose_ops(BLEND_RATIOS),
-           **compose_ops([r for r in BLEND_RATIOS if r <= target.max_ratio], ("qlate",))}
+           **compose_ops([r for r in BLEND_RATIOS if r <= target.max_ratio], ("qlate", "qlast"))}
     dec_ops = {k: v for k, v in ops.items() if v.get("recompute_ratio", 0.0) <= target.max_ratio
                and method_name(k) not in (None, REFERENCE_OP)}
     case_ids = {"compose": [c.id for c in compose_cases], "decision": [c.id for c in dec_cases],
