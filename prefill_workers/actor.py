@@ -42,6 +42,8 @@ class PrefillWorker:
         self._cancelled: dict[str, None] = {}     # transfer ids to stop (cancel()), oldest first
         self._cancel_lock = threading.Lock()
         self.cancelled_plans = 0                  # plans stopped by a cancel (health(), metrics)
+        from prefill_workers.queue_reports import QueueReports
+        self.queue_reports = QueueReports()       # the router replicas' admission queues (health())
         from kvruntime.device import resolve_device
         device = resolve_device(cfg.workers.prefill.device, "prefill")   # auto: cuda when Ray assigned a GPU and torch sees it
         self.device = device
@@ -74,11 +76,13 @@ class PrefillWorker:
                 "tiers": self.store.tiers, "node_id": _node_id(),
                 "kv_transport": "nixl" if self.sender.nixl is not None else "grpc"}
 
-    def health(self) -> dict:
+    def health(self, report=None) -> dict:
         """Cheap liveness answer (runs in the actor's "health" concurrency group, beside a running
-        plan): process id and whether the remote tier (if configured) is reachable."""
+        plan): process id, whether the remote tier (if configured) is reachable, and the router
+        replicas' admission queues (``report``: the caller's :class:`QueueReport`, recorded first)."""
         st = self.store.stats
         return {"worker": f"prefill-{self.index}", "pid": os.getpid(), "metrics": self.metrics_target,
+                "queues": self.queue_reports.update(report),
                 "remote_up": st.remote_up if self.cfg.tier.remote_url else None,
                 "remote_error": st.remote_last_error if self.cfg.tier.remote_url and not st.remote_up else "",
                 "remote_down_misses": st.remote_down_misses, "cancelled": self.cancelled_plans}

@@ -132,7 +132,8 @@ def test_the_ttft_objective_refuses_a_predicted_first_token_past_factor_times_th
     with pytest.raises(RequestError) as e:
         adm.admit("a")                                        # (2 ahead + 1) x 1 s = 3 s > 2 s
     assert e.value.status == 503 and e.value.code == "overloaded"
-    assert "time to the first token (3.0 s)" in e.value.message and "2 x its unloaded TTFT p90" in e.value.message
+    assert "time to the first token (3.0 s, 2 requests queued ahead in the cluster)" in e.value.message \
+        and "2 x its unloaded TTFT p90" in e.value.message
     assert e.value.retry_after == pytest.approx(1.0)
     assert m.registry.get_sample_value("kvnotes_shed_total", {"reason": "ttft_objective"}) == 1
     # the wait budget alone (30 s) would have admitted it
@@ -176,3 +177,63 @@ def test_the_ttft_objective_never_refuses_a_request_alone_in_the_queue():
     clock.t += 1
     alone.first_token()
     assert adm.interval < 7.0                      # measured again: the spell fades
+
+
+def test_the_objective_counts_the_other_replicas_queues_and_measures_the_slowdown():
+    """Two replicas before one prefill worker: the requests another replica has queued (as the
+    workers last reported them) count ahead of this one; a request admitted while any replica had
+    one queued is no unloaded sample; first tokens slower than the model predicts raise it."""
+    others = [0]
+    clock, m = Clock(), Metrics()
+    adm = Admission(AdmissionConfig(max_queue_wait_s=30.0, ttft_factor=2.0), m, clock, workers=lambda: 1,
+                    others=lambda: others[0])
+    _alone(adm, clock, 1.0, 3)                       # S = 1 s, objective 2 s
+    clock.t += 60
+    others[0] = 1                                    # the other replica has one queued
+    mine = adm.admit("a")                            # (1 / 1 + 1) x 1 s = 2 s: admitted
+    assert not mine.alone and mine.model_s == pytest.approx(2.0)
+    with pytest.raises(RequestError) as e:
+        adm.admit("a")                               # (2 + 1) x 1 s = 3 s > 2 s
+    assert "(3.0 s, 2 requests queued ahead in the cluster)" in e.value.message
+    assert m.registry.get_sample_value("kvnotes_admission_peer_queued") == 1
+    clock.t += 4                                     # served in 4 s, the model said 2 s
+    mine.first_token()
+    assert list(adm._unloaded) == [1.0] * 3          # not an unloaded sample: a peer had one queued
+    assert adm.slowdown == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
+    assert m.registry.get_sample_value("kvnotes_admission_slowdown") == pytest.approx(1.2)
+    others[0] = 0
+    alone = adm.admit("a")                           # nothing queued anywhere: never refused
+    assert alone.alone
+    others[0] = 1
+    with pytest.raises(RequestError):
+        adm.admit("a")                               # (2 / 1 + 1) x 1 s x 1.2 > 2 s
+    # two live workers halve the wait the others' queue adds
+    peers = [0]
+    two = Admission(AdmissionConfig(max_queue_wait_s=30.0, ttft_factor=2.0), Metrics(), Clock(), workers=lambda: 2,
+                    others=lambda: peers[0])
+    _alone(two, two.clock, 1.0, 3)
+    two.clock.t += 60
+    peers[0] = 2
+    assert two.admit("a").model_s == pytest.approx(2.0)    # (2 / 2 + 1) x 1 s
+
+
+def test_queue_reports_travel_through_the_workers_and_expire():
+    from cluster.control.peers import PeerQueues
+    from kvruntime.messages.prefill import QueueReport
+    from prefill_workers.queue_reports import QueueReports
+    clock = Clock()
+    worker = QueueReports(ttl_s=5.0, clock=clock)
+    assert worker.update(QueueReport("router-a", 3)) == {"router-a": 3}
+    clock.t += 1
+    seen = worker.update(QueueReport("router-b", 1))
+    assert seen == {"router-a": 3, "router-b": 1}
+    a = PeerQueues("router-a", ttl_s=5.0, clock=clock)
+    a.heard(seen)
+    assert a.others() == 1                           # its own report is not counted
+    clock.t += 4.5
+    assert worker.update(None) == {"router-b": 1}    # router-a's report is 5.5 s old: dropped
+    clock.t += 1
+    assert a.others() == 0                           # router-b last heard 5.5 s ago
+    for bad in (("", 1), ("router-c", -1), ("router-c", 1.5)):
+        with pytest.raises(ValueError, match="queue report"):
+            QueueReport(*bad)

@@ -20,14 +20,17 @@ both with ``Retry-After``: the predicted time until the queue (or the tenant's p
 drained to where the request fits. Before the first interval is measured the queue is bounded
 by ``admission_cold_queue``.
 
-A TTFT objective (``admission_ttft_factor`` F > 0) bounds the first token, not only the wait: a
-request's predicted TTFT is ``(queued + 1) x interval`` (the departures up to and including its
-own), and it is refused with **503** ``ttft_objective`` when that exceeds F x this replica's
-unloaded TTFT p90: the p90 of the last ``TTFT_SAMPLES`` admit-to-first-token times of requests
-admitted to an empty queue (under overload none is, so the reference stays the unloaded one;
-fewer than ``TTFT_MIN_SAMPLES`` samples: the objective waits). A request with nothing ahead of it
-is never refused by the objective (it is the unloaded case; refusing it would leave the queue empty
-and the interval never measured again). Counted: ``kvnotes_shed_total{reason}``; gauges
+A TTFT objective (``admission_ttft_factor`` F > 0) bounds the first token, not only the wait: it
+is F x this replica's unloaded TTFT p90 (the p90 of the last ``TTFT_SAMPLES`` admit-to-first-token
+times of requests admitted while no replica had one queued; fewer than ``TTFT_MIN_SAMPLES``
+samples: the objective waits). A request's predicted first token is ``(Q / P + 1) x S x c``: Q the
+requests queued ahead of it in the whole cluster (this replica's plus the others' as the prefill
+workers' health answers last reported them, ``cluster.control.peers``), P the live prefill workers,
+S the unloaded TTFT median and c the measured slowdown (EWMA of each served request's first-token
+time over that model's prediction without c: a loaded machine serves slower than an idle one).
+Past the objective the request is refused with **503** ``ttft_objective``; one with nothing queued
+ahead of it anywhere is never refused by it (it is the unloaded case; refusing it would leave the
+queues empty and nothing measured again). Counted: ``kvnotes_shed_total{reason}``; gauges
 ``kvnotes_admission_queue_depth``, ``kvnotes_admission_predicted_wait_seconds`` and
 ``kvnotes_admission_service_interval_seconds``.
 
@@ -66,15 +69,18 @@ class AdmissionConfig:
 
 TTFT_SAMPLES = 20          # unloaded admit-to-first-token times kept (the objective's reference)
 TTFT_MIN_SAMPLES = 3       # before that many, the TTFT objective is not applied
+SLOWDOWN_MIN, SLOWDOWN_MAX = 0.5, 10.0   # one request's first-token time / its model prediction, clamped
 
 
 class Ticket:
     """One admitted request's place in the queue; :meth:`first_token` and :meth:`release` are
     idempotent."""
 
-    def __init__(self, owner: "Admission | None", tenant: str, admitted: float = 0.0, alone: bool = False):
+    def __init__(self, owner: "Admission | None", tenant: str, admitted: float = 0.0, alone: bool = False,
+                 model_s: float | None = None):
         self.owner, self.tenant, self.queued = owner, tenant, owner is not None
-        self.admitted, self.alone = admitted, alone     # admit time; admitted to an empty queue
+        self.admitted, self.alone = admitted, alone     # admit time; admitted with nothing queued anywhere
+        self.model_s = model_s                          # (Q / P + 1) x S at admission (None: no model yet)
 
     def first_token(self) -> None:
         if self.queued:
@@ -99,8 +105,11 @@ def first_token() -> None:
 
 
 class Admission:
-    def __init__(self, cfg: AdmissionConfig, metrics: Metrics | None = None, clock=time.monotonic):
-        self.cfg, self.clock = cfg, clock
+    def __init__(self, cfg: AdmissionConfig, metrics: Metrics | None = None, clock=time.monotonic,
+                 workers=lambda: 1, others=lambda: 0):
+        """``workers``: live prefill workers now; ``others``: the other replicas' queued requests."""
+        self.cfg, self.clock, self.workers, self.others = cfg, clock, workers, others
+        self.slowdown = 1.0                   # c: EWMA of first-token time / the model's prediction
         self._lock = threading.Lock()
         self.queued: dict[str, int] = {}      # tenant -> admitted, not yet at the first token
         self.total = 0
@@ -111,6 +120,7 @@ class Admission:
         m = metrics or Metrics()
         self.shed, self.depth = m.shed, m.admission_depth
         self.wait, self.service, self.ttft_budget = m.admission_wait, m.admission_interval, m.admission_ttft_budget
+        self.slowdown_gauge, self.peers_gauge = m.admission_slowdown, m.admission_peer_queued
 
     # ---- decisions ------------------------------------------------------------------------
     def admit(self, tenant: str, deadline_s: float | None = None) -> Ticket:
@@ -118,6 +128,8 @@ class Admission:
         if not self.cfg.enabled:
             return Ticket(None, tenant)
         now = self.clock()
+        others = max(0, int(self.others()))
+        self.peers_gauge.set(others)
         with self._lock:
             self._seen[tenant] = now
             horizon = now - self.cfg.tenant_window_s
@@ -136,16 +148,15 @@ class Admission:
                 full = wait > budget
             share = max(1.0, slots / active)
             objective = self._ttft_budget()
-            ttft = None if iv is None else (ahead + 1) * iv          # departures up to and including its own
+            model = self._ttft_model(ahead + others)
+            ttft = None if model is None else model * self.slowdown
             if active > 1 and mine + 1 > share:
                 reason = "tenant_over_share"
                 retry = (mine + 1 - share) * drain * active
             elif full:
                 reason = "queue_full" if iv is None or wait > self.cfg.max_queue_wait_s else "deadline"
                 retry = (ahead - (slots if reason == "queue_full" else budget / iv) + 1) * drain
-            elif objective is not None and ttft is not None and ttft > objective and ahead > 0:
-                # (alone in the queue a request is the unloaded case itself: an interval measured
-                # in a slow spell must not refuse it, or an empty queue would never measure again)
+            elif objective is not None and ttft is not None and ttft > objective and ahead + others > 0:
                 reason = "ttft_objective"
                 retry = ttft - objective
             else:
@@ -154,7 +165,7 @@ class Admission:
                 if self._mark is None:
                     self._mark = now
                 self._publish()
-                return Ticket(self, tenant, now, alone=ahead == 0)
+                return Ticket(self, tenant, now, alone=ahead + others == 0, model_s=model)
         self.shed.labels(reason).inc()
         retry = max(1.0, retry)
         if reason == "tenant_over_share":
@@ -163,8 +174,9 @@ class Admission:
                                code="tenant_over_share", retry_after=retry)
         what = (f"the predicted queue wait ({wait:.1f} s) exceeds the request's deadline_s ({budget:g} s)"
                 if reason == "deadline" else
-                f"the predicted time to the first token ({ttft:.1f} s) exceeds this server's objective "
-                f"({objective:.1f} s: {self.cfg.ttft_factor:g} x its unloaded TTFT p90)"
+                f"the predicted time to the first token ({ttft:.1f} s, {ahead + others} requests queued ahead in "
+                f"the cluster) exceeds this server's objective ({objective:.1f} s: {self.cfg.ttft_factor:g} x "
+                f"its unloaded TTFT p90)"
                 if reason == "ttft_objective" else
                 f"the server is full: {ahead} requests queued, predicted wait {wait:.1f} s over the "
                 f"{self.cfg.max_queue_wait_s:g} s limit" if iv is not None else
@@ -179,11 +191,23 @@ class Admission:
         xs = sorted(self._unloaded)
         return self.cfg.ttft_factor * xs[min(len(xs) - 1, int(0.9 * len(xs)))]
 
+    def _ttft_model(self, queued_ahead: int) -> float | None:
+        """``(Q / P + 1) x S`` seconds (S the unloaded TTFT median), or None before enough samples;
+        under the lock."""
+        if len(self._unloaded) < TTFT_MIN_SAMPLES:
+            return None
+        xs = sorted(self._unloaded)
+        return (queued_ahead / max(1, int(self.workers())) + 1) * xs[len(xs) // 2]
+
     def _left(self, tenant: str, served: bool, ticket: Ticket | None = None) -> None:
         now = self.clock()
         with self._lock:
             if served and ticket is not None and ticket.alone:
                 self._unloaded.append(now - ticket.admitted)
+            if served and ticket is not None and ticket.model_s:
+                ratio = min(SLOWDOWN_MAX, max(SLOWDOWN_MIN, (now - ticket.admitted) / ticket.model_s))
+                a = self.cfg.ewma_alpha
+                self.slowdown = (1 - a) * self.slowdown + a * ratio
             n = self.queued.get(tenant, 0) - 1
             if n > 0:
                 self.queued[tenant] = n
@@ -201,6 +225,7 @@ class Admission:
 
     def _publish(self) -> None:
         self.ttft_budget.set(self._ttft_budget() or 0.0)
+        self.slowdown_gauge.set(self.slowdown)
         self.depth.set(self.total)
         self.wait.set(self.total * (self.interval or 0.0))
         if self.interval is not None:
@@ -210,5 +235,6 @@ class Admission:
         with self._lock:
             return {"queued": self.total, "by_tenant": dict(self.queued), "service_interval_s": self.interval,
                     "predicted_wait_s": self.total * (self.interval or 0.0),
-                    "max_queue_wait_s": self.cfg.max_queue_wait_s, "ttft_budget_s": self._ttft_budget()}
+                    "max_queue_wait_s": self.cfg.max_queue_wait_s, "ttft_budget_s": self._ttft_budget(),
+                    "slowdown": self.slowdown, "others_queued": self.others()}
 

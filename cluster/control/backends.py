@@ -92,3 +92,15 @@ class Backends(ABC):
 
     #: completed health sweeps (``/ready`` waits for the first); default: always ready
     health_sweeps: int = 1
+    #: this replica's admission queue, sent with each prefill health probe (None: nothing sent);
+    #: set by the HTTP layer once its admission exists
+    queue_report = None
+
+    @property
+    def peers(self):
+        """The other replicas' admission queues, as the prefill workers' health answers report them."""
+        p = self.__dict__.get("_peers")
+        if p is None:
+            from cluster.control.peers import PeerQueues
+            p = self.__dict__["_peers"] = PeerQueues()
+        return p

@@ -7,7 +7,8 @@ that answers again is brought back. It also refreshes what changes on a restart 
 worker's KV endpoint: gRPC address and NIXL agent metadata), the gauges
 ``kvnotes_workers_alive{role}`` and ``kvnotes_tier_remote_up`` (from each prefill actor's
 probe-driven ``remote_up``; the recomputes a down remote tier caused are counted once, by the
-prefill actor where they happened, on its own exporter). Errors the router
+prefill actor where they happened, on its own exporter). Each probe of a prefill worker carries
+this replica's admission queue and brings back the other replicas' (``cluster.control.peers``). Errors the router
 sees on requests mark workers down at once (``cluster.control.ray_backends``); only this thread brings
 them back.
 """
@@ -70,11 +71,13 @@ class HealthMonitor(threading.Thread):
         most ``period_s`` (at least 0.5 s) for answers."""
         b = self.backends
         now = time.monotonic()
+        report = b.queue_report() if b.queue_report is not None else None
         for role in ROLES:
             for i, actor in enumerate(b.actors(role)):
                 key = (role, i)
                 if key not in self.calls:
-                    self.calls[key] = (actor.health.options(concurrency_group=PROBE_GROUP).remote(), now)
+                    args = (report,) if role == "prefill" and report is not None else ()
+                    self.calls[key] = (actor.health.options(concurrency_group=PROBE_GROUP).remote(*args), now)
                 overdue = now - self.calls[key][1] > self.timeout_s
                 if overdue and key not in self.fresh:
                     prober = self._prober()
@@ -127,6 +130,7 @@ class HealthMonitor(threading.Thread):
             b.endpoints[i], b.addresses[i] = ep, ep.grpc_address
         if role == "prefill":
             b.remote_up[i] = info.get("remote_up")
+            b.peers.heard(info.get("queues"))
         if path == "fresh" and b.view.is_alive(role, i):
             log.info("%s-%d answered on the fresh health path (this replica's own call is overdue)", role, i)
         b.view.mark(role, i, True)

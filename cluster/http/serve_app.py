@@ -36,6 +36,7 @@ from cluster.http.body import read_json
 from cluster.control import metrics as request_metrics      # a module reference: Serve pickles this app
 from kvruntime import request_log
 from kvruntime.config import ClusterConfig
+from kvruntime.messages.prefill import QueueReport
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.")
@@ -126,11 +127,16 @@ class RouterIngress:
                                   trusted_proxies=cfg.server.trusted_proxies, cache_s=cfg.server.auth_cache_s)
         self.limits = RequestLimits.from_config(cfg)
         self.inflight = InflightLimiter(cfg.server.max_inflight_per_tenant)
-        self.admission = admission_queue.Admission(admission_queue.AdmissionConfig.from_config(cfg),
-                                                   self.router.metrics)
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
         self.process = f"router-{_replica_id()}"
+        backends = self.router.backends
+        backends.peers.me = self.process
+        self.admission = admission_queue.Admission(
+            admission_queue.AdmissionConfig.from_config(cfg), self.router.metrics,
+            workers=lambda: len(backends.view.live("prefill")), others=backends.peers.others)
+        # each prefill health probe carries this replica's queue (cluster.control.peers)
+        backends.queue_report = lambda: QueueReport(self.process, self.admission.total)
         self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.server.bind_host))
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
         (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.workers.model))

@@ -43,6 +43,8 @@ METRICS = (
     "kvnotes_admission_predicted_wait_seconds",  # gauge, per router replica
     "kvnotes_admission_service_interval_seconds",  # gauge, per router replica
     "kvnotes_admission_ttft_budget_seconds",      # gauge, per router replica (0 while off)
+    "kvnotes_admission_slowdown",             # gauge, per router replica: measured / modelled first token
+    "kvnotes_admission_peer_queued",          # gauge, per router replica: the others' queues it last heard
     "kvnotes_tier_remote_up",                 # gauge, 1 = the remote tier answers
     "kvnotes_rope_selftest_ok",               # gauge {worker}, 1 = the RoPE self-test passed
     "kvnotes_fidelity_agree_total",           # counter {op, metric}: shadow checks that agreed
@@ -158,9 +160,12 @@ ROWS = (
             Query("max(kvnotes_admission_predicted_wait_seconds)", "predicted wait s (worst replica)"),
             Query("max(kvnotes_admission_service_interval_seconds)", "s between first tokens (worst replica)"),
             Query("min(kvnotes_admission_ttft_budget_seconds)", "TTFT objective s (tightest replica; 0: off)"),
+            Query("max(kvnotes_admission_slowdown)", "slowdown vs idle (worst replica)"),
+            Query("max(kvnotes_admission_peer_queued)", "other replicas' queues as heard"),
         ), "Requests admitted and not yet at their first token, the predicted queue wait of the next one "
-           "(compare max_queue_wait_s), the measured service interval it rests on, and the TTFT objective "
-           "(admission_ttft_factor x the unloaded TTFT p90; 0 while off)."),
+           "(compare max_queue_wait_s), the measured service interval it rests on, the TTFT objective "
+           "(admission_ttft_factor x the unloaded TTFT p90; 0 while off), the measured slowdown its model "
+           "applies and the other replicas' queued requests it adds (heard through the prefill workers)."),
         Panel("Remote KV tier up", "short", (
             Query("min(kvnotes_tier_remote_up)", "remote tier up"),
         ), "1 when every process reaches the remote KV tier, 0 when any cannot.", kind="stat"),

@@ -40,3 +40,17 @@ class PrecompileInfo:
     bytes: int                        # KV bytes stored (0 when cached)
     seconds: float                    # wall time on the worker
     worker: str                       # which prefill worker answered
+
+
+REPORT_TTL_S = 5.0      # a replica's queue report older than this counts no more (gone, or its probes stopped)
+
+
+@dataclass(frozen=True)
+class QueueReport:
+    """Router replica -> prefill worker, with each health probe: this replica's admission queue."""
+    replica: str          # the replica's process name (e.g. ``router-<id>``)
+    queued: int           # requests admitted and not yet at their first token
+
+    def __post_init__(self):
+        if not self.replica or not isinstance(self.queued, int) or self.queued < 0:
+            raise ValueError(f"a queue report needs a replica id and a queued count >= 0, got {self!r}")
