@@ -145,7 +145,7 @@ def test_the_ttft_objective_refuses_a_predicted_first_token_past_factor_times_th
     first.first_token()
     clock.t += 1
     second.first_token()
-    assert list(adm._unloaded) == [1.0] * 4                   # `first` was admitted alone, `second` behind it
+    assert list(adm._unloaded) == [1.0] * 3                   # `first` had `second` queued behind it: no sample
     adm.admit("a")                                            # drained: room again
 
 
@@ -191,22 +191,26 @@ def test_the_objective_counts_the_other_replicas_queues_and_measures_the_slowdow
     clock.t += 60
     others[0] = 1                                    # the other replica has one queued
     mine = adm.admit("a")                            # (1 / 1 + 1) x 1 s = 2 s: admitted
-    assert not mine.alone and mine.model_s == pytest.approx(2.0)
+    assert mine.model_s == pytest.approx(2.0)
     with pytest.raises(RequestError) as e:
         adm.admit("a")                               # (2 + 1) x 1 s = 3 s > 2 s
     assert "(3.0 s, 2 requests queued ahead in the cluster)" in e.value.message
     assert m.registry.get_sample_value("kvnotes_admission_peer_queued") == 1
     clock.t += 4                                     # served in 4 s, the model said 2 s
     mine.first_token()
-    assert list(adm._unloaded) == [1.0] * 3          # not an unloaded sample: a peer had one queued
-    assert adm.slowdown == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
-    assert m.registry.get_sample_value("kvnotes_admission_slowdown") == pytest.approx(1.2)
-    others[0] = 0
-    alone = adm.admit("a")                           # nothing queued anywhere: never refused
-    assert alone.alone
-    others[0] = 1
+    assert list(adm._unloaded) == [1.0] * 3          # not an unloaded sample: a peer has one queued
+    assert adm.slowdown == 1.0                       # one ratio (2) so far: the model is trusted as is...
+    for _ in range(2):                               # ...two more served at twice the model's 2 s
+        t = adm.admit("a")
+        clock.t += 4
+        t.first_token()
+    assert adm.slowdown == pytest.approx(2.0)        # p90 of [2, 2, 2]
     with pytest.raises(RequestError):
-        adm.admit("a")                               # (2 / 1 + 1) x 1 s x 1.2 > 2 s
+        adm.admit("a")                               # (1 / 1 + 1) x 1 s x 2 = 4 s > 2 s
+    assert m.registry.get_sample_value("kvnotes_admission_slowdown") == pytest.approx(2.0)
+    others[0] = 0
+    alone = adm.admit("a")                           # nothing queued anywhere: never refused (1 x 1 x 2 s)
+    assert alone.model_s == pytest.approx(1.0)
     # two live workers halve the wait the others' queue adds
     peers = [0]
     two = Admission(AdmissionConfig(max_queue_wait_s=30.0, ttft_factor=2.0), Metrics(), Clock(), workers=lambda: 2,
@@ -237,3 +241,28 @@ def test_queue_reports_travel_through_the_workers_and_expire():
     for bad in (("", 1), ("router-c", -1), ("router-c", 1.5)):
         with pytest.raises(ValueError, match="queue report"):
             QueueReport(*bad)
+
+
+def test_only_a_request_alone_from_admission_to_first_token_is_an_unloaded_sample():
+    others = [0]
+    adm, clock, m = _adm(max_queue_wait_s=30.0, ttft_factor=2.0)
+    adm.others = lambda: others[0]
+    _alone(adm, clock, 1.0, 3)
+    clock.t += 60
+    a = adm.admit("a")
+    b = adm.admit("a")                     # disturbs a
+    clock.t += 3
+    a.first_token()
+    clock.t += 3
+    b.first_token()
+    c = adm.admit("a")                     # alone here, but a peer queues one before its first token
+    others[0] = 1
+    clock.t += 5
+    c.first_token()
+    others[0] = 0
+    d = adm.admit("a")
+    d.release()                            # ended without a first token: nothing measured
+    e = adm.admit("a")
+    clock.t += 1.5
+    e.first_token()
+    assert list(adm._unloaded) == [1.0, 1.0, 1.0, 1.5] and not adm._live

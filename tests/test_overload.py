@@ -17,6 +17,7 @@ import concurrent.futures as cf
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -99,11 +100,32 @@ def test_overload_is_shed_with_retry_after_and_every_request_is_counted(cluster)
         base, capacity = unloaded(client, body, 4, 120)
         before = _requests_total(http)
         shed_before = _requests_total(http, outcome="shed")
-        results = offer(client, body, 4 * capacity, OVERLOAD_S, 60)
+        heard, stop_sampling = [], threading.Event()
+
+        def sample():                  # the other replicas' queues each replica heard, while loaded
+            while not stop_sampling.wait(0.5):
+                try:
+                    heard.append(max(metric(t, "kvnotes_admission_peer_queued") for t in _router_metrics(http)))
+                except httpx.HTTPError:
+                    pass
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            results = offer(client, body, 4 * capacity, OVERLOAD_S, 60)
+        finally:
+            stop_sampling.set()
+            sampler.join(10)
     finally:
         client.close()
     s = summary(base, capacity, 4 * capacity, results)
+    texts = _router_metrics(http)
+    s["shed_by_reason"] = {r: sum(metric(t, "kvnotes_shed_total", reason=r) for t in texts)
+                           for r in ("tenant_over_share", "queue_full", "deadline", "ttft_objective")}
+    s["slowdown"] = [metric(t, "kvnotes_admission_slowdown") for t in texts]
+    s["peer_queued_max"] = max(heard, default=0.0)
     print("overload summary:", json.dumps(s))
+    # the replicas heard each other's queues through the prefill worker's health answers
+    assert s["peer_queued_max"] >= 1, s
     shed = [r for r in results if r.status in (429, 503)]
     assert s["timeouts"] == 0, s
     assert shed, f"nothing was shed at 4x capacity: {s}"

@@ -22,12 +22,14 @@ by ``admission_cold_queue``.
 
 A TTFT objective (``admission_ttft_factor`` F > 0) bounds the first token, not only the wait: it
 is F x this replica's unloaded TTFT p90 (the p90 of the last ``TTFT_SAMPLES`` admit-to-first-token
-times of requests admitted while no replica had one queued; fewer than ``TTFT_MIN_SAMPLES``
+times of requests alone from admission to first token: no other request admitted here meanwhile and
+none queued at the other replicas as last heard; fewer than ``TTFT_MIN_SAMPLES``
 samples: the objective waits). A request's predicted first token is ``(Q / P + 1) x S x c``: Q the
 requests queued ahead of it in the whole cluster (this replica's plus the others' as the prefill
 workers' health answers last reported them, ``cluster.control.peers``), P the live prefill workers,
-S the unloaded TTFT median and c the measured slowdown (EWMA of each served request's first-token
-time over that model's prediction without c: a loaded machine serves slower than an idle one).
+S the unloaded TTFT median and c the measured slowdown: the p90 of the last ``TTFT_SAMPLES``
+served requests' first-token time over that model's prediction without c (a loaded machine serves
+slower than an idle one, and the objective is on the p90, not the mean; 1 before 3 samples).
 Past the objective the request is refused with **503** ``ttft_objective``; one with nothing queued
 ahead of it anywhere is never refused by it (it is the unloaded case; refusing it would leave the
 queues empty and nothing measured again). Counted: ``kvnotes_shed_total{reason}``; gauges
@@ -79,7 +81,7 @@ class Ticket:
     def __init__(self, owner: "Admission | None", tenant: str, admitted: float = 0.0, alone: bool = False,
                  model_s: float | None = None):
         self.owner, self.tenant, self.queued = owner, tenant, owner is not None
-        self.admitted, self.alone = admitted, alone     # admit time; admitted with nothing queued anywhere
+        self.admitted, self.alone = admitted, alone     # admit time; nothing else queued anywhere (so far)
         self.model_s = model_s                          # (Q / P + 1) x S at admission (None: no model yet)
 
     def first_token(self) -> None:
@@ -90,7 +92,7 @@ class Ticket:
     def release(self) -> None:
         if self.queued:
             self.queued = False
-            self.owner._left(self.tenant, served=False)
+            self.owner._left(self.tenant, served=False, ticket=self)
 
 
 #: the ticket of the request being served (set by the HTTP layer; None outside a request)
@@ -109,14 +111,16 @@ class Admission:
                  workers=lambda: 1, others=lambda: 0):
         """``workers``: live prefill workers now; ``others``: the other replicas' queued requests."""
         self.cfg, self.clock, self.workers, self.others = cfg, clock, workers, others
-        self.slowdown = 1.0                   # c: EWMA of first-token time / the model's prediction
+        self.slowdown = 1.0                   # c: p90 of first-token time / the model's prediction
+        self._ratios: deque[float] = deque(maxlen=TTFT_SAMPLES)
         self._lock = threading.Lock()
         self.queued: dict[str, int] = {}      # tenant -> admitted, not yet at the first token
         self.total = 0
         self.interval: float | None = None    # EWMA seconds between first tokens while busy
         self._mark: float | None = None       # last departure (or start of the busy period)
         self._seen: dict[str, float] = {}     # tenant -> last admit attempt
-        self._unloaded: deque[float] = deque(maxlen=TTFT_SAMPLES)   # admit -> first token, admitted alone
+        self._unloaded: deque[float] = deque(maxlen=TTFT_SAMPLES)   # admit -> first token, alone throughout
+        self._live: set[Ticket] = set()       # tickets queued now (a new admission disturbs them)
         m = metrics or Metrics()
         self.shed, self.depth = m.shed, m.admission_depth
         self.wait, self.service, self.ttft_budget = m.admission_wait, m.admission_interval, m.admission_ttft_budget
@@ -165,7 +169,13 @@ class Admission:
                 if self._mark is None:
                     self._mark = now
                 self._publish()
-                return Ticket(self, tenant, now, alone=ahead + others == 0, model_s=model)
+                for t in self._live:          # no longer alone: their first token is no unloaded sample
+                    t.alone = False
+                # alone: nothing queued here; the others' queues are checked at its first token (a
+                # report can be a health period old: the one heard now may be of a request since served)
+                ticket = Ticket(self, tenant, now, alone=ahead == 0, model_s=model)
+                self._live.add(ticket)
+                return ticket
         self.shed.labels(reason).inc()
         retry = max(1.0, retry)
         if reason == "tenant_over_share":
@@ -201,13 +211,20 @@ class Admission:
 
     def _left(self, tenant: str, served: bool, ticket: Ticket | None = None) -> None:
         now = self.clock()
+        quiet = ticket is not None and ticket.alone and int(self.others()) == 0
         with self._lock:
-            if served and ticket is not None and ticket.alone:
+            if ticket is not None:
+                self._live.discard(ticket)
+            if served and quiet and ticket.alone:
+                # alone from admission to first token, here and at the other replicas as last
+                # heard: an unloaded sample (under load none is, so the reference stays unloaded)
                 self._unloaded.append(now - ticket.admitted)
             if served and ticket is not None and ticket.model_s:
                 ratio = min(SLOWDOWN_MAX, max(SLOWDOWN_MIN, (now - ticket.admitted) / ticket.model_s))
-                a = self.cfg.ewma_alpha
-                self.slowdown = (1 - a) * self.slowdown + a * ratio
+                self._ratios.append(ratio)
+                if len(self._ratios) >= TTFT_MIN_SAMPLES:
+                    xs = sorted(self._ratios)
+                    self.slowdown = xs[min(len(xs) - 1, int(0.9 * len(xs)))]
             n = self.queued.get(tenant, 0) - 1
             if n > 0:
                 self.queued[tenant] = n

@@ -219,8 +219,8 @@ class Metrics:
                                            "admits up to (admission_ttft_factor x its unloaded TTFT p90; 0 while "
                                            "off or not yet measured)", registry=r)
         self.admission_slowdown = Gauge("kvnotes_admission_slowdown", "Measured first-token time over the TTFT "
-                                        "objective's model prediction (EWMA; 1 = served as fast as when idle)",
-                                        registry=r)
+                                        "objective's model prediction (p90 of the last 20; 1 = as fast as when "
+                                        "idle)", registry=r)
         self.admission_peer_queued = Gauge("kvnotes_admission_peer_queued", "Requests the other router replicas "
                                            "had queued when this one last heard (via the prefill workers' health "
                                            "answers)", registry=r)
