@@ -59,6 +59,13 @@ def test_node_types_carry_exactly_what_the_actors_request(monkeypatch):
     assert set(types) == {"ray.head.default", "prefill", "decode", "prefill-gpu"}
     assert _cluster()["head_node_type"] == "ray.head.default"
     assert not {"prefill", "decode", "GPU"} & set(types["ray.head.default"]["resources"])
+    # the router replicas live on the head only: a lost worker node takes no router (and no open stream)
+    from cluster.ops.launcher import router_actor_options
+    for c in (cfg, gpu):
+        assert c.server.router_resource == "router"
+        assert router_actor_options(c) == {"num_cpus": 0, "resources": {"router": 0.01}}
+        assert types["ray.head.default"]["resources"]["router"] * 100 >= c.server.router_replicas
+    assert all("router" not in types[t]["resources"] for t in types if t != "ray.head.default")
     for kind in ("prefill", "decode"):
         want = worker_resources(cfg, kind)
         assert types[kind]["resources"] == {k: int(v) if float(v).is_integer() else v for k, v in want.items()}
@@ -147,7 +154,7 @@ def test_node_types_under_the_fake_autoscaler_serve_a_request(tmp_path):
                LMCACHE_TRACK_USAGE="false", PYTHONHASHSEED="0")
     env.pop("RAY_AUTH_MODE", None)
     kv_cfg = {"port": http_port, "host": "127.0.0.1", "data_dir": str(tmp_path / "data"),
-              "tier_cpu_bytes": 64 << 20, "decode_engine": "reference", "start_timeout_s": 480,
+              "router_resource": "router", "tier_cpu_bytes": 64 << 20, "decode_engine": "reference", "start_timeout_s": 480,
               "prefill": {"count": 1, "num_cpus": 2, "custom_resource": True},
               "decode": {"count": 1, "num_cpus": 2, "custom_resource": True}}
     (tmp_path / "kvnotes.yaml").write_text(yaml.safe_dump(kv_cfg))
@@ -155,6 +162,7 @@ def test_node_types_under_the_fake_autoscaler_serve_a_request(tmp_path):
     serve_log = log_path.open("w")
     try:
         subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=4", f"--temp-dir={temp_dir}",
+                        '--resources={"router": 1}',
                         f"--autoscaling-config={cfg_path}", "--include-dashboard=false",
                         f"--ray-client-server-port={free_port()}", "--disable-usage-stats"],
                        env=env, check=True, timeout=180, capture_output=True)
@@ -182,13 +190,15 @@ def test_node_types_under_the_fake_autoscaler_serve_a_request(tmp_path):
         placed = _ray_query(address, """
 from ray._private.state import actors        # the GCS actor table (the state API needs the dashboard)
 nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-kinds = lambda nid: sorted(k for k in nodes[nid]["Resources"] if k in ("prefill", "decode"))
+kinds = lambda nid: sorted(k for k in nodes[nid]["Resources"] if k in ("prefill", "decode", "router"))
+alive = [a for a in actors().values() if a["State"] == "ALIVE"]
 out = {"nodes": [kinds(nid) for nid in nodes],
-       "actors": {a["Name"]: kinds(a["Address"]["NodeID"]) for a in actors().values()
-                  if a["State"] == "ALIVE" and a["Name"] in ("prefill-0", "decode-0")}}
+       "actors": {a["Name"]: kinds(a["Address"]["NodeID"]) for a in alive if a["Name"] in ("prefill-0", "decode-0")},
+       "routers": [kinds(a["Address"]["NodeID"]) for a in alive if "kvnotes-router" in a["Name"]]}
 """)
-        assert sorted(placed["nodes"]) == [[], ["decode"], ["prefill"]], placed      # head + one node per type
+        assert sorted(placed["nodes"]) == [["decode"], ["prefill"], ["router"]], placed   # head + one node per type
         assert placed["actors"] == {"prefill-0": ["prefill"], "decode-0": ["decode"]}, placed
+        assert placed["routers"] == [["router"]], placed                          # the router replica: on the head
     finally:
         if serve_proc is not None and serve_proc.poll() is None:
             serve_proc.send_signal(signal.SIGTERM)
@@ -200,6 +210,24 @@ out = {"nodes": [kinds(nid) for nid in nodes],
         _kill_tree(temp_dir, address)
         serve_log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_router_resource_no_node_declares_is_refused_before_anything_starts(monkeypatch):
+    import ray
+
+    from cluster.ops.launcher import check_router_resource
+    from kvruntime.config import ClusterConfig
+
+    cfg = ClusterConfig.of(router_resource="router", router_replicas=2)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    with pytest.raises(RuntimeError, match="router_resource 'router': the cluster's nodes declare 0 of it, "
+                                           "2 router replica\\(s\\) need 0.02"):
+        check_router_resource(cfg)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "router": 1.0})
+    check_router_resource(cfg)
+    check_router_resource(ClusterConfig.of())          # unset: anywhere, nothing to check
+    with pytest.raises(ValueError, match="custom resource name"):
+        ClusterConfig.of(router_resource="GPU")
 
 
 def test_serve_address_unreachable_fails_with_one_line(tmp_path):

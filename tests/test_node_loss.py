@@ -1,5 +1,6 @@
 """A node lost under load, on a multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``:
-a head with no CPUs for workers, two nodes that each hold one prefill and one decode actor by custom
+a head with no CPUs for workers that holds the router replicas (``router_resource``, as
+deploy/cluster.yaml's head), two nodes that each hold one prefill and one decode actor by custom
 resources, and a spare node added before the loss). While ``KVNOTES_NODE_LOSS_STREAMS`` streams
 (32 by default) run through the real router, the node holding one prefill and one decode actor is
 removed: every stream still ends with HTTP 200 and no in-band error, the lost actors are restarted
@@ -42,7 +43,7 @@ def _start_nodes():
     for attempt in (1, 2, 3):
         c = Cluster()
         try:
-            c.add_node(num_cpus=0, include_dashboard=False)         # the head
+            c.add_node(num_cpus=0, resources={"router": 1}, include_dashboard=False)   # the head: routers
             a = c.add_node(**WORKER_NODE)
             c.add_node(**WORKER_NODE)
             c.wait_for_nodes(timeout=180)
@@ -66,7 +67,7 @@ def nodes(tmp_path_factory):
                         tier_persist_dir=str(root / "fs-tier"),
                         prefill=WorkerConfig(count=2, num_cpus=1, custom_resource=True),
                         decode=WorkerConfig(count=2, num_cpus=1, custom_resource=True),
-                        health_period_s=0.5, health_timeout_s=3.0, worker_max_restarts=5,
+                        router_resource="router", health_period_s=0.5, health_timeout_s=3.0, worker_max_restarts=5,
                         request_retries=2, decode_migrations=2, max_queue_wait_s=600.0,
                         kv_transport="grpc", decode_prefix_cache_bytes=0)
     c, a = _start_nodes()
@@ -105,6 +106,14 @@ def _actor_nodes() -> dict[str, str]:
     return out
 
 
+def _router_nodes() -> set[str]:
+    """The Ray nodes the Serve router replicas run on (the GCS actor table)."""
+    from ray._private.state import actors
+
+    return {a["Address"]["NodeID"] for a in actors().values()
+            if a["State"] == "ALIVE" and "kvnotes-router" in a["Name"]}
+
+
 def _stream(client: httpx.Client, i: int, first: threading.Event) -> dict:
     body = {"segments": [{"skill": "refunds"}, {"text": f"Customer {i}: can I return opened headphones?"}],
             "max_tokens": TOKENS, "temperature": 0, "stream": True}
@@ -134,6 +143,7 @@ def test_node_lost_under_load_no_client_error_actors_replaced_and_counted(nodes)
     placed = _actor_nodes()
     on_a = sorted(n for n, nid in placed.items() if nid == lost_node)
     assert {n.split("-")[0] for n in on_a} == {"prefill", "decode"}, placed
+    assert _router_nodes() == {c.head_node.node_id}, "the router replicas run on the head (router_resource)"
     before = http.get("/metrics").text
     started = threading.Event()
     with httpx.Client(base_url=str(http.base_url), headers=dict(http.headers), timeout=300,

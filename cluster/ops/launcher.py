@@ -98,14 +98,43 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
 
     ensure_api_key(cfg)
     cfg = listen_on_loopback(cfg)
+    check_router_resource(cfg)
     t = time.monotonic()
     start_workers(cfg)
     log.info("workers ready in %.1f s", time.monotonic() - t)
     serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port}, detached=False)
     serve.run(RouterIngress.options(num_replicas=cfg.server.router_replicas,
+                                    ray_actor_options=router_actor_options(cfg),
                                     max_ongoing_requests=cfg.server.router_max_ongoing_requests,
                                     max_queued_requests=cfg.server.router_max_queued_requests).bind(cfg),
               name="kvnotes", route_prefix="/", blocking=False)
+
+
+def router_actor_options(cfg: ClusterConfig) -> dict:
+    """The router replicas' Ray options: no CPU (they wait on workers), and a fraction of
+    ``server.router_resource`` when set, which keeps them on the node types that declare it."""
+    from kvruntime.config.server import ROUTER_RESOURCE_UNITS
+
+    name = cfg.server.router_resource
+    return {"num_cpus": 0, **({"resources": {name: ROUTER_RESOURCE_UNITS}} if name else {})}
+
+
+def check_router_resource(cfg: ClusterConfig) -> None:
+    """``RuntimeError`` before anything starts when ``server.router_resource`` is set and no node of
+    the cluster declares it: the router replicas would wait for a node forever."""
+    import ray
+
+    name = cfg.server.router_resource
+    have = ray.cluster_resources().get(name, 0) if name else 0
+    if name and have < _router_units(cfg):
+        raise RuntimeError(f"router_resource {name!r}: the cluster's nodes declare {have:g} of it, "
+                           f"{cfg.server.router_replicas} router replica(s) need {_router_units(cfg):g}; declare {{{name}: 1}} on the node type "
+                           f"that holds the routers (deploy/cluster.yaml: the head) or unset router_resource")
+
+
+def _router_units(cfg: ClusterConfig) -> float:
+    from kvruntime.config.server import ROUTER_RESOURCE_UNITS
+    return cfg.server.router_replicas * ROUTER_RESOURCE_UNITS
 
 
 def listen_on_loopback(cfg: ClusterConfig) -> ClusterConfig:

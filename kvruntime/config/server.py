@@ -6,6 +6,9 @@ import ipaddress
 from dataclasses import dataclass
 
 
+ROUTER_RESOURCE_UNITS = 0.01     # of ``router_resource`` per router replica
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -15,6 +18,10 @@ class ServerConfig:
     bind_host: str | None = None
     served_model_name: str | None = None       # the API's `model` (sent and shown); None: registry name, or the directory's name
     router_replicas: int = 1                   # stateless Serve router replicas (all read the state store)
+    # a custom resource every router replica needs ROUTER_RESOURCE_UNITS of (0.01: up to 100 per node declaring
+    # {name: 1}): pins the routers to the node types that declare it (deploy/cluster.yaml: the head), so a lost
+    # worker node cannot take a router and its open streams with it; None = anywhere (num_cpus 0)
+    router_resource: str | None = None
     # who may do what (cluster.http.auth): API keys map to tenants in the state store (`kvnotes keys ...`)
     auth: bool = True                          # False only allowed with a loopback host
     metrics_auth: bool = False                 # GET /metrics/targets (the map of internal endpoints) needs an API key
@@ -58,6 +65,11 @@ class ServerConfig:
             raise ValueError("served_model_name must be a non-empty string (or unset)")
         if self.router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
+        if self.router_resource is not None and (not isinstance(self.router_resource, str)
+                                                 or not self.router_resource.strip()
+                                                 or self.router_resource in ("CPU", "GPU", "memory")):
+            raise ValueError(f"router_resource must be a custom resource name (not CPU/GPU/memory), "
+                             f"got {self.router_resource!r}")
         if self.bind_host is not None and not is_concrete_ip(self.bind_host):
             raise ValueError(f"bind_host must be one IP address that other processes can reach (not 0.0.0.0 or ::), "
                              f"got {self.bind_host!r}")
