@@ -2,7 +2,8 @@
 # kvnotes set-up and entry point. Usage:
 #   scripts/dev.sh run  [kvnotes run args]    install (if needed), then start the embedded cluster
 #   scripts/dev.sh test [pytest args]         install (if needed) with test extras, then run tests
-#                                             (with the 25 slowest listed: --durations=25)
+#                                             (no args: every test, in two lanes, scripts/test_lanes.py;
+#                                             the 25 slowest listed: --durations=25)
 # Installs into ./.venv (override with KVNOTES_VENV). Re-running is cheap: the install step is
 # skipped while pyproject.toml and this script are unchanged.
 set -euo pipefail
@@ -73,5 +74,9 @@ export PYTHONHASHSEED=0   # Ray workers and LMCache subprocesses agree on hashes
 case "$mode" in
   install) ;;
   run) exec "$VENV/bin/kvnotes" run "$@" ;;
-  test) install_test_services; exec "$VENV/bin/python" -m pytest --durations=25 "$@" ;;   # CI prints the 25 slowest
+  test) install_test_services
+        # no arguments: the whole suite in two lanes at once (Ray tests | the rest), each with its 25
+        # slowest listed; with arguments: one pytest run of what they select
+        if [ $# -eq 0 ]; then exec "$VENV/bin/python" scripts/test_lanes.py; fi
+        exec "$VENV/bin/python" -m pytest --durations=25 "$@" ;;
 esac

@@ -427,8 +427,31 @@ def _default_cluster(tmp_path_factory):
         stop_cluster(cfg)
 
 
-@pytest.hookimpl(trylast=True)          # after pytest's own reordering by fixture parameters
-def pytest_collection_modifyitems(session, config, items):
+@pytest.hookimpl(tryfirst=True)         # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Every test that runs a Ray cluster carries the ``ray`` marker: those on the shared local Ray
+    (they ask for ``local_ray``) get it here; those that start one of their own (a multi-node test
+    cluster, ``ray start``, ``start_local_ray``) declare it. ``scripts/test_lanes.py`` runs the
+    ``ray`` tests in one process, one after another, beside every other test in a second one."""
+    for it in items:
+        if "local_ray" in getattr(it, "fixturenames", ()):
+            it.add_marker(pytest.mark.ray)
+
+
+class _ClusterOrder:
+    """Ordering of the cluster modules (a second ``pytest_collection_modifyitems``, run last)."""
+
+    @staticmethod
+    @pytest.hookimpl(trylast=True)      # after pytest's own reordering by fixture parameters
+    def pytest_collection_modifyitems(session, config, items):
+        _order_cluster_modules_last(items)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_ClusterOrder(), "kvnotes-cluster-order")
+
+
+def _order_cluster_modules_last(items):
     """Modules with a ``local_ray`` cluster run last, one after another, those asking for the same
     kept cluster next to each other (each module's own order, and every other module's, unchanged)."""
     _MODULE_FIXTURES.clear()

@@ -140,6 +140,7 @@ def _ray_query(address: str, code: str, timeout: float = 120) -> object:
 
 
 @pytest.mark.slow
+@pytest.mark.ray              # `ray start` with the fake autoscaler
 def test_node_types_under_the_fake_autoscaler_serve_a_request(tmp_path):
     ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent))
     assert ray_bin, "the ray CLI is not installed next to this Python"
@@ -244,6 +245,7 @@ def test_serve_address_unreachable_fails_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray              # `kvnotes serve` starts (or would attach to) a local Ray
 def test_start_gives_up_after_a_bounded_wait_naming_the_missing_resources(tmp_path):
     """A config asking for more CPUs than the machine has: the CLI exits 2 after start_timeout_s
     with one line naming the actor and what it needs (it used to wait forever)."""

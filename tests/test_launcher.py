@@ -12,6 +12,8 @@ import pytest
 
 from kvruntime.config import ClusterConfig
 
+pytestmark = pytest.mark.ray          # starts real local Ray instances (start_local_ray)
+
 RAY_ERROR = ("The current node timed out during startup. This could happen because some of the raylet failed to "
              "startup or the GCS has become overloaded.")
 
