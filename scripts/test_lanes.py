@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = ap.parse_known_args(argv)
     logs = Path(args.logs or tempfile.mkdtemp(prefix="kvnotes-tests-"))
     logs.mkdir(parents=True, exist_ok=True)
-    base = Path(tempfile.gettempdir()) / f"kvnotes-pytest-{os.getuid()}"
+    base = Path(tempfile.gettempdir()) / f"kvnotes-pytest-{os.getuid()}"     # each lane's own --basetemp in it
+    base.mkdir(parents=True, exist_ok=True)
     procs = []
     t0 = time.monotonic()
     for name, expr, env_extra in LANES:
