@@ -140,7 +140,6 @@ def _ray_query(address: str, code: str, timeout: float = 120) -> object:
 
 
 @pytest.mark.slow
-@pytest.mark.ray              # `ray start` with the fake autoscaler
 def test_node_types_under_the_fake_autoscaler_serve_a_request(tmp_path):
     ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent))
     assert ray_bin, "the ray CLI is not installed next to this Python"
@@ -245,14 +244,15 @@ def test_serve_address_unreachable_fails_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ray              # `kvnotes serve` starts (or would attach to) a local Ray
+@pytest.mark.ray              # `kvnotes serve` starts a local Ray (the shared lane: one at a time)
 def test_start_gives_up_after_a_bounded_wait_naming_the_missing_resources(tmp_path):
     """A config asking for more CPUs than the machine has: the CLI exits 2 after start_timeout_s
     with one line naming the actor and what it needs (it used to wait forever)."""
     cfg = tmp_path / "kvnotes.yaml"
     cfg.write_text(yaml.safe_dump({"port": free_port(), "data_dir": str(tmp_path / "data"), "start_timeout_s": 6,
                                    "tier_cpu_bytes": 64 << 20, "prefill": {"count": 1, "num_cpus": 64}}))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false")
+    # RAY_ADDRESS=local: a fresh local Ray, never one another test runs on this machine
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", RAY_ADDRESS="local")
     t = time.monotonic()
     r = subprocess.run(KVNOTES + ["serve", "--config", str(cfg)], capture_output=True, text=True, env=env, cwd=ROOT,
                        timeout=300)
