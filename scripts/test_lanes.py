@@ -4,8 +4,10 @@ Lane ``ray``: every test that runs a Ray cluster (marker ``ray``, tests/conftest
 process, one after another: they share one local Ray and must never find another one. Lane ``rest``:
 every other test (engines, kernels, transports, stores, CLIs), in a second pytest process at the same
 time, with one OpenMP thread per process. Measured on a 2-core machine, one after another: the Ray
-tests keep ~1.4 cores busy for ~22 minutes, the rest ~1.1 cores for ~16; side by side the machine
-stays busy instead of half idle.
+tests kept ~1.4 cores busy for 22 minutes, the rest ~1.1 cores for 16 (38-40 minutes in all); side
+by side, 1605-1648 s (~27 minutes): the machine is busy instead of half idle. Tests that run a
+private multi-node Ray by address (test_node_loss, test_multinode, the fake autoscaler) are in the
+second lane, to balance the two.
 
 Each lane writes its log under ``--logs`` (default: a temp dir), a progress line per lane every
 minute goes to stdout, and at the end both reports are printed in full (failures, the 25 slowest
