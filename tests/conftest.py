@@ -429,10 +429,10 @@ def _default_cluster(tmp_path_factory):
 
 @pytest.hookimpl(tryfirst=True)         # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Every test that runs a Ray cluster carries the ``ray`` marker: those on the shared local Ray
-    (they ask for ``local_ray``) get it here; those that start one of their own (a multi-node test
-    cluster, ``ray start``, ``start_local_ray``) declare it. ``scripts/test_lanes.py`` runs the
-    ``ray`` tests in one process, one after another, beside every other test in a second one."""
+    """The ``ray`` marker: tests on the shared local Ray (they ask for ``local_ray``) get it here;
+    tests that start a local Ray themselves (``start_local_ray``, ``kvnotes serve``) declare it.
+    ``scripts/test_lanes.py`` runs the ``ray`` tests in one process, one after another, beside every
+    other test (including those with a private multi-node Ray reached by address) in a second one."""
     for it in items:
         if "local_ray" in getattr(it, "fixturenames", ()):
             it.add_marker(pytest.mark.ray)

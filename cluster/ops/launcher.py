@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cluster.ops.demo import DEMO_QUESTION, DEMO_SKILL, DEMO_SKILL_NAME
 from kvruntime.config import ClusterConfig
+from kvruntime.config.server import ROUTER_RESOURCE_UNITS
 
 log = logging.getLogger(__name__)
 
@@ -113,28 +114,24 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
 def router_actor_options(cfg: ClusterConfig) -> dict:
     """The router replicas' Ray options: no CPU (they wait on workers), and a fraction of
     ``server.router_resource`` when set, which keeps them on the node types that declare it."""
-    from kvruntime.config.server import ROUTER_RESOURCE_UNITS
-
     name = cfg.server.router_resource
     return {"num_cpus": 0, **({"resources": {name: ROUTER_RESOURCE_UNITS}} if name else {})}
 
 
 def check_router_resource(cfg: ClusterConfig) -> None:
-    """``RuntimeError`` before anything starts when ``server.router_resource`` is set and no node of
-    the cluster declares it: the router replicas would wait for a node forever."""
+    """``RuntimeError`` before anything starts when ``server.router_resource`` is set and the
+    cluster's nodes declare too little of it: the router replicas would wait for a node forever."""
     import ray
 
     name = cfg.server.router_resource
-    have = ray.cluster_resources().get(name, 0) if name else 0
-    if name and have < _router_units(cfg):
+    if not name:
+        return
+    have, need = ray.cluster_resources().get(name, 0), cfg.server.router_replicas * ROUTER_RESOURCE_UNITS
+    if have < need:
         raise RuntimeError(f"router_resource {name!r}: the cluster's nodes declare {have:g} of it, "
-                           f"{cfg.server.router_replicas} router replica(s) need {_router_units(cfg):g}; declare {{{name}: 1}} on the node type "
-                           f"that holds the routers (deploy/cluster.yaml: the head) or unset router_resource")
-
-
-def _router_units(cfg: ClusterConfig) -> float:
-    from kvruntime.config.server import ROUTER_RESOURCE_UNITS
-    return cfg.server.router_replicas * ROUTER_RESOURCE_UNITS
+                           f"{cfg.server.router_replicas} router replica(s) need {need:g}; declare "
+                           f"{{{name}: 1}} on the node type that holds the routers (deploy/cluster.yaml: "
+                           f"the head) or unset router_resource")
 
 
 def listen_on_loopback(cfg: ClusterConfig) -> ClusterConfig:
