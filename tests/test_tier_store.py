@@ -272,10 +272,22 @@ def test_remote_server_killed_is_a_counted_miss_then_reconnects(server, tmp_path
         reader.close()
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Block until the kernel reports ``pid`` stopped (state T in /proc/PID/stat)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    pytest.fail(f"process {pid} did not stop within {timeout_s}s of SIGSTOP")
+
+
 def test_hung_remote_server_costs_one_timeout_not_a_hang(server):
     s = mkstore(remote_url=server.url, remote_timeout_s=0.5, remote_retry_s=60, remote_probe_s=None)
     try:
         os.kill(server.pid, signal.SIGSTOP)
+        _wait_stopped(server.pid)        # kill() only queues the signal: on a busy box it can still answer
         t0 = time.monotonic()
         assert s.get(mkkey(300)) is None
         first = time.monotonic() - t0
