@@ -2,7 +2,7 @@
 # kvnotes set-up and entry point. Usage:
 #   scripts/dev.sh run  [kvnotes run args]    install (if needed), then start the embedded cluster
 #   scripts/dev.sh test [pytest args]         install (if needed) with test extras, then run tests
-#                                             (no args: every test, in two lanes, scripts/test_lanes.py;
+#                                             (no args: every test, two xdist workers;
 #                                             the 25 slowest listed: --durations=25)
 # Installs into ./.venv (override with KVNOTES_VENV). Re-running is cheap: the install step is
 # skipped while pyproject.toml and this script are unchanged.
@@ -75,8 +75,12 @@ case "$mode" in
   install) ;;
   run) exec "$VENV/bin/kvnotes" run "$@" ;;
   test) install_test_services
-        # no arguments: the whole suite in two lanes at once (Ray tests | the rest), each with its 25
-        # slowest listed; with arguments: one pytest run of what they select
-        if [ $# -eq 0 ]; then exec "$VENV/bin/python" scripts/test_lanes.py; fi
+        # no arguments: the whole suite in two pytest-xdist workers, whole modules (and modules
+        # sharing a kept cluster) to the next free worker, longest first (tests/conftest.py), one
+        # OpenMP thread per process; with arguments: one pytest run of what they select
+        if [ $# -eq 0 ]; then
+          OMP_NUM_THREADS=1 exec "$VENV/bin/python" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder \
+            --durations=25
+        fi
         exec "$VENV/bin/python" -m pytest --durations=25 "$@" ;;
 esac

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import pytest
 
@@ -427,15 +428,21 @@ def _default_cluster(tmp_path_factory):
         stop_cluster(cfg)
 
 
-@pytest.hookimpl(tryfirst=True)         # before ``-m`` deselects by marker
+@pytest.hookimpl(tryfirst=True)         # before ``-m`` deselects by marker, and before xdist reads groups
 def pytest_collection_modifyitems(config, items):
     """The ``ray`` marker: tests on the shared local Ray (they ask for ``local_ray``) get it here;
     tests that start a local Ray themselves (``start_local_ray``, ``kvnotes serve``) declare it.
-    ``scripts/test_lanes.py`` runs the ``ray`` tests in one process, one after another, beside every
-    other test (including those with a private multi-node Ray reached by address) in a second one."""
+
+    Under pytest-xdist (``scripts/dev.sh test`` with no arguments: ``-n 2 --dist loadgroup``) every
+    test gets an ``xdist_group``: its module's name, or the kept cluster its module asks for, so a
+    module's (and a kept cluster's) tests run in one worker, one after another, and each module- or
+    kept-scoped cluster starts once. Each worker is its own process with its own local Ray."""
     for it in items:
         if "local_ray" in getattr(it, "fixturenames", ()):
             it.add_marker(pytest.mark.ray)
+    _index_module_fixtures(items)
+    for it in items:
+        it.add_marker(pytest.mark.xdist_group(_unit(it)))
 
 
 class _ClusterOrder:
@@ -444,35 +451,91 @@ class _ClusterOrder:
     @staticmethod
     @pytest.hookimpl(trylast=True)      # after pytest's own reordering by fixture parameters
     def pytest_collection_modifyitems(session, config, items):
-        _order_cluster_modules_last(items)
+        if _distributed(config):
+            _order_longest_units_first(items)
+        else:
+            _order_cluster_modules_last(items)
 
 
 def pytest_configure(config):
     config.pluginmanager.register(_ClusterOrder(), "kvnotes-cluster-order")
 
 
-def _order_cluster_modules_last(items):
-    """Modules with a ``local_ray`` cluster run last, one after another, those asking for the same
-    kept cluster next to each other (each module's own order, and every other module's, unchanged)."""
+def _distributed(config) -> bool:
+    """True in a pytest-xdist worker, or a controller that hands out work (``-n``)."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER")) or bool(getattr(config.option, "numprocesses", None))
+
+
+def _module_name(item) -> str | None:
+    return getattr(getattr(item, "module", None), "__name__", None)
+
+
+def _index_module_fixtures(items) -> None:
+    """``_MODULE_FIXTURES``: every fixture name each module's tests ask for, and its ``KEEPS``."""
     _MODULE_FIXTURES.clear()
     for it in items:
         mod = getattr(it, "module", None)
-        _MODULE_FIXTURES.setdefault(getattr(mod, "__name__", None), set()).update(
+        _MODULE_FIXTURES.setdefault(_module_name(it), set()).update(
             getattr(it, "fixturenames", ()), getattr(mod, "KEEPS", ()))
+
+
+def _unit(item) -> str:
+    """The unit of work ``item`` belongs to: the kept cluster its module asks for, else its module."""
+    names = _MODULE_FIXTURES.get(_module_name(item), set())
+    return next((k for k in KEPT_CLUSTERS if k in names), None) or str(_module_name(item))
+
+
+_COSTS: dict = {}
+
+
+def _cost(module: str | None) -> float:
+    """Seconds a module took alone on a quiet 2-core machine (tests/test_costs.json, refreshed with
+    ``scripts/test_costs.py``); a module not listed counts as a short one."""
+    if not _COSTS:
+        import json
+        _COSTS.update(json.loads((Path(__file__).parent / "test_costs.json").read_text()))
+    return float(_COSTS.get(f"{str(module).rpartition('.')[2]}.py", 2.0))
+
+
+def _order_longest_units_first(items):
+    """For xdist's ``loadgroup`` (each unit goes whole to the next free worker, in this order): the
+    longest units first, so the two workers end together; the units on the shared local Ray before
+    the others, so a worker starts its Ray once and stops it once. Each unit's own order is kept."""
+    _index_module_fixtures(items)
+    cost: dict = {}
+    ray_units = set()
+    seen_mods: dict = {}
+    for it in items:
+        u, m = _unit(it), _module_name(it)
+        if m not in seen_mods.setdefault(u, set()):
+            seen_mods[u].add(m)
+            cost[u] = cost.get(u, 0.0) + _cost(m)
+        if "local_ray" in _MODULE_FIXTURES.get(m, ()):
+            ray_units.add(u)
+    first = {u: i for i, u in enumerate(dict.fromkeys(_unit(it) for it in items))}
+    rank = {u: (u not in ray_units, -cost[u], first[u]) for u in cost}
+    # stable: each unit's own order kept, but a module taking a kept cluster for some parameters
+    # only (``KEEPS``) last in its unit, so the kept cluster is not stopped and started again
+    items.sort(key=lambda it: (rank[_unit(it)], bool(getattr(getattr(it, "module", None), "KEEPS", ()))))
+
+
+def _order_cluster_modules_last(items):
+    """Modules with a ``local_ray`` cluster run last, one after another, those asking for the same
+    kept cluster next to each other (each module's own order, and every other module's, unchanged)."""
+    _index_module_fixtures(items)
     shared = [m for m, names in _MODULE_FIXTURES.items() if "local_ray" in names]
     if not shared:
         return
 
-    keeps = {getattr(getattr(it, "module", None), "__name__", None) for it in items
-             if getattr(getattr(it, "module", None), "KEEPS", ())}
+    keeps = {_module_name(it) for it in items if getattr(getattr(it, "module", None), "KEEPS", ())}
 
     def group(mod):                     # modules keeping the same cluster: adjacent, in name order, those
         names = _MODULE_FIXTURES[mod]   # that take it for some parameters only (KEEPS) last
         return (min((i for i, k in enumerate(KEPT_CLUSTERS) if k in names), default=len(KEPT_CLUSTERS)),
                 mod in keeps)
     order = {m: i for i, m in enumerate(sorted(shared, key=lambda m: (group(m), shared.index(m))))}
-    rest = [it for it in items if getattr(getattr(it, "module", None), "__name__", None) not in order]
-    block = [it for it in items if getattr(getattr(it, "module", None), "__name__", None) in order]
+    rest = [it for it in items if _module_name(it) not in order]
+    block = [it for it in items if _module_name(it) in order]
     block.sort(key=lambda it: order[it.module.__name__])        # stable: each module's own order kept
     items[:] = rest + block
 
