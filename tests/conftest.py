@@ -433,16 +433,17 @@ def pytest_collection_modifyitems(config, items):
     """The ``ray`` marker: tests on the shared local Ray (they ask for ``local_ray``) get it here;
     tests that start a local Ray themselves (``start_local_ray``, ``kvnotes serve``) declare it.
 
-    Under pytest-xdist (``scripts/dev.sh test`` with no arguments: ``-n 2 --dist loadgroup``) every
-    test gets an ``xdist_group``: its module's name, or the kept cluster its module asks for, so a
-    module's (and a kept cluster's) tests run in one worker, one after another, and each module- or
-    kept-scoped cluster starts once. Each worker is its own process with its own local Ray."""
+    Under pytest-xdist (``scripts/dev.sh test`` with no arguments: ``-n 2``) each test belongs to a
+    unit: its module, or the kept cluster its module asks for; tests/xdist_units.py hands each unit
+    whole to the next free worker, so each module- or kept-scoped cluster starts once. Each worker
+    is its own process with its own local Ray."""
     for it in items:
         if "local_ray" in getattr(it, "fixturenames", ()):
             it.add_marker(pytest.mark.ray)
     _index_module_fixtures(items)
-    for it in items:
-        it.add_marker(pytest.mark.xdist_group(_unit(it)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from tests.xdist_units import write_units
+        write_units({it.nodeid.split("::", 1)[0]: _unit(it) for it in items})
 
 
 class _ClusterOrder:
@@ -459,6 +460,16 @@ class _ClusterOrder:
 
 def pytest_configure(config):
     config.pluginmanager.register(_ClusterOrder(), "kvnotes-cluster-order")
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import tempfile                 # the controller: where its workers publish the units (xdist_units)
+        from tests.xdist_units import ENV
+        os.environ[ENV] = str(Path(tempfile.mkdtemp(prefix="kvnotes-units-")) / "units.json")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from tests.xdist_units import UnitScheduling
+    return UnitScheduling(config, log)
 
 
 def _distributed(config) -> bool:
@@ -498,7 +509,7 @@ def _cost(module: str | None) -> float:
 
 
 def _order_longest_units_first(items):
-    """For xdist's ``loadgroup`` (each unit goes whole to the next free worker, in this order): the
+    """For xdist (tests/xdist_units.py: each unit goes whole to the next free worker, in this order): the
     longest units first, so the two workers end together; the units on the shared local Ray before
     the others, so a worker starts its Ray once and stops it once. Each unit's own order is kept."""
     _index_module_fixtures(items)

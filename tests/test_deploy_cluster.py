@@ -244,7 +244,7 @@ def test_serve_address_unreachable_fails_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ray              # `kvnotes serve` starts a local Ray (the shared lane: one at a time)
+@pytest.mark.ray              # `kvnotes serve` starts a local Ray (RAY_ADDRESS=local: a fresh one)
 def test_start_gives_up_after_a_bounded_wait_naming_the_missing_resources(tmp_path):
     """A config asking for more CPUs than the machine has: the CLI exits 2 after start_timeout_s
     with one line naming the actor and what it needs (it used to wait forever)."""

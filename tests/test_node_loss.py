@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import free_port, http_client, metric
 from tests.conftest import wait_for
 
-pytestmark = pytest.mark.slow      # its own multi-node Ray, by address: not a `ray` lane test (scripts/test_lanes.py)
+pytestmark = pytest.mark.slow      # its own multi-node Ray, by address (not the shared local one)
 STREAMS = int(os.environ.get("KVNOTES_NODE_LOSS_STREAMS", "32"))
 SKILL = ("Refund policy: customers may return unused items within 30 days of delivery for a full refund. "
          "Opened electronics can be returned within 14 days with a 15 percent restocking fee.")
