@@ -464,6 +464,12 @@ def pytest_configure(config):
         import tempfile                 # the controller: where its workers publish the units (xdist_units)
         from tests.xdist_units import ENV
         os.environ[ENV] = str(Path(tempfile.mkdtemp(prefix="kvnotes-units-")) / "units.json")
+        # the shipped models converted once, before the workers start: on a fresh machine every
+        # worker and every actor it starts would otherwise convert the same GGUF side by side
+        from kvruntime.checkpoint import ensure_checkpoint
+        from kvruntime.models import get_model_spec
+        for name in ("smollm2-135m", "gemma3-270m"):
+            ensure_checkpoint(get_model_spec(name))
 
 
 @pytest.hookimpl(optionalhook=True)
