@@ -98,6 +98,26 @@ def test_a_bad_argument_is_not_retried(fresh_ray, monkeypatch):
     assert calls == [1]
 
 
+def test_without_an_address_attaching_to_a_cluster_found_on_the_machine_is_said(fresh_ray, monkeypatch, caplog):
+    """``kvnotes serve`` with no ``ray_address`` (``local_cpus`` None): Ray's ``address=None``
+    attaches to any cluster it finds (``RAY_ADDRESS``, the latest ``ray start``): one warning names
+    it; a fresh local Ray (``local_cpus`` given, or nothing found) is not warned about."""
+    from cluster.ops.launcher import found_ray_address, start_local_ray
+
+    calls = []
+    monkeypatch.setattr(fresh_ray, "init", lambda **kw: calls.append(kw))     # Ray's start is not what is tested
+    monkeypatch.setenv("RAY_ADDRESS", "10.9.8.7:6390")
+    assert found_ray_address() == "10.9.8.7:6390"
+    with caplog.at_level(logging.WARNING, logger="cluster.ops.launcher"):
+        start_local_ray(ClusterConfig.of(), None)
+        start_local_ray(ClusterConfig.of(), local_cpus=1)
+    said = [r.getMessage() for r in caplog.records if "attaching to the Ray cluster" in r.getMessage()]
+    assert len(said) == 1 and "10.9.8.7:6390" in said[0] and "RAY_ADDRESS=local" in said[0], said
+    assert [c["address"] for c in calls] == [None, "local"]
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert found_ray_address() is None
+
+
 def test_ray_start_attempts_is_validated():
     with pytest.raises(ValueError, match="ray_start_attempts"):
         ClusterConfig.of(ray_start_attempts=0)

@@ -156,6 +156,12 @@ def start_local_ray(cfg: ClusterConfig, local_cpus: int | None = None) -> int:
     import psutil
     import ray
 
+    if local_cpus is None:
+        found = found_ray_address()
+        if found:
+            log.warning("no ray_address set: attaching to the Ray cluster at %s that this machine runs (RAY_ADDRESS "
+                        "or the latest `ray start`); set ray_address to choose one, or RAY_ADDRESS=local for a "
+                        "fresh local Ray", found)
     me = psutil.Process()
     for attempt in range(1, cfg.ray.start_attempts + 1):
         before = {p.pid for p in me.children(recursive=True)}
@@ -177,6 +183,13 @@ def start_local_ray(cfg: ClusterConfig, local_cpus: int | None = None) -> int:
                         attempt, cfg.ray.start_attempts, str(exc).strip().splitlines()[0] if str(exc).strip() else
                         type(exc).__name__)
     raise AssertionError("unreachable")
+
+
+def found_ray_address() -> str | None:
+    """The cluster ``ray.init(address=None)`` would attach to (``RAY_ADDRESS``, else the latest
+    ``ray start`` cluster recorded on this machine), or None when it would start a fresh one."""
+    from ray._private.services import canonicalize_bootstrap_address
+    return canonicalize_bootstrap_address(None)
 
 
 def _stop_pids(procs, grace_s: float = 10.0) -> None:
