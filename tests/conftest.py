@@ -464,12 +464,24 @@ def pytest_configure(config):
         import tempfile                 # the controller: where its workers publish the units (xdist_units)
         from tests.xdist_units import ENV
         os.environ[ENV] = str(Path(tempfile.mkdtemp(prefix="kvnotes-units-")) / "units.json")
-        # the shipped models converted once, before the workers start: on a fresh machine every
-        # worker and every actor it starts would otherwise convert the same GGUF side by side
-        from kvruntime.checkpoint import ensure_checkpoint
-        from kvruntime.models import get_model_spec
-        for name in ("smollm2-135m", "gemma3-270m"):
-            ensure_checkpoint(get_model_spec(name))
+        _convert_shipped_models()
+
+
+def _convert_shipped_models() -> None:
+    """The shipped models converted once, before the xdist workers start: on a fresh machine every
+    worker and every actor it starts would otherwise convert the same GGUF side by side. One
+    process per model, at once (transformers' lazy imports are not thread-safe); a converted one
+    is found in a second."""
+    import subprocess
+    import sys
+    code = ("import sys; from kvruntime.checkpoint import ensure_checkpoint; "
+            "from kvruntime.models import get_model_spec; ensure_checkpoint(get_model_spec(sys.argv[1]))")
+    names = ("smollm2-135m", "gemma3-270m")
+    root = Path(__file__).resolve().parent.parent
+    procs = [subprocess.Popen([sys.executable, "-c", code, n], cwd=root) for n in names]
+    failed = [n for n, p in zip(names, procs) if p.wait() != 0]
+    if failed:
+        raise pytest.UsageError(f"converting the shipped model(s) {failed} failed: see the lines above")
 
 
 @pytest.hookimpl(optionalhook=True)
