@@ -79,8 +79,7 @@ case "$mode" in
         # sharing a kept cluster) to the next free worker, longest first (tests/conftest.py), one
         # OpenMP thread per process; with arguments: one pytest run of what they select
         if [ $# -eq 0 ]; then
-          OMP_NUM_THREADS=1 exec "$VENV/bin/python" -m pytest -n 2 \
-            --durations=25
+          OMP_NUM_THREADS=1 exec "$VENV/bin/python" -m pytest -n 2 --durations=25
         fi
         exec "$VENV/bin/python" -m pytest --durations=25 "$@" ;;
 esac

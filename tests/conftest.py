@@ -531,18 +531,11 @@ def _order_longest_units_first(items):
     longest units first, so the two workers end together; the units on the shared local Ray before
     the others, so a worker starts its Ray once and stops it once. Each unit's own order is kept."""
     _index_module_fixtures(items)
-    cost: dict = {}
-    ray_units = set()
-    seen_mods: dict = {}
+    mods: dict = {}                     # unit -> its modules, in collection order
     for it in items:
-        u, m = _unit(it), _module_name(it)
-        if m not in seen_mods.setdefault(u, set()):
-            seen_mods[u].add(m)
-            cost[u] = cost.get(u, 0.0) + _cost(m)
-        if "local_ray" in _MODULE_FIXTURES.get(m, ()):
-            ray_units.add(u)
-    first = {u: i for i, u in enumerate(dict.fromkeys(_unit(it) for it in items))}
-    rank = {u: (u not in ray_units, -cost[u], first[u]) for u in cost}
+        mods.setdefault(_unit(it), {})[_module_name(it)] = None
+    rank = {u: (not any("local_ray" in _MODULE_FIXTURES.get(m, ()) for m in ms),
+                -sum(_cost(m) for m in ms), i) for i, (u, ms) in enumerate(mods.items())}
     # stable: each unit's own order kept, but a module taking a kept cluster for some parameters
     # only (``KEEPS``) last in its unit, so the kept cluster is not stopped and started again
     items.sort(key=lambda it: (rank[_unit(it)], bool(getattr(getattr(it, "module", None), "KEEPS", ()))))
