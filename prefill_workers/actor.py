@@ -87,6 +87,11 @@ class PrefillWorker:
                 "remote_error": st.remote_last_error if self.cfg.tier.remote_url and not st.remote_up else "",
                 "remote_down_misses": st.remote_down_misses, "cancelled": self.cancelled_plans}
 
+    def queues(self, report=None) -> dict:
+        """Record ``report`` (a :class:`QueueReport`) and answer every replica's fresh queue, at once
+        (called in the probe concurrency group: the admission exchange, ``cluster.control.exchange``)."""
+        return self.queue_reports.update(report)
+
     def contains(self, refs: list[KVRef]) -> list[bool]:
         return self.tier.contains(refs)
 

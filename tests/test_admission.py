@@ -227,20 +227,53 @@ def test_queue_reports_travel_through_the_workers_and_expire():
     from prefill_workers.queue_reports import QueueReports
     clock = Clock()
     worker = QueueReports(ttl_s=5.0, clock=clock)
-    assert worker.update(QueueReport("router-a", 3)) == {"router-a": 3}
+    assert _queued(worker.update(QueueReport("router-a", 3))) == {"router-a": 3}
     clock.t += 1
     seen = worker.update(QueueReport("router-b", 1))
-    assert seen == {"router-a": 3, "router-b": 1}
+    assert _queued(seen) == {"router-a": 3, "router-b": 1}
     a = PeerQueues("router-a", ttl_s=5.0, clock=clock)
     a.heard(seen)
     assert a.others() == 1                           # its own report is not counted
     clock.t += 4.5
-    assert worker.update(None) == {"router-b": 1}    # router-a's report is 5.5 s old: dropped
+    assert _queued(worker.update(None)) == {"router-b": 1}    # router-a's report is 5.5 s old: dropped
     clock.t += 1
     assert a.others() == 0                           # router-b last heard 5.5 s ago
-    for bad in (("", 1), ("router-c", -1), ("router-c", 1.5)):
+    for bad in (("", 1), ("router-c", -1), ("router-c", 1.5), ("router-c", 1, 0, 2.0, 1.0), ("router-c", 1, 0, -1.0)):
         with pytest.raises(ValueError, match="queue report"):
             QueueReport(*bad)
+
+
+def _queued(reports) -> dict:
+    return {r: rep.queued for r, rep in reports.items()}
+
+
+def test_a_replica_without_its_own_unloaded_ttft_applies_the_objective_with_the_others():
+    """A replica that has measured no unloaded TTFT yet (just started, or the quiet requests went to
+    the other) would admit without an objective: it takes the other replicas' reference as heard."""
+    from cluster.control.peers import PeerQueues
+    from kvruntime.messages.prefill import QueueReport
+    clock = Clock()
+    peers = PeerQueues("router-b", clock=clock)
+    cold = Admission(AdmissionConfig(max_queue_wait_s=30.0, ttft_factor=2.0), Metrics(), clock, workers=lambda: 1,
+                     others=peers.others, reference=peers.reference)
+    assert cold.snapshot()["ttft_budget_s"] is None and cold.objective_on() is False
+    held = [cold.admit("a") for _ in range(3)]        # no reference anywhere: only the wait budget applies
+    for t in held:
+        t.release()
+    warm, wclock, _ = _adm(max_queue_wait_s=30.0, ttft_factor=2.0)
+    _alone(warm, wclock, 1.0, 3)
+    p50, p90 = warm.own_reference()
+    assert (p50, p90) == (1.0, 1.0)
+    peers.heard({"router-a": QueueReport("router-a", 0, 7, p50, p90),
+                 "router-c": QueueReport("router-c", 0, 3, 0.5, 0.6)})
+    assert peers.reference() == (1.0, 1.0)            # the most lenient of those measured
+    assert cold.snapshot()["ttft_budget_s"] == pytest.approx(2.0) and cold.own_reference() is None
+    first = cold.admit("a")                           # (0 + 1) x 1 s
+    assert first.model_s == pytest.approx(1.0)
+    cold.admit("a")                                   # (1 + 1) x 1 s = 2 s: within
+    with pytest.raises(RequestError) as e:
+        cold.admit("a")                               # (2 + 1) x 1 s = 3 s > 2 s
+    assert e.value.code == "overloaded"
 
 
 def test_only_a_request_alone_from_admission_to_first_token_is_an_unloaded_sample():

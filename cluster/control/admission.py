@@ -24,9 +24,12 @@ A TTFT objective (``admission_ttft_factor`` F > 0) bounds the first token, not o
 is F x this replica's unloaded TTFT p90 (the p90 of the last ``TTFT_SAMPLES`` admit-to-first-token
 times of requests alone from admission to first token: no other request admitted here meanwhile and
 none queued at the other replicas as last heard; fewer than ``TTFT_MIN_SAMPLES``
-samples: the objective waits). A request's predicted first token is ``(Q / P + 1) x S x c``: Q the
+samples: the other replicas' reference as last heard, ``PeerQueues.reference``, and with none
+either the objective waits). A request's predicted first token is ``(Q / P + 1) x S x c``: Q the
 requests queued ahead of it in the whole cluster (this replica's plus the others' as the prefill
-workers' health answers last reported them, ``cluster.control.peers``), P the live prefill workers,
+workers' health answers last reported them, ``cluster.control.peers``; a request the admission
+would take is then checked again against the others' queues as they are now, :meth:`Admission.confirm`
+after the exchange of :mod:`cluster.control.exchange`), P the live prefill workers,
 S the unloaded TTFT median and c the measured slowdown: the p90 of the last ``TTFT_SAMPLES``
 served requests' first-token time over that model's prediction without c (a loaded machine serves
 slower than an idle one, and the objective is on the p90, not the mean; 1 before 3 samples).
@@ -79,10 +82,11 @@ class Ticket:
     idempotent."""
 
     def __init__(self, owner: "Admission | None", tenant: str, admitted: float = 0.0, alone: bool = False,
-                 model_s: float | None = None):
+                 model_s: float | None = None, ahead: int = 0):
         self.owner, self.tenant, self.queued = owner, tenant, owner is not None
         self.admitted, self.alone = admitted, alone     # admit time; nothing else queued anywhere (so far)
         self.model_s = model_s                          # (Q / P + 1) x S at admission (None: no model yet)
+        self.ahead = ahead                              # this replica's requests queued ahead of it at admission
 
     def first_token(self) -> None:
         if self.queued:
@@ -108,9 +112,12 @@ def first_token() -> None:
 
 class Admission:
     def __init__(self, cfg: AdmissionConfig, metrics: Metrics | None = None, clock=time.monotonic,
-                 workers=lambda: 1, others=lambda: 0):
-        """``workers``: live prefill workers now; ``others``: the other replicas' queued requests."""
+                 workers=lambda: 1, others=lambda: 0, reference=lambda: None):
+        """``workers``: live prefill workers now; ``others``: the other replicas' queued requests;
+        ``reference``: the other replicas' unloaded TTFT (median, p90) s, or None."""
         self.cfg, self.clock, self.workers, self.others = cfg, clock, workers, others
+        self.reference = reference
+        self.on_leave = None                  # called (no arguments, outside the lock) when a request leaves the queue
         self.slowdown = 1.0                   # c: p90 of first-token time / the model's prediction
         self._ratios: deque[float] = deque(maxlen=TTFT_SAMPLES)
         self._lock = threading.Lock()
@@ -173,7 +180,7 @@ class Admission:
                     t.alone = False
                 # alone: nothing queued here; the others' queues are checked at its first token (a
                 # report can be a health period old: the one heard now may be of a request since served)
-                ticket = Ticket(self, tenant, now, alone=ahead == 0, model_s=model)
+                ticket = Ticket(self, tenant, now, alone=ahead == 0, model_s=model, ahead=ahead)
                 self._live.add(ticket)
                 return ticket
         self.shed.labels(reason).inc()
@@ -193,21 +200,68 @@ class Admission:
                 f"the server is full: {ahead} requests queued before any service time was measured")
         raise RequestError(503, f"{what}; retry after {retry:.0f} s", code="overloaded", retry_after=retry)
 
-    # ---- bookkeeping ----------------------------------------------------------------------
-    def _ttft_budget(self) -> float | None:
-        """F x the unloaded TTFT p90, or None (off, or too few samples yet); under the lock."""
-        if self.cfg.ttft_factor <= 0 or len(self._unloaded) < TTFT_MIN_SAMPLES:
-            return None
-        xs = sorted(self._unloaded)
-        return self.cfg.ttft_factor * xs[min(len(xs) - 1, int(0.9 * len(xs)))]
+    def objective_on(self) -> bool:
+        """Whether the TTFT objective applies now (on, and the unloaded TTFT measured): only then do
+        the other replicas' queues change a decision (:mod:`cluster.control.exchange`)."""
+        with self._lock:
+            return self._ttft_budget() is not None
 
-    def _ttft_model(self, queued_ahead: int) -> float | None:
-        """``(Q / P + 1) x S`` seconds (S the unloaded TTFT median), or None before enough samples;
-        under the lock."""
+    def confirm(self, ticket: Ticket, others: int) -> None:
+        """Check an admitted ``ticket`` again with the other replicas' queued requests as they are now
+        (``others``, fresh from the exchange): past the TTFT objective it leaves the queue and a
+        503 ``ttft_objective`` is raised, as :meth:`admit` would have with that view."""
+        others = max(0, int(others))
+        self.peers_gauge.set(others)
+        with self._lock:
+            if not ticket.queued:
+                return
+            objective, model = self._ttft_budget(), self._ttft_model(ticket.ahead + others)
+            ttft = None if model is None else model * self.slowdown
+            if objective is None or ttft is None or ttft <= objective or ticket.ahead + others == 0:
+                ticket.model_s = model if model is not None else ticket.model_s
+                return
+        ticket.release()
+        self.shed.labels("ttft_objective").inc()
+        retry = max(1.0, ttft - objective)
+        raise RequestError(503, f"the predicted time to the first token ({ttft:.1f} s, {ticket.ahead + others} "
+                                f"requests queued ahead in the cluster) exceeds this server's objective "
+                                f"({objective:.1f} s: {self.cfg.ttft_factor:g} x its unloaded TTFT p90); retry "
+                                f"after {retry:.0f} s", code="overloaded", retry_after=retry)
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+    def own_reference(self) -> tuple[float, float] | None:
+        """This replica's own unloaded TTFT (median, p90) in seconds, or None before
+        ``TTFT_MIN_SAMPLES`` samples (what its queue reports carry to the others)."""
+        with self._lock:
+            return self._own_reference()
+
+    def _own_reference(self) -> tuple[float, float] | None:
         if len(self._unloaded) < TTFT_MIN_SAMPLES:
             return None
         xs = sorted(self._unloaded)
-        return (queued_ahead / max(1, int(self.workers())) + 1) * xs[len(xs) // 2]
+        return xs[len(xs) // 2], xs[min(len(xs) - 1, int(0.9 * len(xs)))]
+
+    def _reference(self) -> tuple[float, float] | None:
+        """The unloaded TTFT (median, p90) the objective rests on: this replica's own, else the
+        other replicas' as last heard; under the lock."""
+        own = self._own_reference()
+        if own is not None:
+            return own
+        try:
+            return self.reference()
+        except Exception:                     # a view that cannot answer: no reference yet
+            return None
+
+    def _ttft_budget(self) -> float | None:
+        """F x the unloaded TTFT p90, or None (off, or no reference yet); under the lock."""
+        ref = self._reference() if self.cfg.ttft_factor > 0 else None
+        return None if ref is None else self.cfg.ttft_factor * ref[1]
+
+    def _ttft_model(self, queued_ahead: int) -> float | None:
+        """``(Q / P + 1) x S`` seconds (S the unloaded TTFT median), or None with no reference yet;
+        under the lock."""
+        ref = self._reference()
+        return None if ref is None else (queued_ahead / max(1, int(self.workers())) + 1) * ref[0]
 
     def _left(self, tenant: str, served: bool, ticket: Ticket | None = None) -> None:
         now = self.clock()
@@ -239,6 +293,8 @@ class Admission:
             if self.total == 0:
                 self._mark = None             # idle: the next busy period starts at its first admit
             self._publish()
+        if self.on_leave is not None:
+            self.on_leave()
 
     def _publish(self) -> None:
         self.ttft_budget.set(self._ttft_budget() or 0.0)

@@ -96,6 +96,12 @@ class Backends(ABC):
     #: set by the HTTP layer once its admission exists
     queue_report = None
 
+    def exchange_queues(self, report, timeout_s: float):
+        """Send this replica's :class:`QueueReport` to the ledger prefill worker; an awaitable of
+        every replica's queue it holds, or None (cannot be asked: ``cluster.control.exchange``).
+        Default: None."""
+        return None
+
     @property
     def peers(self):
         """The other replicas' admission queues, as the prefill workers' health answers report them."""

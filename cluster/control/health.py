@@ -53,7 +53,8 @@ class HealthMonitor(threading.Thread):
         if ups:
             self.metrics.tier_remote_up.labels("remote").set(1 if all(ups) else 0)
 
-    def _prober(self):
+    def prober(self):
+        """This replica's prober actor (started on first use; None when it could not start)."""
         if self._probe_actor is None and not self._probe_failed:
             try:
                 self._probe_actor = start_prober()
@@ -80,7 +81,7 @@ class HealthMonitor(threading.Thread):
                     self.calls[key] = (actor.health.options(concurrency_group=PROBE_GROUP).remote(*args), now)
                 overdue = now - self.calls[key][1] > self.timeout_s
                 if overdue and key not in self.fresh:
-                    prober = self._prober()
+                    prober = self.prober()
                     if prober is None:
                         b.view.mark(role, i, False, f"no health answer within {self.timeout_s:g} s")
                     else:

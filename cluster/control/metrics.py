@@ -221,6 +221,16 @@ class Metrics:
         self.admission_slowdown = Gauge("kvnotes_admission_slowdown", "Measured first-token time over the TTFT "
                                         "objective's model prediction (p90 of the last 20; 1 = as fast as when "
                                         "idle)", registry=r)
+        self.admission_exchanges = Counter("kvnotes_admission_exchanges_total", "Admission exchanges with the "
+                                           "ledger prefill worker before a request is taken (cluster.control."
+                                           "exchange), by result: ok, timeout, error, unavailable (the last heard "
+                                           "queues decided)", ["result"], registry=r)
+        for result in ("ok", "timeout", "error", "unavailable"):
+            self.admission_exchanges.labels(result)
+        self.admission_exchange_seconds = Histogram("kvnotes_admission_exchange_seconds", "Seconds an admission "
+                                                    "exchange took (answered ones): what a request about to be "
+                                                    "admitted waits before any work",
+                                                    buckets=(.002, .005, .01, .02, .05, .1, .2, .5, 1.0), registry=r)
         self.admission_peer_queued = Gauge("kvnotes_admission_peer_queued", "Requests the other router replicas "
                                            "had queued when this one last heard (via the prefill workers' health "
                                            "answers)", registry=r)

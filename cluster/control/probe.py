@@ -5,6 +5,8 @@ replica whose health calls to a worker are stuck behind its own cancelled or lon
 would keep a live worker marked down; calls from this actor have their own order and it never
 cancels anything. :class:`cluster.control.health.HealthMonitor` asks it whenever the replica's
 own health call to a worker is overdue, and marks the worker down only when neither path answers.
+The admission exchange (:mod:`cluster.control.exchange`) goes through it too, for the same reason:
+a replica's own call could wait behind its running prefill plans.
 """
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ class HealthProber:
         """``actor.health()`` as seen from here (raises when it is gone or does not answer in time)."""
         import ray
         return ray.get(actor.health.options(concurrency_group=PROBE_GROUP).remote(), timeout=timeout_s)
+
+    def exchange(self, actor, report, timeout_s: float) -> dict[str, int]:
+        """``actor.queues(report)`` (a prefill worker): every replica's queue it holds, this one's included."""
+        import ray
+        return ray.get(actor.queues.options(concurrency_group=PROBE_GROUP).remote(report), timeout=timeout_s)
 
 
 def start_prober():

@@ -161,6 +161,15 @@ class RayBackends(Backends):
             self._monitor = HealthMonitor(self, metrics, r.health_period_s, r.health_timeout_s)
             self._monitor.start()
 
+    def exchange_queues(self, report, timeout_s: float):
+        """The admission exchange (``cluster.control.exchange``) with the ledger, the first live prefill
+        worker, through this replica's prober actor: an ObjectRef of every replica's queue, or None."""
+        live = self.view.live("prefill")
+        prober = self._monitor.prober() if self._monitor is not None else None
+        if not live or prober is None:
+            return None
+        return prober.exchange.remote(self.prefill_actors[min(live)], report, timeout_s)
+
     def close(self) -> None:
         """Stop the health thread (before ``ray.shutdown()`` in a driver that built these backends)."""
         if self._monitor is not None:

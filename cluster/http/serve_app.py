@@ -36,7 +36,7 @@ from cluster.http.body import read_json
 from cluster.control import metrics as request_metrics      # a module reference: Serve pickles this app
 from kvruntime import request_log
 from kvruntime.config import ClusterConfig
-from kvruntime.messages.prefill import QueueReport
+from cluster.control.exchange import QueueExchange
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.")
@@ -134,9 +134,13 @@ class RouterIngress:
         backends.peers.me = self.process
         self.admission = admission_queue.Admission(
             admission_queue.AdmissionConfig.from_config(cfg), self.router.metrics,
-            workers=lambda: len(backends.view.live("prefill")), others=backends.peers.others)
-        # each prefill health probe carries this replica's queue (cluster.control.peers)
-        backends.queue_report = lambda: QueueReport(self.process, self.admission.total)
+            workers=lambda: len(backends.view.live("prefill")), others=backends.peers.others,
+            reference=backends.peers.reference)
+        # each prefill health probe carries this replica's queue (cluster.control.peers), and a request
+        # about to be admitted is checked against the others' queues as they are now (cluster.control.exchange)
+        self.exchange = QueueExchange(self.process, self.admission, backends, self.router.metrics,
+                                      cfg.server.admission_exchange_timeout_s)
+        backends.queue_report = self.exchange.report
         self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.server.bind_host))
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
         (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.workers.model))
@@ -182,7 +186,7 @@ class RouterIngress:
             clock.lap("http_body")
             if admit:
                 acct["outcome"] = "shed"              # until admitted
-                ticket = self.admission.admit(tenant, _deadline(parsed))
+                ticket = await self.exchange.admit(tenant, _deadline(parsed))
                 acct.pop("outcome")
                 admission_queue.TICKET.set(ticket)
             resp = await handler(parsed, tenant, rid)

@@ -45,6 +45,8 @@ METRICS = (
     "kvnotes_admission_ttft_budget_seconds",      # gauge, per router replica (0 while off)
     "kvnotes_admission_slowdown",             # gauge, per router replica: measured / modelled first token
     "kvnotes_admission_peer_queued",          # gauge, per router replica: the others' queues it last heard
+    "kvnotes_admission_exchanges_total",      # counter {result}: checks of the others' queues now (cluster.control.exchange)
+    "kvnotes_admission_exchange_seconds",     # histogram: how long those checks took
     "kvnotes_tier_remote_up",                 # gauge, 1 = the remote tier answers
     "kvnotes_rope_selftest_ok",               # gauge {worker}, 1 = the RoPE self-test passed
     "kvnotes_fidelity_agree_total",           # counter {op, metric}: shadow checks that agreed
@@ -152,9 +154,12 @@ ROWS = (
            "(the client left).", stacked=True),
         Panel("Requests shed by reason", "reqps", (
             Query("sum by (reason) (rate(kvnotes_shed_total[5m]))", "{{reason}}"),
+            Query("sum by (result) (rate(kvnotes_admission_exchanges_total{result!=\"ok\"}[5m]))",
+                  "exchange {{result}}: last heard queues decided"),
         ), "Generation requests refused at admission before any work: tenant_over_share (429), queue_full, "
            "deadline and ttft_objective (503), each with Retry-After. Alert KvnotesShedding fires above 10% "
-           "of requests."),
+           "of requests. The exchange lines: admissions that could not check the other replicas' queues as "
+           "they are now (timeout, error, unavailable) and decided on the queues last heard."),
         Panel("Admission queue and predicted wait", "short", (
             Query("sum(kvnotes_admission_queue_depth)", "queued (all replicas)"),
             Query("max(kvnotes_admission_predicted_wait_seconds)", "predicted wait s (worst replica)"),
@@ -162,10 +167,13 @@ ROWS = (
             Query("min(kvnotes_admission_ttft_budget_seconds)", "TTFT objective s (tightest replica; 0: off)"),
             Query("max(kvnotes_admission_slowdown)", "slowdown vs idle (worst replica)"),
             Query("max(kvnotes_admission_peer_queued)", "other replicas' queues as heard"),
+            Query("histogram_quantile(0.99, sum by (le) (rate(kvnotes_admission_exchange_seconds_bucket[5m])))",
+                  "admission exchange p99 s"),
         ), "Requests admitted and not yet at their first token, the predicted queue wait of the next one "
            "(compare max_queue_wait_s), the measured service interval it rests on, the TTFT objective "
            "(admission_ttft_factor x the unloaded TTFT p90; 0 while off), the measured slowdown its model "
-           "applies and the other replicas' queued requests it adds (heard through the prefill workers)."),
+           "applies, the other replicas' queued requests it adds (heard through the prefill workers) and how "
+           "long checking them at admission takes (p99)."),
         Panel("Remote KV tier up", "short", (
             Query("min(kvnotes_tier_remote_up)", "remote tier up"),
         ), "1 when every process reaches the remote KV tier, 0 when any cannot.", kind="stat"),

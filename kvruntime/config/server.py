@@ -53,6 +53,10 @@ class ServerConfig:
     # a TTFT objective: refuse also what is predicted to reach its first token later than this many times
     # the replica's own unloaded TTFT p90 (requests admitted to an empty queue); 0 = off
     admission_ttft_factor: float = 0.0
+    # while the objective applies, a request about to be admitted is checked again against the other
+    # replicas' queues as one prefill worker holds them now (cluster.control.exchange); no answer within
+    # this many seconds: the last heard view decides (counted); 0 = off
+    admission_exchange_timeout_s: float = 0.2
     router_max_ongoing_requests: int = 256     # Serve's per-replica concurrency (must exceed max_inflight_per_tenant)
     router_max_queued_requests: int = 64       # Serve's own queue in front of the replicas (its 503 past that)
     metrics_tenants: tuple[str, ...] = ()      # tenants with their own label on kvnotes_requests_total (others: "other")
@@ -97,6 +101,8 @@ class ServerConfig:
                 or not 0 < self.admission_ewma_alpha <= 1:
             raise ValueError("max_queue_wait_s, admission_tenant_window_s > 0, admission_cold_queue >= 1 and "
                              "admission_ewma_alpha in (0, 1] required")
+        if not self.admission_exchange_timeout_s >= 0:
+            raise ValueError(f"admission_exchange_timeout_s must be >= 0 (0: off), got {self.admission_exchange_timeout_s}")
         if not (self.admission_ttft_factor == 0 or self.admission_ttft_factor >= 1):
             raise ValueError(f"admission_ttft_factor must be 0 (off) or >= 1 (times the unloaded TTFT p90), "
                              f"got {self.admission_ttft_factor}")

@@ -47,10 +47,17 @@ REPORT_TTL_S = 5.0      # a replica's queue report older than this counts no mor
 
 @dataclass(frozen=True)
 class QueueReport:
-    """Router replica -> prefill worker, with each health probe: this replica's admission queue."""
+    """Router replica -> prefill worker, with each health probe and each admission exchange
+    (``cluster.control.exchange``): this replica's admission queue."""
     replica: str          # the replica's process name (e.g. ``router-<id>``)
     queued: int           # requests admitted and not yet at their first token
+    seq: int = 0          # the replica's report counter: reports travel on several paths, a worker keeps the newest
+    ttft_p50_s: float = 0.0   # the replica's own unloaded TTFT median, seconds (0: not yet measured)
+    ttft_p90_s: float = 0.0   # its p90 (a replica that has measured none yet takes the others')
 
     def __post_init__(self):
-        if not self.replica or not isinstance(self.queued, int) or self.queued < 0:
-            raise ValueError(f"a queue report needs a replica id and a queued count >= 0, got {self!r}")
+        if not self.replica or not isinstance(self.queued, int) or self.queued < 0 \
+                or not isinstance(self.seq, int) or self.seq < 0 \
+                or not 0 <= self.ttft_p50_s <= self.ttft_p90_s or self.ttft_p90_s != self.ttft_p90_s:
+            raise ValueError(f"a queue report needs a replica id, a queued count >= 0, a seq >= 0 and "
+                             f"0 <= ttft_p50_s <= ttft_p90_s, got {self!r}")
