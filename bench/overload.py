@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import gc
 import json
 import os
 import statistics
@@ -75,8 +76,19 @@ def unloaded(client: httpx.Client, body: dict, n: int, timeout_s: float) -> tupl
 
 
 def offer(client: httpx.Client, body: dict, rate: float, seconds: float, timeout_s: float) -> list[Result]:
-    """Open loop: one request every 1/rate seconds for ``seconds``, each on its own thread."""
+    """Open loop: one request every 1/rate seconds for ``seconds``, each on its own thread. The
+    caller's heap is frozen meanwhile (``gc.freeze``): a full collection over a large process (a
+    test run's: torch, Ray, the suite) would otherwise add its pause to the latencies measured."""
     n = max(1, int(rate * seconds))
+    gc.collect()
+    gc.freeze()
+    try:
+        return _offer(client, body, rate, seconds, timeout_s, n)
+    finally:
+        gc.unfreeze()
+
+
+def _offer(client: httpx.Client, body: dict, rate: float, seconds: float, timeout_s: float, n: int) -> list[Result]:
     t0 = time.perf_counter()
     out: list[Result] = []
     lock = threading.Lock()

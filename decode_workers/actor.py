@@ -68,6 +68,8 @@ class DecodeWorker:
         from kvruntime.telemetry import start_exporter
         self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}", self.executor.held),
                                              host=host)
+        from kvruntime.startup_heap import freeze_startup_heap
+        freeze_startup_heap()      # the engine and inbox live as long as the actor: out of GC's walks
 
     def address(self) -> str:
         return self.receiver.endpoint.grpc_address

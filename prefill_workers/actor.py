@@ -68,6 +68,8 @@ class PrefillWorker:
                                                              cancelled=lambda: self.cancelled_plans,
                                                              variants=lambda: self.tier.variants_compiled),
                                              host=listen_host(cfg.server.bind_host))
+        from kvruntime.startup_heap import freeze_startup_heap
+        freeze_startup_heap()      # the model and tiers live as long as the actor: out of GC's walks
 
     def ready(self) -> dict:
         r = self.engine.rope

@@ -299,3 +299,29 @@ def test_only_a_request_alone_from_admission_to_first_token_is_an_unloaded_sampl
     clock.t += 1.5
     e.first_token()
     assert list(adm._unloaded) == [1.0, 1.0, 1.0, 1.5] and not adm._live
+
+
+def test_no_unloaded_sample_is_taken_while_the_replica_sheds():
+    """A request alone in the queue during an overload (the others were refused) runs beside the
+    work of those just before it: were it an unloaded sample, the reference would drift up with the
+    load and the objective loosen as the overload went on."""
+    adm, clock, m = _adm(max_queue_wait_s=30.0, ttft_factor=2.0)
+    _alone(adm, clock, 1.0, 3)
+    clock.t += 60
+    a, b = adm.admit("a"), adm.admit("a")
+    with pytest.raises(RequestError):
+        adm.admit("a")                     # (2 + 1) x 1 s > 2 s: shed
+    clock.t += 1
+    a.first_token()
+    clock.t += 1
+    b.first_token()
+    clock.t += 0.5
+    alone = adm.admit("a")                 # nothing queued anywhere, but 0.5 s after a refusal
+    clock.t += 3.0
+    alone.first_token()                    # 3 s: would raise the p90 (and the objective) to 6 s
+    assert list(adm._unloaded) == [1.0] * 3 and adm.snapshot()["ttft_budget_s"] == pytest.approx(2.0)
+    clock.t += 60
+    quiet = adm.admit("a")                 # long after the last refusal: a sample again
+    clock.t += 1.2
+    quiet.first_token()
+    assert list(adm._unloaded) == pytest.approx([1.0] * 3 + [1.2])

@@ -22,8 +22,10 @@ by ``admission_cold_queue``.
 
 A TTFT objective (``admission_ttft_factor`` F > 0) bounds the first token, not only the wait: it
 is F x this replica's unloaded TTFT p90 (the p90 of the last ``TTFT_SAMPLES`` admit-to-first-token
-times of requests alone from admission to first token: no other request admitted here meanwhile and
-none queued at the other replicas as last heard; fewer than ``TTFT_MIN_SAMPLES``
+times of requests alone from admission to first token: no other request admitted here meanwhile,
+none queued at the other replicas as last heard, and none refused here from as long before its
+admission until its first token: under overload no sample is taken, so the reference does not drift
+up with the load; fewer than ``TTFT_MIN_SAMPLES``
 samples: the other replicas' reference as last heard, ``PeerQueues.reference``, and with none
 either the objective waits). A request's predicted first token is ``(Q / P + 1) x S x c``: Q the
 requests queued ahead of it in the whole cluster (this replica's plus the others' as the prefill
@@ -128,6 +130,7 @@ class Admission:
         self._seen: dict[str, float] = {}     # tenant -> last admit attempt
         self._unloaded: deque[float] = deque(maxlen=TTFT_SAMPLES)   # admit -> first token, alone throughout
         self._live: set[Ticket] = set()       # tickets queued now (a new admission disturbs them)
+        self._last_shed: float | None = None  # when this replica last refused a request (overload: no unloaded samples)
         m = metrics or Metrics()
         self.shed, self.depth = m.shed, m.admission_depth
         self.wait, self.service, self.ttft_budget = m.admission_wait, m.admission_interval, m.admission_ttft_budget
@@ -183,6 +186,7 @@ class Admission:
                 ticket = Ticket(self, tenant, now, alone=ahead == 0, model_s=model, ahead=ahead)
                 self._live.add(ticket)
                 return ticket
+            self._last_shed = now
         self.shed.labels(reason).inc()
         retry = max(1.0, retry)
         if reason == "tenant_over_share":
@@ -220,6 +224,7 @@ class Admission:
             if objective is None or ttft is None or ttft <= objective or ticket.ahead + others == 0:
                 ticket.model_s = model if model is not None else ticket.model_s
                 return
+            self._last_shed = self.clock()
         ticket.release()
         self.shed.labels("ttft_objective").inc()
         retry = max(1.0, ttft - objective)
@@ -266,6 +271,12 @@ class Admission:
     def _left(self, tenant: str, served: bool, ticket: Ticket | None = None) -> None:
         now = self.clock()
         quiet = ticket is not None and ticket.alone and int(self.others()) == 0
+        if quiet and self._last_shed is not None and self._last_shed >= 2 * ticket.admitted - now:
+            # a refusal here while it waited, or within as long before its admission: the replica is
+            # overloaded and this request, alone as it was, ran beside the work of those just before it
+            # (decodes, the KV they push): not an unloaded sample (the reference would drift up with load
+            # and the objective loosen as the overload goes on)
+            quiet = False
         with self._lock:
             if ticket is not None:
                 self._live.discard(ticket)
