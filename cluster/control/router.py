@@ -31,6 +31,7 @@ from cluster.control.pricing import TokenBudget, exceeds_message
 from cluster.control.render import Renderer
 from cluster.control.routing import FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from cluster.control.sessions import SessionStore
+from cluster.control.usage_marks import UsageMarks
 from cluster.control.state import Registration, StateStore, StateStoreUnavailable
 from kvruntime.messages.decode import SamplingParams, TokenEvent
 from kvruntime.messages.keys import tenant_salt, token_hash
@@ -38,7 +39,7 @@ from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan
 
 log = logging.getLogger(__name__)
 # Plain-prompt prefix reuse granularity (tokens). Equal to the tier's LMCache piece size
-# (kvtransport.tier.lmcache_store.TierConfig.chunk_size): a stored prompt serves every prefix of it that
+# (kvtransport.tier.store_config.TierConfig.chunk_size): a stored prompt serves every prefix of it that
 # ends on a piece boundary, so the index records exactly those boundaries (and the whole prefix).
 PROMPT_BLOCK = 256
 
@@ -71,7 +72,7 @@ class Router:
         self._secret = state.secret()          # the same for every replica: keys agree cluster-wide
         self.view: WorkerView = backends.view
         self.fault: FaultPolicy = backends.fault_policy
-        self._background: set = set()     # state-store writes off the request path (_mark_used_later)
+        self.marks = UsageMarks(state, self.metrics)     # registrations' last use, written off the request path
         self.runner = RequestRunner(backends, self.view, self.fault, self.metrics, dtype, self.guard, default_tenant)
         backends.start_health(self.metrics)
 
@@ -255,11 +256,11 @@ class Router:
                     self._index_prompt(tenant, store_as.token_ids)
                 yield ev
                 if marks:        # the first event is out: the writes stay off the time to first token
-                    self._mark_used_later(tenant, marks, now)
+                    self.marks.later(tenant, marks, now)
                     marks = []
         finally:
             if marks:            # the request ended before its first event (an error, the client left)
-                self._mark_used_later(tenant, marks, now)
+                self.marks.later(tenant, marks, now)
 
     async def _plan_native(self, req, present: frozenset, sess, tenant: str, salt: str, pi: int) -> RequestPlan:
         """Plan a native request; outside a session, the whole context is first looked up as KV the
@@ -342,43 +343,6 @@ class Router:
                     log.info("prompt prefix of %d tokens no longer in the tier: reusing %d", cands[0], b)
                 return ref, b
         return None, 0
-
-    def _mark_used_later(self, tenant: str, marks: list[tuple[str, str, bool]], now: float) -> None:
-        """Write the registrations' last use and tier status (``marks``: kind, name, in the tier)
-        in a worker thread, once the request's first event is out (or it ended without one), off
-        the time to first token: bookkeeping for listings and gauges (a listing
-        looks the tier up again), one state-store transaction per registration. A failed write is
-        logged and counted (``kvnotes_fallbacks_total{reason="mark_used_failed"}``); the request
-        goes on."""
-        if not marks:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:     # a generator closed outside the event loop: written here
-            loop = None
-        if loop is None:
-            try:
-                self._mark_used(tenant, marks, now)
-            except Exception as exc:
-                self._marked_failed(exc)
-            return
-        fut = loop.run_in_executor(None, self._mark_used, tenant, marks, now)
-        self._background.add(fut)
-        fut.add_done_callback(self._marked)
-
-    def _mark_used(self, tenant: str, marks: list[tuple[str, str, bool]], now: float) -> None:
-        for kind, name, in_tier in marks:
-            self.state.mark_used(tenant, kind, name, now, in_tier)
-
-    def _marked(self, fut) -> None:
-        self._background.discard(fut)
-        exc = None if fut.cancelled() else fut.exception()
-        if exc is not None:
-            self._marked_failed(exc)
-
-    def _marked_failed(self, exc: BaseException) -> None:
-        self.metrics.record_fallback("mark_used_failed")
-        log.warning("recording the registrations' last use failed: %s", exc)
 
     def _prompt_index_unavailable(self, exc: StateStoreUnavailable) -> None:
         self.metrics.record_fallback("prompt_index_unavailable")

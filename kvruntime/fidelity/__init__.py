@@ -4,5 +4,5 @@
 prints a table per operation and writes ``kvruntime/fidelity/tables/<model>.json``; the planner
 reads the per-model summary to decide which operations it may trust: erratum vs edit-in-place, and
 what ``balanced`` may compose (section ``compose_answers``: answers and decisions vs recompute
-with 95% intervals, ``methods.answers_section``).
+with 95% intervals, ``methods.answers_section``; the statistics in ``method_stats``).
 """
