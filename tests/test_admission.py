@@ -325,3 +325,22 @@ def test_no_unloaded_sample_is_taken_while_the_replica_sheds():
     clock.t += 1.2
     quiet.first_token()
     assert list(adm._unloaded) == pytest.approx([1.0] * 3 + [1.2])
+
+
+def test_first_tokens_sooner_than_modelled_never_lower_the_slowdown_below_one():
+    """The model counts the request in service as a whole S: one queued behind a request nearly
+    done comes sooner. A slowdown under 1 learned from those would admit a third behind two."""
+    adm, clock, m = _adm(max_queue_wait_s=30.0, ttft_factor=2.0)
+    _alone(adm, clock, 1.0, 3)                     # S = 1 s, objective 2 s
+    clock.t += 60
+    for _ in range(5):
+        a, b = adm.admit("a"), adm.admit("a")      # b modelled at 2 s
+        clock.t += 0.9
+        a.first_token()
+        clock.t += 0.2
+        b.first_token()                            # at 1.1 s: ratio 0.55
+        clock.t += 60
+    assert adm.slowdown == 1.0
+    adm.admit("a"), adm.admit("a")
+    with pytest.raises(RequestError):
+        adm.admit("a")                             # (2 + 1) x 1 s x 1 = 3 s > 2 s, as with no samples

@@ -34,7 +34,7 @@ would take is then checked again against the others' queues as they are now, :me
 after the exchange of :mod:`cluster.control.exchange`), P the live prefill workers,
 S the unloaded TTFT median and c the measured slowdown: the p90 of the last ``TTFT_SAMPLES``
 served requests' first-token time over that model's prediction without c (a loaded machine serves
-slower than an idle one, and the objective is on the p90, not the mean; 1 before 3 samples).
+slower than an idle one, and the objective is on the p90, not the mean; 1 before 3 samples, never below 1).
 Past the objective the request is refused with **503** ``ttft_objective``; one with nothing queued
 ahead of it anywhere is never refused by it (it is the unloaded case; refusing it would leave the
 queues empty and nothing measured again). Counted: ``kvnotes_shed_total{reason}``; gauges
@@ -76,7 +76,11 @@ class AdmissionConfig:
 
 TTFT_SAMPLES = 20          # unloaded admit-to-first-token times kept (the objective's reference)
 TTFT_MIN_SAMPLES = 3       # before that many, the TTFT objective is not applied
-SLOWDOWN_MIN, SLOWDOWN_MAX = 0.5, 10.0   # one request's first-token time / its model prediction, clamped
+# one request's first-token time / its model prediction, clamped. Never below 1: the model counts the
+# request in service as a whole S, so one queued behind a request nearly done comes sooner than
+# modelled; a slowdown under 1 learned from those admitted a third request behind two (measured:
+# their first tokens at 2.5-3x the unloaded p90)
+SLOWDOWN_MIN, SLOWDOWN_MAX = 1.0, 10.0
 
 
 class Ticket:
