@@ -36,7 +36,6 @@ from cluster.http.body import read_json
 from cluster.control import metrics as request_metrics      # a module reference: Serve pickles this app
 from kvruntime import request_log
 from kvruntime.config import ClusterConfig
-from kvruntime.startup_heap import freeze_startup_heap
 from cluster.control.exchange import QueueExchange
 
 log = logging.getLogger(__name__)
@@ -147,7 +146,6 @@ class RouterIngress:
         (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.workers.model))
         log.info("router up: model %s (%s), edit plans by %s; compose by fidelity target: %s", self.served,
                  self.router.renderer.spec.name, self.router.edit_choice, self.router.fidelity["compose"])
-        freeze_startup_heap()     # what was built so far lives as long as the replica: out of GC's walks
 
     def _announce(self) -> None:
         """Every TARGET_REFRESH_S: refresh this replica's target and the state-size gauges."""
