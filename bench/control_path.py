@@ -16,7 +16,8 @@ consecutive laps in the router replica, ``time.perf_counter`` = CLOCK_MONOTONIC,
 process's clock on one machine) and ``explain.stages`` (the KV path, measured by the workers):
 
 - ``client -> router``: client send -> the replica's handler starts (HTTP, Serve proxy, Ray handle);
-- ``http_auth``, ``http_body``, ``validate``, ``render`` (tokenise, off the event loop), ``tier_lookup``
+- ``http_auth``, ``admission`` (the queue decision, and the exchange with the other replicas' queues
+  while the TTFT objective applies; before the body is read), ``http_body``, ``validate``, ``render`` (tokenise, off the event loop), ``tier_lookup``
   (the Ray call ``contains``), ``lookup_state`` (the rest of that lap: session, pick, ``mark_used``
   state-store writes), ``plan``, ``grant``, ``expect_call`` (Ray call to the decode actor);
 - ``prefill Ray overhead``: the ``execute`` call's round trip minus what the prefill actor measured
@@ -54,7 +55,7 @@ from bench.cluster_ttft import stream_native
 KV_PATH = ("tier_get", "rerotate", "forward", "serialise", "transfer", "receive", "load")
 FORWARD = ("first_token",)
 AFTER_FIRST = ("held_copy",)      # decode-side stages after the first token: shown, in no total
-ROUTER_LAPS = ("http_auth", "http_body", "validate", "render", "tier_lookup", "lookup_state", "plan", "grant",
+ROUTER_LAPS = ("http_auth", "admission", "http_body", "validate", "render", "tier_lookup", "lookup_state", "plan", "grant",
                "expect_call")
 QUESTIONS = ["Summarise the key facts above in one sentence.", "Which organisation is mentioned first?",
              "List two numbers that appear above.", "What is the main topic of the last section?"]

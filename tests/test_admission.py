@@ -66,8 +66,19 @@ def test_a_request_deadline_shorter_than_the_wait_is_refused():
     with pytest.raises(RequestError) as e:
         adm.admit("a", deadline_s=1.5)              # 2 s predicted wait
     assert e.value.status == 503 and "deadline_s" in e.value.message
+    assert e.value.retry_after == pytest.approx(1.5)   # until one of the two ahead has gone: (2 - 1.5 / 1 + 1) x 1 s
     assert m.registry.get_sample_value("kvnotes_shed_total", {"reason": "deadline"}) == 1
-    adm.admit("a", deadline_s=3.0)
+    assert adm.total == 2                           # the refused one left the queue
+    # as the HTTP layer does it: admitted before the body is read, the body's deadline_s checked after
+    t = adm.admit("a")                              # 2 s predicted wait: admitted without a deadline
+    assert adm.total == 3
+    with pytest.raises(RequestError) as e:
+        adm.within_deadline(t, 1.5)
+    assert e.value.status == 503 and not t.queued and adm.total == 2
+    assert m.registry.get_sample_value("kvnotes_shed_total", {"reason": "deadline"}) == 2
+    t = adm.admit("a", deadline_s=3.0)
+    adm.within_deadline(t, 3.0)                     # within it: kept
+    assert t.queued and adm.total == 3
 
 
 def test_a_tenant_burst_does_not_starve_another_tenants_steady_traffic():

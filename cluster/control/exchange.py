@@ -59,7 +59,7 @@ class QueueExchange:
     def on(self) -> bool:
         return self.timeout_s > 0 and self.admission.objective_on()
 
-    async def admit(self, tenant: str, deadline_s: float | None) -> Ticket:
+    async def admit(self, tenant: str, deadline_s: float | None = None) -> Ticket:
         """:meth:`Admission.admit`, then (while the objective applies) the exchange and
         :meth:`Admission.confirm`; a refusal raises the admission's ``RequestError``."""
         ticket = self.admission.admit(tenant, deadline_s)

@@ -182,12 +182,19 @@ class RouterIngress:
         clock.lap("http_auth")
         streaming, ticket = False, None
         try:
+            if admit:                    # before the body: a refused request never waits for it
+                acct["outcome"] = "shed"              # until admitted
+                ticket = await self.exchange.admit(tenant)
+                acct.pop("outcome")
+                clock.lap("admission")
             parsed = await read_json(request, self.limits) if body else None
             clock.lap("http_body")
             if admit:
-                acct["outcome"] = "shed"              # until admitted
-                ticket = await self.exchange.admit(tenant, _deadline(parsed))
-                acct.pop("outcome")
+                deadline = _deadline(parsed)
+                if deadline is not None:              # the request's own deadline_s only refuses more
+                    acct["outcome"] = "shed"
+                    self.admission.within_deadline(ticket, deadline)
+                    acct.pop("outcome")
                 admission_queue.TICKET.set(ticket)
             resp = await handler(parsed, tenant, rid)
             if isinstance(resp, StreamingResponse):       # the slot is held until the stream ends
