@@ -43,6 +43,8 @@ def node_address() -> tuple[str, str]:
 
 class DecodeWorker:
     def __init__(self, cfg: ClusterConfig, index: int, host: str | None = None):
+        from kvruntime.cpu_priority import lower_priority
+        lower_priority(cfg.workers.model_niceness)    # first: the threads started below inherit it (the control plane first)
         from kvtransport.transfer.endpoints import Receiver
         from kvtransport.transfer.options import confine_ucx, grpc_config, nixl_config
 

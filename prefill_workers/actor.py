@@ -30,6 +30,8 @@ class PrefillWorker:
         """``tier_key``: the ``lm://`` tier's key (``kvtransport.tier.auth.tier_key`` of the cluster
         secret), required when ``cfg.tier.remote_url`` is set; the launcher reads it from the state store."""
         os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+        from kvruntime.cpu_priority import lower_priority
+        lower_priority(cfg.workers.model_niceness)    # first: the threads started below inherit it (the control plane first)
         request_log.install(worker=True)
         from kvruntime.engine import ReferenceEngine
         from kvtransport.transfer.endpoints import Sender

@@ -99,8 +99,21 @@ def _alive(h: dict, name: str) -> bool:
     return next(w for w in h["workers"]["decode"]["workers"] if w["name"] == name)["alive"]
 
 
+def _niceness(match: str) -> list[int]:
+    import psutil
+    return [p.nice() for p in psutil.process_iter(["cmdline"]) if match in " ".join(p.info["cmdline"] or [])]
+
+
 def test_overload_is_shed_with_retry_after_and_every_request_is_counted(cluster, tmp_path):
     cfg, http = cluster
+    import psutil
+    # the control plane first (kvruntime.cpu_priority): the model workers at model_niceness (15),
+    # Serve's proxy and the router replicas at the local Ray's worker niceness (0)
+    h = http.get("/health").json()
+    assert [psutil.Process(w["pid"]).nice() for r in ("prefill", "decode") for w in h["workers"][r]["workers"]] \
+        == [cfg.workers.model_niceness] * 3
+    assert _niceness("ServeReplica:kvnotes:kvnotes-router") == [cfg.ray.worker_niceness] * REPLICAS
+    assert _niceness("ray::ProxyActor") == [cfg.ray.worker_niceness]
     before = _requests_total(http)
     shed_before = _requests_total(http, outcome="shed")
     heard, stop_sampling = [], threading.Event()

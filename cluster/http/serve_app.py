@@ -118,6 +118,8 @@ class RouterIngress:
         from kvruntime.telemetry import listen_host, start_exporter
 
         request_log.install(worker=True)     # every log line of a request carries its id
+        from kvruntime.cpu_priority import check_control_plane
+        check_control_plane(cfg.workers.model_niceness)   # a warning if this replica is no higher than the model
         self.cfg = cfg
         heap.configure()            # large bodies go back to the system when freed (cluster.http.heap)
         built = assemble(cfg)       # the router and its collaborators (cluster.control.assembly)

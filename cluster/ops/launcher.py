@@ -156,6 +156,7 @@ def start_local_ray(cfg: ClusterConfig, local_cpus: int | None = None) -> int:
     import psutil
     import ray
 
+    found = None
     if local_cpus is None:
         found = found_ray_address()
         if found:
@@ -166,9 +167,14 @@ def start_local_ray(cfg: ClusterConfig, local_cpus: int | None = None) -> int:
     for attempt in range(1, cfg.ray.start_attempts + 1):
         before = {p.pid for p in me.children(recursive=True)}
         try:
+            # a Ray started here: its worker processes (Serve's proxy, the router replicas, the probers)
+            # at ray_worker_niceness, ahead of the model workers (kvruntime.cpu_priority); an existing
+            # local cluster keeps the niceness its `ray start` gave it
+            fresh = ({"_system_config": {"worker_niceness": cfg.ray.worker_niceness}}
+                     if local_cpus is not None or not found else {})
             ray.init(address="local" if local_cpus is not None else None, num_cpus=local_cpus, namespace="kvnotes",
                      include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}})
+                     runtime_env={"env_vars": {"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}}, **fresh)
             return attempt - 1
         except (ValueError, TypeError):
             raise                  # a bad argument: starting again cannot help

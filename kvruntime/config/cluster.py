@@ -40,7 +40,7 @@ _RENAMED = {
     "worker_max_restarts": ("workers", "max_restarts"),
     "state_url": ("state", "url"), "state_timeout_s": ("state", "timeout_s"), "state_probe_s": ("state", "probe_s"),
     "ray_address": ("ray", "address"), "ray_auth_mode": ("ray", "auth_mode"),
-    "ray_start_attempts": ("ray", "start_attempts"),
+    "ray_start_attempts": ("ray", "start_attempts"), "ray_worker_niceness": ("ray", "worker_niceness"),
 }
 
 

@@ -47,6 +47,8 @@ class WorkersConfig:
     vllm_kv_load_threads: int = 2              # engine=vllm, async: blocks claimed, checked and written at once
     max_restarts: int = 5                      # Ray restarts a dead worker actor this often (-1: forever)
     start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
+    model_niceness: int = 15                   # the worker actors' CPU niceness (Ray's default for every worker): below
+                                               # the control plane's (ray_worker_niceness), kvruntime.cpu_priority
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -74,3 +76,5 @@ class WorkersConfig:
             raise ValueError("worker_max_restarts must be >= -1")
         if self.start_timeout_s <= 0:
             raise ValueError("start_timeout_s must be > 0")
+        if not isinstance(self.model_niceness, int) or not 0 <= self.model_niceness <= 19:
+            raise ValueError("model_niceness must be an integer from 0 to 19")
