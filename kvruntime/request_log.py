@@ -3,8 +3,10 @@
 The router takes the id at the edge (``cluster.http.ids``) and binds it for the request;
 prefill and decode actors bind the id each call carries (``RequestPlan.request_id``, the
 ``request_id`` of ``DecodeWorker.generate``) for the call's duration. :func:`install` puts a
-log record factory in the process: every record gets a ``request_id`` attribute (``"-"``
-outside a request), and the message of a record made inside a request ends with
+log record factory in the process: every record gets a ``kvnotes_request_id`` attribute (``"-"``
+outside a request; not ``request_id``, which Ray Serve passes in ``extra`` of its access log lines:
+``logging`` refuses an ``extra`` key the record already has, and that KeyError failed every request
+in the replica after its response, with a traceback in the proxy's log), and the message of a record made inside a request ends with
 ``request_id=<id>``, whatever the handler's format (Ray's worker and Serve replica log files
 included), so ``grep request_id=<id>`` over the router's, the prefill actors' and the decode
 actors' logs finds that one request. Pure standard library: every box may import it.
@@ -66,7 +68,7 @@ def install(*, worker: bool = False) -> None:
     def factory(*args, **kwargs) -> logging.LogRecord:
         record = make(*args, **kwargs)
         rid = REQUEST_ID.get()
-        record.request_id = rid or "-"
+        record.kvnotes_request_id = rid or "-"
         if rid:
             try:
                 msg = record.getMessage()

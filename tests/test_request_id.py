@@ -29,4 +29,18 @@ def test_every_record_made_inside_a_request_carries_its_id(caplog):
         log.info("after")
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs == ["outside 1", "inside a plan request_id=rid-7", "already names request_id=rid-7", "after"]
-    assert [r.request_id for r in caplog.records] == ["-", "rid-7", "rid-7", "-"]
+    assert [r.kvnotes_request_id for r in caplog.records] == ["-", "rid-7", "rid-7", "-"]
+
+
+def test_a_library_passing_its_own_request_id_in_extra_still_logs(caplog):
+    """Ray Serve's access log line (``serve._private.replica``) passes ``extra={"request_id": ...}``:
+    the factory must not have set that attribute already (``logging`` raises KeyError, which failed
+    every request in the replica after its response)."""
+    request_log.install()
+    log = logging.getLogger("ray.serve.test_access_log")
+    with caplog.at_level(logging.INFO, logger="ray.serve.test_access_log"):
+        with request_log.bound("rid-8"):
+            log.info("POST /v1/completions 200 3.0ms", extra={"request_id": "serve-id", "route": "/"})
+        log.info("GET /health 200 1.0ms", extra={"request_id": "serve-id-2"})
+    assert [r.request_id for r in caplog.records] == ["serve-id", "serve-id-2"]
+    assert [r.kvnotes_request_id for r in caplog.records] == ["rid-8", "-"]
