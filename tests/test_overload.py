@@ -100,8 +100,10 @@ def _alive(h: dict, name: str) -> bool:
 
 
 def _niceness(match: str) -> list[int]:
+    """The niceness of this session's Ray processes (descendants of this process: the local Ray's
+    raylet is its child; another pytest worker's Ray is not) whose command line has ``match``."""
     import psutil
-    return [p.nice() for p in psutil.process_iter(["cmdline"]) if match in " ".join(p.info["cmdline"] or [])]
+    return [p.nice() for p in psutil.Process().children(recursive=True) if match in " ".join(p.cmdline())]
 
 
 def test_overload_is_shed_with_retry_after_and_every_request_is_counted(cluster, tmp_path):
