@@ -45,9 +45,10 @@ The HTTP layer admits (``Admission.admit``) before it reads the request's body, 
 never waits for the body to come through Serve's proxy (measured: 6 ms at the median, up to 22 ms,
 of a 24 ms refusal); the body's own ``deadline_s`` is checked after it
 (:meth:`Admission.within_deadline`: a deadline only refuses more, and a bad body under overload is
-a 503, not a 400). It holds the ticket in :data:`TICKET` for the request's task; :mod:`cluster.control.lifecycle` calls :func:`first_token`; the HTTP layer
-releases the ticket when the request ends (a request that ends without a first token leaves the
-queue without a service sample).
+a 503, not a 400). It holds the ticket in :data:`TICKET` for the request's task;
+:mod:`cluster.control.lifecycle` calls :func:`first_token`; the HTTP layer releases the ticket
+when the request ends (a request that ends without a first token leaves the queue without a
+service sample).
 """
 from __future__ import annotations
 
