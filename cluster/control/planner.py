@@ -62,6 +62,33 @@ class RenderedRequest:
 
 
 @dataclass(frozen=True)
+class HeldPromptEdit:
+    """A prompt equal to one the tier holds except for one contiguous span (found by prompt
+    matching, :mod:`cluster.control` fingerprints): ``held.token_ids[:start]`` and the new
+    prompt's first ``start`` tokens are equal, ``held.token_ids[held_end:]`` is the new prompt's
+    tail after ``new_ids``. The planner turns it into an edit of the held KV (edit-in-place, the
+    erratum on request) or an exact reuse of ``[0:start]`` and a recompute from the divergence."""
+    held: KVRef                                 # the held prompt's KV (position 0); held.token_ids = its tokens
+    start: int                                  # first divergent token offset (equal in both before it)
+    held_end: int                               # the held prompt realigns here (exclusive)
+    new_ids: tuple[int, ...]                    # the new prompt's tokens replacing held.token_ids[start:held_end]
+    where: str = ""                             # for explain: "message 2 (user), token 812"
+
+    def __post_init__(self):
+        n = len(self.held.token_ids)
+        if not 0 <= self.start <= self.held_end <= n:
+            raise ValueError(f"held prompt edit span [{self.start}:{self.held_end}] outside the held prompt's {n} tokens")
+        if self.held.position != 0:
+            raise ValueError(f"held prompt edit: the held KV must start at position 0, got {self.held.position}")
+
+    @property
+    def new_token_ids(self) -> tuple[int, ...]:
+        """The new prompt (as matched): held prefix + new span + held tail."""
+        t = self.held.token_ids
+        return t[:self.start] + tuple(self.new_ids) + t[self.held_end:]
+
+
+@dataclass(frozen=True)
 class TierView:
     """What the tier holds, as seen when planning (a snapshot, not a live handle)."""
     chunk_keys: frozenset[str] = frozenset()    # KVRef.digest of the precompiled chunks the tier holds
@@ -69,6 +96,7 @@ class TierView:
     prompt_prefix_kv: KVRef | None = None       # and its content address
     held_context: KVRef | None = None           # native requests: the whole context's KV, held at position 0
                                                 # (exact, or built earlier by this very plan's recipe)
+    held_edit: HeldPromptEdit | None = None     # plain prompts: a held prompt this one edits in one span
 
 
 @dataclass(frozen=True)
