@@ -28,7 +28,7 @@ from decode_workers.engine_api import DecodeEngine
 from decode_workers.held_kv import HeldPrefixes
 from decode_workers.sampling import Sampler, TextStream
 from kvtransport.transfer.blocks import BlockError, decode_block
-from kvtransport.transfer.seam import KVReceiver, TransferError
+from kvtransport.transfer.interface import KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from decode_workers.vllm_async_load import AsyncLoader
 from kvtransport.transfer.blocks import BlockError, decode_block
-from kvtransport.transfer.seam import TransferError
+from kvtransport.transfer.interface import TransferError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -25,7 +25,7 @@ from kvruntime.rope import RepositionDisabled
 from kvruntime.telemetry import log_fallback_once
 from kvtransport.transfer.blocks import encode_block
 from kvtransport.transfer.endpoints import Sender
-from kvtransport.transfer.seam import KVSender, TransferError
+from kvtransport.transfer.interface import KVSender, TransferError
 from prefill_workers.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)

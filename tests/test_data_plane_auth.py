@@ -18,7 +18,7 @@ from kvruntime.messages.transfer import TransferGrant
 from kvtransport.transfer.blocks import KVBlock, decode_block, encode_block
 from kvtransport.transfer.endpoints import Receiver
 from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
-from kvtransport.transfer.seam import TransferError
+from kvtransport.transfer.interface import TransferError
 
 GCFG = GrpcTransportConfig(require_grant=True, inbox_bytes=400_000, max_block_bytes=300_000, pool_bytes=8 << 20)
 

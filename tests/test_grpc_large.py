@@ -11,7 +11,7 @@ import torch
 from kvruntime.kv import KVCache
 from kvtransport.transfer.blocks import KVBlock, block_header, decode_block, encode_block
 from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
-from kvtransport.transfer.seam import TransferError
+from kvtransport.transfer.interface import TransferError
 
 BIG_TOKENS = 4096                      # SmolLM2 shape, fp32: 30 * 2 * 3 * 4096 * 64 * 4 B = 180 MiB
 

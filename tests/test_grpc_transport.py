@@ -9,7 +9,7 @@ import torch
 from kvruntime.kv import KVCache
 from kvtransport.transfer.blocks import BlockError, decode_block, encode_block, verify
 from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
-from kvtransport.transfer.seam import TransferError, TransferState
+from kvtransport.transfer.interface import TransferError, TransferState
 
 
 def _kv(tokens=50, dtype=torch.float32):

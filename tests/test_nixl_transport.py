@@ -11,7 +11,7 @@ import torch
 from kvruntime.kv import KVCache
 from kvtransport.transfer.blocks import KVBlock, block_header, encode_block
 from kvtransport.transfer.nixl_transport import NixlTransport, NixlTransportConfig
-from kvtransport.transfer.seam import TransferError
+from kvtransport.transfer.interface import TransferError
 
 CFG = NixlTransportConfig(pool_bytes=64 << 20, max_block_bytes=32 << 20, inbox_bytes=48 << 20,
                           read_piece_bytes=1 << 20, stream_piece_bytes=2 << 20)

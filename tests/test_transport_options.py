@@ -18,7 +18,7 @@ from kvtransport.transfer.blocks import encode_block
 from kvtransport.transfer.endpoints import Receiver
 from kvtransport.transfer.grpc_transport import GrpcTransport
 from kvtransport.transfer.options import check, grpc_config, nixl_config
-from kvtransport.transfer.seam import TransferError
+from kvtransport.transfer.interface import TransferError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -32,7 +32,7 @@ from kvruntime.ops import edit_in_place, precompile_chunk, recompute  # noqa: E4
 from kvruntime.ops.compose import ChunkSegment, TextSegment, compose  # noqa: E402
 from kvtransport.transfer.blocks import KVBlock, encode_block  # noqa: E402
 from kvtransport.transfer.grpc_transport import GrpcTransport  # noqa: E402
-from kvtransport.transfer.seam import TransferError  # noqa: E402
+from kvtransport.transfer.interface import TransferError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -355,7 +355,7 @@ def test_fail_policy_fails_the_request_with_a_clear_error(fail_policy_run):
 def test_prefix_wholly_in_apc_moves_nothing_and_drops_the_block(smol, vx, sender, one_torch_thread):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvtransport.transfer.seam import TransferState
+    from kvtransport.transfer.interface import TransferState
     prefix, suffix, kv = _prompt_kv(smol)
     aligned = (len(prefix) // vx.block_size) * vx.block_size             # block-aligned: APC can hold all of it
     prefix, kv = prefix[:aligned], kv.slice(0, aligned)                  # (a causal prefix's KV is its head)

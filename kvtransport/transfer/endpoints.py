@@ -34,7 +34,7 @@ from kvruntime.telemetry import log_fallback_once
 from kvtransport.transfer.blocks import DTYPES, KVBlock, block_header, wire_header
 from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransport.transfer.inbox import Inbox, InboxStats
-from kvtransport.transfer.seam import KVReceiver, TransferError, TransferReceipt
+from kvtransport.transfer.interface import KVReceiver, TransferError, TransferReceipt
 
 log = logging.getLogger(__name__)
 

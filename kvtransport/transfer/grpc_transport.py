@@ -49,7 +49,7 @@ from kvtransport.transfer.proto import kvtransfer_pb2 as pb
 from kvtransport.transfer.same_host import address_host, is_local_host, peer_host
 from kvtransport.transfer.buffer_pool import BufferPool
 from kvtransport.transfer.inbox import Inbox, InboxStats
-from kvtransport.transfer.seam import KVTransport, TransferError, TransferReceipt, TransferState
+from kvtransport.transfer.interface import KVTransport, TransferError, TransferReceipt, TransferState
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvruntime.messages.transfer import TransferGrant
 from kvtransport.transfer.blocks import KVBlock, KVBlockHeader
-from kvtransport.transfer.seam import TransferError, TransferState
+from kvtransport.transfer.interface import TransferError, TransferState
 
 log = logging.getLogger(__name__)
 

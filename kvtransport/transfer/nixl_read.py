@@ -15,7 +15,7 @@ import numpy as np
 
 from kvtransport.transfer.blocks import checksum_extend
 from kvtransport.transfer.nixl_wire import AVAIL, CANCEL, Offer, Reply
-from kvtransport.transfer.seam import TransferState
+from kvtransport.transfer.interface import TransferState
 
 log = logging.getLogger("kvtransport.transfer.nixl_transport")
 

@@ -27,7 +27,7 @@ from kvtransport.transfer.blocks import (DTYPES, KVBlock, KVBlockHeader, as_byte
                                 payload_view)
 from kvtransport.transfer.nixl_read import _CrcChain
 from kvtransport.transfer.nixl_wire import CANCEL, Avail, Offer, Reply
-from kvtransport.transfer.seam import TransferError, TransferReceipt
+from kvtransport.transfer.interface import TransferError, TransferReceipt
 
 
 @dataclass

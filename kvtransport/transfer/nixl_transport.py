@@ -54,7 +54,7 @@ from kvtransport.transfer.nixl_send import NixlSender, _Outgoing
 from kvtransport.transfer.nixl_wire import AVAIL, CANCEL, OFFER, PULLED, REPLY, STREAM, Avail, Offer, Reply
 from kvtransport.transfer.buffer_pool import BufferPool
 from kvtransport.transfer.inbox import Inbox
-from kvtransport.transfer.seam import KVTransport, TransferError, TransferState
+from kvtransport.transfer.interface import KVTransport, TransferError, TransferState
 
 log = logging.getLogger(__name__)
 
