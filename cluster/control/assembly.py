@@ -15,6 +15,7 @@ from kvruntime.config import ClusterConfig
 if TYPE_CHECKING:
     from cluster.control.ray_backends import RayBackends
     from cluster.control.router import Router
+    from cluster.control.router_sections import LimitsSection, ModelSection, PolicySection
     from cluster.control.state import StateStore
     from cluster.control.state.watch import StoreWatch
     from kvruntime.fidelity.profiles import Profile
@@ -44,7 +45,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     from cluster.control.registry import Registry
     from cluster.control.render import Renderer
     from cluster.control.router import Router
-    from cluster.control.shadow import ShadowConfig
+    from cluster.control.router_sections import LimitsSection, ModelSection, PolicySection
     from cluster.control.state import StoreLimits, open_state
     from cluster.control.state.watch import StoreWatch
     from kvruntime.checkpoint import ensure_checkpoint
@@ -61,17 +62,20 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     backends = RayBackends.from_names(cfg)
     state = open_state(cfg.state.resolved_url, StoreLimits(cfg.state.session_ttl_s, cfg.state.session_max, cfg.state.prompt_index_ttl_s,
                                                            cfg.state.prompt_index_max, cfg.state.timeout_s))
-    router = Router(backends, Renderer(tok, spec, Registry(state), tok.bos_token_id), state,
-                    spec.name if spec.checkpoint else ckpt.name, cfg.workers.dtype,   # = engine.model_id
-                    default_policy=cfg.policy.default_policy, seam_tokens=cfg.policy.seam_tokens,
-                    fidelity_summary=profile.summary, context_window=spec.context_window,
-                    max_tokens_limit=cfg.server.max_tokens_limit, default_tenant=cfg.server.tenant,
-                    balanced_target=FidelityTarget.from_config(cfg), fast_min_top1=cfg.policy.fast_min_top1,
-                    shadow=ShadowConfig(cfg.shadow.fraction, frozenset(cfg.shadow.opt_out_tenants),
-                                        cfg.shadow.max_in_flight, cfg.shadow.window,
-                                        cfg.shadow.min_samples, cfg.shadow.demote_s),
-                    # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
-                    decode_computes_cold=cfg.workers.decode_engine == "vllm", served_model=served)
+    model = ModelSection(spec.name if spec.checkpoint else ckpt.name, cfg.workers.dtype,   # = engine.model_id
+                         served_model=served)
+    policy = PolicySection(default_policy=cfg.policy.default_policy, seam_tokens=cfg.policy.seam_tokens,
+                           fidelity_summary=profile.summary, balanced_target=FidelityTarget.from_config(cfg),
+                           fast_min_top1=cfg.policy.fast_min_top1,
+                           shadow=ShadowConfig(cfg.shadow.fraction, frozenset(cfg.shadow.opt_out_tenants),
+                                               cfg.shadow.max_in_flight, cfg.shadow.window,
+                                               cfg.shadow.min_samples, cfg.shadow.demote_s),
+                           # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
+                           decode_computes_cold=cfg.workers.decode_engine == "vllm")
+    limits = LimitsSection(context_window=spec.context_window, max_tokens_limit=cfg.server.max_tokens_limit,
+                           default_tenant=cfg.server.tenant)
+    router = Router(backends, Renderer(tok, spec, Registry(state), tok.bos_token_id), state, model,
+                    policy=policy, limits=limits)
     for info in backends.ready:
         router.metrics.rope_self_test.labels(info["worker"]).set(1 if info["rope_self_test_ok"] else 0)
     router.metrics.set_tenant_labels(cfg.server.metrics_tenants)

@@ -27,34 +27,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from kvruntime.config.choices import ShadowMetric
+from kvruntime.config.shadow import ShadowConfig
 from kvruntime.messages.fidelity import ShadowResult
 
 log = logging.getLogger(__name__)
 
-METRICS = ("top1", "greedy_exact")      # agreement metrics exported and windowed
+METRICS = tuple(m.value for m in ShadowMetric)   # agreement metrics exported and windowed (top1, greedy_exact)
 FRAME_REUSE_OP = "reuse(frame)"         # the first chunk after the chat frame, reused exactly (its frame variant)
 EXACT_OPS = frozenset({FRAME_REUSE_OP})  # claimed bit-exact: a disagreement is a bug, not noise
-
-
-@dataclass(frozen=True)
-class ShadowConfig:
-    fraction: float = 0.01              # share of approximate and frame-variant requests checked
-    opt_out_tenants: frozenset[str] = frozenset()
-    max_in_flight: int = 2              # checks running or queued at once; more are dropped (counted)
-    window: int = 50                    # results per operation kept for the agreement estimate
-    min_samples: int = 20               # no demotion before this many results in the window
-    demote_s: float = 600.0             # cool-down before a demoted operation is tried again
-    metric: str = "top1"                # the agreement compared with the target
-
-    def __post_init__(self):
-        if not 0.0 <= self.fraction <= 1.0:
-            raise ValueError("shadow fraction must be in [0, 1]")
-        if self.max_in_flight < 1 or self.window < 1 or not 1 <= self.min_samples <= self.window:
-            raise ValueError("shadow max_in_flight >= 1, window >= 1 and 1 <= min_samples <= window required")
-        if self.demote_s <= 0:
-            raise ValueError("shadow demote_s must be > 0")
-        if self.metric not in METRICS:
-            raise ValueError(f"shadow metric must be one of {METRICS}")
 
 
 def sampled(request_id: str, tenant: str, cfg: ShadowConfig) -> bool:

@@ -33,6 +33,7 @@ _RENAMED = {
     "shadow_fraction": ("shadow", "fraction"), "shadow_opt_out_tenants": ("shadow", "opt_out_tenants"),
     "shadow_max_in_flight": ("shadow", "max_in_flight"), "shadow_window": ("shadow", "window"),
     "shadow_min_samples": ("shadow", "min_samples"), "shadow_demote_s": ("shadow", "demote_s"),
+    "shadow_metric": ("shadow", "metric"),
     "tier_cpu_bytes": ("tier", "cpu_bytes"), "tier_disk_path": ("tier", "disk_path"),
     "tier_remote_url": ("tier", "remote_url"), "tier_remote_capacity_bytes": ("tier", "remote_capacity_bytes"),
     "tier_remote_probe_s": ("tier", "remote_probe_s"), "tier_persist_dir": ("tier", "persist_dir"),

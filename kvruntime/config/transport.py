@@ -6,26 +6,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvruntime.config.choices import LoadFailurePolicy, TransportKind
+
 
 @dataclass(frozen=True)
 class TransportConfig:
-    kind: str = "auto"                         # auto (NIXL where it imports and starts, else gRPC) | nixl | grpc
+    kind: TransportKind = TransportKind.AUTO   # auto (NIXL where it imports and starts, else gRPC) | nixl | grpc
     # tuning: a mapping of GrpcTransportConfig / NixlTransportConfig fields (kvtransport.options),
     # e.g. kv_grpc: {inbox_bytes: 8589934592}; checked by `kvnotes serve` before anything starts
     grpc: tuple = ()
     nixl: tuple = ()
     transfer_timeout_s: float = 30.0
-    kv_load_failure_policy: str = "recompute"  # recompute | fail
+    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE  # recompute | fail
 
     def __post_init__(self):
-        if self.kind not in ("auto", "nixl", "grpc"):
-            raise ValueError(f"kv_transport must be auto, nixl or grpc, got {self.kind!r}")
+        object.__setattr__(self, "kind", TransportKind.of(self.kind))
         object.__setattr__(self, "grpc", _options("kv_grpc", self.grpc))
         object.__setattr__(self, "nixl", _options("kv_nixl", self.nixl))
         if self.transfer_timeout_s <= 0:
             raise ValueError("transfer_timeout_s must be > 0")
-        if self.kv_load_failure_policy not in ("recompute", "fail"):
-            raise ValueError("kv_load_failure_policy must be recompute or fail")
+        object.__setattr__(self, "kv_load_failure_policy", LoadFailurePolicy.of(self.kv_load_failure_policy))
 
     def options(self, transport: str) -> dict:
         """``grpc`` / ``nixl`` tuning as keyword arguments (``transport``: grpc | nixl)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvruntime.config.choices import DecodeEngineKind, KVLoadMode
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -37,13 +39,13 @@ class WorkersConfig:
     dtype: str = "float32"                     # reference engine weights and KV (tier, wire): float32 | bfloat16 | float16
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
-    decode_engine: str = "reference"           # reference (torch oracle) | vllm (vLLM v1 + kvnotes KV connector)
+    decode_engine: DecodeEngineKind = DecodeEngineKind.REFERENCE  # reference (torch oracle) | vllm (vLLM v1 + kvnotes KV connector)
     grammar_cache_entries: int = 64            # structured outputs: compiled grammars a decode worker keeps (LRU)
     decode_prefix_cache_bytes: int = 256 << 20  # engine=reference: prefix KV a decode actor keeps (LRU) so it is not sent twice; 0 = off
     vllm_kv_cache_gib: float = 1.0             # engine=vllm: paged KV space per decode actor (GiB; CPU: VLLM_CPU_KVCACHE_SPACE)
     vllm_max_model_len: int = 8192             # engine=vllm: longest prompt + completion (tokens)
     vllm_max_concurrency: int = 16             # engine=vllm: requests one decode actor accepts at once (batched by vLLM)
-    vllm_kv_load: str = "async"                # engine=vllm: async (running streams keep decoding while a block loads) | sync
+    vllm_kv_load: KVLoadMode = KVLoadMode.ASYNC  # engine=vllm: async (running streams keep decoding while a block loads) | sync
     vllm_kv_load_threads: int = 2              # engine=vllm, async: blocks claimed, checked and written at once
     max_restarts: int = 5                      # Ray restarts a dead worker actor this often (-1: forever)
     start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
@@ -62,16 +64,16 @@ class WorkersConfig:
             if not isinstance(role, WorkerConfig):
                 raise ValueError(f"{kind} must be a mapping of WorkerConfig fields")
             role.validate(kind)
-        if self.decode_engine not in ("reference", "vllm"):
-            raise ValueError("decode_engine must be reference or vllm")
+        object.__setattr__(self, "decode_engine", DecodeEngineKind.of(self.decode_engine))
         if not isinstance(self.grammar_cache_entries, int) or self.grammar_cache_entries < 1:
             raise ValueError("grammar_cache_entries must be an integer >= 1")
         if not isinstance(self.decode_prefix_cache_bytes, int) or self.decode_prefix_cache_bytes < 0:
             raise ValueError("decode_prefix_cache_bytes must be an integer >= 0 (0 = off)")
         if self.vllm_kv_cache_gib <= 0 or self.vllm_max_model_len < 16 or self.vllm_max_concurrency < 1:
             raise ValueError("vllm_kv_cache_gib > 0, vllm_max_model_len >= 16 and vllm_max_concurrency >= 1 required")
-        if self.vllm_kv_load not in ("async", "sync") or self.vllm_kv_load_threads < 1:
-            raise ValueError("vllm_kv_load must be async or sync and vllm_kv_load_threads >= 1")
+        object.__setattr__(self, "vllm_kv_load", KVLoadMode.of(self.vllm_kv_load))
+        if not isinstance(self.vllm_kv_load_threads, int) or self.vllm_kv_load_threads < 1:
+            raise ValueError("vllm_kv_load_threads must be an integer >= 1")
         if self.max_restarts < -1:
             raise ValueError("worker_max_restarts must be >= -1")
         if self.start_timeout_s <= 0:
