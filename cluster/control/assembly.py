@@ -67,9 +67,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     policy = PolicySection(default_policy=cfg.policy.default_policy, seam_tokens=cfg.policy.seam_tokens,
                            fidelity_summary=profile.summary, balanced_target=FidelityTarget.from_config(cfg),
                            fast_min_top1=cfg.policy.fast_min_top1,
-                           shadow=ShadowConfig(cfg.shadow.fraction, frozenset(cfg.shadow.opt_out_tenants),
-                                               cfg.shadow.max_in_flight, cfg.shadow.window,
-                                               cfg.shadow.min_samples, cfg.shadow.demote_s),
+                           shadow=cfg.shadow,      # the one ShadowConfig (kvruntime.config.shadow), as configured
                            # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
                            decode_computes_cold=cfg.workers.decode_engine == "vllm")
     limits = LimitsSection(context_window=spec.context_window, max_tokens_limit=cfg.server.max_tokens_limit,
