@@ -1,5 +1,5 @@
 """Prefill build with and without tier-read prefetch (``PrefillExecutor(prefetch=...)``), in
-process on the real LMCache-backed tier (``prefill_workers.tier.PrefillTier``).
+process on the real LMCache-backed tier (``prefill_workers.tier_reads.PrefillTier``).
 
 A composed context of ``--size`` tokens: the chat frame + the first chunk as one exact reuse
 (the planner's frame variant), then chunks of ``--chunk-tokens`` repositioned (seam
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from kvruntime.ops.frame import chat_frame
     from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
     from prefill_workers.executor import PrefillExecutor
-    from prefill_workers.tier import PrefillTier
+    from prefill_workers.tier_reads import PrefillTier
 
     ap = argparse.ArgumentParser(prog="python -m bench.pipeline")
     ap.add_argument("--model", default="smollm2-135m")

@@ -65,7 +65,7 @@ class PrefillSide:
         from kvtransport.transfer.endpoints import Sender
         from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
         from prefill_workers.executor import PrefillExecutor
-        from prefill_workers.tier import PrefillTier
+        from prefill_workers.tier_reads import PrefillTier
 
         self.engine = ReferenceEngine(model, dtype=dtype, threads=threads)
         self.store = LMCacheStore.for_engine(self.engine, TierConfig(local_cpu_gb=1.0))

@@ -3,7 +3,7 @@
 
 Plain class; ``cluster.control.ray_backends`` wraps it with ``ray.remote`` and the resources from
 config (so importing this module needs no Ray). One actor executes one plan at a time. It keeps
-no name map: plans name KV by content (``prefill_workers.tier``), so a restarted or a second
+no name map: plans name KV by content (``prefill_workers.tier_reads``), so a restarted or a second
 actor finds what the shared or persistent tiers hold. Every log line of a plan carries its
 request's id (``kvruntime.request_log``).
 """
@@ -38,7 +38,7 @@ class PrefillWorker:
         from kvtransport.transfer.options import grpc_config, nixl_config
         from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
         from prefill_workers.executor import PrefillExecutor
-        from prefill_workers.tier import PrefillTier
+        from prefill_workers.tier_reads import PrefillTier
 
         self.cfg, self.index = cfg, index
         self._cancelled: dict[str, None] = {}     # transfer ids to stop (cancel()), oldest first

@@ -14,7 +14,7 @@ _ENGINES: dict = {}
 
 class DictSource:
     """An in-memory tier for executor/router tests (the shipped tier is LMCache behind
-    ``prefill_workers.tier.PrefillTier``, tested in test_tier*). Keyed by content like it."""
+    ``prefill_workers.tier_reads.PrefillTier``, tested in test_tier*). Keyed by content like it."""
 
     def __init__(self, engine=None):
         self.d, self.engine, self.compiled = {}, engine, 0

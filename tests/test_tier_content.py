@@ -18,7 +18,7 @@ from kvruntime.ops import precompile_chunk, recompute
 from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
 from kvtransport.tier.auth import tier_key
 from kvtransport.tier.server import start_tier_server, stop_tier_server
-from prefill_workers.tier import PrefillTier
+from prefill_workers.tier_reads import PrefillTier
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
@@ -75,7 +75,7 @@ _FRESH = """
     from kvruntime.engine import ReferenceEngine
     from kvruntime.messages.plan import KVRef
     from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
-    from prefill_workers.tier import PrefillTier
+    from prefill_workers.tier_reads import PrefillTier
     job = json.load(open(sys.argv[1]))
     engine = ReferenceEngine("smollm2-135m", threads=1)
     store = LMCacheStore.for_engine(engine, TierConfig(local_cpu_gb=0.1, remote_url=job["url"],

@@ -1,6 +1,6 @@
 """kvtransport.tier: the KV tier, where computed KV waits to be reused by later requests.
 
-Who calls it: the prefill worker (``prefill_workers.tier`` looks chunks up by key,
+Who calls it: the prefill worker (``prefill_workers.tier_reads`` looks chunks up by key,
 ``prefill_workers.actor`` builds the :class:`~kvtransport.tier.lmcache_store.LMCacheStore`), the
 control plane for the tier key (``cluster.control.ray_backends``) and the ``kvnotes tier-server``
 command (``cluster.ops.cli``). What crosses it: a ``ChunkKey`` (model, dtype, RoPE, token ids,
