@@ -15,9 +15,14 @@ class StoreLimits:
     prompt_ttl_s: float = 3600.0         # prompt-index entries unused this long are gone
     prompt_max: int = 200_000            # at most this many prompt-index entries (LRU)
     timeout_s: float = 2.0               # a Redis round trip (connect or answer) fails after this: a dead store fails fast
+    fingerprint_ttl_s: float = 86400.0   # prompt-matching fingerprints unused this long are gone
+    fingerprint_max: int = 200_000       # at most this many fingerprints (LRU), all tenants together
+    held_prompt_ttl_s: float = 3600.0    # held prompts' token ids (edit detection) unused this long are gone
+    held_prompt_max: int = 5_000         # at most this many held prompts (LRU; each up to a context of ids)
 
     def __post_init__(self):
-        if min(self.session_ttl_s, self.prompt_ttl_s) <= 0 or min(self.session_max, self.prompt_max) < 1:
+        if min(self.session_ttl_s, self.prompt_ttl_s, self.fingerprint_ttl_s, self.held_prompt_ttl_s) <= 0 \
+                or min(self.session_max, self.prompt_max, self.fingerprint_max, self.held_prompt_max) < 1:
             raise ValueError("TTLs must be > 0 and maximum counts >= 1")
         if not 0 < self.timeout_s <= 60:
             raise ValueError(f"the state store timeout must be in (0, 60] s, got {self.timeout_s}")
@@ -197,6 +202,31 @@ class StateStore(ABC):
     def get_prompt_blocks(self, tenant: str, hashes: list[str], now: float) -> dict[str, int]:
         """The subset of ``hashes`` present (not expired), with their lengths."""
 
+    # ---- prompt-matching fingerprints (bounded; cluster.control.fingerprints) --------------------
+    @abstractmethod
+    def count_fingerprints(self, tenant: str, keys: list[str], now: float) -> dict[str, int]:
+        """Add one sighting to each of ``keys`` (created at 0 when absent, atomic across
+        replicas); returns each key's count after it."""
+
+    @abstractmethod
+    def put_fingerprints(self, tenant: str, entries: dict[str, str], now: float) -> None:
+        """Set each key's data (an opaque string; its count is kept, 0 for a new key)."""
+
+    @abstractmethod
+    def get_fingerprints(self, tenant: str, keys: list[str], now: float) -> dict[str, tuple[int, str]]:
+        """The subset of ``keys`` present (not expired): key -> (count, data); refreshes their LRU."""
+
+    @abstractmethod
+    def delete_fingerprints(self, tenant: str, keys: list[str]) -> int:
+        """Drop ``keys``; returns how many existed."""
+
+    @abstractmethod
+    def put_held_prompt(self, tenant: str, key: str, token_ids: tuple[int, ...], now: float) -> None:
+        """The token ids of a prompt the tier holds (``key``: its prompt-index hash)."""
+
+    @abstractmethod
+    def get_held_prompt(self, tenant: str, key: str, now: float) -> tuple[int, ...] | None: ...
+
     # ---- API keys (hashed) ----------------------------------------------------------------------
     @abstractmethod
     def put_api_key(self, key_hash: str, rec: ApiKeyRecord) -> None:
@@ -230,11 +260,13 @@ class StateStore(ABC):
 
     @abstractmethod
     def sizes(self, now: float) -> dict[str, int]:
-        """Live entries: ``sessions``, ``prompt_index``, ``registrations``, ``templates``."""
+        """Live entries: ``sessions``, ``prompt_index``, ``registrations``, ``templates``,
+        ``fingerprints``, ``held_prompts``."""
 
     @abstractmethod
     def expire(self, now: float) -> dict[str, int]:
-        """Drop expired and over-limit sessions / prompt entries now; returns how many of each."""
+        """Drop expired and over-limit sessions / prompt entries / fingerprints / held prompts
+        now; returns how many of each."""
 
     def close(self) -> None:
         """Release connections."""

@@ -8,6 +8,8 @@ so no separator can be forged):
 - ``kvn:tpl:[tenant]``        hash  name -> TemplateRecord JSON
 - ``kvn:sess:[tenant,id]``    string (session JSON) with a TTL; ``kvn:sess-lru`` zset member -> last use
 - ``kvn:pfx:[tenant,hash]``   string (tokens) with a TTL;        ``kvn:pfx-lru``  zset member -> last use
+- ``kvn:fp:[tenant,key]``    hash  n (sightings), d (data), with a TTL; ``kvn:fp-lru``  zset member -> last use
+- ``kvn:held:[tenant,key]``  string (the held prompt's ids, int64 little-endian) with a TTL; ``kvn:held-lru``
 - ``kvn:keys``                hash  SHA-256 of an API key -> ApiKeyRecord JSON; ``kvn:keyid`` key_id -> hash
 - ``kvn:secret``              the cluster secret (SET NX)
 - ``kvn:targets``             hash  process name -> metrics endpoint; ``kvn:targets:seen`` zset name -> last refresh
@@ -165,6 +167,71 @@ class RedisState(StateStore):
         vals = self._get_bounded("pfx", [_k("pfx", tenant, h) for h in hashes], self.limits.prompt_ttl_s, now)
         return {h: int(v) for h, v in zip(hashes, vals) if v is not None}
 
+    # ---- prompt-matching fingerprints ---------------------------------------------------------
+    def _trim(self, kind: str, cap: int) -> None:
+        lru = P + kind + "-lru"
+        over = self.r.zcard(lru) - cap
+        if over > 0:
+            dropped = [m for m, _ in self.r.zpopmin(lru, over)]
+            if dropped:
+                self.r.delete(*dropped)
+
+    def _fp_write(self, tenant, items, now, op) -> list:
+        ttl = int(self.limits.fingerprint_ttl_s * 1000)
+        pipe = self.r.pipeline()
+        for k, value in items:
+            key = _k("fp", tenant, k)
+            op(pipe, key, value)
+            pipe.pexpire(key, ttl)
+            pipe.zadd(P + "fp-lru", {key: now})
+        out = pipe.execute()[0::3]
+        self._trim("fp", self.limits.fingerprint_max)
+        return out
+
+    def count_fingerprints(self, tenant, keys, now):
+        keys = list(dict.fromkeys(keys))
+        got = self._fp_write(tenant, [(k, None) for k in keys], now, lambda pipe, key, _: pipe.hincrby(key, "n", 1))
+        return {k: int(n) for k, n in zip(keys, got)}
+
+    def put_fingerprints(self, tenant, entries, now):
+        if entries:
+            self._fp_write(tenant, list(entries.items()), now, lambda pipe, key, d: pipe.hset(key, "d", d))
+
+    def get_fingerprints(self, tenant, keys, now):
+        if not keys:
+            return {}
+        keys = list(dict.fromkeys(keys))
+        pipe = self.r.pipeline()
+        for k in keys:
+            pipe.hmget(_k("fp", tenant, k), "n", "d")
+        vals = pipe.execute()
+        hits = {k: (int(n or 0), (d or b"").decode()) for k, (n, d) in zip(keys, vals) if n is not None or d is not None}
+        if hits:
+            ttl = int(self.limits.fingerprint_ttl_s * 1000)
+            pipe = self.r.pipeline()
+            for k in hits:
+                pipe.pexpire(_k("fp", tenant, k), ttl)
+            pipe.zadd(P + "fp-lru", {_k("fp", tenant, k): now for k in hits}, xx=True)
+            pipe.execute()
+        return hits
+
+    def delete_fingerprints(self, tenant, keys):
+        names = [_k("fp", tenant, k) for k in dict.fromkeys(keys)]
+        if not names:
+            return 0
+        self.r.zrem(P + "fp-lru", *names)
+        return int(self.r.delete(*names))
+
+    def put_held_prompt(self, tenant, key, token_ids, now):
+        from array import array
+        self._put_bounded("held", {_k("held", tenant, key): array("q", token_ids).tobytes()},
+                          self.limits.held_prompt_ttl_s, self.limits.held_prompt_max, now)
+
+    def get_held_prompt(self, tenant, key, now):
+        from array import array
+        v = self._get_bounded("held", [_k("held", tenant, key)], self.limits.held_prompt_ttl_s, now)[0]
+        return tuple(array("q", v)) if v is not None else None
+
     # ---- API keys -----------------------------------------------------------------------------
     def put_api_key(self, key_hash, rec):
         if not self.r.hsetnx(P + "keyid", rec.key_id, key_hash):
@@ -224,13 +291,19 @@ class RedisState(StateStore):
         self._prune("pfx", self.limits.prompt_ttl_s, now)
         regs = sum(self.r.hlen(k) for k in self.r.scan_iter(P + "reg:*"))
         tpls = sum(self.r.hlen(k) for k in self.r.scan_iter(P + "tpl:*"))
+        self._prune("fp", self.limits.fingerprint_ttl_s, now)
+        self._prune("held", self.limits.held_prompt_ttl_s, now)
         return {"sessions": self.r.zcard(P + "sess-lru"), "prompt_index": self.r.zcard(P + "pfx-lru"),
-                "registrations": regs, "templates": tpls}
+                "registrations": regs, "templates": tpls, "fingerprints": self.r.zcard(P + "fp-lru"),
+                "held_prompts": self.r.zcard(P + "held-lru")}
 
     def expire(self, now):
         out = {}
-        for kind, ttl, cap in (("sess", self.limits.session_ttl_s, self.limits.session_max),
-                               ("pfx", self.limits.prompt_ttl_s, self.limits.prompt_max)):
+        names = {"sess": "sessions", "pfx": "prompt_index", "fp": "fingerprints", "held": "held_prompts"}
+        lim = self.limits
+        for kind, ttl, cap in (("sess", lim.session_ttl_s, lim.session_max), ("pfx", lim.prompt_ttl_s, lim.prompt_max),
+                               ("fp", lim.fingerprint_ttl_s, lim.fingerprint_max),
+                               ("held", lim.held_prompt_ttl_s, lim.held_prompt_max)):
             n = self._prune(kind, ttl, now)
             lru = P + kind + "-lru"
             over = self.r.zcard(lru) - cap
@@ -238,7 +311,7 @@ class RedisState(StateStore):
                 dropped = [m for m, _ in self.r.zpopmin(lru, over)]
                 self.r.delete(*dropped)
                 n += len(dropped)
-            out["sessions" if kind == "sess" else "prompt_index"] = n
+            out[names[kind]] = n
         return out
 
     def close(self):

@@ -21,6 +21,11 @@ CREATE INDEX IF NOT EXISTS sessions_used ON sessions (used);
 CREATE TABLE IF NOT EXISTS prompt_index (tenant TEXT, hash TEXT, tokens INTEGER, used REAL,
     PRIMARY KEY (tenant, hash));
 CREATE INDEX IF NOT EXISTS prompt_used ON prompt_index (used);
+CREATE TABLE IF NOT EXISTS fingerprints (tenant TEXT, key TEXT, n INTEGER, data TEXT, used REAL,
+    PRIMARY KEY (tenant, key));
+CREATE INDEX IF NOT EXISTS fingerprints_used ON fingerprints (used);
+CREATE TABLE IF NOT EXISTS held_prompts (tenant TEXT, key TEXT, ids BLOB, used REAL, PRIMARY KEY (tenant, key));
+CREATE INDEX IF NOT EXISTS held_prompts_used ON held_prompts (used);
 CREATE TABLE IF NOT EXISTS api_keys (hash TEXT PRIMARY KEY, key_id TEXT UNIQUE, data TEXT, created REAL);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v BLOB);
 CREATE TABLE IF NOT EXISTS targets (name TEXT PRIMARY KEY, address TEXT, seen REAL);
@@ -30,7 +35,10 @@ CREATE TABLE IF NOT EXISTS targets (name TEXT PRIMARY KEY, address TEXT, seen RE
 class SqliteState(StateStore):
     def __init__(self, path: str, limits: StoreLimits = StoreLimits()):
         self.path, self.limits = Path(path).expanduser(), limits
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # the cluster secret and every tenant's data: the file 0600 in a 0700 directory before SQLite
+        # opens it (SQLite gives its -wal and -shm files the database file's mode); looser ones warned
+        from kvruntime.private_files import private_file
+        private_file(self.path)
         self._local = threading.local()
         self._writes = 0
         self._lock = threading.Lock()
@@ -171,6 +179,61 @@ class SqliteState(StateStore):
                               [(now, tenant, h) for h, _ in rows])
         return {h: n for h, n in rows}
 
+    # ---- prompt-matching fingerprints ---------------------------------------------------------
+    def count_fingerprints(self, tenant, keys, now):
+        if not keys:
+            return {}
+        with self._tx() as c:
+            out = {k: c.execute("INSERT INTO fingerprints VALUES (?,?,1,'',?) ON CONFLICT (tenant, key) DO UPDATE "
+                                "SET n=n+1, used=excluded.used RETURNING n", (tenant, k, now)).fetchone()[0]
+                   for k in dict.fromkeys(keys)}
+        self._wrote(now)
+        return out
+
+    def put_fingerprints(self, tenant, entries, now):
+        with self._tx() as c:
+            c.executemany("INSERT INTO fingerprints VALUES (?,?,0,?,?) ON CONFLICT (tenant, key) DO UPDATE "
+                          "SET data=excluded.data, used=excluded.used", [(tenant, k, d, now) for k, d in entries.items()])
+        self._wrote(now)
+
+    def get_fingerprints(self, tenant, keys, now):
+        if not keys:
+            return {}
+        keys = list(dict.fromkeys(keys))
+        with self._tx() as c:
+            rows = []
+            for i in range(0, len(keys), 500):          # under SQLite's bound on bound parameters
+                part = keys[i:i + 500]
+                rows += c.execute(f"SELECT key, n, data FROM fingerprints WHERE tenant=? AND key IN "
+                                  f"({','.join('?' * len(part))}) AND used>=?",
+                                  (tenant, *part, now - self.limits.fingerprint_ttl_s)).fetchall()
+            if rows:
+                c.executemany("UPDATE fingerprints SET used=? WHERE tenant=? AND key=?",
+                              [(now, tenant, k) for k, _, _ in rows])
+        return {k: (n, d) for k, n, d in rows}
+
+    def delete_fingerprints(self, tenant, keys):
+        with self._tx() as c:
+            return sum(c.execute("DELETE FROM fingerprints WHERE tenant=? AND key=?", (tenant, k)).rowcount
+                       for k in dict.fromkeys(keys))
+
+    def put_held_prompt(self, tenant, key, token_ids, now):
+        from array import array
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO held_prompts VALUES (?,?,?,?)",
+                      (tenant, key, array("q", token_ids).tobytes(), now))
+        self._wrote(now)
+
+    def get_held_prompt(self, tenant, key, now):
+        from array import array
+        with self._tx() as c:
+            rows = c.execute("SELECT ids FROM held_prompts WHERE tenant=? AND key=? AND used>=?",
+                             (tenant, key, now - self.limits.held_prompt_ttl_s)).fetchall()
+            if not rows:
+                return None
+            c.execute("UPDATE held_prompts SET used=? WHERE tenant=? AND key=?", (now, tenant, key))
+        return tuple(array("q", rows[0][0]))
+
     # ---- API keys -----------------------------------------------------------------------------
     def put_api_key(self, key_hash, rec):
         with self._tx() as c:
@@ -209,7 +272,9 @@ class SqliteState(StateStore):
         return {"sessions": one("SELECT COUNT(*) FROM sessions WHERE used>=?", now - lim.session_ttl_s),
                 "prompt_index": one("SELECT COUNT(*) FROM prompt_index WHERE used>=?", now - lim.prompt_ttl_s),
                 "registrations": one("SELECT COUNT(*) FROM registrations"),
-                "templates": one("SELECT COUNT(*) FROM templates")}
+                "templates": one("SELECT COUNT(*) FROM templates"),
+                "fingerprints": one("SELECT COUNT(*) FROM fingerprints WHERE used>=?", now - lim.fingerprint_ttl_s),
+                "held_prompts": one("SELECT COUNT(*) FROM held_prompts WHERE used>=?", now - lim.held_prompt_ttl_s)}
 
     def expire(self, now):
         lim = self.limits
@@ -220,7 +285,14 @@ class SqliteState(StateStore):
             p = c.execute("DELETE FROM prompt_index WHERE used<?", (now - lim.prompt_ttl_s,)).rowcount
             p += c.execute("DELETE FROM prompt_index WHERE rowid IN (SELECT rowid FROM prompt_index ORDER BY used "
                            "DESC LIMIT -1 OFFSET ?)", (lim.prompt_max,)).rowcount
-        return {"sessions": s, "prompt_index": p}
+            bounded = {}
+            for table, ttl, cap in (("fingerprints", lim.fingerprint_ttl_s, lim.fingerprint_max),
+                                    ("held_prompts", lim.held_prompt_ttl_s, lim.held_prompt_max)):
+                n = c.execute(f"DELETE FROM {table} WHERE used<?", (now - ttl,)).rowcount
+                n += c.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} ORDER BY used DESC "
+                               "LIMIT -1 OFFSET ?)", (cap,)).rowcount
+                bounded[table] = n
+        return {"sessions": s, "prompt_index": p, **bounded}
 
     def close(self):
         c = getattr(self._local, "conn", None)

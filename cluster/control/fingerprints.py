@@ -1,0 +1,167 @@
+"""Content-defined spans and fingerprints of token ids: the pure half of prompt matching.
+
+A rolling hash over a window of ``window`` token ids marks a *candidate* boundary after token
+``i`` when its top ``boundary_bits`` bits are zero; the spans of a prompt cut at candidates at
+least ``min_span`` tokens after the last cut (and unconditionally after ``max_span``). A
+boundary depends only on the ``window`` ids before it, so two prompts holding the same text at
+different offsets (after an insertion, a reorder, an edited field) cut it into the same spans
+once their cuts meet again: the matcher finds them by the span's fingerprint.
+
+*Anchors* are the windows whose top ``anchor_bits`` bits are zero, with no length rule: a
+registered skill or memory is found at any offset of a prompt by the anchors inside it (each
+anchor names the chunk and its offset in it; the match is verified on the ids).
+
+Fingerprints are tenant-scoped (the tenant is hashed in), 32 hex characters; keys carry a kind
+prefix (``s:`` a span, ``a:`` an anchor, ``p:`` the held prompt a span was last seen in) and
+live in the state store (``StateStore.get_fingerprints``). numpy only, no I/O: an 8k-token
+prompt is cut and fingerprinted in well under a millisecond.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)        # odd constants: each id is spread over 64 bits
+_MIX2 = np.uint64(0xBF58476D1CE4E5B9)
+_BASE = np.uint64(0x100000001B3)
+
+
+@dataclass(frozen=True)
+class SpanConfig:
+    """How prompts are cut (every replica and every stored fingerprint must agree: changing
+    these makes the stored fingerprints unmatchable until they age out)."""
+    window: int = 16            # token ids in the rolling hash
+    min_span: int = 32          # a span is at least this long (but the prompt's last one)
+    max_span: int = 256         # and at most this long
+    boundary_bits: int = 6      # a candidate boundary every 2**bits tokens on average
+    anchor_bits: int = 5        # an anchor every 2**bits tokens on average
+
+    def __post_init__(self):
+        if not 2 <= self.window <= 64:
+            raise ValueError(f"span window must be in [2, 64] tokens, got {self.window}")
+        if not self.window <= self.min_span <= self.max_span:
+            raise ValueError(f"need window <= min_span <= max_span, got {self.window}, {self.min_span}, "
+                             f"{self.max_span}")
+        if not (1 <= self.boundary_bits <= 16 and 1 <= self.anchor_bits <= 16):
+            raise ValueError("boundary_bits and anchor_bits must be in [1, 16]")
+
+
+@dataclass(frozen=True)
+class Span:
+    start: int                  # token offset in the prompt (inclusive)
+    end: int                    # exclusive
+    key: str                    # "s:" + fingerprint of ids[start:end]
+    bounded: bool               # its end is a content-defined cut (False: the prompt's end)
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Anchor:
+    end: int                    # the anchor window is ids[end - window:end]
+    key: str                    # "a:" + tenant-scoped hash of the window
+
+
+def window_hashes(ids, window: int) -> np.ndarray:
+    """``h[j]``: the hash of ``ids[j:j + window]`` (uint64), for ``j`` in ``0..n - window``."""
+    a = np.asarray(ids, dtype=np.int64).astype(np.uint64)
+    n = len(a)
+    if n < window:
+        return np.zeros(0, dtype=np.uint64)
+    x = (a + np.uint64(1)) * _MIX
+    x ^= x >> np.uint64(31)
+    x *= _MIX2
+    h = np.zeros(n - window + 1, dtype=np.uint64)
+    for j in range(window):                  # sum of x[i + j] * BASE**(window-1-j), wrapping
+        h *= _BASE
+        h += x[j:n - window + 1 + j]
+    h ^= h >> np.uint64(29)
+    h *= _MIX
+    return h
+
+
+def _top_zero(h: np.ndarray, bits: int) -> np.ndarray:
+    return np.flatnonzero((h >> np.uint64(64 - bits)) == 0)
+
+
+def cuts(ids, cfg: SpanConfig = SpanConfig(), h: np.ndarray | None = None) -> list[int]:
+    """Span ends (exclusive offsets) of ``ids``, the last one ``len(ids)``."""
+    n = len(ids)
+    h = window_hashes(ids, cfg.window) if h is None else h
+    cand = (_top_zero(h, cfg.boundary_bits) + cfg.window).tolist()     # a cut after the window's last id
+    out, last = [], 0
+    for c in cand:
+        while c - last > cfg.max_span:
+            last += cfg.max_span
+            out.append(last)
+        if c - last >= cfg.min_span and c < n:
+            out.append(c)
+            last = c
+    while n - last > cfg.max_span:
+        last += cfg.max_span
+        out.append(last)
+    if n > last:
+        out.append(n)
+    return out
+
+
+def fingerprint(tenant: str, ids) -> str:
+    """Tenant-scoped content hash of ``ids`` (32 hex characters)."""
+    return _fp(tenant.encode()[:64], np.asarray(ids, dtype=np.int64).tobytes())
+
+
+def _fp(key: bytes, raw) -> str:
+    return hashlib.blake2b(raw, digest_size=16, person=b"kvnotes-span", key=key).hexdigest()
+
+
+def spans(tenant: str, ids, cfg: SpanConfig = SpanConfig(), h: np.ndarray | None = None) -> list[Span]:
+    """The content-defined spans of ``ids`` with their fingerprints."""
+    arr = np.asarray(ids, dtype=np.int64)
+    raw, key = memoryview(arr.tobytes()), tenant.encode()[:64]
+    out, start = [], 0
+    for end in cuts(arr, cfg, h):
+        out.append(Span(start, end, "s:" + _fp(key, raw[start * 8:end * 8]), end < len(arr)))
+        start = end
+    return out
+
+
+def anchors(tenant: str, ids, cfg: SpanConfig = SpanConfig(), h: np.ndarray | None = None) -> list[Anchor]:
+    """The anchors of ``ids``: windows whose hash has ``anchor_bits`` leading zero bits. The key
+    hashes the 64-bit window hash with the tenant (collisions are caught by verifying ids)."""
+    h = window_hashes(ids, cfg.window) if h is None else h
+    salt = hashlib.blake2b(tenant.encode(), digest_size=8, person=b"kvnotes-anchor").hexdigest()
+    at = _top_zero(h, cfg.anchor_bits)
+    return [Anchor(j + cfg.window, f"a:{salt}{v:016x}") for j, v in zip(at.tolist(), h[at].tolist())]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A prompt, cut: its spans and anchors from one pass of the rolling hash."""
+    spans: tuple[Span, ...]
+    anchors: tuple[Anchor, ...]
+
+
+def cut(tenant: str, ids, cfg: SpanConfig = SpanConfig()) -> Cut:
+    arr = np.asarray(ids, dtype=np.int64)
+    h = window_hashes(arr, cfg.window)
+    return Cut(tuple(spans(tenant, arr, cfg, h)), tuple(anchors(tenant, arr, cfg, h)))
+
+
+def divergence(new, held) -> tuple[int, int]:
+    """(common prefix length, common suffix length) of two id sequences, the suffix never
+    overlapping the prefix in either: ``new`` equals ``held`` except ``new[p:len(new)-s]``
+    replacing ``held[p:len(held)-s]``."""
+    a, b = np.asarray(new, dtype=np.int64), np.asarray(held, dtype=np.int64)
+    m = min(len(a), len(b))
+    neq = np.flatnonzero(a[:m] != b[:m])
+    p = int(neq[0]) if len(neq) else m
+    room = m - p
+    if room == 0:
+        return p, 0
+    ra, rb = a[len(a) - room:][::-1], b[len(b) - room:][::-1]
+    neq = np.flatnonzero(ra != rb)
+    return p, int(neq[0]) if len(neq) else room

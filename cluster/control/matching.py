@@ -1,0 +1,158 @@
+"""Matching a prompt's token ids against what the tenant's tier holds: the longest exact prefix
+comes first (the prompt index, ``cluster.control.prompt_index``); this module finds the rest.
+
+- **Chunks at any offset**: registered skills / memories and recurring spans compiled on their
+  own (``cluster.control.recurring``), found by their anchors (``cluster.control.fingerprints``)
+  and verified by the fingerprint of the ids found there. The prompt is then split into text
+  segments and chunk segments (:func:`segments`), planned by the native rules.
+- **Edits found, not declared**: the earlier prompt that shares the most span tokens with this
+  one (each span remembers the last prompt it was seen in and where: ``p:`` keys), when equal to
+  it but for one contiguous span short enough (:func:`find_edit`) and held in the tier, becomes
+  a :class:`~cluster.control.planner.HeldPromptEdit`.
+
+Pure functions over the entries one batched store read returned (``StateStore.get_fingerprints``);
+:mod:`cluster.control.prompt_match` does the reads and the tier lookups.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cluster.control.fingerprints import Cut, SpanConfig, anchors, divergence, fingerprint
+from cluster.control.planner import RenderedSegment
+from kvruntime.messages.plan import KVRef
+
+@dataclass(frozen=True)
+class MatchConfig:
+    """Prompt matching (``prompt_matching`` in the cluster config)."""
+    enabled: bool = True
+    spans: SpanConfig = field(default_factory=SpanConfig)
+    min_chunk_tokens: int = 32      # a matched chunk shorter than this is computed as text
+    compile_after: int = 2          # a span seen in this many prompts is compiled on its own
+    compiles_in_flight: int = 2     # background span compiles at once per router replica (more: skipped, counted)
+    edit_min_share: float = 0.5     # a held prompt is edited when >= this share of the new prompt equals it
+    edit_max_tokens: int = 1024     # and the divergent span of the new prompt is at most this long
+
+    def __post_init__(self):
+        if self.min_chunk_tokens < 1 or self.compile_after < 2 or self.compiles_in_flight < 0:
+            raise ValueError("prompt matching: min_chunk_tokens >= 1, compile_after >= 2, compiles_in_flight >= 0")
+        if not 0 < self.edit_min_share <= 1 or self.edit_max_tokens < 1:
+            raise ValueError("prompt matching: edit_min_share in (0, 1], edit_max_tokens >= 1")
+
+
+@dataclass(frozen=True)
+class ChunkMatch:
+    start: int                      # token offset in the prompt
+    end: int                        # exclusive
+    kind: str                       # "skill" | "memory" | "span"
+    name: str                       # the registration's name, or the span's fingerprint (12 hex)
+    kv: KVRef                       # the chunk's KV at its canonical position
+
+
+def lookup_keys(c: Cut) -> list[str]:
+    """Every key one prompt's match reads: its spans, the prompt each was last seen in, its anchors."""
+    return [s.key for s in c.spans] + ["p:" + s.key[2:] for s in c.spans] + [a.key for a in c.anchors]
+
+
+def anchor_entries(kind: str, name: str, tenant: str, ids: tuple[int, ...], cfg: SpanConfig) -> dict[str, str]:
+    """The anchor keys of a chunk (a registration, or a recurring span compiled on its own), each
+    naming the chunk, the anchor's end offset in it, its length and its fingerprint."""
+    fp = fingerprint(tenant, ids)
+    return {a.key: json.dumps({"k": kind, "n": name, "o": a.end, "l": len(ids), "f": fp}, separators=(",", ":"))
+            for a in anchors(tenant, ids, cfg)}
+
+
+def anchored_chunks(tenant: str, ids: tuple[int, ...], c: Cut, entries: dict,
+                    chunk_ref: Callable[[tuple[int, ...]], KVRef], start_at: int) -> list[ChunkMatch]:
+    """Chunks whose ids appear in ``ids`` at or after ``start_at``: found by an anchor, verified
+    by the fingerprint of the ids there (a re-registered chunk's old anchors no longer match)."""
+    out, seen = [], set()
+    for a in c.anchors:
+        got = entries.get(a.key)
+        if got is None or not got[1].startswith("{"):
+            continue
+        d = json.loads(got[1])
+        start = a.end - d["o"]
+        if (d["f"], start) in seen or start < start_at or start + d["l"] > len(ids):
+            continue
+        seen.add((d["f"], start))
+        chunk = tuple(ids[start:start + d["l"]])
+        if fingerprint(tenant, chunk) == d["f"]:
+            out.append(ChunkMatch(start, start + d["l"], d["k"], d["n"], chunk_ref(chunk)))
+    return out
+
+
+def choose(matches: list[ChunkMatch], min_tokens: int) -> list[ChunkMatch]:
+    """Non-overlapping matches, in prompt order: registrations before spans, longer first."""
+    taken: list[ChunkMatch] = []
+    for m in sorted(matches, key=lambda m: (m.kind == "span", -(m.end - m.start), m.start)):
+        if m.end - m.start >= min_tokens and all(m.end <= t.start or m.start >= t.end for t in taken):
+            taken.append(m)
+    return sorted(taken, key=lambda m: m.start)
+
+
+def segments(ids: tuple[int, ...], hit: int, chunks: list[ChunkMatch]) -> tuple[RenderedSegment, ...]:
+    """The prompt as segments: the exact prefix (``prompt``, reused through the prompt index),
+    then text and the matched chunks (skill / memory / span, each with its KVRef)."""
+    out = [RenderedSegment("prompt", None, tuple(ids[:hit]))] if hit else []
+    pos = hit
+    for m in chunks:
+        if m.start > pos:
+            out.append(RenderedSegment("text", None, tuple(ids[pos:m.start])))
+        out.append(RenderedSegment(m.kind, m.name, tuple(ids[m.start:m.end]), kv=m.kv))
+        pos = m.end
+    if pos < len(ids):
+        out.append(RenderedSegment("text", None, tuple(ids[pos:])))
+    return tuple(out)
+
+
+def seen_in(data: str) -> tuple[str, int] | None:
+    """A ``p:`` entry's data: (the prompt's key, the span's offset in it)."""
+    key, _, off = data.rpartition("@")
+    return (key, int(off)) if key and off.isdigit() else None
+
+
+def nearest_held(c: Cut, entries: dict, exclude: str = "") -> str | None:
+    """The earlier prompt most of this prompt's spans were last seen in (its prompt-index key)."""
+    votes = Counter()
+    for s in c.spans:
+        got = seen_in(entries.get("p:" + s.key[2:], (0, ""))[1])
+        if got is not None and got[0] != exclude:
+            votes[got[0]] += s.tokens
+    return votes.most_common(1)[0][0] if votes else None
+
+
+@dataclass(frozen=True)
+class FoundEdit:
+    start: int                      # first divergent token
+    held_end: int                   # the held prompt realigns here
+    new_end: int                    # and the new prompt here
+    equal: int                      # tokens equal to the held prompt (prefix + tail)
+
+
+def find_edit(new: tuple[int, ...], held: tuple[int, ...], cfg: MatchConfig) -> FoundEdit | None:
+    """``new`` as ``held`` with one contiguous span replaced, when enough of it is equal
+    (``edit_min_share``) and the divergent span is short enough; None otherwise (and for two
+    equal prompts, or one that only extends the held one: the prompt index serves those)."""
+    p, s = divergence(new, held)
+    new_end, held_end = len(new) - s, len(held) - s
+    if (new_end == p and held_end == p) or (s == 0 and p in (new_end, held_end)):
+        return None                 # equal, or one only extends the other: an exact prefix
+    if p + s < cfg.edit_min_share * len(new) or new_end - p > cfg.edit_max_tokens:
+        return None
+    return FoundEdit(p, held_end, new_end, p + s)
+
+
+def where(offset: int, messages: tuple[tuple[int, str, int, int], ...]) -> str:
+    """A token offset in words: ``"message 2 (user), token 812"`` (``messages``: (index, role,
+    first token, end) of each message's content in the prompt; empty: the offset alone)."""
+    for i, role, start, end in messages:
+        if start <= offset < end:
+            return f"message {i} ({role}), token {offset}"
+    before = [m for m in messages if m[2] <= offset]
+    if before:
+        i, role = before[-1][:2]
+        return f"after message {i} ({role}), token {offset} (chat markup)"
+    return f"token {offset}"

@@ -1,0 +1,192 @@
+"""Prompt matching's pure half and its state-store tables: content-defined spans realign after an
+insertion, a reorder or an edited field; registrations are found at any offset by their anchors;
+an edit of a held prompt is found from the divergence; the fingerprint and held-prompt tables
+are tenant-scoped, bounded LRU and survive a reopen, on SQLite and a real redis-server."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from cluster.control.fingerprints import SpanConfig, anchors, cut, cuts, divergence, fingerprint, spans
+from cluster.control.matching import (MatchConfig, anchor_entries, anchored_chunks, choose, find_edit, lookup_keys,
+                                      nearest_held, segments, seen_in, where)
+from cluster.control.state import StoreLimits, open_state
+from kvruntime.messages.plan import KVRef
+
+
+def rand_ids(n, seed):
+    r = random.Random(seed)
+    return tuple(r.randrange(1, 49000) for _ in range(n))
+
+
+def span_keys(tenant, ids):
+    return {s.key: s for s in spans(tenant, ids)}
+
+
+def covered(tenant, a, b):
+    """Tokens of b inside spans that a also has."""
+    ka = span_keys(tenant, a)
+    return sum(s.tokens for s in spans(tenant, b) if s.key in ka)
+
+
+def test_cuts_obey_min_and_max_and_end_at_the_prompt():
+    cfg = SpanConfig()
+    ids = rand_ids(5000, 1)
+    ends = cuts(ids, cfg)
+    lens = [e - s for s, e in zip([0] + ends, ends)]
+    assert ends[-1] == len(ids) and all(lens[i] >= cfg.min_span for i in range(len(lens) - 1))
+    assert max(lens) <= cfg.max_span and 5000 / len(ends) < cfg.max_span     # content cuts, not only max cuts
+    assert cuts(ids[:10], cfg) == [10] and cuts((), cfg) == []
+
+
+@pytest.mark.parametrize("change", ["insert", "reorder", "edit"])
+def test_spans_realign_after_insertion_reorder_and_edited_field(change):
+    docs = [rand_ids(600, s) for s in range(3)]
+    a = docs[0] + docs[1] + docs[2]
+    if change == "insert":
+        b = docs[0] + rand_ids(77, 9) + docs[1] + docs[2]
+    elif change == "reorder":
+        b = docs[2] + docs[0] + docs[1]
+    else:
+        b = a[:900] + (7, 7, 7) + a[903:]
+    # most of the shared text lies in shared spans (only spans touching a change differ)
+    assert covered("t", a, b) >= 0.5 * len(a)
+
+
+def test_fingerprints_are_tenant_scoped():
+    ids = rand_ids(400, 2)
+    assert fingerprint("acme", ids) != fingerprint("globex", ids)
+    assert not set(span_keys("acme", ids)) & set(span_keys("globex", ids))
+    assert not {x.key for x in anchors("acme", ids)} & {x.key for x in anchors("globex", ids)}
+    assert fingerprint("acme", ids) == fingerprint("acme", list(ids))
+
+
+def test_divergence_prefix_and_tail_never_overlap():
+    assert divergence((1, 2, 3, 4, 5), (1, 2, 9, 9, 4, 5)) == (2, 2)
+    assert divergence((1, 2), (1, 2, 3)) == (2, 0)
+    assert divergence((1, 1, 1), (1, 1)) == (2, 0)
+    assert divergence((5, 1, 1), (6, 1, 1)) == (0, 2)
+
+
+def test_find_edit_one_field_and_refusals():
+    held = rand_ids(1200, 3)
+    new = held[:500] + (11, 12, 13, 14) + held[503:]
+    e = find_edit(new, held, MatchConfig())
+    assert (e.start, e.held_end, e.new_end) == (500, 503, 504) and e.equal == len(new) - 4
+    assert new[:e.start] + new[e.start:e.new_end] + held[e.held_end:] == new
+    assert find_edit(held, held, MatchConfig()) is None                       # equal: the prompt index
+    assert find_edit(held + (1, 2), held, MatchConfig()) is None              # an extension: the prompt index
+    other = rand_ids(1200, 4)
+    assert find_edit(other, held, MatchConfig()) is None                      # nothing in common
+    big = held[:100] + rand_ids(900, 5) + held[1000:]
+    assert find_edit(big, held, MatchConfig(edit_max_tokens=512)) is None     # the divergent span is too long
+    deletion = held[:500] + held[520:]
+    d = find_edit(deletion, held, MatchConfig())
+    assert (d.start, d.held_end, d.new_end) == (500, 520, 500)
+
+
+def test_chunk_found_at_any_offset_and_verified():
+    skill = rand_ids(300, 6)
+    entries = {k: (0, d) for k, d in anchor_entries("skill", "refund", "acme", skill, SpanConfig()).items()}
+    assert entries, "a 300-token chunk has anchors"
+    ref = lambda ids: KVRef(tuple(ids), 1, "salt")  # noqa: E731
+    for before in (0, 37, 401):
+        prompt = rand_ids(before, 7) + skill + rand_ids(120, 8)
+        pc = cut("acme", prompt)
+        got = anchored_chunks("acme", prompt, pc, entries, ref, 0)
+        assert [(m.start, m.end, m.kind, m.name) for m in got] == [(before, before + 300, "skill", "refund")]
+        assert got[0].kv.token_ids == skill
+        assert anchored_chunks("acme", prompt, pc, entries, ref, before + 1) == []
+        # one token changed: the anchors still hit, the fingerprint no longer matches
+        bent = prompt[:before + 150] + (1,) + prompt[before + 151:]
+        assert anchored_chunks("acme", bent, cut("acme", bent), entries, ref, 0) == []
+        # another tenant's prompt never reads this tenant's anchors
+        assert not set(entries) & {a.key for a in cut("globex", prompt).anchors}
+
+
+def test_segments_split_the_prompt_around_chunks():
+    ids = rand_ids(2000, 9)
+    ref = lambda t: KVRef(tuple(t), 1, "salt")  # noqa: E731
+    from cluster.control.matching import ChunkMatch
+    a = ChunkMatch(300, 500, "span", "abc", ref(ids[300:500]))
+    b = ChunkMatch(500, 800, "skill", "s", ref(ids[500:800]))
+    inside = ChunkMatch(600, 700, "span", "d", ref(ids[600:700]))
+    tiny = ChunkMatch(1000, 1010, "span", "e", ref(ids[1000:1010]))
+    got = choose([a, inside, b, tiny], 32)
+    assert got == [a, b]
+    segs = segments(ids, 100, got)
+    assert segs[0].kind == "prompt" and segs[0].token_ids == ids[:100]
+    assert sum((s.token_ids for s in segs), ()) == ids
+    assert [s.kind for s in segs] == ["prompt", "text", "span", "skill", "text"]
+    assert segs[2].kv.token_ids == ids[300:500]
+    assert [s.kind for s in segments(ids, 0, [])] == ["text"]
+
+
+def test_nearest_held_by_votes_and_where():
+    ids = rand_ids(1500, 10)
+    c = cut("acme", ids)
+    entries = {"p:" + s.key[2:]: (0, ("A" if i < 2 else "B") + f"@{s.start}") for i, s in enumerate(c.spans)}
+    assert nearest_held(c, entries) == "B" and nearest_held(c, {}) is None
+    assert nearest_held(c, entries, exclude="B") == "A"
+    assert seen_in("ab@12") == ("ab", 12) and seen_in("") is None
+    assert len(lookup_keys(c)) == 2 * len(c.spans) + len(c.anchors)
+    msgs = ((0, "system", 3, 50), (1, "user", 55, 90))
+    assert where(60, msgs) == "message 1 (user), token 60"
+    assert where(52, msgs) == "after message 0 (system), token 52 (chat markup)"
+    assert where(1, ()) == "token 1"
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/state.db"
+    return request.getfixturevalue("redis_url")
+
+
+def test_fingerprint_table_counts_sets_and_is_tenant_scoped(store_url):
+    s = open_state(store_url)
+    now = time.time()
+    assert s.count_fingerprints("acme", ["s:a", "s:b", "s:a"], now) == {"s:a": 1, "s:b": 1}   # once per prompt
+    assert s.count_fingerprints("acme", ["s:a"], now) == {"s:a": 2}
+    s.put_fingerprints("acme", {"s:a": "compiled", "a:x": '{"k":1}'}, now)
+    assert s.get_fingerprints("acme", ["s:a", "s:b", "a:x", "s:zz"], now) == {
+        "s:a": (2, "compiled"), "s:b": (1, ""), "a:x": (0, '{"k":1}')}
+    assert s.get_fingerprints("globex", ["s:a", "a:x"], now) == {}
+    assert s.count_fingerprints("globex", ["s:a"], now) == {"s:a": 1}
+    assert s.delete_fingerprints("acme", ["s:b", "s:nope"]) == 1
+    s.put_held_prompt("acme", "h1", (5, 6, 2 ** 40), now)
+    assert s.get_held_prompt("acme", "h1", now) == (5, 6, 2 ** 40)
+    assert s.get_held_prompt("globex", "h1", now) is None
+    s.close()
+    s = open_state(store_url)                          # a restarted router reads the same entries
+    assert s.get_fingerprints("acme", ["s:a"], now) == {"s:a": (2, "compiled")}
+    assert s.get_held_prompt("acme", "h1", now) == (5, 6, 2 ** 40)
+    assert s.sizes(now)["fingerprints"] == 3 and s.sizes(now)["held_prompts"] == 1
+    s.close()
+
+
+def test_fingerprints_and_held_prompts_are_bounded_lru_and_expire(store_url):
+    s = open_state(store_url, StoreLimits(fingerprint_max=3, held_prompt_max=2, fingerprint_ttl_s=600,
+                                          held_prompt_ttl_s=600))
+    now = time.time()
+    for i in range(3):
+        s.put_fingerprints("acme", {f"s:{i}": ""}, now + i)
+    s.get_fingerprints("acme", ["s:0"], now + 3)        # s:0 is recent again
+    s.put_fingerprints("acme", {"s:3": ""}, now + 4)
+    s.expire(now + 4)
+    assert set(s.get_fingerprints("acme", ["s:0", "s:1", "s:2", "s:3"], now + 5)) == {"s:0", "s:2", "s:3"}
+    for i in range(3):
+        s.put_held_prompt("acme", f"h{i}", (i,), now + i)
+    s.expire(now + 3)
+    assert s.get_held_prompt("acme", "h0", now + 3) is None and s.get_held_prompt("acme", "h2", now + 3) == (2,)
+    s.close()
+    s = open_state(store_url, StoreLimits(fingerprint_ttl_s=0.5, held_prompt_ttl_s=0.5))
+    t = time.time()
+    s.put_fingerprints("acme", {"s:t": ""}, t)
+    s.put_held_prompt("acme", "ht", (1,), t)
+    time.sleep(0.8)
+    assert s.get_fingerprints("acme", ["s:t"], time.time()) == {}
+    assert s.get_held_prompt("acme", "ht", time.time()) is None
+    s.close()
