@@ -10,12 +10,9 @@ def make_decode_engine(cfg: ClusterConfig, receiver, device: str) -> DecodeEngin
     """The engine ``cfg.workers.decode_engine`` names, receiving its blocks from ``receiver``."""
     if cfg.workers.decode_engine == "vllm":
         from decode_workers.vllm_engine import VllmDecodeExecutor
+        from decode_workers.vllm_settings import VllmEngineConfig
 
-        return VllmDecodeExecutor(
-            cfg.workers.model, dtype=cfg.workers.dtype, device=device, load_failure_policy=cfg.transport.kv_load_failure_policy,
-            receive_timeout=cfg.transport.transfer_timeout_s, receiver=receiver, kv_cache_gib=cfg.workers.vllm_kv_cache_gib,
-            max_model_len=cfg.workers.vllm_max_model_len, threads=cfg.workers.decode.threads,
-            kv_load=cfg.workers.vllm_kv_load, load_threads=cfg.workers.vllm_kv_load_threads)
+        return VllmDecodeExecutor(VllmEngineConfig.from_cluster(cfg, device), receiver)
     from decode_workers.executor import DecodeExecutor
     from decode_workers.held_kv import HeldPrefixes
     from kvruntime.engine import ReferenceEngine

@@ -43,11 +43,13 @@ NEAR_TIE = 0.05       # nats: a divergence where the two candidates' log-probs d
 @pytest.fixture(scope="module")
 def vx():
     from decode_workers import vllm_engine
-    x = vllm_engine.VllmDecodeExecutor(MODEL, dtype="float32", load_failure_policy="recompute",
-                                       receive_timeout=5.0, kv_cache_gib=1, max_model_len=4096)
+    from decode_workers import vllm_adapter
+    from decode_workers.vllm_settings import VllmEngineConfig
+    x = vllm_engine.VllmDecodeExecutor(VllmEngineConfig(MODEL, dtype="float32", load_failure_policy="recompute",
+                                                        receive_timeout_s=5.0, kv_cache_gib=1, max_model_len=4096))
     yield x
     x.stop()
-    torch.set_num_threads = vllm_engine._set_num_threads    # vLLM's CPU worker replaced it process-wide
+    torch.set_num_threads = vllm_adapter._set_num_threads    # vLLM's CPU worker replaced it process-wide
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_cpu_cache_update_writes_strided_views_like_contiguous_ones(dtype):
     """The connector hands vLLM's CPU backend transposed views of the block (no copy): the op
     must write exactly what it writes from contiguous copies, for keys (packed) and values."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
-    from decode_workers.vllm_connector import _strided_ok
+    from decode_workers.vllm_adapter import takes_strided
     import vllm._custom_ops as ops
     layers, heads, tokens, dim, bs, blocks = 2, 3, 300, 64, 32, 16
     data = torch.randn(layers, 2, heads, tokens + 5, dim).to(dtype)
@@ -124,10 +126,43 @@ def test_cpu_cache_update_writes_strided_views_like_contiguous_ones(dtype):
             ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
         return cache
 
-    assert _strided_ok(CPUAttentionBackendImpl.__new__(CPUAttentionBackendImpl))
+    assert takes_strided(CPUAttentionBackendImpl.__new__(CPUAttentionBackendImpl))
     want = write(False)
     assert want.abs().sum() > 0
     assert torch.equal(write(True), want)
+
+
+def test_scheduler_side_plans_one_load_per_block_and_reports_its_outcome():
+    """The connector's scheduler half alone, with the request fields vLLM hands it: N prompt
+    tokens minus the prefix-cache hit are external; the step's metadata maps them onto the
+    allocated blocks' slots; the block is claimed once (a preempted request recomputes); a
+    failure the worker half reports comes out in the finished request's params."""
+    from types import SimpleNamespace
+
+    from decode_workers.vllm_connector_meta import KvnotesWorkerMetadata
+    from decode_workers.vllm_connector_scheduler import ConnectorScheduler
+    from decode_workers.vllm_settings import ConnectorSettings, load_params
+
+    sched = ConnectorScheduler(ConnectorSettings(MODEL, 5.0, "async", 1, inbox_key="k"), block_size=4)
+    prompt = list(range(100, 111))                                          # 11 tokens, prefix N = 10
+    req = SimpleNamespace(request_id="r1", kv_transfer_params=load_params("t1", 10), num_prompt_tokens=11,
+                          prompt_token_ids=prompt)
+    assert sched.get_num_new_matched_tokens(req, 4) == (6, True)           # 4 tokens hit the prefix cache
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([7, 3, 9],)), 6)
+    (spec,) = sched.build_connector_meta().loads
+    assert (spec.transfer_id, spec.start, spec.prefix_tokens, spec.async_load) == ("t1", 4, 10, True)
+    assert spec.slot_mapping == (12, 13, 14, 15, 36, 37) and spec.block_ids == (3, 9)
+    assert spec.token_ids == tuple(prompt[:10])
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)          # claimed once
+    assert sched.build_connector_meta().loads == []
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KvnotesWorkerMetadata(
+        {"r1": "kv_transfer_timeout"}, {})))
+    assert sched.request_finished(req) == (False, {"kvnotes_load": "failed:kv_transfer_timeout",
+                                                   "kvnotes_loaded_tokens": 0, "kvnotes_stages": {}})
+    with pytest.raises(ValueError, match="worker metadata"):
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=object()))
+    plain = SimpleNamespace(request_id="r2", kv_transfer_params=None, num_prompt_tokens=5, prompt_token_ids=[1] * 5)
+    assert sched.get_num_new_matched_tokens(plain, 0) == (0, False) and sched.request_finished(plain) == (False, None)
 
 
 def test_composed_kv_decoded_by_vllm_matches_reference(smol, vx, sender, one_torch_thread):
@@ -253,7 +288,7 @@ def test_a_pending_async_load_does_not_stop_running_streams(smol, vx, sender, on
     def run_b():
         b_out["result"] = _run(vx, "late-b", prefix, suffix, salt="late-b", kv_load="async")
 
-    sched = vx.engine.engine_core.engine_core.scheduler
+    sched = vx.core.scheduler
     a = threading.Thread(target=run_a, daemon=True)
     a.start()
     deadline = time.monotonic() + 120
@@ -301,9 +336,10 @@ def test_repeated_composed_prefix_hits_vllm_prefix_cache(smol, vx, sender, one_t
 _FAIL_SCRIPT = textwrap.dedent(f"""
     import sys
     from decode_workers.vllm_engine import VllmDecodeExecutor
+    from decode_workers.vllm_settings import VllmEngineConfig
     from kvruntime.messages.decode import SamplingParams
-    vx = VllmDecodeExecutor({MODEL!r}, dtype="float32", load_failure_policy="fail", receive_timeout=1.0,
-                            kv_cache_gib=1, max_model_len=2048)
+    vx = VllmDecodeExecutor(VllmEngineConfig({MODEL!r}, dtype="float32", load_failure_policy="fail",
+                                             receive_timeout_s=1.0, kv_cache_gib=1, max_model_len=2048))
     for mode in ("async", "sync"):
         try:
             list(vx.generate("never-sent-" + mode, tuple(range(1, 200)), (42, 43), SamplingParams(max_tokens=4),
@@ -363,7 +399,7 @@ def test_prefix_wholly_in_apc_moves_nothing_and_drops_the_block(smol, vx, sender
     first, s1 = _run(vx, "aligned-1", prefix, suffix, salt="aligned")
     assert s1.loaded_tokens == len(prefix) and s1.fallbacks == ()
     sender.send(vx.address, encode_block("aligned-2", MODEL, kv), timeout=30)
-    inbox = get_kv_transfer_group().transport                 # the worker-side connector (same process)
+    inbox = get_kv_transfer_group().inbox                     # the worker-side connector (same process)
     assert inbox.state("aligned-2") is TransferState.DONE
     again, s2 = _run(vx, "aligned-2", prefix, suffix, salt="aligned")
     assert again == first and s2.fallbacks == () and s2.loaded_tokens == 0

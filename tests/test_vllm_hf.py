@@ -32,6 +32,7 @@ _SCRIPT = textwrap.dedent('''
     from kvtransport.transfer.blocks import encode_block
     from kvtransport.transfer.grpc_transport import GrpcTransport
     from decode_workers.vllm_engine import VllmDecodeExecutor
+    from decode_workers.vllm_settings import VllmEngineConfig
 
     path, n = sys.argv[1], int(sys.argv[2])
     e = ReferenceEngine(path, dtype="float32", threads=1)
@@ -57,7 +58,8 @@ _SCRIPT = textwrap.dedent('''
             kv, logits = KVCache.cat([kv, o.kv]), o.logits
         return toks, lps
 
-    x = VllmDecodeExecutor(path, dtype="float32", receive_timeout=30.0, kv_cache_gib=1, max_model_len=1024)
+    x = VllmDecodeExecutor(VllmEngineConfig(path, dtype="float32", receive_timeout_s=30.0, kv_cache_gib=1,
+                                            max_model_len=1024))
     out = {"model": e.spec.name, "vllm_max_model_len": x.engine.vllm_config.model_config.max_model_len}
     sender = GrpcTransport()
     for name, kv, tid in (("plain", plain, None), ("composed", composed, "composed-1")):
