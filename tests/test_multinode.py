@@ -73,6 +73,7 @@ def test_composed_request_crosses_nodes_over_nixl_without_fallback(multinode, sm
     from cluster.control.render import Renderer
     from cluster.control.lifecycle import Finished
     from cluster.control.router import Router
+    from cluster.control.router_sections import ModelSection
     from cluster.control.state import open_state
     from kvruntime.messages.decode import SamplingParams, TokenEvent
 
@@ -88,8 +89,8 @@ def test_composed_request_crosses_nodes_over_nixl_without_fallback(multinode, sm
     assert ep.grpc_address.rsplit(":", 1)[0] == node_ip
 
     state = open_state(f"sqlite:///{tmp_path}/state.db")
-    router = Router(backends, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state, "m",
-                    cfg.workers.dtype, metrics=Metrics())
+    router = Router(backends, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state,
+                    ModelSection("m", cfg.workers.dtype), metrics=Metrics())
 
     async def run():
         await router.register_chunk("skill", "default", "refund", SKILL)

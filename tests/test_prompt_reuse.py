@@ -15,7 +15,7 @@ import torch
 from cluster.control.backends import Backends
 from cluster.control.lifecycle import Finished
 from cluster.control.metrics import CACHED_SOURCES, prompt_sources
-from cluster.control.router import PROMPT_BLOCK, _h
+from cluster.control.prompt_index import PROMPT_BLOCK, prompt_hash
 from cluster.control.state import open_state
 from decode_workers.actor import announce
 from decode_workers.executor import DecodeExecutor
@@ -149,10 +149,10 @@ def test_lookup_skips_a_missing_longer_prefix_in_one_batched_lookup(smol, rig):
     salt = router.salt("default")
     prefix = _ids(smol, 3 * PROMPT_BLOCK + 40)
     bounds = [PROMPT_BLOCK, 2 * PROMPT_BLOCK, 3 * PROMPT_BLOCK, len(prefix)]
-    router.state.put_prompt_blocks("default", {_h("default", prefix[:n]): n for n in bounds}, time.time())
+    router.state.put_prompt_blocks("default", {prompt_hash("default", prefix[:n]): n for n in bounds}, time.time())
     ref = KVRef(prefix[:2 * PROMPT_BLOCK], 0, salt)                 # only the 512-token prefix is left
     b.source.put(ref, smol.prefill(list(ref.token_ids), torch.arange(len(ref.token_ids))).kv)
-    got, hit = asyncio.run(router._prompt_lookup("default", salt, prefix, 0))
+    got, hit = asyncio.run(router.prompt_index.longest_held("default", salt, prefix, 0))
     assert (got, hit) == (ref, 2 * PROMPT_BLOCK)
     assert b.calls["contains"] == 1                                  # every candidate in one lookup
     text = router.metrics.render().decode()
@@ -160,7 +160,7 @@ def test_lookup_skips_a_missing_longer_prefix_in_one_batched_lookup(smol, rig):
     assert metric(text, "kvnotes_tier_lookups_total", tier="lmcache") == 4
     assert metric(text, "kvnotes_tier_hits_total", tier="lmcache") == 2          # 512 and 256 present
     b.source.d.clear()
-    assert asyncio.run(router._prompt_lookup("default", salt, prefix, 0)) == (None, 0)
+    assert asyncio.run(router.prompt_index.longest_held("default", salt, prefix, 0)) == (None, 0)
 
 
 def test_after_eviction_a_repeat_reuses_the_shorter_prefix(smol, rig):

@@ -13,6 +13,7 @@ from cluster.control.render import Renderer
 from cluster.control.state import open_state
 from cluster.control.lifecycle import Finished
 from cluster.control.router import Router
+from cluster.control.router_sections import ModelSection
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import SamplingParams, TokenEvent
 from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
@@ -76,8 +77,8 @@ class LocalBackends(Backends):
 
 
 def make_router(engine, backends, state):
-    return Router(backends, Renderer(engine.tokenizer, engine.spec, Registry(state), engine.bos_id), state, "m",
-                  "float32", metrics=Metrics())
+    return Router(backends, Renderer(engine.tokenizer, engine.spec, Registry(state), engine.bos_id), state,
+                  ModelSection("m", "float32"), metrics=Metrics())
 
 
 def _router(engine, sender, tmp_path):

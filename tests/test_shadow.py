@@ -9,8 +9,8 @@ import pytest
 
 from cluster.control.metrics import Metrics
 from cluster.control.planner import FidelityTarget, PlannerConfig, compose_op_key
-from cluster.control.shadow import (FRAME_REUSE_OP, FidelityGuard, FidelityMonitor, ShadowConfig, checkable, plan_op,
-                                    sampled)
+from cluster.control.shadow import FRAME_REUSE_OP, FidelityGuard, FidelityMonitor, checkable, plan_op, sampled
+from kvruntime.config import ShadowConfig
 from kvruntime.messages.decode import SamplingParams
 from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
@@ -242,6 +242,7 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
     from cluster.control.registry import Registry
     from cluster.control.render import Renderer
     from cluster.control.router import Router
+    from cluster.control.router_sections import ModelSection, PolicySection
     from cluster.control.state import open_state
     from kvtransport.transfer.grpc_transport import GrpcTransport
     from prefill_workers.executor import PrefillExecutor
@@ -266,10 +267,11 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
     b = Backends(smol, GrpcTransport())
     b.pre = DriftingExecutor(smol, b.source, GrpcTransport())
     state = open_state(f"sqlite:///{tmp_path}/state.db")
-    router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state, "m", "float32",
-                    metrics=Metrics(), fidelity_summary=_profile(),
-                    balanced_target=FidelityTarget("top1", 0.97),     # next-token rows (the answer rule: above)
-                    shadow=ShadowConfig(fraction=1.0, window=3, min_samples=3, max_in_flight=4))
+    router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state,
+                    ModelSection("m", "float32"), metrics=Metrics(),
+                    policy=PolicySection(fidelity_summary=_profile(),
+                                         balanced_target=FidelityTarget("top1", 0.97),  # next-token rows (the answer rule: above)
+                                         shadow=ShadowConfig(fraction=1.0, window=3, min_samples=3, max_in_flight=4)))
 
     async def ask(q):
         fin = None
@@ -311,6 +313,7 @@ def _router(smol, tmp_path, executor_cls):
     from cluster.control.registry import Registry
     from cluster.control.render import Renderer
     from cluster.control.router import Router
+    from cluster.control.router_sections import ModelSection, PolicySection
     from cluster.control.state import open_state
     from kvtransport.transfer.grpc_transport import GrpcTransport
     from tests.test_router_fallback import LocalBackends
@@ -322,9 +325,10 @@ def _router(smol, tmp_path, executor_cls):
     b = Backends(smol, GrpcTransport())
     b.pre = executor_cls(smol, b.source, GrpcTransport())
     state = open_state(f"sqlite:///{tmp_path}/state.db")
-    router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state, "m", "float32",
-                    metrics=Metrics(), fidelity_summary=_profile(),
-                    shadow=ShadowConfig(fraction=1.0, window=10, min_samples=2, max_in_flight=4))
+    router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state,
+                    ModelSection("m", "float32"), metrics=Metrics(),
+                    policy=PolicySection(fidelity_summary=_profile(),
+                                         shadow=ShadowConfig(fraction=1.0, window=10, min_samples=2, max_in_flight=4)))
     return b, router
 
 

@@ -1,0 +1,209 @@
+"""A request's way through the router: render, pick a prefill worker, look up the tier, plan,
+then hand the plan to the runner (:mod:`cluster.control.lifecycle`) and pass its events on,
+remembering a session's context and indexing a stored prompt (:mod:`cluster.control.prompt_index`)
+when the request finishes. Native requests (``stream_native``: segments) and plain prompts
+(``stream_prompt``: token ids, the OpenAI endpoints) share everything after the plan."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import replace
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from cluster.control.errors import RequestError
+from cluster.control.lifecycle import CLOCK, Finished, RequestRunner, lap
+from cluster.control.metrics import Metrics
+from cluster.control.planner import PlannerConfig, RenderedRequest, SessionContext, TierView, frame_variant, \
+    plan_request
+from cluster.control.pricing import TokenBudget, exceeds_message
+from cluster.control.prompt_index import PROMPT_BLOCK, PromptIndex, prompt_hash
+from cluster.control.render import Renderer
+from cluster.control.router_sections import LimitsSection
+from cluster.control.routing import NoLiveWorker, WorkerView
+from cluster.control.sessions import SessionStore
+from cluster.control.usage_marks import UsageMarks
+from kvruntime.messages.decode import SamplingParams, TokenEvent
+from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan
+
+if TYPE_CHECKING:
+    from cluster.control.tier_lookup import TierLookup
+
+log = logging.getLogger(__name__)
+
+
+class RequestStreams:
+    def __init__(self, renderer: Renderer, view: WorkerView, metrics: Metrics, runner: RequestRunner,
+                 lookup: "TierLookup", index: PromptIndex, sessions: SessionStore, marks: UsageMarks,
+                 limits: LimitsSection, default_policy: Policy, salt: Callable[[str], str],
+                 planner_config: Callable[[], PlannerConfig]):
+        self.renderer, self.view, self.metrics, self.runner = renderer, view, metrics, runner
+        self.lookup, self.index, self.sessions, self.marks = lookup, index, sessions, marks
+        self.limits, self.default_policy, self.salt = limits, default_policy, salt
+        self.planner_config = planner_config
+
+    # ---- budget -------------------------------------------------------------------------------
+    def budget(self, sampling: SamplingParams) -> TokenBudget:
+        """The prompt tokens ``sampling`` leaves in the window, for pricing a request while it is
+        tokenised (``cluster.control.pricing``); 400 for a max_tokens past this server's limit."""
+        if sampling.max_tokens > self.limits.max_tokens_limit:
+            raise RequestError(400, f"max_tokens {sampling.max_tokens} exceeds this server's limit "
+                                    f"{self.limits.max_tokens_limit}", param="max_tokens")
+        return TokenBudget(self.limits.context_window, sampling.max_tokens, self.renderer.max_chars)
+
+    def check_budget(self, prompt_tokens: int, sampling: SamplingParams) -> None:
+        """The exact check, on the planned prompt."""
+        self.budget(sampling)
+        if prompt_tokens + sampling.max_tokens > self.limits.context_window:
+            raise RequestError(400, exceeds_message(f"{prompt_tokens} tokens", sampling.max_tokens,
+                                                    self.limits.context_window), code="context_length_exceeded")
+
+    # ---- entry points ---------------------------------------------------------------------------
+    async def stream_native(self, *a, **kw) -> AsyncIterator[TokenEvent | Finished]:
+        """A native request's events. ``request_id``: the request's id from the edge (the plan's,
+        every transfer's prefix and every worker message's; drawn here when None)."""
+        async for ev in self._leased(self._stream_native, *a, **kw):
+            yield ev
+
+    async def stream_prompt(self, *a, **kw) -> AsyncIterator[TokenEvent | Finished]:
+        async for ev in self._leased(self._stream_prompt, *a, **kw):
+            yield ev
+
+    async def _leased(self, fn, *a, **kw):
+        """Run a request holding the prefill lease its pick took, released at the latest here."""
+        leases: list = []
+        try:
+            async for ev in fn(leases, *a, **kw):
+                yield ev
+        finally:
+            for lease in leases:
+                lease.release()
+
+    def pick_prefill(self, sticky: str | None, leases: list) -> int:
+        """Sessions and prompt prefixes prefer one prefill actor (its local tier holds their KV;
+        with a shared tier any actor would find them), within a load cap (``cluster.control.routing``)."""
+        try:
+            index = self.view.pick_prefill(sticky or None)
+        except NoLiveWorker as exc:
+            raise RequestError(503, str(exc), code="no_live_worker") from None
+        leases.append(self.view.lease("prefill", index))
+        return index
+
+    # ---- native -------------------------------------------------------------------------------
+    async def _stream_native(self, leases: list, tenant: str, segments: list[dict], *, policy: str | None,
+                             session: str | None, sampling: SamplingParams, edit: str = "auto",
+                             deadline_s: float | None = None,
+                             request_id: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
+        t0 = time.perf_counter()
+        clock = CLOCK.get()
+        lap(clock, "validate")               # since the body was read: the API layer's checks
+        salt = self.salt(tenant)
+        budget = self.budget(sampling)       # the renderer prices the segments, then charges each one
+        req = replace(await asyncio.to_thread(self.renderer.render, request_id or uuid.uuid4().hex, tenant, segments,
+                                              Policy(policy or self.default_policy.value), session, salt, budget),
+                      edit_strategy=edit)      # rendered off the event loop
+        lap(clock, "render")
+        sess = self.sessions.get(tenant, session) if session else None
+        prefill_index = self.pick_prefill(f"{tenant}|{session}" if session else None, leases)
+        variant = frame_variant(req.context)       # the first chunk after the frame: exact reuse
+        refs = [s.kv for s in req.context if s.kv is not None] + ([sess.context] if sess else []) \
+            + ([variant] if variant is not None else [])
+        present = await self.lookup.present(refs, prefill_index, clock)
+        now = time.time()
+        marks = [(s.kind, s.name, s.kv.digest in present) for s in req.context if s.kv is not None]
+        lap(clock, "lookup_state")               # session, pick, tier lookup (explain.control.worker)
+        try:
+            if sess is not None and sess.context.digest not in present:
+                self.metrics.record_fallback("session_context_evicted")
+                log.warning("session %s: cached context no longer in the tier; planning from scratch", session)
+                sess = None
+            plan = await self._plan_native(req, frozenset(present), sess, tenant, salt, prefill_index, clock)
+            self.check_budget(plan.prompt_tokens, sampling)
+            store_as = _native_store_as(plan, session, salt)
+            lap(clock, "plan")
+            async for ev in self.runner.run(plan, sampling, t0, store_as, prefill_index, salt, deadline_s, leases,
+                                            tenant, clock):
+                if isinstance(ev, Finished):
+                    self._finished_native(tenant, req, sess, plan, store_as, ev)
+                yield ev
+                if marks:        # the first event is out: the writes stay off the time to first token
+                    self.marks.later(tenant, marks, now)
+                    marks = []
+        finally:
+            if marks:            # the request ended before its first event (an error, the client left)
+                self.marks.later(tenant, marks, now)
+
+    def _finished_native(self, tenant: str, req: RenderedRequest, sess: SessionContext | None, plan: RequestPlan,
+                         store_as: KVRef | None, fin: Finished) -> None:
+        if req.session:
+            self._remember(tenant, req, sess, plan, store_as if fin.stored else None)
+        elif fin.stored and store_as is not None and store_as.exact:
+            self.index.record(tenant, store_as.token_ids)
+
+    async def _plan_native(self, req: RenderedRequest, present: frozenset, sess, tenant: str, salt: str,
+                           prefill_index: int, clock=None) -> RequestPlan:
+        """Plan a native request; outside a session, the whole context is first looked up as KV the
+        tier holds: the exact prefix (the prompt index: an earlier exact plan or plain prompt with
+        these tokens) is reused under every policy; else the plan's own recipe, when an earlier
+        request stored what it composes (``approx`` key: the same bytes), is reused whole."""
+        ids = tuple(t for seg in req.context for t in seg.token_ids)
+        held, lone = None, req.session is None      # a session's turns go through its own context
+        if lone and len(ids) >= PROMPT_BLOCK:       # the whole context only: one hash, one tier lookup
+            ref = KVRef(ids, 0, salt)
+            if self.index.indexed(tenant, ids) and await self.index.held_whole(ref, prefill_index, clock):
+                held = ref
+        config = self.planner_config()
+        plan = plan_request(req, TierView(present, held_context=held), sess, self.renderer.encode, config)
+        if held is None and lone and plan.approx and len(ids) >= PROMPT_BLOCK:
+            ref = KVRef(ids, 0, salt, plan.approx)
+            if await self.index.held_whole(ref, prefill_index, clock):
+                plan = plan_request(req, TierView(present, held_context=ref), sess, self.renderer.encode, config)
+        return plan
+
+    def _remember(self, tenant: str, req: RenderedRequest, sess: SessionContext | None, plan: RequestPlan,
+                  stored_as: KVRef | None) -> None:
+        fields = tuple((s.name, s.fields) for s in req.context if s.kind == "template")
+        if stored_as is None:
+            return          # reused unchanged (nothing new to remember) or the store failed (counted)
+        if PlanKind.ERRATUM in {s.kind for s in plan.steps} and sess is not None:
+            self.sessions.put(tenant, replace(sess, context=stored_as, token_ids=plan.prefix_ids,
+                                              current_fields=fields, errata=sess.errata + 1))
+        else:
+            self.sessions.put(tenant, SessionContext(req.session, stored_as, req.context, plan.prefix_ids, fields, 0))
+
+    # ---- plain prompts --------------------------------------------------------------------------
+    async def _stream_prompt(self, leases: list, tenant: str, prompt_ids: list[int], *, policy: str | None,
+                             sampling: SamplingParams, deadline_s: float | None = None,
+                             request_id: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
+        t0 = time.perf_counter()
+        clock = CLOCK.get()
+        lap(clock, "validate")               # since the body was read: the API layer's checks
+        salt = self.salt(tenant)
+        self.check_budget(len(prompt_ids), sampling)
+        req = self.renderer.render_prompt(request_id or uuid.uuid4().hex, prompt_ids,
+                                          Policy(policy or self.default_policy.value))
+        prefix = tuple(req.context[0].token_ids) if req.context else ()
+        sticky = prompt_hash(tenant, prefix[:PROMPT_BLOCK]) if len(prefix) >= PROMPT_BLOCK else None
+        prefill_index = self.pick_prefill(sticky, leases)
+        lap(clock, "render")
+        hit_kv, hit = await self.index.longest_held(tenant, salt, prefix, prefill_index, clock)
+        lap(clock, "lookup_state")
+        plan = plan_request(req, TierView(prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv), None,
+                            self.renderer.encode, self.planner_config())
+        store_as = KVRef(prefix, 0, salt) if len(prefix) >= PROMPT_BLOCK and hit < len(prefix) else None
+        lap(clock, "plan")
+        async for ev in self.runner.run(plan, sampling, t0, store_as, prefill_index, salt, deadline_s, leases,
+                                        tenant, clock):
+            if isinstance(ev, Finished) and ev.stored:
+                self.index.record(tenant, prefix)
+            yield ev
+
+
+def _native_store_as(plan: RequestPlan, session: str | None, salt: str) -> KVRef | None:
+    """What a native request stores for the next one: a session's next turn, or the same request
+    again (any policy, ``_plan_native``) reuses it. Nothing for a plan reusing one entry whole."""
+    whole_reuse = len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE
+    if plan.steps and not whole_reuse and (session or len(plan.prefix_ids) >= PROMPT_BLOCK):
+        return KVRef(plan.prefix_ids, 0, salt, plan.approx)
+    return None
