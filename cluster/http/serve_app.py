@@ -24,7 +24,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.http import api, heap, validate
+from cluster.http import api, heap, health_view, validate
 from cluster.control import admission as admission_queue    # a module reference, as below
 from cluster.control.errors import RequestError
 from cluster.control import lifecycle as stage_clock      # a module reference, as above
@@ -39,7 +39,8 @@ from kvruntime.config import ClusterConfig
 from cluster.control.exchange import QueueExchange
 
 log = logging.getLogger(__name__)
-app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.")
+app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.",
+              docs_url=None, redoc_url=None, openapi_url=None)   # served by config (cluster.http.health_view)
 REPLICA_HEADER = "x-kvnotes-replica"     # which stateless router replica answered (debugging, tests)
 TARGET_REFRESH_S = 5.0                   # each replica re-announces its metrics endpoint this often
 TARGET_TTL_S = 30.0                      # and a replica silent this long drops out of /metrics/targets
@@ -126,7 +127,10 @@ class RouterIngress:
         self.router, self.state, self.store_watch = built.router, built.state, built.store_watch
         self.profile, self.served = built.profile, built.served
         self.auth = Authenticator(self.state, enabled=cfg.server.auth, default_tenant=cfg.server.tenant,
-                                  trusted_proxies=cfg.server.trusted_proxies, cache_s=cfg.server.auth_cache_s)
+                                  trusted_proxies=cfg.server.trusted_proxies, cache_s=cfg.server.auth_cache_s,
+                                  unknown_cache_s=cfg.server.unknown_key_cache_s,
+                                  unknown_rate_per_s=cfg.server.unknown_key_rate_per_s,
+                                  unknown_burst=cfg.server.unknown_key_burst, registry=self.router.metrics.registry)
         self.limits = RequestLimits.from_config(cfg)
         self.inflight = InflightLimiter(cfg.server.max_inflight_per_tenant)
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
@@ -176,7 +180,7 @@ class RouterIngress:
         tenant = None
         acct = request_metrics.begin_request()   # the router marks it when it counts the final status
         try:
-            tenant = self.auth.tenant(request.headers, request.client.host if request.client else None)
+            tenant = await self.auth.of_request(request)      # the store read off the event loop
             acct["tenant"] = tenant
             self.inflight.acquire(tenant)
         except Exception as exc:
@@ -235,29 +239,47 @@ class RouterIngress:
                 self.router.metrics.count_request(acct.get("plan", "none"), "cancelled")
 
     @app.get("/health")
-    async def health(self) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
         """Liveness now: live workers per role (the router's health view), 503 when a role has none;
         ``degraded`` (still 200) while a role has lost any of its workers or the state store does
-        not answer. ``admission``: this replica's queue and predicted wait."""
+        not answer. Without a key: status and counts only; with one, the details, the admission
+        queue's own tenant only (``cluster.http.health_view``)."""
         snap = self.router.view.snapshot()
         ok = all(v["live"] > 0 for v in snap.values())
         whole = all(v["live"] == v["total"] for v in snap.values())
         store = self.store_watch.snapshot()
         status = "unavailable" if not ok else "ok" if store["up"] and whole else "degraded"
-        return JSONResponse({"status": status, "model": self._model_block(), "workers": snap, "state_store": store,
-                             "admission": self.admission.snapshot(),
-                             "fidelity": self.router.fidelity},     # targets, chosen ops, shadow windows, demotions
-                            status_code=200 if ok else 503)
+        body = health_view.health_body(status, snap=snap, store=store, admission=self.admission.snapshot(),
+                                       model=self._model_block(), fidelity=self.router.fidelity,
+                                       tenant=await health_view.caller(self.auth, request))
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/ready")
-    async def ready(self) -> JSONResponse:
+    async def ready(self, request: Request) -> JSONResponse:
         """Ready for traffic: start-up finished (this replica is constructed and its first health
         sweep is done) and the state store answers (503 while it does not)."""
         sweeps = self.router.backends.health_sweeps
         store = self.store_watch.snapshot()
         ok = sweeps > 0 and store["up"]
-        return JSONResponse({"ready": ok, "model": self.served, "health_sweeps": sweeps, "state_store": store},
-                            status_code=200 if ok else 503)
+        body = health_view.ready_body(ok, served=self.served, sweeps=sweeps, store=store,
+                                      tenant=await health_view.caller(self.auth, request))
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/openapi.json")
+    async def openapi(self, request: Request) -> Response:
+        return await self._docs(request)
+
+    @app.get("/docs")
+    async def docs(self, request: Request) -> Response:
+        return await self._docs(request)
+
+    async def _docs(self, request: Request) -> Response:
+        """``/docs`` and ``/openapi.json`` only with ``docs: true`` (404 otherwise)."""
+        try:
+            return health_view.docs_response(self.cfg.server.docs, app, request.url.path)
+        except RequestError as exc:
+            rid, echo = request_id(request.headers)
+            return _with_id(error_response(exc, rid), rid, echo)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -279,7 +301,7 @@ class RouterIngress:
         the state store does not answer (Prometheus keeps the targets it had)."""
         try:
             if self.cfg.server.metrics_auth:
-                self.auth.tenant(request.headers, request.client.host if request.client else None)
+                await self.auth.of_request(request)
             announced = self.state.targets(time.time(), TARGET_TTL_S)
         except (RequestError, StateStoreUnavailable) as exc:
             rid, echo = request_id(request.headers)

@@ -44,8 +44,9 @@ def resolve_target(url: str | None, key: str | None, config: str | None) -> Targ
         f"http://{'127.0.0.1' if cfg.server.host in ('0.0.0.0', '::') else cfg.server.host}:{cfg.server.port}" if cfg else
         "http://127.0.0.1:8000")
     key = key or os.environ.get("KVNOTES_API_KEY")
-    if not key and cfg is not None:
-        f = Path(cfg.state.data_dir).expanduser() / "api_key"
+    if not key:                  # the key file of the config's state store (the embedded default's without one)
+        from kvruntime.config import ClusterConfig
+        f = (cfg or ClusterConfig()).state.api_key_file
         if f.exists():
             key = f.read_text().strip()
     return Target(url.rstrip("/"), key)

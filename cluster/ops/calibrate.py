@@ -36,9 +36,11 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.control.compose_choice import choose_edits_by_answers
 from cluster.control.planner import FidelityTarget, choose_compose, choose_edit_kind
 
 
+EDIT_KEY = {"edit answers": {"reference": True}}   # edit rows judged, with recompute's (run key)
 DEFAULT_DECISIONS = 20     # decision cases by default (the answer target trusts no fewer: BALANCED_MIN_CASES)
 BUDGET_AT = 0.95           # --budget: the half-width is taken at this agreement rate (the top-1 target)
 
@@ -82,7 +84,8 @@ class RunLog:
 
     def __init__(self, directory: Path, key_doc: dict):
         self.dir = directory
-        self.dir.mkdir(parents=True, exist_ok=True)
+        from kvruntime.private_files import private_dir
+        private_dir(self.dir)             # the cases' texts and answers: mode 0700 (warned if looser)
         meta = self.dir / "run.json"
         if meta.exists() and json.loads(meta.read_text()) != key_doc:
             raise ValueError(f"{self.dir} holds another calibration run (other model, cases or operations); "
@@ -205,7 +208,7 @@ def calibrate(model: str, *, cases: int | None = None, decisions: int | None = N
                and method_name(k) not in (None, REFERENCE_OP)}
     case_ids = {"compose": [c.id for c in compose_cases], "decision": [c.id for c in dec_cases],
                 "edit": [c.id for c in edit_cases]}
-    key = run_key(spec.content_hash, dtype, case_ids, ops)
+    key = run_key(spec.content_hash, dtype, case_ids, {**ops, **EDIT_KEY})
     log = RunLog(Path(run_dir) if run_dir else default_run_dir(spec.name, key),
                  {"model": spec.name, "content_hash": spec.content_hash, "dtype": dtype, "key": key})
     total = sum(len(v) for v in case_ids.values())
@@ -249,7 +252,7 @@ def _engine(spec, dtype: str, device: str, threads: int | None):
 
 
 def _measure(engine, log: RunLog, bar, compose_cases, dec_cases, edit_cases, passages, dec_passages, ops,
-             dec_ops) -> None:
+             dec_ops, edit_ops=None) -> None:
     from kvruntime.fidelity.runner import run_compose, run_edit
     quiet = lambda _msg: None          # noqa: E731 - the bar reports progress
     last = [time.monotonic(), time.process_time()]
@@ -276,7 +279,7 @@ def _measure(engine, log: RunLog, bar, compose_cases, dec_cases, edit_cases, pas
                     on_case=record("decision"))
     todo = [c for c in edit_cases if ("edit", c.id) not in log.done]
     if todo:
-        run_edit(engine, todo, progress=quiet, on_case=record("edit"))
+        run_edit(engine, todo, progress=quiet, on_case=record("edit"), ops=edit_ops, reference=True)
 
 
 def _rows(log: RunLog, kind: str, ids: list[str]) -> dict[str, list[dict]]:
@@ -292,6 +295,7 @@ def _finish(spec, model, dtype, device, command, log, case_ids, informative, row
             ops, target, out, stream) -> dict:
     import torch
 
+    from kvruntime.fidelity.edit_answers import edit_answers_section
     from kvruntime.fidelity.methods import answers_section, as_method_rows
     from kvruntime.fidelity.runner import COMPOSE_OPS, REFERENCE_OP
 
@@ -306,7 +310,9 @@ def _finish(spec, model, dtype, device, command, log, case_ids, informative, row
             "cases": {"compose": len(case_ids["compose"]), "decision": len(case_ids["decision"]),
                       "edit": len(case_ids["edit"]), "informative": sum(informative.values())}}
     fixed = {op: r for op, r in rows.items() if op in COMPOSE_OPS or op == REFERENCE_OP}
-    summary = build_summary(meta, fixed, edit_rows, informative, {}, {})
+    summary = build_summary(meta, fixed, {op: r for op, r in edit_rows.items() if op != REFERENCE_OP},
+                            informative, {}, {})
+    summary["edit_answers"] = edit_answers_section(edit_rows, informative, meta)
     summary["compose_sweep"] = build_sweep(meta, {op: r for op, r in rows.items() if op not in fixed
                                                   or op in (REFERENCE_OP, "reposition + seam 1")}, ops)
     summary["compose_answers"] = answers_section(as_method_rows(rows, decision_rows), meta)
@@ -325,4 +331,77 @@ def _finish(spec, model, dtype, device, command, log, case_ids, informative, row
               file=stream)
     print(f"kvnotes: fast composes with reposition + seam 1: {speedup_line(summary, 1, 0.0, 'kv1')}", file=stream)
     print(f"kvnotes: field edits under fast: {edit.kind.value} ({edit.reason})", file=stream)
+    _print_edit_verdicts(summary, target, spec.name, stream)
     return {"path": path, "summary": summary, "balanced": balanced, "edit": edit, "run_dir": log.dir}
+
+
+def _print_edit_verdicts(summary: dict, target: FidelityTarget, model: str, stream) -> None:
+    for v in choose_edits_by_answers(summary, target, model=model):
+        print(f"kvnotes: {v.kind.value} under balanced: {'planned' if v.allowed else 'recomputed'} ({v.reason})",
+              file=stream)
+
+
+def calibrate_edits(model: str, *, cases: int | None = None, out: str | None = None, dtype: str = "float32",
+                    device: str = "cpu", threads: int | None = None, target: FidelityTarget | None = None,
+                    command: str = "", stream=sys.stdout, run_dir: str | None = None, progress: bool = True) -> dict:
+    """``kvnotes calibrate --edits-only``: measure only the field edits the planner plans (and the
+    stale baseline), judged against a recompute (``run_edit(reference=True)``), and write the
+    section ``edit_answers`` into the model's existing profile (the other sections are kept).
+    Resumable like :func:`calibrate`. Returns ``{"path", "section", "verdicts", "run_dir"}``."""
+    from kvruntime.fidelity.cases import load_edit_cases
+    from kvruntime.fidelity.profiles import profile_path
+    from kvruntime.fidelity.report import load_summary
+    from kvruntime.fidelity.runner import ANSWER_EDIT_OPS, run_edit
+    from kvruntime.models import get_model_spec
+
+    check_device(device)
+    if cases is not None and cases <= 0:
+        raise ValueError("--cases must be a positive number of cases")
+    target = target or FidelityTarget.answers()
+    spec = get_model_spec(model)
+    path = profile_path(spec, out)
+    summary = load_summary(path.stem, path.parent)
+    if summary is None:
+        raise ValueError(f"--edits-only adds to a profile: none at {path} (run `kvnotes calibrate --model {model}` "
+                         "first, or pass --out the directory holding it)")
+    edit_cases = load_edit_cases()[:cases]
+    case_ids = {"edit": [c.id for c in edit_cases]}
+    key = run_key(spec.content_hash, dtype, case_ids, {"edits only": list(ANSWER_EDIT_OPS), **EDIT_KEY})
+    log = RunLog(Path(run_dir) if run_dir else default_run_dir(spec.name, key),
+                 {"model": spec.name, "content_hash": spec.content_hash, "dtype": dtype, "key": key})
+    print(f"kvnotes: calibrating the edits of {spec.name} ({dtype}, {device}): {len(edit_cases)} edit cases; "
+          f"run log {log.path}" + (f" (resuming: {len(log.done)} done)" if log.done else ""), file=sys.stderr)
+    bar = _bar(len(edit_cases), len(log.done), progress)
+    try:
+        todo = [c for c in edit_cases if ("edit", c.id) not in log.done]
+        if todo:
+            engine = _engine(spec, dtype, device, threads)
+            _measure(engine, log, bar, [], [], todo, {}, {}, {}, {}, edit_ops=ANSWER_EDIT_OPS)
+    finally:
+        bar.close()
+        log.close()
+    return _finish_edits(spec, summary, log, case_ids, dtype, device, command or f"kvnotes calibrate --model {model} "
+                         "--edits-only", target, out, stream)
+
+
+def _finish_edits(spec, summary, log, case_ids, dtype, device, command, target, out, stream) -> dict:
+    import torch
+
+    from kvruntime.fidelity.edit_answers import edit_answers_section
+    from kvruntime.fidelity.profiles import write_profile
+    rows = _rows(log, "edit", case_ids["edit"])
+    informative = {c: log.done["edit", c]["informative"] for c in case_ids["edit"]}
+    recs = [log.done["edit", c] for c in case_ids["edit"]]
+    meta = {"model": spec.name, "dtype": dtype, "device": device, "command": command,
+            "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+            "seconds": sum(r.get("wall_s", 0.0) for r in recs), "cpu_seconds": sum(r.get("cpu_s", 0.0) for r in recs)}
+    section = edit_answers_section(rows, informative, meta)
+    path = write_profile(spec, {**summary, "edit_answers": section}, out)
+    print(f"kvnotes: edit answers of {spec.name} written to {path} ({meta['seconds']:.0f} s measuring, "
+          f"{meta['cpu_seconds']:.0f} s CPU, {len(recs)} cases, {section['meta']['cases']['informative']} "
+          f"informative; run log {log.path})", file=stream)
+    _print_edit_verdicts({"edit_answers": section}, target, spec.name, stream)
+    return {"path": path, "section": section, "verdicts": choose_edits_by_answers({"edit_answers": section}, target,
+                                                                                 model=spec.name),
+            "run_dir": log.dir}

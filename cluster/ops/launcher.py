@@ -98,17 +98,50 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     from cluster.http.serve_app import RouterIngress
 
     ensure_api_key(cfg)
+    check_private_files(cfg)     # a warning per secret or tenant file others may read
     cfg = listen_on_loopback(cfg)
     check_router_resource(cfg)
     t = time.monotonic()
     start_workers(cfg)
     log.info("workers ready in %.1f s", time.monotonic() - t)
-    serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port}, detached=False)
+    serve.start(http_options=http_options(cfg), detached=False, controller_options=controller_options())
     serve.run(RouterIngress.options(num_replicas=cfg.server.router_replicas,
                                     ray_actor_options=router_actor_options(cfg),
                                     max_ongoing_requests=cfg.server.router_max_ongoing_requests,
                                     max_queued_requests=cfg.server.router_max_queued_requests).bind(cfg),
               name="kvnotes", route_prefix="/", blocking=False)
+
+
+def http_options(cfg: ClusterConfig) -> dict:
+    """Serve's HTTP options: host, port, and HTTPS when ``tls_cert_file`` / ``tls_key_file`` are set."""
+    opts = {"host": cfg.server.host, "port": cfg.server.port}
+    if cfg.server.tls_cert_file:
+        opts.update(ssl_certfile=str(Path(cfg.server.tls_cert_file).expanduser()),
+                    ssl_keyfile=str(Path(cfg.server.tls_key_file).expanduser()))
+    return opts
+
+
+def controller_options() -> dict:
+    """The Serve controller's environment, inherited by its HTTP proxies: uvicorn rewrites no
+    client address from ``X-Forwarded-For`` (``cluster.http.forwarded`` applies trusted_proxies)."""
+    from cluster.http.forwarded import SERVE_PROXY_ENV
+    return {"runtime_env": {"env_vars": dict(SERVE_PROXY_ENV)}}
+
+
+def check_private_files(cfg: ClusterConfig) -> list[str]:
+    """One warning line per file or directory holding secrets or tenant data that others may read
+    (the SQLite state file, its -wal / -shm and directory, the key file, the fs:// tier, local disk tier)."""
+    from kvruntime.private_files import looser_than_private
+    paths = [cfg.state.api_key_file, cfg.state.api_key_file.parent]
+    url = cfg.state.resolved_url
+    if url.startswith("sqlite:///"):
+        db = Path(url[len("sqlite:///"):]).expanduser()
+        paths += [db.parent, db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
+    paths += [Path(d).expanduser() for d in (cfg.tier.persist_dir, cfg.tier.disk_path) if d]
+    lines = [w for w in dict.fromkeys(looser_than_private(p) for p in dict.fromkeys(paths)) if w]
+    for line in lines:
+        log.warning("%s", line)
+    return lines
 
 
 def router_actor_options(cfg: ClusterConfig) -> dict:
@@ -264,7 +297,8 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
         start(cfg)
         key = ensure_api_key(cfg)
         if register_demo and cfg.server.auth and key is None:
-            print(f"kvnotes: not registering the demo skill: API keys exist but {cfg.state.api_key_file} holds none of them")
+            from cluster.http.auth import no_key_hint
+            print(f"{no_key_hint(cfg.state.api_key_file)}; the demo skill is not registered", flush=True)
         elif register_demo:
             import httpx
             auth = {"authorization": f"Bearer {key}"} if key else {}
@@ -279,11 +313,13 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
         print("kvnotes: start failed; stopping what was started", flush=True)
         stop(cfg)
         raise
-    hdr = f"-H \"authorization: Bearer $(cat {cfg.state.api_key_file})\" " if cfg.server.auth else ""
+    # the key read by the shell's own printf (a builtin: never on a command line `ps` shows)
+    hdr = (f"-H @<(printf 'authorization: Bearer %s' \"$(cat {cfg.state.api_key_file})\") "
+           if cfg.server.auth else "")
     print(f"""kvnotes: serving {cfg.workers.model} on {base}  (Ctrl-C to stop)
   curl -s {base}/v1/notes/completions {hdr}-H 'content-type: application/json' -d '{{"segments": [{{"skill": "{DEMO_SKILL_NAME}"}}, {{"text": "{DEMO_QUESTION}"}}], "max_tokens": 48, "temperature": 0, "explain": true}}'
   curl -s {base}/v1/chat/completions {hdr}-H 'content-type: application/json' -d '{{"model": "{cfg.served_name(spec.name)}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 32}}'
-  kvnotes status --url {base}{' --key "$(cat ' + str(cfg.state.api_key_file) + ')"' if cfg.server.auth else ''}     # workers, state, tier
+  kvnotes status --url {base}     # workers, state, tier (the key read from {cfg.state.api_key_file}, or $KVNOTES_API_KEY)
   metrics: every process is listed at {base}/metrics/targets (Prometheus: deploy/prometheus.yml);
   dashboard: deploy/grafana/kvnotes.json; without Grafana: kvnotes report --prometheus URL --out DIR""", flush=True)
     done = threading.Event()

@@ -26,7 +26,19 @@ class ServerConfig:
     auth: bool = True                          # False only allowed with a loopback host
     metrics_auth: bool = False                 # GET /metrics/targets (the map of internal endpoints) needs an API key
     tenant: str = "default"                    # tenant of the key the embedded default creates (and of every request when auth is off)
-    trusted_proxies: tuple[str, ...] = ()      # client IPs whose x-kvnotes-tenant header is honoured (after their own key)
+    # proxies (IP addresses or networks) whose x-kvnotes-tenant header is honoured (after their own key) and
+    # whose X-Forwarded-For names the client (cluster.http.forwarded); nobody else's forwarded headers count
+    trusted_proxies: tuple[str, ...] = ()
+    docs: bool = False                         # serve /docs and /openapi.json (off: 404)
+    # the router's HTTPS (Ray Serve's ssl_certfile / ssl_keyfile); unset: plain HTTP, a TLS terminator in front
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    # unknown API keys (cluster.http.auth): one refused is remembered this long per replica without another
+    # store read (0 = off), and each client address may have the store asked about unknown keys this often
+    # per second (bursts of unknown_key_burst; beyond: 429 with Retry-After; 0 = no limit)
+    unknown_key_cache_s: float = 10.0
+    unknown_key_rate_per_s: float = 1.0
+    unknown_key_burst: int = 20
     # a validated API key is trusted this long per router replica without a store read: a revoked key
     # still works for up to auth_cache_s; during a state store outage recently seen keys keep working (0 = off)
     auth_cache_s: float = 30.0
@@ -85,7 +97,19 @@ class ServerConfig:
             raise ValueError(f"auth_cache_s must be in [0, 3600] seconds (0 = no cache), got {self.auth_cache_s}")
         proxies = tuple(self.trusted_proxies) if isinstance(self.trusted_proxies, list) else self.trusted_proxies
         if not isinstance(proxies, tuple) or not all(isinstance(p, str) and p for p in proxies):
-            raise ValueError("trusted_proxies must be a list of IP addresses")
+            raise ValueError("trusted_proxies must be a list of IP addresses or networks")
+        for p in proxies:
+            try:
+                ipaddress.ip_network(p.strip(), strict=False)
+            except ValueError:
+                raise ValueError(f"trusted_proxies: {p!r} is not an IP address or network "
+                                 f"(e.g. 10.0.0.7 or 10.0.0.0/24)") from None
+        if self.tls_cert_file is not None or self.tls_key_file is not None:
+            if not (isinstance(self.tls_cert_file, str) and isinstance(self.tls_key_file, str)):
+                raise ValueError("tls_cert_file and tls_key_file go together (the router's HTTPS, Serve's ssl options)")
+        if self.unknown_key_cache_s < 0 or self.unknown_key_rate_per_s < 0 or self.unknown_key_burst < 1:
+            raise ValueError("unknown_key_cache_s, unknown_key_rate_per_s must be >= 0 (0 = off) and "
+                             "unknown_key_burst >= 1")
         object.__setattr__(self, "trusted_proxies", proxies)
         if not isinstance(self.metrics_tenants, (list, tuple)) or \
                 not all(isinstance(t, str) and t for t in self.metrics_tenants) or len(self.metrics_tenants) > 100:

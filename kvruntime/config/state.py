@@ -32,8 +32,20 @@ class StateConfig:
 
     @property
     def api_key_file(self) -> Path:
-        """Where the embedded default keeps the key it created on first start (mode 0600)."""
-        return Path(self.data_dir).expanduser() / "api_key"
+        """Where the key created on a state store's first start is kept (mode 0600): it belongs to
+        that store. The embedded default's store: ``<data_dir>/api_key``; another SQLite file:
+        beside it (``state.db`` -> ``state.db.api_key``); a Redis store: ``<data_dir>/api_key-<id>``,
+        ``<id>`` naming the store (host, port, db; never its password)."""
+        if not self.url:
+            return Path(self.data_dir).expanduser() / "api_key"
+        if self.url.startswith("sqlite:///"):
+            db = Path(self.url[len("sqlite:///"):]).expanduser()
+            return db.with_name(db.name + ".api_key")
+        import hashlib
+        from urllib.parse import urlsplit
+        parts = urlsplit(self.url)
+        ident = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"     # the password left out
+        return Path(self.data_dir).expanduser() / f"api_key-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
     @property
     def resolved_url(self) -> str:

@@ -16,7 +16,7 @@ How a chunk maps onto LMCache:
   prefix's key hits): the plain-prompt prefix reuse of the router relies on it.
 - Pins are LMCache's (local CPU and disk); its pin timeout is set to "never" (default 300 s).
 Tiers, fastest first (LMCache's lookup order): cpu -> disk -> fs -> remote. The local CPU buffer
-(``local_cpu_gb``) always exists: it stages every transfer even when ``local_cpu`` is False.
+(``cpu_bytes``) always exists: it stages every transfer even when ``local_cpu`` is False.
 Persistence: ``fs://`` survives restarts; the ``lm://`` server survives client restarts (not its
 own: it holds everything in memory, least recently used evicted beyond its capacity, no delete);
 ``local_disk`` keeps its index in memory, so it does *not* persist.
@@ -37,7 +37,7 @@ import torch
 
 from kvruntime.kv import KVCache
 from kvruntime.staging import to_host
-from kvtransport.tier.store_config import TierConfig
+from kvruntime.config.tier import TierConfig
 from kvtransport.tier.store import (KV_DTYPES, ChunkKey, KVStore, StoreStats, TierWriteError, check_kv, check_model_id,
                               key_positions, rope_fingerprint)
 
@@ -60,11 +60,20 @@ class LMCacheStore(KVStore):
     """
 
     def __init__(self, model_id: str, dtype: str, layers: int, kv_heads: int, head_dim: int,
-                 config: TierConfig = TierConfig(), *, rope: str | None = None):
+                 config: TierConfig = TierConfig(), *, rope: str | None = None, remote_key: bytes | None = None):
+        """``config``: the cluster config's ``tier`` section (bytes, seconds); ``remote_key``: the
+        ``lm://`` tier's 32-byte key (``kvtransport.tier.auth.tier_key`` of the cluster secret),
+        required with ``config.remote_url`` (the tier server refuses anonymous clients)."""
         if dtype not in KV_DTYPES:
             raise ValueError(f"dtype must be one of {KV_DTYPES}, got {dtype!r}")
         if min(layers, kv_heads, head_dim) <= 0:
             raise ValueError(f"layers, kv_heads, head_dim must be > 0, got {layers}, {kv_heads}, {head_dim}")
+        if config.remote_url is not None:
+            from kvtransport.tier.auth import check_key
+            if remote_key is None:
+                raise ValueError("tier_remote_url needs the tier key: the tier server refuses anonymous clients "
+                                 "(kvtransport.tier.auth.tier_key of the cluster secret)")
+            check_key(remote_key)
         from kvtransport.tier import lmcache_env
         lmcache_env.prepare()
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -80,13 +89,18 @@ class LMCacheStore(KVStore):
         self._torch_dtype = _TORCH_DTYPES[dtype]
         self._connector = make_connector(config.connector, layers, kv_heads, head_dim)
         self._instance = f"kvnotes-{model_id}-{uuid.uuid4().hex[:8]}"
+        from kvruntime.private_files import private_dir
+        for d in (config.persist_dir, config.disk_path):    # tenants' KV: a 0700 directory (warned if looser)
+            if d:
+                private_dir(d)
         plugins = ["fs"] if config.persist_dir else None
         extra = {"remote_storage_plugin.fs.base_path": str(Path(config.persist_dir).resolve())} \
             if config.persist_dir else None
         cfg = LMCacheEngineConfig.from_defaults(
-            chunk_size=config.chunk_size, local_cpu=config.local_cpu, max_local_cpu_size=config.local_cpu_gb,
-            local_disk=config.local_disk_dir and str(Path(config.local_disk_dir).resolve()) + "/",
-            max_local_disk_size=config.local_disk_gb, remote_url=None, save_unfull_chunk=True,
+            chunk_size=config.chunk_size, local_cpu=config.local_cpu, max_local_cpu_size=config.cpu_bytes / 2**30,
+            local_disk=config.disk_path and str(Path(config.disk_path).resolve()) + "/",   # LMCache sizes in GB
+            max_local_disk_size=config.disk_bytes / 2**30 if config.disk_path else 0.0, remote_url=None,
+            save_unfull_chunk=True,
             blocking_timeout_secs=max(1, math.ceil(config.remote_timeout_s)), pin_timeout_sec=_PIN_FOREVER_S,
             remote_storage_plugins=plugins, extra_config=extra, lmcache_instance_id=self._instance)
         md = LMCacheMetadata(model_name=model_id, world_size=1, local_world_size=1, worker_id=0,
@@ -111,15 +125,15 @@ class LMCacheStore(KVStore):
             from kvtransport.tier.lmcache_remote import RemoteTier
             cfg.remote_url = config.remote_url    # read by LMCache's RemoteBackend, built by RemoteTier
             self._remote = RemoteTier(config.remote_url, self._engine, config.remote_timeout_s,
-                                      config.remote_retry_s, config.remote_key, self._lock, config.remote_probe_s)
+                                      config.remote_retry_s, remote_key, self._lock, config.remote_probe_s)
         self._closed = False
 
     @classmethod
-    def for_engine(cls, engine, config: TierConfig = TierConfig()) -> "LMCacheStore":
+    def for_engine(cls, engine, config: TierConfig = TierConfig(), *, remote_key: bytes | None = None) -> "LMCacheStore":
         """A store for ``engine``'s weights (a ``kvruntime.engine.ReferenceEngine``; its
         ``model_id`` carries the checkpoint's content hash) and KV dtype."""
         return cls(engine.model_id, engine.dtype_name, engine.num_layers, engine.kv_heads, engine.head_dim,
-                   config, rope=rope_fingerprint(engine.rope))
+                   config, rope=rope_fingerprint(engine.rope), remote_key=remote_key)
 
     # ---- KVStore ------------------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
@@ -159,7 +173,7 @@ class LMCacheStore(KVStore):
             if not any(held.values()):
                 self._remove([k for _, _, k in self._pieces(key)])     # free the pieces that did land
                 raise TierWriteError(f"no tier holds the chunk ({key.num_tokens} tokens, {kv.nbytes} bytes) "
-                                     f"after put; tiers tried: {sorted(held)}. Is local_cpu_gb too small?")
+                                     f"after put; tiers tried: {sorted(held)}. Is tier_cpu_bytes too small?")
             self._bump("puts")
             self._bump("put_bytes", kv.nbytes)
             return kv.nbytes
