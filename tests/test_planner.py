@@ -134,11 +134,14 @@ def test_changed_field_becomes_erratum_under_fast():
 
 
 def test_changed_field_under_balanced_or_exact_is_recomputed_with_a_note():
+    """No answer-level edit rows (no profile section edit_answers): balanced recomputes, and the
+    note says which row is missing; exact never edits."""
     sess = session_of(FRAME, booking("ON TIME"))
-    for policy in (Policy.BALANCED, Policy.EXACT):
+    for policy, why in ((Policy.BALANCED, "no answer-level profile row for edit_in_place"),
+                        (Policy.EXACT, "policy exact: erratum is not bit-identical")):
         p = plan_request(req(FRAME, booking("CANCELLED"), policy=policy, session="agent-17"), TierView(), sess, encode)
         assert {s.kind for s in p.steps} == {PlanKind.RECOMPUTE}
-        assert any("needs 'fast'" in n for n in p.notes)
+        assert any(f"1 field edit(s) under policy {policy.value}: recomputed" in n and why in n for n in p.notes), p.notes
 
 
 def test_errata_accumulate_against_current_values():
@@ -509,7 +512,192 @@ def test_a_held_exact_context_is_reused_whole_under_every_policy():
     approx = TierView(tier.chunk_keys, held_context=KVRef(ids, 0, SALT, "recipe-1"))
     assert plan_request(req(FRAME, TXT, SKILL, MEM, policy=Policy.FAST), approx, None, encode).steps[0].kv.approx
     assert len(plan_request(req(FRAME, TXT, SKILL, MEM, policy=Policy.EXACT), approx, None, encode).steps) > 1
-    # other tokens, a session's turn: planned per segment as before
+    # other tokens: planned per segment as before
     other = TierView(tier.chunk_keys, held_context=KVRef(ids[:-1], 0, SALT))
     assert len(plan_request(req(FRAME, TXT, SKILL, MEM), other, None, encode).steps) > 1
-    assert len(plan_request(req(FRAME, TXT, SKILL, MEM, session="s1"), tier, None, encode).steps) > 1
+    # a session's first turn reuses the held exact context too (fast used to compose it again)
+    first = plan_request(req(FRAME, TXT, SKILL, MEM, session="s1"), tier, None, encode)
+    assert [s.kind for s in first.steps] == [PlanKind.REUSE] and first.steps[0].kv == exact
+    # an approximate held context is not read inside a session
+    assert len(plan_request(req(FRAME, TXT, SKILL, MEM, session="s1"), approx, None, encode).steps) > 1
+
+
+# ---- the longest exact prefix first, under every policy ---------------------------------------------
+@pytest.mark.parametrize("policy", list(Policy))
+def test_a_held_exact_prefix_longer_than_the_frame_variant_is_reused_first(policy):
+    """A native context whose first 300 tokens the tier holds exactly (the prompt index) reuses
+    them under every policy, before anything is composed: the segment the prefix ends inside is
+    computed from there, later chunks planned by the segment rules."""
+    big = RenderedSegment("skill", "big", tuple(range(1000, 1400)), kv=KVRef(tuple(range(1000, 1400)), 1, SALT))
+    ctx = (FRAME, big, TXT, SKILL)
+    ids = tuple(t for s in ctx for t in s.token_ids)
+    variant = frame_variant(ctx)
+    keys = frozenset({SKILL.kv.digest})            # the variant is not held: it would be compiled
+    held = KVRef(ids[:300], 0, SALT)
+    p = plan_request(req(*ctx, policy=policy), TierView(keys, prompt_prefix_hit=300, prompt_prefix_kv=held), None,
+                     encode)
+    assert p.steps[0].kind is PlanKind.REUSE and p.steps[0].kv == held and p.steps[0].tokens == 300
+    assert p.steps[1].kind is PlanKind.RECOMPUTE and p.steps[1].position == 300 and p.steps[1].source == "skill:big"
+    assert p.prefix_ids == ids
+    last = p.steps[-1]
+    assert last.source == "skill:refund-policy" and last.kind is (PlanKind.RECOMPUTE if policy is Policy.EXACT
+                                                                     else PlanKind.REPOSITION)
+    # a held variant longer than the prefix wins (exact too, more tokens)
+    keys = keys | {variant.digest}
+    short = plan_request(req(*ctx, policy=policy), TierView(keys, prompt_prefix_hit=300,
+                                                            prompt_prefix_kv=held), None, encode)
+    assert short.steps[0].kv == variant and short.steps[0].tokens == len(FRAME.token_ids) + 400
+
+
+def test_a_held_exact_context_beats_an_edit_of_the_session_context():
+    """fast, a session whose template field changed: the tier holds the new context exactly (an
+    earlier request computed it), so it is reused whole instead of an erratum or edit on the old one."""
+    sess = session_of(FRAME, SKILL, booking("ON TIME"))
+    new = req(FRAME, SKILL, booking("CANCELLED"), session="agent-17")
+    ids = tuple(t for s in new.context for t in s.token_ids)
+    p = plan_request(new, TierView(held_context=KVRef(ids, 0, SALT)), sess, encode)
+    assert [s.kind for s in p.steps] == [PlanKind.REUSE] and p.steps[0].kv.token_ids == ids and not p.approx
+    assert any("held exactly" in n for n in p.notes)
+    # the session's own exact context unchanged is still reused as it is
+    same = plan_request(req(FRAME, SKILL, booking("ON TIME"), session="agent-17"),
+                        TierView(held_context=KVRef(sess.token_ids, 0, SALT)), sess, encode)
+    assert same.steps[0].kv == sess.context
+
+
+# ---- balanced edits by measurement ---------------------------------------------------------------
+def edit_row(n=65, top1=1.0, answered=32, right=20, right_ref=20, lost=0, dec_n=33, dec=1.0, inf_n=20, inf_top1=1.0):
+    from kvruntime.fidelity.method_stats import newcombe_paired_upper
+    gained = right - right_ref + lost
+    a = right_ref - lost
+    return {"n": n, "top1": top1, "top1_k": round(top1 * n), "top1_ci": [0.9, 1.0], "decision_n": dec_n,
+            "decision": dec, "decision_ci": [0.9, 1.0], "answered": answered, "accuracy": right / answered,
+            "accuracy_recompute": right_ref / answered,
+            "drop_bound": newcombe_paired_upper(a, lost, gained, answered - a - lost - gained),
+            "informative_n": inf_n, "informative_top1": inf_top1, "informative_top1_k": round(inf_top1 * inf_n),
+            "informative_top1_ci": [0.8, 1.0]}
+
+
+def edit_profile(eip=None, err=None):
+    ops = {}
+    if eip is not None:
+        ops["field + top-16"] = {"params": {"edit": "edit_in_place", "top_k": 16}, **eip}
+    if err is not None:
+        ops["erratum: correction"] = {"params": {"edit": "erratum"}, **err}
+    return {"edit_answers": {"meta": {}, "ops": ops}}
+
+
+def test_edits_are_approved_for_balanced_only_by_rows_meeting_the_answer_target():
+    from cluster.control.planner import FidelityTarget, choose_edits_by_answers
+    t = FidelityTarget.answers()
+    eip, err = choose_edits_by_answers(edit_profile(edit_row(), edit_row(top1=0.8, lost=3, right=17)), t,
+                                       model="m")
+    assert eip.kind is PlanKind.EDIT_IN_PLACE and eip.allowed and "'field + top-16' meets" in eip.reason
+    assert "top-1 agreement 100%" in eip.reason and "20/32 right vs recompute's 20/32" in eip.reason
+    assert err.kind is PlanKind.ERRATUM and not err.allowed and "needs >= 95%" in err.reason
+    # an operation that ignores the edit agrees on the uninformative cases: top-1 there is not enough
+    stale_like = edit_row(top1=0.97, inf_top1=0.6)
+    (v, _) = choose_edits_by_answers(edit_profile(stale_like), t)
+    assert not v.allowed and "on 20 informative cases" in v.reason and "needs >= 95%" in v.reason
+    # too few cases, or no section at all: not approved, and the reason says what to run
+    (few, _) = choose_edits_by_answers(edit_profile(edit_row(n=12, answered=6, right=4, right_ref=4, dec_n=5, inf_n=4)), t)
+    assert not few.allowed and "only 12 cases measured" in few.reason and "needs >= 10 informative" in few.reason
+    assert all(not v.allowed and "--edits-only" in v.reason for v in choose_edits_by_answers({}, t))
+
+
+def test_balanced_plans_a_session_edit_the_profile_approves_and_cites_the_row():
+    from cluster.control.planner import FidelityTarget, choose_edits_by_answers
+    verdicts = choose_edits_by_answers(edit_profile(edit_row(), edit_row(top1=0.8)), FidelityTarget.answers(),
+                                       model="m")
+    cfg = PlannerConfig(edit=EditChoice(PlanKind.ERRATUM, reason="cheapest"), balanced_edits=verdicts)
+    sess = session_of(FRAME, booking("ON TIME"))
+    p = plan_request(req(FRAME, booking("CANCELLED"), policy=Policy.BALANCED, session="agent-17"), TierView(), sess,
+                     encode, cfg)
+    (step,) = p.steps                          # the erratum (the table's pick) misses: edit-in-place meets it
+    assert step.kind is PlanKind.EDIT_IN_PLACE and "'field + top-16' meets the answer target" in step.reason
+    # the caller asking for the erratum under balanced: the profile does not approve it -> recomputed
+    asked = dataclasses.replace(req(FRAME, booking("CANCELLED"), policy=Policy.BALANCED, session="agent-17"),
+                                edit_strategy="erratum")
+    p = plan_request(asked, TierView(), sess, encode, cfg)
+    assert {s.kind for s in p.steps} == {PlanKind.RECOMPUTE}
+    assert any("'erratum: correction' misses" in n for n in p.notes)
+    # fast is unchanged: the table's pick, no profile gate
+    fast = plan_request(req(FRAME, booking("CANCELLED"), session="agent-17"), TierView(), sess, encode, cfg)
+    assert fast.steps[-1].kind is PlanKind.ERRATUM
+
+
+# ---- a prompt equal to a held one except one span ---------------------------------------------------
+HELD_IDS = tuple(range(1000, 1600))            # 600 tokens held at position 0
+
+
+def held_edit(start=400, end=402, new=(7, 7, 7), **kw):
+    from cluster.control.planner import HeldPromptEdit
+    return HeldPromptEdit(KVRef(HELD_IDS, 0, SALT), start, end, tuple(new), where="message 2 (user), token 400", **kw)
+
+
+def prompt_req(he, policy=Policy.FAST, strategy="auto"):
+    seg = RenderedSegment("prompt", None, he.new_token_ids)
+    return dataclasses.replace(req(seg, policy=policy), edit_strategy=strategy)
+
+
+def test_a_held_prompt_edit_is_planned_in_place_under_fast_with_a_span_of_another_length():
+    he = held_edit()
+    cfg = PlannerConfig(edit=EditChoice(PlanKind.EDIT_IN_PLACE, top_k=16, reason="t"))
+    p = plan_request(prompt_req(he), TierView(held_edit=he), None, encode, cfg)
+    (step,) = p.steps
+    assert step.kind is PlanKind.EDIT_IN_PLACE and step.kv == he.held and step.field_span == (400, 402)
+    assert step.token_ids == he.new_token_ids and step.tokens == 601 and step.top_k == 16
+    assert step.computed == 3 + 16 and step.reused == 600 - 2 - 16
+    assert "message 2 (user), token 400" in step.reason and any("first divergence" in n for n in p.notes)
+    assert p.approx                                # edited KV is approximate: stored under its recipe
+
+
+def test_a_held_prompt_edit_under_exact_reuses_the_prefix_in_whole_pieces_and_recomputes_the_rest():
+    he = held_edit()
+    p = plan_request(prompt_req(he, Policy.EXACT), TierView(held_edit=he), None, encode)
+    assert [(s.kind, s.position, s.tokens) for s in p.steps] == [(PlanKind.REUSE, 0, 256),
+                                                                 (PlanKind.RECOMPUTE, 256, 601 - 256)]
+    assert p.steps[0].kv == KVRef(HELD_IDS[:256], 0, SALT) and not p.approx
+    assert any("edit-in-place not planned (policy exact" in n for n in p.notes)
+    early = held_edit(start=100, end=101)          # inside the first piece: nothing exact to reuse
+    p = plan_request(prompt_req(early, Policy.EXACT), TierView(held_edit=early), None, encode)
+    assert [s.kind for s in p.steps] == [PlanKind.RECOMPUTE] and any("first 256-token piece" in n for n in p.notes)
+
+
+def test_a_held_prompt_edit_under_balanced_follows_the_profile():
+    from cluster.control.planner import FidelityTarget, choose_edits_by_answers
+    he = held_edit()
+    t = FidelityTarget.answers()
+    yes = PlannerConfig(balanced_edits=choose_edits_by_answers(edit_profile(edit_row()), t, model="m"))
+    p = plan_request(prompt_req(he, Policy.BALANCED), TierView(held_edit=he), None, encode, yes)
+    assert [s.kind for s in p.steps] == [PlanKind.EDIT_IN_PLACE] and "meets the answer target" in p.steps[0].reason
+    no = PlannerConfig(balanced_edits=choose_edits_by_answers(edit_profile(edit_row(top1=0.9)), t, model="m"))
+    p = plan_request(prompt_req(he, Policy.BALANCED), TierView(held_edit=he), None, encode, no)
+    assert [s.kind for s in p.steps] == [PlanKind.REUSE, PlanKind.RECOMPUTE]
+    assert any("misses the answer target" in n and "top-1 agreement 90%" in n for n in p.notes)
+
+
+def test_the_erratum_for_a_held_prompt_only_when_asked_and_worded_as_measured():
+    he = held_edit(label="order status", old_text="OPEN", new_text="RESOLVED")
+    p = plan_request(prompt_req(he, strategy="erratum"), TierView(held_edit=he), None, encode)
+    assert [s.kind for s in p.steps] == [PlanKind.REUSE, PlanKind.ERRATUM]
+    assert p.steps[0].token_ids == HELD_IDS
+    assert p.steps[1].token_ids == tuple(encode("\nCorrection: the order status is now RESOLVED.\n"))
+    assert any("not this prompt" in n for n in p.notes)
+    auto = plan_request(prompt_req(he), TierView(held_edit=he), None, encode)      # not asked: edited in place
+    assert [s.kind for s in auto.steps] == [PlanKind.EDIT_IN_PLACE]
+    bare = held_edit()                             # no label / text: no correction can be worded
+    p = plan_request(prompt_req(bare, strategy="erratum"), TierView(held_edit=bare), None, encode)
+    assert [s.kind for s in p.steps] == [PlanKind.REUSE, PlanKind.RECOMPUTE] and any("no label" in n for n in p.notes)
+
+
+def test_a_held_prompt_edit_that_deletes_the_span_or_does_not_match_the_prompt():
+    gone = held_edit(new=())
+    p = plan_request(prompt_req(gone), TierView(held_edit=gone), None, encode)
+    assert [s.kind for s in p.steps] == [PlanKind.REUSE, PlanKind.RECOMPUTE] and any("deleted" in n for n in p.notes)
+    he = held_edit()
+    wrong = req(RenderedSegment("prompt", None, HELD_IDS))
+    with pytest.raises(ValueError, match="does not describe this prompt"):
+        plan_request(wrong, TierView(held_edit=he), None, encode)
+    from cluster.control.planner import HeldPromptEdit
+    with pytest.raises(ValueError, match="outside"):
+        HeldPromptEdit(KVRef(HELD_IDS, 0, SALT), 10, 700, ())

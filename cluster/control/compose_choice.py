@@ -8,6 +8,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from kvruntime.messages.plan import PlanKind
+
 @dataclass(frozen=True)
 class FidelityTarget:
     """What a policy promises about composed chunks, checked against the measured profile.
@@ -158,9 +160,10 @@ def choose_compose(summary: dict | None, target: FidelityTarget, *, demoted: fro
                                        + ": chunks recomputed")
 
 
-def answer_criteria(row: dict, target: FidelityTarget) -> list[tuple[bool, float, str]]:
+def answer_criteria(row: dict, target: FidelityTarget, *, ratio_part: bool = True) -> list[tuple[bool, float, str]]:
     """Each part of the answer target on one ``compose_answers`` row: (met, shortfall, text citing
-    the row's numbers and interval). The shortfall (0 when met) ranks the nearest candidate."""
+    the row's numbers and interval). The shortfall (0 when met) ranks the nearest candidate.
+    ``ratio_part=False``: no recompute-ratio part (an edit's row: it has no r)."""
     n, dn, an = row.get("n") or 0, row.get("decision_n") or 0, row.get("answered") or 0
     top1, dec, bound = row.get("top1"), row.get("decision"), row.get("drop_bound")
     ratio = float((row.get("params") or {}).get("recompute_ratio", 0.0))
@@ -182,9 +185,10 @@ def answer_criteria(row: dict, target: FidelityTarget) -> list[tuple[bool, float
                 else f"no judged answers{need}"))
     r_ok = ratio <= target.max_ratio + 1e-12
     share = row.get("chunk_share")
-    out.append((r_ok, 0.0 if r_ok else ratio - target.max_ratio,
-                f"r {_pct(ratio)}" + ("" if r_ok else f" (needs <= {_pct(target.max_ratio)})")
-                + (f" ({share:.1%} of chunk tokens recomputed with the seams)" if share is not None else "")))
+    if ratio_part:
+        out.append((r_ok, 0.0 if r_ok else ratio - target.max_ratio,
+                    f"r {_pct(ratio)}" + ("" if r_ok else f" (needs <= {_pct(target.max_ratio)})")
+                    + (f" ({share:.1%} of chunk tokens recomputed with the seams)" if share is not None else "")))
     for have, need, what in ((n, target.min_cases, "cases"), (an, target.min_answered, "judged answers"),
                              (dn, target.min_decisions, "decision cases")):
         if have < need:
@@ -239,3 +243,54 @@ def _choose_by_answers(summary: dict, target: FidelityTarget, demoted: frozenset
                                        f"nearest {name}: " + ", ".join(t for ok, _, t in crit if not ok)
                                        + "; met: " + (", ".join(t for ok, _, t in crit if ok) or "none")
                                        + f"{tail}: chunks recomputed{note}")
+
+
+# ---- edits under balanced: the same answer target on the profile's ``edit_answers`` rows ----------
+EDIT_MIN_INFORMATIVE = 10   # informative edit cases (the edit changes recompute's answer) needed
+EDIT_ANSWER_ROWS = {"edit_in_place": "field + top-16", "erratum": "erratum: correction"}
+
+
+@dataclass(frozen=True)
+class EditVerdict:
+    """May ``balanced`` plan this edit operation for the model (:func:`choose_edits_by_answers`)?"""
+    kind: PlanKind                 # EDIT_IN_PLACE or ERRATUM
+    allowed: bool
+    reason: str                    # the profile row and its numbers, met or missed, for ``explain``
+    row: str = ""                  # the edit_answers row cited ("" when the profile has none)
+
+
+def edit_criteria(row: dict, target: FidelityTarget) -> list[tuple[bool, float, str]]:
+    """The answer target (:func:`answer_criteria`, no ratio part) plus top-1 on the informative
+    cases, where the stale notes change recompute's answer: on the others an operation that ignores
+    the edit agrees too, so without this part ignoring it would pass."""
+    out = answer_criteria(row, target, ratio_part=False)
+    k, n, top1 = row.get("informative_top1_k") or 0, row.get("informative_n") or 0, row.get("informative_top1")
+    ok = top1 is not None and top1 >= target.minimum and n >= EDIT_MIN_INFORMATIVE
+    out.append((ok, 0.0 if ok else target.minimum - (top1 or 0.0),
+                f"top-1 {_pct(top1 or 0.0)}{_ci(row.get('informative_top1_ci'))} on {n} informative cases ({k}/{n})"
+                + ("" if top1 is not None and top1 >= target.minimum else f" (needs >= {_pct(target.minimum)})")
+                + ("" if n >= EDIT_MIN_INFORMATIVE else f" (needs >= {EDIT_MIN_INFORMATIVE} informative cases)")))
+    return out
+
+
+def choose_edits_by_answers(summary: dict | None, target: FidelityTarget, *, model: str = "") -> tuple[EditVerdict, ...]:
+    """For edit-in-place and the erratum, whether the model's profile (section ``edit_answers``,
+    ``kvnotes calibrate``) shows it meets ``balanced``'s answer target (:func:`edit_criteria`).
+    No section or no row: not allowed, and the reason says what to run."""
+    who = model or "model"
+    rows = ((summary or {}).get("edit_answers") or {}).get("ops") or {}
+    out = []
+    for value, name in EDIT_ANSWER_ROWS.items():
+        kind = PlanKind(value)
+        row = rows.get(name)
+        if row is None:
+            out.append(EditVerdict(kind, False, f"balanced: the {who}'s fidelity profile has no answer-level row for "
+                                                f"{value} (section edit_answers: `kvnotes calibrate --edits-only`)"))
+            continue
+        crit = edit_criteria(row, target)
+        ok = all(m for m, _, _ in crit)
+        text = (", ".join(t for _, _, t in crit) if ok else
+                ", ".join(t for m, _, t in crit if not m) + "; met: " + (", ".join(t for m, _, t in crit if m) or "none"))
+        out.append(EditVerdict(kind, ok, f"balanced: {who} edit_answers row '{name}' "
+                                         f"{'meets' if ok else 'misses'} the answer target: {text}", name))
+    return tuple(out)

@@ -28,14 +28,15 @@ Rules (per segment, left to right; docs/architecture.md walks a request through 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from kvruntime.messages.plan import FieldEdit, KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
 from kvruntime.errata import DEFAULT_ERRATUM_STYLE, erratum_text
 from cluster.control.compose_choice import (  # noqa: F401  (re-exported: the planner's public names)
-    EXECUTED_PROBE, PLANNED_COMPILE, ComposeChoice, FidelityTarget, _pct, answer_criteria, choose_compose,
-    compose_op_key, executable_probe)
+    EXECUTED_PROBE, PLANNED_COMPILE, ComposeChoice, EditVerdict, FidelityTarget, _pct, answer_criteria, choose_compose,
+    choose_edits_by_answers, compose_op_key, executable_probe)
+from cluster.control.edit_plan import HeldPromptEdit, edit_gate, plan_held_edit  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -59,33 +60,6 @@ class RenderedRequest:
     suffix_ids: tuple[int, ...]                 # the question + turn close: the decode worker prefills it
     session: str | None = None
     edit_strategy: str = "auto"                 # "auto" (fidelity table) | "erratum" | "edit_in_place"
-
-
-@dataclass(frozen=True)
-class HeldPromptEdit:
-    """A prompt equal to one the tier holds except for one contiguous span (found by prompt
-    matching, :mod:`cluster.control` fingerprints): ``held.token_ids[:start]`` and the new
-    prompt's first ``start`` tokens are equal, ``held.token_ids[held_end:]`` is the new prompt's
-    tail after ``new_ids``. The planner turns it into an edit of the held KV (edit-in-place, the
-    erratum on request) or an exact reuse of ``[0:start]`` and a recompute from the divergence."""
-    held: KVRef                                 # the held prompt's KV (position 0); held.token_ids = its tokens
-    start: int                                  # first divergent token offset (equal in both before it)
-    held_end: int                               # the held prompt realigns here (exclusive)
-    new_ids: tuple[int, ...]                    # the new prompt's tokens replacing held.token_ids[start:held_end]
-    where: str = ""                             # for explain: "message 2 (user), token 812"
-
-    def __post_init__(self):
-        n = len(self.held.token_ids)
-        if not 0 <= self.start <= self.held_end <= n:
-            raise ValueError(f"held prompt edit span [{self.start}:{self.held_end}] outside the held prompt's {n} tokens")
-        if self.held.position != 0:
-            raise ValueError(f"held prompt edit: the held KV must start at position 0, got {self.held.position}")
-
-    @property
-    def new_token_ids(self) -> tuple[int, ...]:
-        """The new prompt (as matched): held prefix + new span + held tail."""
-        t = self.held.token_ids
-        return t[:self.start] + tuple(self.new_ids) + t[self.held_end:]
 
 
 @dataclass(frozen=True)
@@ -126,6 +100,10 @@ class PlannerConfig:
     balanced: ComposeChoice | None = None       # per policy, from the profile; None: reposition + seam_tokens
     fast: ComposeChoice | None = None
     decode_computes_cold: bool = False          # True (decode engine vLLM): a plan reusing nothing skips prefill
+    balanced_edits: tuple[EditVerdict, ...] = ()  # balanced: which edit operations the profile approves
+                                                # (choose_edits_by_answers); none listed: edits recomputed
+    kv_piece_tokens: int = 256                  # the tier serves a held entry's prefixes in whole pieces of this
+                                                # many tokens (LMCache chunk_size)
 
     def compose_for(self, policy: Policy) -> ComposeChoice | None:
         return {Policy.BALANCED: self.balanced, Policy.FAST: self.fast}.get(policy)
@@ -186,24 +164,12 @@ def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext |
     if not req.context and not req.suffix_ids:
         raise ValueError("empty request: no segments to plan")
     notes: list[str] = []
-    if session is not None:
-        steps = _plan_from_session(req, session, encode, config, notes)
-        if steps is not None:
-            return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids,
-                               req.session, tuple(notes))
-    held = _held_context(req, tier, session)
-    if held is not None:
-        return RequestPlan(req.request_id, req.model, req.policy, (held,), req.suffix_ids, req.session, tuple(notes))
-    steps, pos = [], 0
-    first = first_after_frame(req.context)
-    for i, seg in enumerate(req.context):
-        if first is not None and i < first:
-            pass                                # the frame: inside the first chunk's variant step
-        elif i == first:
-            steps += _plan_frame_reuse(req.context, tier, notes)
-        else:
-            steps += _plan_segment(seg, pos, req.policy, tier, config, notes)
-        pos += len(seg.token_ids)
+    steps = _reuse_first(req, tier, session, encode, config, notes)
+    if steps is not None:
+        return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids, req.session,
+                           tuple(notes))
+    steps = _plan_segments(req, tier, config, notes)
+    pos = sum(s.tokens for s in steps)
     if config.decode_computes_cold and req.session is None and steps \
             and all(s.kind is PlanKind.RECOMPUTE for s in steps):
         # nothing to reuse and nothing to keep for a next turn: the decode engine computes it all
@@ -214,20 +180,99 @@ def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext |
     return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids, req.session, tuple(notes))
 
 
+def _reuse_first(req: RenderedRequest, tier: TierView, session: SessionContext | None, encode,
+                 config: PlannerConfig, notes: list[str]) -> list[SegmentPlan] | None:
+    """Whole-context reuse before anything is composed, in this order: the session's context
+    unchanged and exact; the whole context held exactly in the tier (under every policy, in a
+    session too: an exact prefix beats an edit or a composition of the same tokens); the
+    session's context edited; an approximate whole context this plan's recipe built before
+    (outside sessions); a held prompt this one edits in one span (``tier.held_edit``). None:
+    plan segment by segment."""
+    sess_steps = _plan_from_session(req, session, encode, config, notes) if session is not None else None
+    if sess_steps is not None and len(sess_steps) == 1 and sess_steps[0].kind is PlanKind.REUSE \
+            and sess_steps[0].kv.exact:
+        return sess_steps
+    held = _held_context(req, tier, session)
+    if held is not None and held.kv.exact:
+        if sess_steps is not None:
+            notes.append("the session's context would be edited or reused approximately, but the whole context is "
+                         "held exactly in the tier: reused instead")
+        return [held]
+    if sess_steps is not None:
+        return sess_steps
+    if held is not None:
+        return [held]
+    if tier.held_edit is not None and session is None and req.context:
+        ids = tuple(t for seg in req.context for t in seg.token_ids)
+        return plan_held_edit(req.policy, req.edit_strategy, ids, tier.held_edit,
+                              top_k=config.edit.top_k or 16, piece=config.kv_piece_tokens,
+                              verdicts=config.balanced_edits, encode=encode, notes=notes)
+    return None
+
+
 def _held_context(req: RenderedRequest, tier: TierView, session: SessionContext | None) -> SegmentPlan | None:
     """The whole context as one reuse of KV the tier holds for exactly its tokens, when it does:
-    an exact prefix is preferred to composing the segments again under every policy; approximate
-    KV only by a request of a policy that may read it (never ``exact``)."""
+    an exact prefix is preferred to composing the segments again under every policy, in a session
+    too; approximate KV only outside sessions, by a request of a policy that may read it (never
+    ``exact``)."""
     ref = tier.held_context
-    if ref is None or session is not None or req.session is not None or not req.context or ref.position != 0:
+    if ref is None or not req.context or ref.position != 0:
+        return None
+    if not ref.exact and (session is not None or req.session is not None or req.policy is Policy.EXACT):
         return None
     ids = tuple(t for seg in req.context for t in seg.token_ids)
-    if ref.token_ids != ids or (not ref.exact and req.policy is Policy.EXACT):
+    if ref.token_ids != ids:
         return None
     why = ("the exact context is held in the tier (an earlier request computed it): reused whole, not composed again"
            if ref.exact else "this plan's composed context is held in the tier (the same recipe built it before): reused whole")
     return SegmentPlan(kind=PlanKind.REUSE, source="context", token_ids=ids, position=0, computed=0,
                        reused=len(ids), kv=ref, reason=why)
+
+
+def _plan_segments(req: RenderedRequest, tier: TierView, config: PlannerConfig, notes: list[str]) -> list[SegmentPlan]:
+    """Segment by segment, the longest exact prefix first: a held exact prefix of the context
+    (``tier.prompt_prefix_kv``: the prompt index) covering more tokens than the frame variant, or
+    the variant the tier does not hold yet, is reused; the segment it ends inside is computed from
+    there; the rest is planned by the segment rules."""
+    hit = _exact_prefix_hit(req.context, tier)
+    steps: list[SegmentPlan] = []
+    if hit:
+        ids = tuple(t for seg in req.context for t in seg.token_ids)
+        only = len(req.context) == 1 and req.context[0].kind == "prompt"
+        steps.append(SegmentPlan(kind=PlanKind.REUSE, source="prompt" if only else "prefix", token_ids=ids[:hit],
+                                 position=0, computed=0, reused=hit, kv=tier.prompt_prefix_kv,
+                                 reason=f"cached prompt prefix of {hit} tokens" if only else
+                                 f"exact prefix of {hit} tokens held in the tier (the prompt index), reused first"))
+    first = None if hit else first_after_frame(req.context)
+    pos = 0
+    for i, seg in enumerate(req.context):
+        n = len(seg.token_ids)
+        if pos + n <= hit or (first is not None and i < first):
+            pass                                # inside the exact prefix, or the frame: in the first chunk's variant
+        elif pos < hit:
+            source = f"{seg.kind}:{seg.name}" if seg.name else seg.kind
+            steps.append(SegmentPlan(kind=PlanKind.RECOMPUTE, source=source, token_ids=seg.token_ids[hit - pos:],
+                                     position=hit, computed=pos + n - hit, reused=0,
+                                     reason="prompt after the cached prefix" if seg.kind == "prompt" else
+                                     "computed in context after the held exact prefix"))
+        elif i == first:
+            steps += _plan_frame_reuse(req.context, tier, notes)
+        else:
+            steps += _plan_segment(seg, pos, req.policy, tier, config, notes)
+        pos += n
+    return steps
+
+
+def _exact_prefix_hit(context: tuple[RenderedSegment, ...], tier: TierView) -> int:
+    """Tokens of the held exact prefix to reuse first (0: none, or the frame variant is longer
+    and held)."""
+    if tier.prompt_prefix_kv is None or tier.prompt_prefix_hit <= 0 or not context:
+        return 0
+    hit = min(tier.prompt_prefix_hit, sum(len(seg.token_ids) for seg in context))
+    variant = frame_variant(context)
+    if variant is not None and variant.digest in tier.chunk_keys and len(variant.token_ids) > hit:
+        return 0
+    return hit
 
 
 def first_after_frame(context: tuple[RenderedSegment, ...]) -> int | None:
@@ -280,17 +325,7 @@ def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView
                   notes: list[str]) -> list[SegmentPlan]:
     source = f"{seg.kind}:{seg.name}" if seg.name else seg.kind
     n = len(seg.token_ids)
-    if seg.kind == "prompt" and tier.prompt_prefix_hit > 0 and pos == 0:
-        hit = min(tier.prompt_prefix_hit, n)
-        steps = [SegmentPlan(kind=PlanKind.REUSE, source=source, token_ids=seg.token_ids[:hit], position=pos,
-                             computed=0, reused=hit, kv=tier.prompt_prefix_kv,
-                             reason=f"cached prompt prefix of {hit} tokens")]
-        if hit < n:
-            steps.append(SegmentPlan(kind=PlanKind.RECOMPUTE, source=source, token_ids=seg.token_ids[hit:],
-                                     position=pos + hit, computed=n - hit, reused=0,
-                                     reason="prompt after the cached prefix"))
-        return steps
-    if seg.kind in ("skill", "memory"):
+    if seg.kind in ("skill", "memory", "span"):      # span: a recurring span compiled on its own (prompt matching)
         if seg.kv is None:
             return [SegmentPlan(kind=PlanKind.RECOMPUTE, source=source, token_ids=seg.token_ids, position=pos,
                                 computed=n, reused=0, reason="not registered")]
@@ -360,17 +395,10 @@ def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, confi
     if not edits:
         return [SegmentPlan(kind=PlanKind.REUSE, source=src, token_ids=ctx, position=0, computed=0, reused=len(ctx),
                             kv=sess.context, reason=f"session context unchanged ({len(ctx)} tokens)")]
-    if req.policy is not Policy.FAST:
-        notes.append(f"{len(edits)} field edit(s) under policy {req.policy.value}: recomputed (erratum needs 'fast')")
-        return None
-    choice = config.edit
-    if req.edit_strategy == "erratum":
-        choice = EditChoice(PlanKind.ERRATUM, erratum_style=choice.erratum_style, reason="requested by the caller")
-    elif req.edit_strategy == "edit_in_place":
-        choice = EditChoice(PlanKind.EDIT_IN_PLACE, top_k=config.edit.top_k or 16, reason="requested by the caller")
-    elif req.edit_strategy != "auto":
-        raise ValueError(f"edit_strategy must be auto, erratum or edit_in_place, got {req.edit_strategy!r}")
     one_span = len(edits) == 1 and spans[0][0] >= 0 and sess.errata == 0
+    choice = _session_edit_choice(req, config, one_span, len(edits), notes)
+    if choice is None:
+        return None
     if choice.kind is PlanKind.EDIT_IN_PLACE and one_span:
         e = edits[0]
         new_ids = tuple(encode(e.new))
@@ -380,8 +408,6 @@ def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, confi
                             reused=len(ctx) - (spans[0][1] - spans[0][0]) - choice.top_k, kv=sess.context, edits=(e,),
                             field_span=spans[0], top_k=choice.top_k,
                             reason=f"edit-in-place chosen by {choice.reason}")]
-    if choice.kind is PlanKind.EDIT_IN_PLACE:
-        notes.append("edit-in-place needs exactly one edit on an uncorrected context: erratum instead")
     text = "".join(erratum_text(e.label, e.new, old=e.old, style=choice.erratum_style) for e in edits)
     err_ids = tuple(encode(text))
     return [
@@ -391,3 +417,38 @@ def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, confi
                     computed=len(err_ids), reused=0, edits=tuple(edits),
                     reason=f"{len(edits)} field(s) corrected by an appended erratum ({choice.reason})"),
     ]
+
+
+def _session_edit_choice(req: RenderedRequest, config: PlannerConfig, one_span: bool, n_edits: int,
+                         notes: list[str]) -> EditChoice | None:
+    """Which edit operation a session's changed fields get, or None (recomputed, with a note
+    citing why): the caller's ``edit_strategy``, else the model's table (``config.edit``); the
+    policy must allow it (:func:`~cluster.control.edit_plan.edit_gate`: ``exact`` never,
+    ``fast`` always, ``balanced`` by the profile's answer-level edit rows); edit-in-place needs
+    one edit on an uncorrected context, else the erratum is taken where it is allowed."""
+    base = config.edit
+    if req.edit_strategy == "erratum":
+        choice = EditChoice(PlanKind.ERRATUM, erratum_style=base.erratum_style, reason="requested by the caller")
+    elif req.edit_strategy == "edit_in_place":
+        choice = EditChoice(PlanKind.EDIT_IN_PLACE, top_k=base.top_k or 16, reason="requested by the caller")
+    elif req.edit_strategy != "auto":
+        raise ValueError(f"edit_strategy must be auto, erratum or edit_in_place, got {req.edit_strategy!r}")
+    else:
+        choice = base
+    kinds = [choice.kind] + ([] if req.edit_strategy != "auto" else
+                             [k for k in (PlanKind.EDIT_IN_PLACE, PlanKind.ERRATUM) if k is not choice.kind])
+    misses = []
+    for kind in kinds:
+        if kind is PlanKind.EDIT_IN_PLACE and not one_span:
+            notes.append("edit-in-place needs exactly one edit on an uncorrected context: erratum instead")
+            kind = PlanKind.ERRATUM
+        ok, why = edit_gate(req.policy, kind, config.balanced_edits)
+        if ok:
+            if kind is choice.kind:
+                return choice if req.policy is Policy.FAST else replace(choice, reason=f"{choice.reason}; {why}")
+            return (EditChoice(kind, top_k=base.top_k or 16, reason=why) if kind is PlanKind.EDIT_IN_PLACE
+                    else EditChoice(kind, erratum_style=base.erratum_style, reason=why))
+        misses.append(f"{kind.value}: {why}")
+    notes.append(f"{n_edits} field edit(s) under policy {req.policy.value}: recomputed ("
+                 + "; ".join(dict.fromkeys(misses)) + ")")
+    return None

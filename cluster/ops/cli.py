@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                                                    "(default: $KVNOTES_CACHE/calibrate/<model>-<key of weights, "
                                                    "cases and operations>)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    c.add_argument("--edits-only", action="store_true",
+                   help="measure only the field edits balanced may plan, judged against recompute, and add the "
+                        "section edit_answers to the model's existing profile in --out (the rest is kept)")
     c.add_argument("--config", default=None, help="the cluster's config (profiles_dir, dtype, balanced_* target)")
 
     k = sub.add_parser("keys", help="API keys: each maps to a tenant (only its hash is stored)")
@@ -163,6 +166,17 @@ def main(argv: list[str] | None = None) -> int:
             from kvruntime.config import ClusterConfig
             cfg = ClusterConfig.from_file(args.config) if args.config else None
             from cluster.control.planner import FidelityTarget
+            if args.edits_only:
+                if args.budget is not None or args.decisions is not None:
+                    raise ValueError("--edits-only measures the edit cases only: drop --budget / --decisions")
+                from cluster.ops.calibrate import calibrate_edits
+                calibrate_edits(args.model, cases=args.cases, out=args.out or (cfg.policy.profiles_dir if cfg else None),
+                                dtype=args.dtype or (cfg.workers.dtype if cfg else "float32"), device=args.device,
+                                threads=args.threads,
+                                target=FidelityTarget.from_config(cfg) if cfg else FidelityTarget.answers(),
+                                command="kvnotes " + " ".join(argv if argv is not None else sys.argv[1:]),
+                                run_dir=args.run_dir, progress=not args.no_progress)
+                return 0
             calibrate(args.model, cases=args.cases, decisions=args.decisions,
                       out=args.out or (cfg.policy.profiles_dir if cfg else None),
                       dtype=args.dtype or (cfg.workers.dtype if cfg else "float32"), device=args.device, threads=args.threads,

@@ -169,13 +169,34 @@ def _dump(out, op: str, row: dict, greedy: list[int], engine) -> None:
         out.flush()
 
 
+ANSWER_EDIT_OPS = ("stale (no fix)", "field + top-16", "erratum: correction")   # what the planner plans (+ the baseline)
+
+
+def edit_answers_of(case: EditCase) -> tuple[tuple[str, ...], bool]:
+    """How an edit case's answers are judged: a lookup's answer is the new value (accepted when
+    the greedy answer names it); a derived case asks yes or no (judged by its decision, paired
+    with recompute's). Returns (accepted answers, is a yes/no decision)."""
+    yes_no = case.kind == "derived" and "yes or no" in case.question.lower()
+    return ((case.new,) if case.kind == "lookup" else ()), yes_no
+
+
 def run_edit(engine, cases: list[EditCase], *, cot: bool = False, greedy_n: int = 16,
-             progress: Progress = _stderr, on_case=None) -> tuple[dict[str, list[dict]], dict[str, bool]]:
+             progress: Progress = _stderr, on_case=None, ops=None,
+             reference: bool = False) -> tuple[dict[str, list[dict]], dict[str, bool]]:
     """Per op, one row per case, plus which cases are *informative* (the oracle's greedy
     answer differs from the stale context's: the edit changes what the model says).
-    ``on_case(case, {op: row}, informative)`` is called after each case."""
+    ``on_case(case, {op: row}, informative)`` is called after each case. ``ops``: the edit
+    operations (default every one in ``EDIT_OPS``; "stale (no fix)" is always measured, the
+    informative flag needs it). Every row is judged (:func:`edit_answers_of`): ``answer_ok`` on
+    lookups, ``decision`` / ``decision_agree`` on yes/no cases; ``reference=True`` adds a
+    ``REFERENCE_OP`` row (recompute judged the same way, its wall time), which the answer-level
+    edit rows pair with (``kvruntime.fidelity.edit_answers``)."""
     pre, suffix = chat_frame(engine), engine.spec.chat_user_suffix
-    ops = COT_OPS if cot else EDIT_OPS
+    ops = COT_OPS if cot else tuple(ops or EDIT_OPS)
+    unknown = set(ops) - set(EDIT_OPS)
+    if unknown:
+        raise ValueError(f"unknown edit operations {sorted(unknown)}; known: {', '.join(EDIT_OPS)}")
+    ops = ("stale (no fix)",) + tuple(o for o in ops if o != "stale (no fix)")
     rows: dict[str, list[dict]] = defaultdict(list)
     informative: dict[str, bool] = {}
     t0 = time.monotonic()
@@ -184,36 +205,64 @@ def run_edit(engine, cases: list[EditCase], *, cot: bool = False, greedy_n: int 
         b_ids, a_ids = pre + engine.encode(before), engine.encode(after)
         old_ids, new_ids = engine.encode(case.old), engine.encode(case.new)
         q = engine.encode(case.question + (COT_SUFFIX if cot else "") + suffix)
+        t = time.perf_counter()
         oracle = recompute(engine, b_ids + new_ids + a_ids + q)
+        oracle_s = time.perf_counter() - t
         oracle_greedy = engine.greedy(oracle.kv, oracle.logits, greedy_n, stop_at_eos=True)
+        judge = _edit_judge(engine, case, oracle.logits)
         cached = recompute(engine, b_ids + old_ids + a_ids, logits=False).kv   # the old notes
         span = (len(b_ids), len(b_ids) + len(old_ids))
-        downstream = len(a_ids)
         n_ctx = len(b_ids) + len(new_ids) + len(a_ids) + len(q)
+        common = dict(case=case.id, kind=case.kind, category=case.category)
+        if reference:
+            row = compare(oracle.logits, oracle_greedy, oracle.logits, oracle_greedy)
+            row.update(common, recomputed_tokens=n_ctx, context_tokens=n_ctx, seconds=oracle_s,
+                       **judge(oracle_greedy, oracle.logits))
+            rows[REFERENCE_OP].append(row)
         for name in ops:
-            extra = 0
             t = time.perf_counter()             # the fix and the question: the operation's cost
-            if name == "stale (no fix)":
-                kv, recomputed = cached, 0
-            elif name.startswith("field"):
-                k = 0 if name == "field only" else 16 if name == "field + top-16" else math.ceil(0.25 * downstream)
-                res = edit_in_place(engine, cached, span, new_ids, k)
-                kv, recomputed = res.kv, res.recomputed_tokens
-            else:
-                style = {"erratum: correction": "correction", "erratum: update": "update",
-                         "erratum: restate old": "restate_old"}[name]
-                res = erratum(engine, cached, case.label, case.old, case.new, style=style)
-                kv, recomputed, extra = res.kv, len(res.token_ids), len(res.token_ids)
+            kv, recomputed, extra = _edit_op(engine, name, case, cached, span, new_ids, len(a_ids))
             full, logits = _finish(engine, kv, q)
             secs = time.perf_counter() - t
             g = engine.greedy(full, logits, greedy_n, stop_at_eos=True)
             row = compare(oracle.logits, oracle_greedy, logits, g)
-            row.update(case=case.id, kind=case.kind, category=case.category,
-                       recomputed_tokens=recomputed + len(q), context_tokens=n_ctx + extra, seconds=secs)
+            row.update(common, recomputed_tokens=recomputed + len(q), context_tokens=n_ctx + extra, seconds=secs,
+                       **judge(g, logits))
             rows[name].append(row)
         informative[case.id] = rows["stale (no fix)"][-1]["greedy_exact"] < 1.0
         if on_case is not None:
-            on_case(case, {op: rows[op][-1] for op in ops}, informative[case.id])
+            on_case(case, {op: rs[-1] for op, rs in rows.items() if rs and rs[-1]["case"] == case.id},
+                    informative[case.id])
         progress(f"  edit{' (CoT)' if cot else ''} [{i}/{len(cases)}] {case.id}: {n_ctx} tokens, "
                  f"{time.monotonic() - t0:.0f} s elapsed")
     return dict(rows), informative
+
+
+def _edit_op(engine, name: str, case: EditCase, cached: KVCache, span, new_ids, downstream: int):
+    """One edit operation on the old notes: (KV, tokens computed, erratum tokens appended)."""
+    if name == "stale (no fix)":
+        return cached, 0, 0
+    if name.startswith("field"):
+        k = 0 if name == "field only" else 16 if name == "field + top-16" else math.ceil(0.25 * downstream)
+        res = edit_in_place(engine, cached, span, new_ids, k)
+        return res.kv, res.recomputed_tokens, 0
+    style = {"erratum: correction": "correction", "erratum: update": "update",
+             "erratum: restate old": "restate_old"}[name]
+    res = erratum(engine, cached, case.label, case.old, case.new, style=style)
+    return res.kv, len(res.token_ids), len(res.token_ids)
+
+
+def _edit_judge(engine, case: EditCase, oracle_logits):
+    """The judged fields of an edit case's row (see :func:`edit_answers_of`)."""
+    answers, yes_no = edit_answers_of(case)
+    oracle_dec = decision_of(engine, oracle_logits) if yes_no else None
+
+    def judge(greedy, logits) -> dict:
+        out = {}
+        if answers:
+            out["answer_ok"] = answer_correct(engine.decode(greedy), answers)
+        if yes_no:
+            dec = decision_of(engine, logits)
+            out.update(decision=dec, decision_agree=float(dec == oracle_dec))
+        return out
+    return judge
