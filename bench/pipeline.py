@@ -54,7 +54,8 @@ def _plan(engine, salt: str, frame: list[int], size: int, chunk_tokens: int, sea
 def main(argv=None) -> int:
     from kvruntime.engine import ReferenceEngine
     from kvruntime.ops.frame import chat_frame
-    from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+    from kvruntime.config import TierConfig
+    from kvtransport.tier.lmcache_store import LMCacheStore
     from prefill_workers.executor import PrefillExecutor
     from prefill_workers.tier_reads import PrefillTier
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         ap.error("--reps and --ahead must be >= 1, --chunk-tokens >= 64 and every size above one chunk")
 
     engine = ReferenceEngine(a.model, dtype=a.dtype, threads=a.threads)
-    store = LMCacheStore.for_engine(engine, TierConfig(local_cpu_gb=a.tier_gb))
+    store = LMCacheStore.for_engine(engine, TierConfig(cpu_bytes=int(a.tier_gb * 2**30)))
     tier = PrefillTier(store, engine)
     try:
         frame = chat_frame(engine)

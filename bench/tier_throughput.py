@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+from kvruntime.config import TierConfig
+from kvtransport.tier.lmcache_store import LMCacheStore
 from kvtransport.tier.store import ChunkKey, key_positions, tenant_salt
 from kvtransport.tier.server import start_tier_server, stop_tier_server
 
@@ -46,13 +47,14 @@ KEY = os.urandom(32)     # the lm:// tier key of this run (the server refuses an
 
 def _tier_config(tier: str, tmp: Path, url: str | None, gb: float) -> TierConfig:
     if tier == "cpu":
-        return TierConfig(local_cpu_gb=gb)
+        return TierConfig(cpu_bytes=int(gb * 2**30))
     if tier == "disk":
-        return TierConfig(local_cpu=False, local_cpu_gb=gb, local_disk_dir=str(tmp / "disk"), local_disk_gb=2 * gb)
+        return TierConfig(local_cpu=False, cpu_bytes=int(gb * 2**30), disk_path=str(tmp / "disk"),
+                          disk_bytes=int(2 * gb * 2**30))
     if tier == "fs":
-        return TierConfig(local_cpu=False, local_cpu_gb=gb, persist_dir=str(tmp / "fs"))
+        return TierConfig(local_cpu=False, cpu_bytes=int(gb * 2**30), persist_dir=str(tmp / "fs"))
     if tier == "remote":
-        return TierConfig(local_cpu=False, local_cpu_gb=gb, remote_url=url, remote_key=KEY, remote_timeout_s=30)
+        return TierConfig(local_cpu=False, cpu_bytes=int(gb * 2**30), remote_url=url, remote_timeout_s=30)
     raise ValueError(f"unknown tier {tier!r}; choose from cpu, disk, fs, remote")
 
 
@@ -60,7 +62,8 @@ def measure(tier: str, tokens: list[int], repeats: int, tmp: Path, url: str | No
     """One row per chunk size: seconds (best of ``repeats``) for store, lookup, retrieve, copy."""
     per_token = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
     gb = 2.2 * max(tokens) * per_token / 2**30 + 0.1
-    store = LMCacheStore(MODEL, "float32", LAYERS, KV_HEADS, HEAD_DIM, _tier_config(tier, tmp, url, gb))
+    store = LMCacheStore(MODEL, "float32", LAYERS, KV_HEADS, HEAD_DIM, _tier_config(tier, tmp, url, gb),
+                         remote_key=KEY if tier == "remote" else None)
     rows, seq = [], 0
     try:
         for n in tokens:

@@ -36,7 +36,7 @@ class PrefillWorker:
         from kvruntime.engine import ReferenceEngine
         from kvtransport.transfer.endpoints import Sender
         from kvtransport.transfer.options import grpc_config, nixl_config
-        from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+        from kvtransport.tier.lmcache_store import LMCacheStore
         from prefill_workers.executor import PrefillExecutor
         from prefill_workers.tier_reads import PrefillTier
 
@@ -50,12 +50,7 @@ class PrefillWorker:
         device = resolve_device(cfg.workers.prefill.device, "prefill")   # auto: cuda when Ray assigned a GPU and torch sees it
         self.device = device
         self.engine = ReferenceEngine(cfg.workers.model, dtype=cfg.workers.dtype, device=device, threads=cfg.workers.prefill.threads)
-        tier = TierConfig(local_cpu_gb=max(cfg.tier.cpu_bytes / 2**30, 0.05),
-                          local_disk_dir=cfg.tier.disk_path, local_disk_gb=1.0 if cfg.tier.disk_path else 0.0,
-                          persist_dir=cfg.tier.persist_dir, remote_url=cfg.tier.remote_url,
-                          remote_key=tier_key if cfg.tier.remote_url else None,
-                          remote_probe_s=cfg.tier.remote_probe_s)
-        self.store = LMCacheStore.for_engine(self.engine, tier)
+        self.store = LMCacheStore.for_engine(self.engine, cfg.tier, remote_key=tier_key if cfg.tier.remote_url else None)
         self.tier = PrefillTier(self.store, self.engine, worker=f"prefill-{index}")
         from kvruntime.telemetry import listen_host
         from kvtransport.transfer.options import confine_ucx

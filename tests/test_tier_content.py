@@ -15,7 +15,8 @@ import torch
 from kvruntime.messages.keys import tenant_salt
 from kvruntime.messages.plan import KVRef
 from kvruntime.ops import precompile_chunk, recompute
-from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+from kvruntime.config import TierConfig
+from kvtransport.tier.lmcache_store import LMCacheStore
 from kvtransport.tier.auth import tier_key
 from kvtransport.tier.server import start_tier_server, stop_tier_server
 from prefill_workers.tier_reads import PrefillTier
@@ -29,7 +30,7 @@ TEXT = ("Refund policy: a passenger whose flight is delayed by more than three h
 
 @pytest.fixture
 def tier(smol):
-    store = LMCacheStore.for_engine(smol, TierConfig(local_cpu_gb=0.2))
+    store = LMCacheStore.for_engine(smol, TierConfig(cpu_bytes=200 << 20))
     yield PrefillTier(store, smol)
     store.close()
 
@@ -74,12 +75,13 @@ _FRESH = """
     torch.set_num_threads(1)
     from kvruntime.engine import ReferenceEngine
     from kvruntime.messages.plan import KVRef
-    from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+    from kvruntime.config import TierConfig
+    from kvtransport.tier.lmcache_store import LMCacheStore
     from prefill_workers.tier_reads import PrefillTier
     job = json.load(open(sys.argv[1]))
     engine = ReferenceEngine("smollm2-135m", threads=1)
-    store = LMCacheStore.for_engine(engine, TierConfig(local_cpu_gb=0.1, remote_url=job["url"],
-                                                       remote_key=bytes.fromhex(job["key"])))
+    store = LMCacheStore.for_engine(engine, TierConfig(cpu_bytes=100 << 20, remote_url=job["url"]),
+                                         remote_key=bytes.fromhex(job["key"]))
     tier = PrefillTier(store, engine)
     ref = KVRef(tuple(job["ids"]), 1, job["salt"])
     kv = tier.get(ref)
@@ -93,7 +95,7 @@ _FRESH = """
 def test_a_fresh_process_finds_a_chunk_from_its_ref_alone_through_lm(smol, tmp_path):
     key = tier_key(b"s" * 32)
     srv = start_tier_server("127.0.0.1", 0, key=key, log_path=tmp_path / "lmcache_server.log")
-    store = LMCacheStore.for_engine(smol, TierConfig(local_cpu_gb=0.1, remote_url=srv.url, remote_key=key))
+    store = LMCacheStore.for_engine(smol, TierConfig(cpu_bytes=100 << 20, remote_url=srv.url), remote_key=key)
     try:
         ids = tuple(smol.encode(TEXT))[:300]
         ref = KVRef(ids, 1, SALT_A)

@@ -104,8 +104,9 @@ def test_check_kv_wants_the_chunk_at_canonical_positions():
 
 
 def test_tier_config_and_remote_url_validation():
+    from kvruntime.config import TierConfig
+    from kvruntime.config.choices import TierConnector
     from kvtransport.tier.lmcache_remote import parse_lm_url
-    from kvtransport.tier.lmcache_store import TierConfig
 
     assert parse_lm_url("lm://127.0.0.1:65432") == ("127.0.0.1", 65432)
     for url in ["redis://x:1", "lm://host", "lm://:1", "lm://h:0", "lm://h:99999", "lm://h:p"]:
@@ -113,16 +114,19 @@ def test_tier_config_and_remote_url_validation():
             parse_lm_url(url)
     with pytest.raises(ValueError, match="lm://host:port"):
         TierConfig(remote_url="http://127.0.0.1:1")
-    with pytest.raises(ValueError, match="local_disk"):
-        TierConfig(local_disk_dir="/tmp/x")
-    with pytest.raises(ValueError, match="local_cpu_gb"):
-        TierConfig(local_cpu_gb=0)
+    with pytest.raises(ValueError, match="tier_disk_bytes"):
+        TierConfig(disk_path="/tmp/x", disk_bytes=0)
+    with pytest.raises(ValueError, match="tier_cpu_bytes"):
+        TierConfig(cpu_bytes=0)
+    with pytest.raises(ValueError, match="tier_cpu_bytes must be an integer"):
+        TierConfig(cpu_bytes=0.5)                     # bytes, not GiB
     with pytest.raises(ValueError, match="no tier"):
         TierConfig(local_cpu=False)
-    with pytest.raises(ValueError, match="connector"):
+    with pytest.raises(ValueError, match="tier_connector must be one of cpu, cuda"):
         TierConfig(connector="tpu")
     with pytest.raises(ValueError, match="chunk_size"):
         TierConfig(chunk_size=100)
+    assert TierConfig(connector="cuda").connector is TierConnector.CUDA
 
 
 def test_prefix_hash_distinguishes_the_anchor_the_empty_prefix_and_frames():

@@ -17,7 +17,8 @@ import torch
 from prometheus_client import generate_latest
 
 from kvruntime.kv import KVCache
-from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+from kvruntime.config import TierConfig
+from kvtransport.tier.lmcache_store import LMCacheStore
 from kvtransport.tier.store import ChunkKey, key_positions, tenant_salt
 from kvtransport.tier.auth import MAGIC, NONCE_BYTES, tier_key
 from kvtransport.tier.server import start_tier_server, stop_tier_server
@@ -44,9 +45,9 @@ def mkkv(key: ChunkKey, seed: int = 0) -> KVCache:
 
 
 def mkstore(url: str, key: bytes = KEY, **cfg) -> LMCacheStore:
-    return LMCacheStore("m", "float32", L, H, D, TierConfig(**{"local_cpu_gb": 0.05, "remote_url": url,
-                                                               "remote_key": key, "remote_timeout_s": 0.5,
-                                                               "remote_probe_s": None, **cfg}), rope="5eed")
+    return LMCacheStore("m", "float32", L, H, D, TierConfig(**{"cpu_bytes": 50 << 20, "remote_url": url,
+                                                               "remote_timeout_s": 0.5, "remote_probe_s": None, **cfg}),
+                        rope="5eed", remote_key=key)
 
 
 def scrape(srv) -> str:

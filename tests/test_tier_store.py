@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvruntime.kv import KVCache
-from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+from kvruntime.config import TierConfig
+from kvtransport.tier.lmcache_store import LMCacheStore
 from kvtransport.tier.store import ChunkKey, TierWriteError, key_positions, tenant_salt
 from kvtransport.tier.auth import tier_key
 from kvtransport.tier.server import free_port, start_tier_server, stop_tier_server
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
 
 L, H, D = 30, 3, 64              # SmolLM2-135M: layers, KV heads, head dim
 MODEL, ROPE = "smollm2-135m", "5eed"
-SMALL = dict(local_cpu_gb=0.1)   # 100 MiB: room for a few 1k-token fp32 chunks (46 MB each)
+SMALL = dict(cpu_bytes=100 << 20)   # room for a few 1k-token fp32 chunks (46 MB each)
 KEY = tier_key(os.urandom(32))   # the lm:// tier key of this test's "cluster secret"
 
 
@@ -41,9 +42,8 @@ def mkkv(key: ChunkKey, seed: int = 0) -> KVCache:
 
 
 def mkstore(**cfg) -> LMCacheStore:
-    if cfg.get("remote_url"):
-        cfg = {"remote_key": KEY, **cfg}
-    return LMCacheStore(MODEL, "float32", L, H, D, TierConfig(**{**SMALL, **cfg}), rope=ROPE)
+    key = cfg.pop("remote_key", KEY if cfg.get("remote_url") else None)
+    return LMCacheStore(MODEL, "float32", L, H, D, TierConfig(**{**SMALL, **cfg}), rope=ROPE, remote_key=key)
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_a_partly_evicted_chunk_is_a_counted_miss(store):
 
 
 def test_a_chunk_no_tier_can_hold_is_an_error_and_lmcache_lru_drops_old_chunks():
-    s = mkstore(local_cpu_gb=0.03)                      # 31 MiB: less than one 1000-token chunk (44 MiB)
+    s = mkstore(cpu_bytes=31 << 20)                      # 31 MiB: less than one 1000-token chunk (44 MiB)
     try:
         big = mkkey(1000)
         with pytest.raises(TierWriteError, match="no tier holds the chunk"):
@@ -184,10 +184,14 @@ def test_put_and_get_reject_bad_input(store):
         LMCacheStore(MODEL, "int8", L, H, D)
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         mkstore(connector="cuda")
+    with pytest.raises(ValueError, match="tier_remote_url needs the tier key"):
+        mkstore(remote_url="lm://127.0.0.1:1", remote_key=None)      # the key travels beside the config, never in it
+    with pytest.raises(ValueError, match="32"):
+        mkstore(remote_url="lm://127.0.0.1:1", remote_key=b"short")
 
 
 def test_disk_tier_serves_chunks_when_local_cpu_is_off(tmp_path):
-    s = mkstore(local_cpu=False, local_disk_dir=str(tmp_path / "disk"), local_disk_gb=0.03)  # room for 2 chunks
+    s = mkstore(local_cpu=False, disk_path=str(tmp_path / "disk"), disk_bytes=31 << 20)  # room for 2 chunks
     try:
         k = mkkey(300)
         kv = mkkv(k)
@@ -207,10 +211,11 @@ def test_disk_tier_serves_chunks_when_local_cpu_is_off(tmp_path):
 _FS_CHILD = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
-    from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+    from kvruntime.config import TierConfig
+    from kvtransport.tier.lmcache_store import LMCacheStore
     from kvtransport.tier.store import ChunkKey, TierWriteError, key_positions, tenant_salt
     ids = list(range(100, 400))
-    s = LMCacheStore("smollm2-135m", "float32", 30, 3, 64, TierConfig(local_cpu_gb=0.1, persist_dir=sys.argv[1]))
+    s = LMCacheStore("smollm2-135m", "float32", 30, 3, 64, TierConfig(cpu_bytes=100 << 20, persist_dir=sys.argv[1]))
     kv = s.get(ChunkKey.build("smollm2-135m", "float32", "5eed", ids, tenant_salt("a"), 1))
     assert kv is not None and s.stats.hits_by_tier == {"fs": 1}, s.stats
     torch.save(kv.data, sys.argv[2])

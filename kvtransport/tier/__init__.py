@@ -12,7 +12,8 @@ tier server over TCP after a challenge-response on the tier key. It never import
 - ``store``: ``ChunkKey`` and ``key_for`` (from ``kvruntime.messages.keys``) and the ``KVStore``
   interface (contains / put / get / pin / unpin / evict, batched defaults, stats).
 - ``lmcache_store``: ``LMCacheStore``: local CPU, local disk, ``fs://`` persistence, ``lm://``
-  remote; 256-token pieces with the tail piece stored; ``store_config``: its ``TierConfig``.
+  remote; 256-token pieces with the tail piece stored; configured by the cluster config's ``tier``
+  section as it is (``kvruntime.config.tier.TierConfig``, bytes), the ``lm://`` key beside it.
 - ``lmcache_connector``: copies between our dense KV layout and LMCache memory objects.
 - ``lmcache_remote``: the ``lm://`` tier bounded by timeouts, counted when down, reconnecting, probed.
 - ``lmcache_env``: LMCache's process-wide settings (telemetry off) and the globals it touches.

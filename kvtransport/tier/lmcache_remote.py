@@ -33,19 +33,11 @@ from typing import Any, Callable
 
 import torch
 
+from kvruntime.config.tier import parse_lm_url   # the one lm:// URL check (the config validates with it)
+
 log = logging.getLogger(__name__)
 
 BACKEND = "RemoteBackend"   # LMCache's name for the backend built from ``remote_url``
-
-
-def parse_lm_url(url: str) -> tuple[str, int]:
-    """``"lm://host:port"`` -> (host, port); ``ValueError`` otherwise."""
-    if not isinstance(url, str) or not url.startswith("lm://"):
-        raise ValueError(f"remote_url must look like 'lm://host:port', got {url!r}")
-    host, sep, port = url[len("lm://"):].rstrip("/").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"remote_url must look like 'lm://host:port', got {url!r}")
-    return host, int(port)
 
 
 def lm_server_status(host: str, port: int, timeout_s: float, key: bytes) -> str | None:
