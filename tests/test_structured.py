@@ -114,8 +114,18 @@ def test_tool_choice_validation_and_forcing_schema():
     jsonschema.validate({"name": "get_weather", "arguments": {"city": "Paris"}}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "get_time", "arguments": {}}, schema)
-    both = json.loads(T.constraint(_tools("required")).schema)
-    jsonschema.validate({"name": "get_time", "arguments": {}}, both)
+    both = json.loads(T.constraint(_tools("required")).schema)      # parallel_tool_calls (default): one or more
+    jsonschema.validate([{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "R"}}],
+                        both)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], both)
+    one = T.parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False},
+                        check_schema)
+    single = json.loads(T.constraint(one).schema)                    # parallel_tool_calls false: exactly one
+    jsonschema.validate({"name": "get_time", "arguments": {}}, single)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "arguments": {}}], single)
+    assert T.constraint(named).strict and T.constraint(one).strict       # compiled in strict mode, as vLLM
     assert T.constraint(_tools()) is None
     for body, needle in [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                           "not among the tools"),

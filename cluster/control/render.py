@@ -36,6 +36,18 @@ class Renderer:
         special. Never for user text (:meth:`encode`)."""
         return list(self.tok(text, add_special_tokens=False).input_ids)
 
+    def check_call_ids(self, messages: list[dict]) -> None:
+        """Refuse a call id (``tool_call_id``, ``tool_calls[].id``) holding one of the model's
+        special tokens: a chat template that renders ids renders them as markup (400 naming it)."""
+        specials = [t for t in (*self.tok.all_special_tokens, *self.tok.get_added_vocab()) if t]
+        for i, m in enumerate(messages):
+            ids = [(f"messages[{i}].tool_call_id", m.get("tool_call_id"))] + [
+                (f"messages[{i}].tool_calls[{j}].id", c.get("id")) for j, c in enumerate(m.get("tool_calls") or ())]
+            for param, v in ids:
+                bad = next((t for t in specials if isinstance(v, str) and t in v), None)
+                if bad is not None:
+                    raise RequestError(400, f"{param} may not contain the model's special token {bad!r}", param=param)
+
     def chat_ids(self, messages: list[dict], budget: TokenBudget | None = None,
                  tools: list[dict] | None = None) -> list[int]:
         """The chat template applied to ``messages`` (``{"role", "content": str}``, plus

@@ -13,7 +13,13 @@ every turn and every conversation that sends the same tools. Earlier ``assistant
 
 Forcing. ``tool_choice: "required"`` or a named function decodes under a JSON-schema
 constraint: ``{"name": <one of the tools> (const), "arguments": <its parameters schema>}``
-(``anyOf`` over the tools for ``required``), whatever the template's own format.
+(``anyOf`` over the tools for ``required``), whatever the template's own format; compiled, like
+every schema, in xgrammar's strict mode (``cluster.http.structured``: no argument the
+parameters do not name unless they allow it). ``required`` with ``parallel_tool_calls`` true
+(the default) is a JSON array of one or more such calls, as vLLM builds it; false, or a named
+function, exactly one call.
+
+``parallel_tool_calls: false`` also keeps only the first call an ``auto`` answer holds.
 
 Parsing (``auto``): the answer is searched for the families' formats, in this order:
 Hermes / Qwen ``<tool_call>{...}</tool_call>``, Mistral ``[TOOL_CALLS] [{...}, ...]``, Llama-3.x
@@ -43,6 +49,7 @@ class Tools:
     functions: tuple[dict, ...]     # {"name", "description", "parameters"} as sent (parameters defaulted)
     choice: str                     # "none" | "auto" | "required" | "function" (a named one)
     forced: str | None = None       # the named function
+    parallel: bool = True           # parallel_tool_calls: several calls per answer (False: at most one)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -57,10 +64,21 @@ class Tools:
         return {"auto": "tool_auto", "required": "tool_required", "function": "tool_named"}.get(self.choice, "")
 
 
+def parallel_calls(body: dict) -> bool:
+    """``parallel_tool_calls`` (default true)."""
+    v = body.get("parallel_tool_calls")
+    if v is None:
+        return True
+    if not isinstance(v, bool):
+        raise RequestError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    return v
+
+
 def parse_tools(body: dict, check_schema) -> Tools | None:
     """``tools`` and ``tool_choice`` of a chat body (None when no tools are sent). ``check_schema``:
     raises RequestError on a parameters schema the grammar cannot take (``param`` names where)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = parallel_calls(body)
     if tools in (None, []):
         if choice not in (None, "none", "auto"):
             raise RequestError(400, "tool_choice needs tools", param="tool_choice")
@@ -109,7 +127,7 @@ def parse_tools(body: dict, check_schema) -> Tools | None:
     elif choice not in ("none", "auto", "required"):
         raise RequestError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", "
                                 "\"function\": {\"name\": ...}}", param="tool_choice")
-    return Tools(tuple(fns), choice, forced)
+    return Tools(tuple(fns), choice, forced, parallel)
 
 
 def _call_schema(f: dict) -> dict:
@@ -123,8 +141,9 @@ def constraint(tools: Tools | None) -> Constraint | None:
         return None
     fns = [f for f in tools.functions if tools.forced in (None, f["name"])]
     schema = _call_schema(fns[0]) if len(fns) == 1 else {"anyOf": [_call_schema(f) for f in fns]}
-    return Constraint("json_schema", json.dumps(schema, separators=(",", ":")),
-                      strict=all(f["strict"] for f in fns))
+    if tools.choice == "required" and tools.parallel:
+        schema = {"type": "array", "items": schema, "minItems": 1}
+    return Constraint("json_schema", json.dumps(schema, separators=(",", ":")), strict=True)
 
 
 def template_takes_tools(tokenizer) -> bool:
@@ -239,7 +258,12 @@ def _head(text: str) -> str | None:
 
 def parse_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
     """(content before the calls or None, calls ``{"name", "arguments": dict}``) of an answer;
-    no calls: (text, [])."""
+    no calls: (text, []). ``parallel_tool_calls: false``: the first call only (as vLLM)."""
+    content, calls = _parse_calls(text, tools)
+    return content, (calls[:1] if not tools.parallel else calls)
+
+
+def _parse_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
     names = set(tools.names)
     if "<tool_call>" in text:
         head, _, rest = text.partition("<tool_call>")

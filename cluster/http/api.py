@@ -9,7 +9,6 @@ validated once (``cluster.http.validate.native_request`` / ``openai_request``); 
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import json
@@ -26,10 +25,11 @@ from cluster.control.limits import RequestLimits
 from cluster.control.lifecycle import Finished
 from cluster.control.router import Router
 from cluster.control.limits import check_name, check_text
-from cluster.control.tools import constraint as tool_constraint, parse_tools, prepare as prepare_tools, template_takes_tools
-from cluster.http.choices import Answer, call_deltas, choice_sampling, merged
-from cluster.http.structured import check_schema, response_format
-from cluster.http.validate import native_request, openai_request
+from cluster.http.choices import Answer, call_deltas, merged, prompt_details
+from cluster.http.completion import Prepared, collect as _collect, drain, prepare, start, structured
+from cluster.http.completion import tail as _tail
+from cluster.http.completion import primed as _primed
+from cluster.http.validate import native_request
 from kvruntime.messages.decode import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 def _usage(fin: Finished) -> dict:
     return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.summary.completion_tokens,
             "total_tokens": fin.prompt_tokens + fin.summary.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+            "prompt_tokens_details": prompt_details(fin)}
 
 
 def _kvnotes(fin: Finished, explain: bool, extra: dict | None = None) -> dict:
@@ -49,26 +49,6 @@ def _kvnotes(fin: Finished, explain: bool, extra: dict | None = None) -> dict:
         if fin.clock is not None:     # control-path laps (cluster.control.lifecycle.StageClock)
             out["explain"]["control"] = fin.clock.as_json()
     return out
-
-
-async def _primed(gen):
-    """Pull the first event before answering, so validation errors raised while planning
-    become a 4xx response instead of a broken stream."""
-    first = await gen.__anext__()
-    return first, gen
-
-
-async def _collect(first, gen) -> tuple[list[TokenEvent], Finished]:
-    evs, ev = [], first
-    while not isinstance(ev, Finished):
-        evs.append(ev)
-        ev = await gen.__anext__()
-    return evs, ev
-
-
-def _tail(sent: str, fin: Finished) -> str:
-    """Text the decoder held back until the end (a partial stop string or character before EOS)."""
-    return fin.summary.text[len(sent):] if fin.summary.text.startswith(sent) else ""
 
 
 def stream_error_json(exc: BaseException, rid: str) -> dict:
@@ -113,150 +93,118 @@ class _Logprobs:
                 "text_offset": None}
 
 
-def _structured(router: Router, body: dict, *, chat: bool, limits: RequestLimits):
-    """(constraint, tools) of a request; counts refused schemas and constrained requests."""
-    try:
-        constraint = response_format(body)
-        tools = parse_tools(body, check_schema) if chat else None
-    except RequestError as exc:
-        if exc.code == "invalid_schema":
-            router.metrics.schemas_rejected.inc()
-        raise
-    forced = tool_constraint(tools)
-    if forced is not None and constraint is not None:
-        raise RequestError(400, "response_format cannot be combined with a forced tool_choice (required or a named "
-                                "function): the call's arguments follow the function's parameters", param="tool_choice")
-    for kind in (constraint.kind if constraint is not None else None, tools.metric_kind if tools is not None else None):
-        if kind:
-            router.metrics.constrained.labels(kind).inc()
-    return forced or constraint, tools
-
-
-async def _chain(first, gen):
-    yield first
-    async for ev in gen:
-        yield ev
-
-
-async def _drain(stream) -> tuple[list[TokenEvent], Finished]:
-    return await _collect(await stream.__anext__(), stream)
-
-
-def _total_usage(fins: list[Finished]) -> dict:
-    """Usage of ``n`` choices: the prompt once, every choice's completion tokens."""
+def _total_usage(fins: list[Finished], prompts: int = 1) -> dict:
+    """Usage of several choices (``fins`` in choice order): each prompt once (the ``n`` choices of
+    a prompt share it), every choice's completion tokens."""
+    firsts = fins[::max(1, len(fins) // prompts)]
     u = _usage(fins[0])
+    u["prompt_tokens"] = sum(f.prompt_tokens for f in firsts)
+    u["prompt_tokens_details"] = prompt_details(firsts)
     u["completion_tokens"] = sum(f.summary.completion_tokens for f in fins)
     u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
     return u
 
 
+class _View:
+    """How one prepared request's choices look as OpenAI objects (chat or text completion)."""
+
+    def __init__(self, router: Router, prep: Prepared, rid: str, explain: bool):
+        self.prep, self.chat, self.explain = prep, prep.chat, explain
+        self.model = router.served_model
+        self.cid = ("chatcmpl-" if self.chat else "cmpl-") + rid
+        self.created = int(time.time())
+        self.lp = _Logprobs(router.renderer.tok, self.chat)
+
+    def choice(self, k: int, evs: list[TokenEvent], fin: Finished) -> dict:
+        sent = "".join(e.text for e in evs)
+        text = sent + _tail(sent, fin)
+        if not self.chat:
+            return {"index": k, "text": self.prep.echo(k) + text, "finish_reason": fin.summary.finish_reason,
+                    "logprobs": self.lp.of(evs)}
+        content, calls, finish = Answer(self.prep.tools).whole(text, fin.summary.finish_reason)
+        msg = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        return {"index": k, "message": msg, "logprobs": self.lp.of(evs), "finish_reason": finish}
+
+    def whole(self, got: list[tuple[list[TokenEvent], Finished]]) -> dict:
+        fins = [fin for _, fin in got]
+        return {"id": self.cid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model,
+                "choices": [self.choice(k, evs, fin) for k, (evs, fin) in enumerate(got)],
+                "usage": _total_usage(fins, len(self.prep.prompts)),
+                "kvnotes": _kvnotes(fins[0], self.explain, self.prep.explain_extra())}
+
+    def chunk(self, k: int, delta: dict | str | None, finish, evs=()) -> dict:
+        if self.chat:
+            d = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
+            c = {"index": k, "delta": d, "logprobs": self.lp.of(list(evs)), "finish_reason": finish}
+        else:
+            c = {"index": k, "text": delta or "", "logprobs": self.lp.of(list(evs)), "finish_reason": finish}
+        return {"id": self.cid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [c]}
+
+    def opening(self):
+        """The chunks before any token: the role (chat), the echoed prompt (completions with echo)."""
+        for k in range(self.prep.choices):
+            if self.chat:
+                yield self.chunk(k, {"role": "assistant", "content": ""}, None)
+            elif self.prep.echo(k):
+                yield self.chunk(k, self.prep.echo(k), None)
+
+    def end(self, k: int, answer: Answer, sent: str, fin: Finished) -> list[dict]:
+        """The last chunks of choice ``k``: its tool calls, then what is left and the finish reason."""
+        rest, calls, finish = answer.finish(_tail(sent, fin), fin.summary.finish_reason)
+        return [self.chunk(k, d, None) for d in call_deltas(calls)] + [self.chunk(k, rest or None, finish)]
+
+
+async def _events(view: _View, streams, rid: str):
+    """The SSE stream of every choice, interleaved as they come; usage (with
+    ``stream_options.include_usage``) and ``kvnotes`` on the last choice's last chunk."""
+    prep = view.prep
+    answers = [Answer(prep.tools if view.chat else None) for _ in streams]
+    sent, fins = [""] * len(streams), {}
+    try:
+        for c in view.opening():
+            yield _sse(c)
+        async for k, ev in merged(streams):
+            if isinstance(ev, TokenEvent):
+                if ev.text or ev.logprob is not None:
+                    sent[k] += ev.text
+                    d = answers[k].push(ev.text)
+                    if d or (ev.logprob is not None and answers[k].stream is None):
+                        yield _sse(view.chunk(k, d, None, [ev]))
+                continue
+            fins[k] = ev
+            chunks = view.end(k, answers[k], sent[k], ev)
+            if len(fins) == len(streams):
+                ordered = [fins[i] for i in range(len(streams))]
+                if prep.req.include_usage:
+                    chunks[-1]["usage"] = _total_usage(ordered, len(prep.prompts))
+                chunks[-1]["kvnotes"] = _kvnotes(ordered[0], view.explain, prep.explain_extra())
+            for c in chunks:
+                yield _sse(c)
+    except Exception as exc:  # mid-stream failure: reported in-band, logged, the stream ends
+        yield _sse(stream_error_json(exc, rid))
+    yield b"data: [DONE]\n\n"
+
+
 async def openai_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str, *,
                           chat: bool) -> Response:
-    model = router.served_model
-    vocab = len(router.renderer.tok)
-    req = openai_request(body, limits, model=model, vocab=vocab, chat=chat)
-    stream, explain, include_usage, n = req.stream, req.explain, req.include_usage, req.n
-    constraint, tools = _structured(router, body, chat=chat, limits=limits)
-    sampling = dataclasses.replace(req.sampling, constraint=constraint)
-    budget = router.budget(sampling)        # priced before tokenisation, charged while it runs
-    if chat:
-        # priced in the thread, before the template is applied (Renderer.chat_ids): once
-        msgs, tools_arg = prepare_tools(req.messages, tools, template_takes_tools(router.renderer.tok))
-        ids = await anyio.to_thread.run_sync(functools.partial(router.renderer.chat_ids, msgs, budget, tools_arg))
-    else:
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            budget.price_chars(len(prompt))
-            ids = await anyio.to_thread.run_sync(budget.encode, router.renderer.encode, prompt)
-        else:
-            ids = prompt
-        bos = router.renderer.bos_id
-        if router.renderer.spec.prepend_bos and bos is not None and ids[:1] != [bos]:
-            ids = [bos] + ids
-    if not ids:
-        raise RequestError(400, "prompt is empty after tokenization", param="prompt")
-    if any(t >= vocab for t in ids):
-        raise RequestError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
-    # one request id; choice i > 0 of n runs as <id>.<i> (its own plan, transfer and logs)
-    gens = [router.stream_prompt(tenant, ids, policy=req.policy, sampling=choice_sampling(sampling, i),
-                                 deadline_s=req.deadline_s, request_id=rid if i == 0 else f"{rid}.{i}")
-            for i in range(n)]
-    try:
-        primed = await asyncio.gather(*(_primed(g) for g in gens))
-    except BaseException:
-        for g in gens:
-            await g.aclose()
-        raise
-    streams = [_chain(first, g) for first, g in primed]
-    cid = ("chatcmpl-" if chat else "cmpl-") + rid
-    created = int(time.time())
-    obj = "chat.completion" if chat else "text_completion"
-    lp = _Logprobs(router.renderer.tok, chat)
-    extra = {"structured": {"constraint": constraint.kind if constraint is not None else None,
-                            "tool_choice": tools.choice if tools is not None else None, "choices": n}}
-    if not stream:
-        got = await asyncio.gather(*(_drain(s) for s in streams))
-        out, fins = [], []
-        for i, (evs, fin) in enumerate(got):
-            sent = "".join(e.text for e in evs)
-            text = sent + _tail(sent, fin)
-            fins.append(fin)
-            if chat:
-                content, calls, finish = Answer(tools).whole(text, fin.summary.finish_reason)
-                msg = {"role": "assistant", "content": content}
-                if calls:
-                    msg["tool_calls"] = calls
-                out.append({"index": i, "message": msg, "logprobs": lp.of(evs), "finish_reason": finish})
-            else:
-                out.append({"index": i, "text": text, "finish_reason": fin.summary.finish_reason,
-                            "logprobs": lp.of(evs)})
-        return JSONResponse({"id": cid, "object": obj, "created": created, "model": model, "choices": out,
-                             "usage": _total_usage(fins), "kvnotes": _kvnotes(fins[0], explain, extra)})
-
-    def chunk(i: int, delta: dict | str | None, finish, evs=()) -> dict:
-        if chat:
-            d = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
-            c = {"index": i, "delta": d, "logprobs": lp.of(list(evs)), "finish_reason": finish}
-        else:
-            c = {"index": i, "text": delta or "", "logprobs": lp.of(list(evs)), "finish_reason": finish}
-        return {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": model, "choices": [c]}
-
-    async def events():
-        answers = [Answer(tools if chat else None) for _ in range(n)]
-        sent, fins = [""] * n, []
-        try:
-            if chat:
-                for i in range(n):
-                    yield _sse(chunk(i, {"role": "assistant", "content": ""}, None))
-            async for i, ev in merged(streams):
-                if isinstance(ev, TokenEvent):
-                    if ev.text or ev.logprob is not None:
-                        sent[i] += ev.text
-                        d = answers[i].push(ev.text)
-                        if d or (ev.logprob is not None and answers[i].stream is None):
-                            yield _sse(chunk(i, d, None, [ev]))
-                    continue
-                fins.append(ev)
-                rest, calls, finish = answers[i].finish(_tail(sent[i], ev), ev.summary.finish_reason)
-                for d in call_deltas(calls):
-                    yield _sse(chunk(i, d, None))
-                end = chunk(i, rest or None, finish)
-                if len(fins) == n:
-                    if include_usage:
-                        end["usage"] = _total_usage(fins)
-                    end["kvnotes"] = _kvnotes(fins[0], explain, extra)
-                yield _sse(end)
-        except Exception as exc:  # mid-stream failure: reported in-band, logged, the stream ends
-            yield _sse(stream_error_json(exc, rid))
-        yield b"data: [DONE]\n\n"
-    return StreamingResponse(events(), media_type="text/event-stream")
+    """``/v1/completions`` and ``/v1/chat/completions``: prepared, started and answered in stages
+    (``cluster.http.completion``)."""
+    prep = await prepare(router, limits, body, chat=chat)
+    streams = await start(router, tenant, prep, rid)
+    view = _View(router, prep, rid, prep.req.explain)
+    if not prep.req.stream:
+        return JSONResponse(view.whole(await drain(streams)))
+    return StreamingResponse(_events(view, streams, rid), media_type="text/event-stream")
 
 
 async def notes_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str) -> Response:
     req = native_request(body, limits, model=router.served_model, vocab=len(router.renderer.tok))
     stream, explain = req.stream, req.explain
-    constraint, _ = _structured(router, body, chat=False, limits=limits)
+    constraint, _ = await anyio.to_thread.run_sync(functools.partial(structured, router, body, chat=False))
     sampling = dataclasses.replace(req.sampling, constraint=constraint)
     first, gen = await _primed(router.stream_native(tenant, req.segments, policy=req.policy, session=req.session,
                                                     sampling=sampling, edit=req.edit, deadline_s=req.deadline_s,

@@ -6,9 +6,11 @@ OpenAI fields accepted: the sampling ones (``temperature``, ``top_p``, ``max_tok
 ``max_completion_tokens``, ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
 ``logit_bias``, ``logprobs`` / ``top_logprobs``), ``stream`` / ``stream_options``, ``n`` (up to
 ``max_choices``), ``user``, ``metadata``, ``store: false``, ``response_format`` (checked by
-``cluster.http.structured``), ``tools`` / ``tool_choice`` (``cluster.control.tools``); anything
-else is a 400 naming the field. Chat messages: ``system``, ``developer``, ``user``,
-``assistant`` (with ``tool_calls``) and ``tool`` (with ``tool_call_id``)."""
+``cluster.http.structured``), ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (chat,
+``cluster.control.tools``); completions also take a batch of prompts (strings or token-id lists,
+one choice per prompt and ``n``) and ``echo``; anything else is a 400 naming the field. Chat
+messages: ``system``, ``developer``, ``user``, ``assistant`` (with ``tool_calls``) and ``tool``
+(with ``tool_call_id``)."""
 from __future__ import annotations
 
 import math
@@ -190,29 +192,47 @@ def native_body(body: dict, limits: RequestLimits) -> tuple[list[dict], str | No
     return out, session
 
 
-def completions_prompt(body: dict, limits: RequestLimits) -> str | list[int]:
-    """The prompt: a string (tokenized by the caller, off the event loop) or token ids."""
+def _one_prompt(p, limits: RequestLimits, param: str) -> str | list[int] | None:
+    """A prompt as a string or token ids; None when ``p`` is neither."""
+    if isinstance(p, str) and p:
+        if len(p) > limits.max_text_chars:
+            raise RequestError(400, f"{param} is {len(p)} characters; the limit is {limits.max_text_chars}",
+                               param=param)
+        return p
+    if isinstance(p, list) and p and len(p) <= limits.max_text_chars and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in p):
+        return list(p)
+    return None
+
+
+def completions_prompt(body: dict, limits: RequestLimits) -> list[str | list[int]]:
+    """The prompts, in order: one string or token-id list, or a batch (a list of either); each is
+    tokenized by the caller, off the event loop. A batch runs as one choice per prompt and ``n``
+    (``index`` = prompt * n + choice, as vLLM)."""
     unknown = set(body) - _OPENAI_COMMON - {"prompt", "echo", "suffix"}
     if unknown:
         raise RequestError(400, f"unsupported field(s): {', '.join(sorted(unknown))[:300]}",
                            param=sorted(unknown)[0][:64])
-    if body.get("echo"):
-        raise RequestError(400, "echo is not supported", param="echo")
+    _bool(body, "echo")
     if body.get("tools") not in (None, []) or body.get("tool_choice") not in (None, "none"):
         raise RequestError(400, "tools are accepted on /v1/chat/completions only", param="tools")
     if body.get("suffix") is not None:
         raise RequestError(400, "suffix is not supported", param="suffix")
     p = body.get("prompt")
-    if isinstance(p, str) and p:
-        if len(p) > limits.max_text_chars:
-            raise RequestError(400, f"prompt is {len(p)} characters; the limit is {limits.max_text_chars}",
-                               param="prompt")
-        return p
-    if isinstance(p, list) and p and len(p) <= limits.max_text_chars and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in p):
-        return list(p)
-    raise RequestError(400, "prompt must be a non-empty string or a list of token ids (batches are not supported)",
-                       param="prompt")
+    one = _one_prompt(p, limits, "prompt")
+    if one is not None:
+        return [one]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > limits.max_segments:
+            raise RequestError(400, f"at most {limits.max_segments} prompts per request", param="prompt")
+        out = [_one_prompt(x, limits, f"prompt[{i}]") for i, x in enumerate(p)]
+        bad = next((i for i, x in enumerate(out) if x is None), None)
+        if bad is None:
+            return out
+        raise RequestError(400, f"prompt[{bad}] must be a non-empty string or a list of token ids",
+                           param=f"prompt[{bad}]")
+    raise RequestError(400, "prompt must be a non-empty string, a list of token ids, or a list of either "
+                            "(a batch)", param="prompt")
 
 
 def _tool_calls(i: int, calls) -> list[dict]:
@@ -250,7 +270,7 @@ def chat_messages(body: dict, limits: RequestLimits) -> list[dict]:
     """Messages as ``{"role", "content": str}``: ``developer`` is the system role; content given as
     a list of ``{"type": "text", "text": ...}`` parts is joined. ``assistant`` messages may carry
     ``tool_calls`` (content then optional), ``tool`` messages carry ``tool_call_id``."""
-    unknown = set(body) - _OPENAI_COMMON - {"messages", "top_logprobs"}
+    unknown = set(body) - _OPENAI_COMMON - {"messages", "top_logprobs", "parallel_tool_calls"}
     if unknown:
         raise RequestError(400, f"unsupported field(s): {', '.join(sorted(unknown))[:300]}",
                            param=sorted(unknown)[0][:64])
@@ -305,7 +325,7 @@ def native_request(body: dict, limits: RequestLimits, *, model: str, vocab: int)
 @dataclass(frozen=True)
 class OpenAIRequest:
     """A ``/v1/completions`` or ``/v1/chat/completions`` body, validated once (:func:`openai_request`):
-    ``messages`` (chat) or ``prompt`` (a string or token ids) is set."""
+    ``messages`` (chat) or ``prompts`` (each a string or token ids) is set."""
     policy: str | None
     stream: bool
     explain: bool
@@ -314,7 +334,8 @@ class OpenAIRequest:
     deadline_s: float | None
     n: int = 1                                  # independent choices (``choices``)
     messages: list | None = None
-    prompt: str | list | None = None
+    prompts: tuple = ()                         # completions: each prompt a string or token ids
+    echo: bool = False                          # completions: the prompt before each choice's text
 
 
 def openai_request(body: dict, limits: RequestLimits, *, model: str, vocab: int, chat: bool) -> OpenAIRequest:
@@ -322,6 +343,13 @@ def openai_request(body: dict, limits: RequestLimits, *, model: str, vocab: int,
     policy, stream, explain = common_options(body, model)
     logprobs, include_usage = openai_extras(body, chat=chat)
     sampling = sampling_from(body, default_max_tokens=16, limits=limits, vocab=vocab, logprobs=logprobs)
-    return OpenAIRequest(policy, stream, explain, include_usage, sampling, deadline_s(body), n=choices(body, limits),
-                         messages=chat_messages(body, limits) if chat else None,
-                         prompt=None if chat else completions_prompt(body, limits))
+    n = choices(body, limits)
+    if chat:
+        return OpenAIRequest(policy, stream, explain, include_usage, sampling, deadline_s(body), n=n,
+                             messages=chat_messages(body, limits))
+    prompts = completions_prompt(body, limits)
+    if len(prompts) * n > limits.max_segments:
+        raise RequestError(400, f"{len(prompts)} prompts x n={n} is more than {limits.max_segments} choices",
+                           param="n")
+    return OpenAIRequest(policy, stream, explain, include_usage, sampling, deadline_s(body), n=n,
+                         prompts=tuple(prompts), echo=_bool(body, "echo"))
