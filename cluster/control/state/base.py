@@ -19,6 +19,8 @@ class StoreLimits:
     fingerprint_max: int = 200_000       # at most this many fingerprints (LRU), all tenants together
     held_prompt_ttl_s: float = 3600.0    # held prompts' token ids (edit detection) unused this long are gone
     held_prompt_max: int = 5_000         # at most this many held prompts (LRU; each up to a context of ids)
+    response_ttl_s: float = 7 * 86400.0  # stored /v1/responses answers are gone this long after they were stored
+    response_max: int = 20_000           # at most this many stored responses, all tenants together (oldest dropped)
 
     def __post_init__(self):
         if min(self.session_ttl_s, self.prompt_ttl_s, self.fingerprint_ttl_s, self.held_prompt_ttl_s) <= 0 \
@@ -26,6 +28,8 @@ class StoreLimits:
             raise ValueError("TTLs must be > 0 and maximum counts >= 1")
         if not 0 < self.timeout_s <= 60:
             raise ValueError(f"the state store timeout must be in (0, 60] s, got {self.timeout_s}")
+        if self.response_ttl_s <= 0 or self.response_max < 1:
+            raise ValueError("response_ttl_s must be > 0 and response_max >= 1")
 
 
 class StateStoreUnavailable(ConnectionError):
@@ -226,6 +230,20 @@ class StateStore(ABC):
 
     @abstractmethod
     def get_held_prompt(self, tenant: str, key: str, now: float) -> tuple[int, ...] | None: ...
+
+    # ---- stored responses (/v1/responses with store: bounded, expiring; cluster.http.responses) ---
+    @abstractmethod
+    def put_response(self, tenant: str, response_id: str, data: str, now: float) -> None:
+        """Store a response (an opaque JSON string) under the tenant; it expires ``response_ttl_s``
+        after ``now``, and the oldest go first past ``response_max``."""
+
+    @abstractmethod
+    def get_response(self, tenant: str, response_id: str, now: float) -> str | None:
+        """The stored JSON, None when unknown, expired or another tenant's."""
+
+    @abstractmethod
+    def delete_response(self, tenant: str, response_id: str) -> bool:
+        """True if it existed."""
 
     # ---- API keys (hashed) ----------------------------------------------------------------------
     @abstractmethod

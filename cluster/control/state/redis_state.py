@@ -10,6 +10,7 @@ so no separator can be forged):
 - ``kvn:pfx:[tenant,hash]``   string (tokens) with a TTL;        ``kvn:pfx-lru``  zset member -> last use
 - ``kvn:fp:[tenant,key]``    hash  n (sightings), d (data), with a TTL; ``kvn:fp-lru``  zset member -> last use
 - ``kvn:held:[tenant,key]``  string (the held prompt's ids, int64 little-endian) with a TTL; ``kvn:held-lru``
+- ``kvn:resp:[tenant,id]``    string (a stored response's JSON) with a TTL; ``kvn:resp-lru`` zset member -> stored at
 - ``kvn:keys``                hash  SHA-256 of an API key -> ApiKeyRecord JSON; ``kvn:keyid`` key_id -> hash
 - ``kvn:secret``              the cluster secret (SET NX)
 - ``kvn:targets``             hash  process name -> metrics endpoint; ``kvn:targets:seen`` zset name -> last refresh
@@ -231,6 +232,25 @@ class RedisState(StateStore):
         from array import array
         v = self._get_bounded("held", [_k("held", tenant, key)], self.limits.held_prompt_ttl_s, now)[0]
         return tuple(array("q", v)) if v is not None else None
+
+    # ---- stored responses (TTL from storing; the oldest trimmed past response_max) -------------
+    def put_response(self, tenant, response_id, data, now):
+        self._put_bounded("resp", {_k("resp", tenant, response_id): data}, self.limits.response_ttl_s,
+                          self.limits.response_max, now)
+
+    def get_response(self, tenant, response_id, now):
+        key = _k("resp", tenant, response_id)      # reading does not extend a stored response's life
+        pipe = self.r.pipeline()
+        pipe.get(key)
+        pipe.zscore(P + "resp-lru", key)
+        v, stored = pipe.execute()
+        return v.decode() if v is not None and stored is not None and stored >= now - self.limits.response_ttl_s \
+            else None
+
+    def delete_response(self, tenant, response_id):
+        key = _k("resp", tenant, response_id)
+        self.r.zrem(P + "resp-lru", key)
+        return bool(self.r.delete(key))
 
     # ---- API keys -----------------------------------------------------------------------------
     def put_api_key(self, key_hash, rec):

@@ -26,6 +26,8 @@ CREATE TABLE IF NOT EXISTS fingerprints (tenant TEXT, key TEXT, n INTEGER, data 
 CREATE INDEX IF NOT EXISTS fingerprints_used ON fingerprints (used);
 CREATE TABLE IF NOT EXISTS held_prompts (tenant TEXT, key TEXT, ids BLOB, used REAL, PRIMARY KEY (tenant, key));
 CREATE INDEX IF NOT EXISTS held_prompts_used ON held_prompts (used);
+CREATE TABLE IF NOT EXISTS responses (tenant TEXT, id TEXT, data TEXT, stored REAL, PRIMARY KEY (tenant, id));
+CREATE INDEX IF NOT EXISTS responses_stored ON responses (stored);
 CREATE TABLE IF NOT EXISTS api_keys (hash TEXT PRIMARY KEY, key_id TEXT UNIQUE, data TEXT, created REAL);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v BLOB);
 CREATE TABLE IF NOT EXISTS targets (name TEXT PRIMARY KEY, address TEXT, seen REAL);
@@ -233,6 +235,24 @@ class SqliteState(StateStore):
                 return None
             c.execute("UPDATE held_prompts SET used=? WHERE tenant=? AND key=?", (now, tenant, key))
         return tuple(array("q", rows[0][0]))
+
+    # ---- stored responses (expired and over-limit ones dropped on each store) --------------------
+    def put_response(self, tenant, response_id, data, now):
+        lim = self.limits
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO responses VALUES (?,?,?,?)", (tenant, response_id, data, now))
+            c.execute("DELETE FROM responses WHERE stored<?", (now - lim.response_ttl_s,))
+            c.execute("DELETE FROM responses WHERE rowid IN (SELECT rowid FROM responses ORDER BY stored DESC "
+                      "LIMIT -1 OFFSET ?)", (lim.response_max,))
+
+    def get_response(self, tenant, response_id, now):
+        rows = self._q("SELECT data FROM responses WHERE tenant=? AND id=? AND stored>=?",
+                       (tenant, response_id, now - self.limits.response_ttl_s))
+        return rows[0][0] if rows else None
+
+    def delete_response(self, tenant, response_id):
+        with self._tx() as c:
+            return c.execute("DELETE FROM responses WHERE tenant=? AND id=?", (tenant, response_id)).rowcount > 0
 
     # ---- API keys -----------------------------------------------------------------------------
     def put_api_key(self, key_hash, rec):
