@@ -1,9 +1,11 @@
 """Start and stop the ``lm://`` remote KV tier server by PID: LMCache's ``LMCacheServer`` (what
 the ``lmcache_server`` console script runs) with three changes:
 
-- every connection must first prove the cluster's tier key (``kvtransport.tier.auth``: a
-  challenge-response, the key never crosses the wire); anonymous or wrong-key connections are
-  refused before any command and counted (``kvnotes_tier_server_refused_connections_total``);
+- every connection must first prove the cluster's tier key, and the server proves it back
+  (``kvtransport.tier.auth``: a mutual challenge-response over both ends' nonces, the key never
+  crosses the wire; a client refuses a server that cannot prove it); anonymous, wrong-key or
+  replayed proofs are refused before any command and counted
+  (``kvnotes_tier_server_refused_connections_total``);
 - it holds at most ``capacity_bytes`` and evicts the least recently used pieces beyond it
   (``kvtransport.tier.lru``, counted in ``kvnotes_tier_server_evictions_total``);
 - its listening socket sets ``SO_REUSEADDR``, so a server restarted after a crash binds its port
