@@ -22,7 +22,7 @@ from typing import AsyncIterator
 from cluster.control.backends import Backends
 from cluster.control.lifecycle import Finished, RequestRunner
 from cluster.control.metrics import Metrics
-from cluster.control.planner import FidelityTarget, PlannerConfig, choose_edit_kind
+from cluster.control.planner import FidelityTarget, PlannerConfig, choose_edit_kind, choose_edits_by_answers
 from cluster.control.pricing import TokenBudget
 from cluster.control.prompt_index import PromptIndex
 from cluster.control.registration import Registrations
@@ -76,7 +76,10 @@ class Router:
         return FidelityGuard(policy.fidelity_summary, targets, policy.shadow, self.metrics,
                              lambda i, plan: self.backends.shadow(i, plan),
                              PlannerConfig(seam_tokens=policy.seam_tokens, edit=self.edit_choice,
-                                           decode_computes_cold=policy.decode_computes_cold))
+                                           decode_computes_cold=policy.decode_computes_cold,
+                                           balanced_edits=choose_edits_by_answers(
+                                               policy.fidelity_summary, targets[Policy.BALANCED],
+                                               model=self.renderer.spec.name)))
 
     @property
     def planner_config(self) -> PlannerConfig:

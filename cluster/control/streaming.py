@@ -105,7 +105,12 @@ class RequestStreams:
                       edit_strategy=edit)      # rendered off the event loop
         lap(clock, "render")
         sess = self.sessions.get(tenant, session) if session else None
-        prefill_index = self.pick_prefill(f"{tenant}|{session}" if session else None, leases)
+        ids = tuple(t for seg in req.context for t in seg.token_ids)
+        # a context outside a session sticks like a plain prompt, by its first block: a repeat lands on
+        # the prefill worker whose tier holds it (round robin missed it and composed it again)
+        sticky = f"{tenant}|{session}" if session else (
+            prompt_hash(tenant, ids[:PROMPT_BLOCK]) if len(ids) >= PROMPT_BLOCK else None)
+        prefill_index = self.pick_prefill(sticky, leases)
         variant = frame_variant(req.context)       # the first chunk after the frame: exact reuse
         refs = [s.kv for s in req.context if s.kv is not None] + ([sess.context] if sess else []) \
             + ([variant] if variant is not None else [])
@@ -148,13 +153,17 @@ class RequestStreams:
         these tokens) is reused under every policy; else the plan's own recipe, when an earlier
         request stored what it composes (``approx`` key: the same bytes), is reused whole."""
         ids = tuple(t for seg in req.context for t in seg.token_ids)
-        held, lone = None, req.session is None      # a session's turns go through its own context
-        if lone and len(ids) >= PROMPT_BLOCK:       # the whole context only: one hash, one tier lookup
+        held, lone = None, req.session is None      # approximate KV: outside sessions only
+        hit_kv, hit = None, 0
+        if len(ids) >= PROMPT_BLOCK:                # the exact prefix first, in a session too (planner._reuse_first)
             ref = KVRef(ids, 0, salt)
             if self.index.indexed(tenant, ids) and await self.index.held_whole(ref, prefill_index, clock):
                 held = ref
+            else:                                   # else the longest exact prefix held (whole blocks)
+                hit_kv, hit = await self.index.longest_held(tenant, salt, ids, prefill_index, clock)
         config = self.planner_config()
-        plan = plan_request(req, TierView(present, held_context=held), sess, self.renderer.encode, config)
+        plan = plan_request(req, TierView(present, prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv, held_context=held),
+                            sess, self.renderer.encode, config)
         if held is None and lone and plan.approx and len(ids) >= PROMPT_BLOCK:
             ref = KVRef(ids, 0, salt, plan.approx)
             if await self.index.held_whole(ref, prefill_index, clock):
@@ -164,6 +173,9 @@ class RequestStreams:
     def _remember(self, tenant: str, req: RenderedRequest, sess: SessionContext | None, plan: RequestPlan,
                   stored_as: KVRef | None) -> None:
         fields = tuple((s.name, s.fields) for s in req.context if s.kind == "template")
+        held = plan.steps[0].kv if len(plan.steps) == 1 and plan.steps[0].source == "context" else None
+        if stored_as is None and held is not None and (sess is None or held != sess.context):
+            stored_as = held    # the whole context held exactly in the tier: the session's context from now on
         if stored_as is None:
             return          # reused unchanged (nothing new to remember) or the store failed (counted)
         if PlanKind.ERRATUM in {s.kind for s in plan.steps} and sess is not None:
