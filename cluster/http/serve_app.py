@@ -24,7 +24,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.http import api, heap, health_view, validate
+from cluster.http import api, heap, health_view, responses, validate
 from cluster.control import admission as admission_queue    # a module reference, as below
 from cluster.control.errors import RequestError
 from cluster.control import lifecycle as stage_clock      # a module reference, as above
@@ -352,6 +352,19 @@ class RouterIngress:
     async def chat(self, request: Request) -> Response:
         return await self._call(request, lambda b, t, rid: api.openai_complete(self.router, self.limits, b, t, rid,
                                                                                chat=True), admit=True)
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        return await self._call(request, lambda b, t, rid: responses.create(self.router, self.limits, b, t, rid),
+                                admit=True)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str, request: Request) -> Response:
+        return await self._call(request, lambda b, t, rid: responses.retrieve(self.router, response_id, t), body=False)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        return await self._call(request, lambda b, t, rid: responses.delete(self.router, response_id, t), body=False)
 
     @app.post("/v1/notes/completions")
     async def notes(self, request: Request) -> Response:
