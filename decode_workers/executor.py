@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from kvruntime.config.choices import LoadFailurePolicy
 from kvruntime.decode_cache import DecodeSession
 from kvruntime.kv import KVCache
 from kvruntime.messages.decode import Continuation, DecodeSummary, SamplingParams, TokenEvent
@@ -37,12 +38,11 @@ class DecodeExecutor(DecodeEngine):
     """The reference decode engine (:class:`~decode_workers.engine_api.DecodeEngine`)."""
     kind = "reference"
 
-    def __init__(self, engine, transport: KVReceiver, *, load_failure_policy: str = "recompute",
-                 receive_timeout: float = 60.0, held: HeldPrefixes | None = None, grammar_cache_entries: int = 64):
-        if load_failure_policy not in ("recompute", "fail"):
-            raise ValueError("load_failure_policy must be 'recompute' or 'fail'")
+    def __init__(self, engine, transport: KVReceiver, *,
+                 load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE, receive_timeout: float = 60.0,
+                 held: HeldPrefixes | None = None, grammar_cache_entries: int = 64):
         self.engine, self.transport = engine, transport
-        self.policy, self.receive_timeout = load_failure_policy, receive_timeout
+        self.policy, self.receive_timeout = LoadFailurePolicy.of(load_failure_policy), receive_timeout
         self.held = held
         self._grammars = None          # decode_workers.structured.GrammarCache, made on the first constrained request
         self.grammar_cache_entries = grammar_cache_entries
@@ -76,7 +76,7 @@ class DecodeExecutor(DecodeEngine):
         if pinned is None or pinned.token_ids.tolist() != list(prefix_ids[:pinned.num_tokens]):
             fallbacks.append("kv_held_missing")
             log.warning("held prefix KV for %s missing; policy %s", transfer_id, self.policy)
-            if self.policy == "fail":
+            if self.policy is LoadFailurePolicy.FAIL:
                 raise RuntimeError("held prefix KV unavailable (kv_held_missing) and kv load failure policy is 'fail'")
             return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0
         kv, held = pinned.to(self.engine.device, self.engine.dtype), pinned.num_tokens
@@ -127,7 +127,7 @@ class DecodeExecutor(DecodeEngine):
             reason = str(exc)
         fallbacks.append(reason)
         log.warning("prefix KV for %s unusable (%s); policy %s", transfer_id, reason, self.policy)
-        if self.policy == "fail":
+        if self.policy is LoadFailurePolicy.FAIL:
             raise RuntimeError(f"prefix KV unavailable ({reason}) and kv load failure policy is 'fail'")
         return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0
 

@@ -90,3 +90,41 @@ def test_device_per_role_is_validated_and_resolved():
     assert on("cuda", cuda=True, ids=["0"]) == "cuda"
     with pytest.raises(DeviceUnavailable, match="no CUDA device"):
         on("cuda", cuda=False, ids=[])
+
+
+def test_enumerated_settings_become_members_once_and_bad_values_name_the_key():
+    from kvruntime.config.choices import (DecodeEngineKind, KVLoadMode, LoadFailurePolicy, ShadowMetric, TierConnector,
+                                          TransportKind)
+    c = ClusterConfig.of(kv_transport="grpc", kv_load_failure_policy="fail", decode_engine="vllm", vllm_kv_load="sync",
+                         shadow_metric="greedy_exact", tier_connector="cuda")
+    assert c.transport.kind is TransportKind.GRPC and c.transport.kv_load_failure_policy is LoadFailurePolicy.FAIL
+    assert c.workers.decode_engine is DecodeEngineKind.VLLM and c.workers.vllm_kv_load is KVLoadMode.SYNC
+    assert c.shadow.metric is ShadowMetric.GREEDY_EXACT and c.tier.connector is TierConnector.CUDA
+    # members are their strings on the wire, in logs and in metric labels
+    assert f"{c.transport.kind}" == "grpc" and c.transport.kind == "grpc"
+    assert pickle.loads(pickle.dumps(c)) == c and pickle.loads(pickle.dumps(c)).transport.kind is TransportKind.GRPC
+    for key, bad, msg in (("kv_transport", "rdma", "kv_transport must be one of auto, nixl, grpc, got 'rdma'"),
+                          ("kv_load_failure_policy", "retry", "kv_load_failure_policy must be one of recompute, fail"),
+                          ("decode_engine", "sglang", "decode_engine must be one of reference, vllm"),
+                          ("vllm_kv_load", "later", "vllm_kv_load must be one of async, sync"),
+                          ("shadow_metric", "cosine", "shadow_metric must be one of top1, greedy_exact"),
+                          ("tier_connector", "tpu", "tier_connector must be one of cpu, cuda")):
+        with pytest.raises(ValueError, match=msg):
+            ClusterConfig.of(**{key: bad})
+    # a component built directly (tests, benches) goes through the same single check
+    from kvtransport.transfer.endpoints import Sender
+    with pytest.raises(ValueError, match="kv_transport must be one of auto, nixl, grpc, got 'rdma'"):
+        Sender("rdma")
+
+
+def test_one_tier_and_shadow_section_in_bytes_with_the_tier_flat_keys():
+    c = ClusterConfig.of(tier_cpu_bytes=64 << 20, tier_disk_path="/tmp/kvn-disk", tier_disk_bytes=2 << 30,
+                         tier_chunk_size=128, tier_local_cpu=False, shadow_opt_out_tenants={"b", "a"})
+    assert (c.tier.cpu_bytes, c.tier.disk_bytes, c.tier.chunk_size, c.tier.local_cpu) == (64 << 20, 2 << 30, 128, False)
+    assert c.shadow.opt_out_tenants == ("a", "b")
+    with pytest.raises(ValueError, match="tier_cpu_bytes must be an integer"):
+        ClusterConfig.of(tier_cpu_bytes=0.5)                 # GiB is not a unit here: bytes
+    with pytest.raises(ValueError, match="no tier would hold anything"):
+        ClusterConfig.of(tier_local_cpu=False)
+    with pytest.raises(ValueError, match="shadow_opt_out_tenants must be a list"):
+        ClusterConfig.of(shadow_opt_out_tenants="private")
