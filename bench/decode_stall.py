@@ -105,7 +105,7 @@ def run_mode(h, mode: str, args, plans, blocks) -> dict:
     def arrive(plan, block, k: int) -> None:
         rec = {"start": time.perf_counter()}
         tid = block.header.transfer_id
-        h.prefill.transport.send(h.vllm.address, block, timeout=600)     # the push, over gRPC
+        h.prefill.transport.blocks.send(h.vllm.address, block, timeout=600)     # the push, over gRPC
         rec["pushed"] = time.perf_counter()
         prefix = tuple(t for s in plan.steps for t in s.token_ids)
         for ev in h.vllm.generate(tid, prefix, plan.suffix_ids, SamplingParams(max_tokens=4),
@@ -192,7 +192,7 @@ def main() -> None:
 
         for mode in MODES:                                 # warm-up: one composed request per mode, alone
             b = fresh(args.arrivals)
-            h.prefill.transport.send(h.vllm.address, b, timeout=600)
+            h.prefill.transport.blocks.send(h.vllm.address, b, timeout=600)
             prefix = tuple(t for s in plans[-1].steps for t in s.token_ids)
             list(h.vllm.generate(b.header.transfer_id, prefix, plans[-1].suffix_ids, SamplingParams(max_tokens=2),
                                  salt=f"warm-{mode}-{uuid.uuid4().hex}", kv_load=mode))

@@ -204,8 +204,9 @@ class Endpoint:
             return 0.0, time.perf_counter() - t0
         if self.kind in ("grpc", "grpc-crc"):
             from kvruntime.messages.transfer import KVEndpoint
-            _, used, stages, fallbacks = self.s.send(KVEndpoint("grpc", address, "float32"), tid, MODEL, self.kv,
-                                                     credential=credential, timeout=120)
+            res = self.s.send(KVEndpoint("grpc", address, "float32"), tid, MODEL, self.kv,
+                              credential=credential, timeout=120)
+            used, stages, fallbacks = res.transport, res.stages, res.fallbacks
             if used != "grpc" or fallbacks:
                 raise RuntimeError(f"the Sender used {used!r} with fallbacks {fallbacks}")
             return stages["serialise"], time.perf_counter() - t0 - stages["serialise"]
@@ -213,7 +214,8 @@ class Endpoint:
             from kvruntime.messages.transfer import KVEndpoint
             staged = self.t.counters["staged_bytes"]
             ep = KVEndpoint("nixl", "127.0.0.1:9", "float32", nixl_agent=address)    # its metadata is loaded
-            _, used, stages, fallbacks = self.s.send(ep, tid, MODEL, self.kv, credential=credential, timeout=120)
+            res = self.s.send(ep, tid, MODEL, self.kv, credential=credential, timeout=120)
+            used, stages, fallbacks = res.transport, res.stages, res.fallbacks
             total = time.perf_counter() - t0
             if used != "nixl" or fallbacks:
                 raise RuntimeError(f"the Sender used {used!r} with fallbacks {fallbacks}")

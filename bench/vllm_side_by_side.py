@@ -60,6 +60,7 @@ class Harness:
         self.vllm = VllmDecodeExecutor(model, dtype=dtype, kv_cache_gib=3, max_model_len=8192, threads=threads)
         from kvruntime.engine import ReferenceEngine
         from kvruntime.fidelity.runner import _frame
+        from kvtransport.transfer.endpoints import BlockKVSender
         from kvtransport.transfer.grpc_transport import GrpcTransport
         from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
         from prefill_workers.executor import PrefillExecutor
@@ -68,7 +69,7 @@ class Harness:
         self.engine = ReferenceEngine(model, dtype=dtype, threads=threads)
         self.store = LMCacheStore.for_engine(self.engine, TierConfig(local_cpu_gb=1.5))
         self.source = PrefillTier(self.store, self.engine)
-        self.prefill = PrefillExecutor(self.engine, self.source, GrpcTransport())
+        self.prefill = PrefillExecutor(self.engine, self.source, BlockKVSender(GrpcTransport()))
         self.chunk_pos = 0 if self.engine.bos_id is None else 1
         self.model, self.pre, self.post = model, *_frame(self.engine)
         self._prefill_lock = threading.Lock()      # one prefill worker: plans execute one at a time

@@ -10,7 +10,9 @@ from cluster.control.planner import RenderedRequest, RenderedSegment, SessionCon
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.ops import precompile_chunk, recompute
+from kvtransport.transfer.endpoints import BlockKVSender
 from kvtransport.transfer.grpc_transport import GrpcTransport
+from kvtransport.transfer.interface import KVSender, SendResult, TransferError, TransferReceipt
 from prefill_workers.executor import PrefillExecutor
 from tests.conftest import DictSource
 
@@ -22,9 +24,10 @@ def wired(smol):
     rx = GrpcTransport(model=smol.spec.name)
     addr = rx.serve()
     src = DictSource(smol)
-    pre = PrefillExecutor(smol, src, GrpcTransport())
+    pre = PrefillExecutor(smol, src, BlockKVSender(GrpcTransport()))
     dec = DecodeExecutor(smol, rx, receive_timeout=5)
     yield smol, src, pre, dec, addr
+    pre.transport.stop()
     rx.stop()
 
 
@@ -139,7 +142,7 @@ def test_corrupted_block_is_recomputed_by_decode(wired):
     block = encode_block("bad-1", e.spec.name, kv)
     bad = dataclasses.replace(block, header=dataclasses.replace(block.header, checksum=block.header.checksum ^ 7))
     with pytest.raises(Exception):
-        pre.transport.send(addr, bad, timeout=5)
+        pre.transport.blocks.send(addr, bad, timeout=5)           # the block transport under the sender
     events = list(dec.generate("bad-1", prefix, plan.suffix_ids, SamplingParams(max_tokens=8)))
     summary = events[-1]
     assert isinstance(summary, DecodeSummary) and summary.fallbacks == ("kv_transfer_rejected",)
@@ -314,7 +317,7 @@ def test_the_worker_tier_counts_each_frame_variant_it_compiles(smol):
     from types import SimpleNamespace
     from prometheus_client import generate_latest
     from prefill_workers.metrics import worker_registry
-    from prefill_workers.tier import PrefillTier
+    from prefill_workers.tier_reads import PrefillTier
 
     class Store:                                     # PrefillTier needs put/contains; the collector stats
         def __init__(self):
@@ -508,29 +511,66 @@ def test_a_kv_buffer_is_written_left_to_right_and_refuses_to_overflow():
 
 
 @pytest.mark.slow
-def test_the_executor_and_compose_build_through_the_one_builder(wired, monkeypatch):
-    """What is calibrated is what is served: ``ops.compose`` (the fidelity harness, calibrate, the
-    demo, the benches) and the executor build a plan's KV through the same calls of
-    ``kvruntime.ops.build.Builder`` -- the same writes, in the same order, with the same seams --
-    so their KV is the same bytes, not kept equal by a parity test of two implementations."""
-    from kvruntime.ops import compose
-    from kvruntime.ops.build import Builder
+def test_one_executor_runs_two_builds_at_once_and_each_is_its_own(wired):
+    """The executor keeps no per-build state (each build is its own PlanBuild): two plans built
+    at the same time on one executor give exactly the KV and stats each gives alone."""
+    import threading
     e, src, _, _, _ = wired
-    plan, segs = _mixed_plan(e, src)
-    calls: list = []
-    for name in ("append", "reposition", "compute", "mark_seam", "flush"):
-        real = getattr(Builder, name)
+    pre = PrefillExecutor(e, src, None)
+    mixed, _ = _mixed_plan(e, src)
+    chunks = _chunk_plan(e, src)
+    alone = {p.steps[-1].source: pre.build(p) for p in (mixed, chunks)}
+    got, errors = {}, []
 
-        def spy(self, *a, _real=real, _name=name, **kw):
-            calls.append((_name, self.length, len(self.seams)))
-            return _real(self, *a, **kw)
-        monkeypatch.setattr(Builder, name, spy)
-    want = compose(e, segs, seam_tokens=1)
-    by_compose, calls[:] = list(calls), []
-    kv, _ = PrefillExecutor(e, src, None).build(plan)
-    # compose also flushes before a text with no seam pending (a no-op); every write and every
-    # repair is the same call at the same slot
-    real = [c for c in by_compose if c[0] != "flush" or c[2]]
-    assert real == [c for c in calls if c[0] != "flush" or c[2]]
-    assert [c[0] for c in real].count("flush") == 2 and [c[0] for c in real].count("reposition") == 5
-    assert torch.equal(kv.data, want.kv.data)
+    def run(plan):
+        try:
+            got[plan.steps[-1].source] = pre.build(plan)
+        except Exception as exc:                    # reported below: a thread's error would be lost
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(p,)) for p in (mixed, chunks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got.keys() == alone.keys()
+    for key, (kv, st) in alone.items():
+        kv2, st2 = got[key]
+        assert torch.equal(kv2.data, kv.data) and torch.equal(kv2.positions, kv.positions)
+        assert (st2.computed, st2.reused, st2.repositioned, st2.erratum, st2.fallbacks) == \
+            (st.computed, st.reused, st.repositioned, st.erratum, st.fallbacks)
+
+
+class _Recording(KVSender):
+    """A test double of the transfer interface: records what it was given, answers ``result``
+    or raises ``error``."""
+
+    def __init__(self, result=None, error=None):
+        self.result, self.error, self.sent = result, error, []
+
+    def send(self, to, transfer_id, model, kv, *, credential, timeout):
+        self.sent.append((to, transfer_id, model, kv.token_ids.tolist(), credential))
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@pytest.mark.slow
+def test_the_executor_ships_through_the_kvsender_interface_and_reports_its_result(wired):
+    """Any KVSender: the executor sends the built prefix (from ``send_from`` on) with the
+    transfer's credential and reports the sender's result as is (bytes, seconds, transport,
+    stages, fallbacks); a TransferError is a counted ``kv_transfer_<reason>``, not raised."""
+    e, src, _, _, _ = wired
+    chunks = _chunk_plan(e, src)
+    plan = dataclasses.replace(chunks, steps=chunks.steps[:1])                      # one exact reuse
+    ok = _Recording(SendResult(TransferReceipt("t1", 1234, 0.25), "nixl", {"serialise": 0.01, "transfer": 0.25},
+                               ("kv_transport_nixl_to_grpc",)))
+    res = PrefillExecutor(e, src, ok).execute(plan, "decode-0", "t1", credential="c", send_from=3)
+    assert ok.sent == [("decode-0", "t1", e.spec.name, list(plan.prefix_ids[3:]), "c")]
+    assert res.transferred and res.transport == "nixl" and (res.transfer_bytes, res.transfer_seconds) == (1234, 0.25)
+    assert res.stats.stages["transfer"] == 0.25 and res.stats.fallbacks == ["kv_transport_nixl_to_grpc"]
+    assert res.stats.not_sent == 3 and res.prefix_tokens == plan.prefix_tokens
+    bad = _Recording(error=TransferError("backpressure", "inbox full"))
+    res = PrefillExecutor(e, src, bad).execute(plan, "decode-0", "t2")
+    assert not res.transferred and res.transport == "" and res.stats.fallbacks == ["kv_transfer_backpressure"]
+    with pytest.raises(ValueError, match="KVSender"):
+        PrefillExecutor(e, src, None).execute(plan, "decode-0", "t3")

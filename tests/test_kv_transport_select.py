@@ -22,9 +22,9 @@ def _kv(tokens=24, dtype=torch.float32):
 def _ship(rx, tx, kv, tid, dtype="float32"):
     grant, cred = TransferGrant.issue(tid, "m", dtype, kv.token_ids.tolist())
     rx.expect(grant)
-    receipt, used, stages, fallbacks = tx.send(rx.endpoint, tid, "m", kv, credential=cred, timeout=10)
+    res = tx.send(rx.endpoint, tid, "m", kv, credential=cred, timeout=10)
     got = decode_block(rx.receive(tid, timeout=5), model="m")
-    return got, used, stages, fallbacks, receipt
+    return got, res.transport, res.stages, list(res.fallbacks), res.receipt
 
 
 def test_config_refuses_an_unknown_transport():
@@ -100,7 +100,8 @@ def test_a_nixl_peer_that_cannot_be_loaded_falls_back_to_grpc():
         kv = _kv()
         grant, cred = TransferGrant.issue("p1", "m", "float32", kv.token_ids.tolist())
         rx.expect(grant)
-        _, used, _, fallbacks = tx.send(ep, "p1", "m", kv, credential=cred, timeout=10)
+        res = tx.send(ep, "p1", "m", kv, credential=cred, timeout=10)
+        used, fallbacks = res.transport, list(res.fallbacks)
         assert used == "grpc" and fallbacks == ["kv_transport_nixl_to_grpc"]
         assert torch.equal(decode_block(rx.receive("p1", timeout=5), model="m").data, kv.data)
     finally:

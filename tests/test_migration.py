@@ -86,7 +86,9 @@ def test_a_prefill_cancelled_while_it_runs_stops_between_layers(smol, one_torch_
     from prefill_workers.executor import PrefillExecutor
     from tests.conftest import DictSource
 
-    class NoSend:
+    from kvtransport.transfer.interface import KVSender
+
+    class NoSend(KVSender):
         def send(self, *a, **kw):
             raise AssertionError("a cancelled plan sends nothing")
     ids = tuple(smol.tokenizer.encode(PROMPT * 4))

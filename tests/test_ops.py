@@ -4,9 +4,8 @@ import torch
 
 from kvruntime.errata import erratum_text
 from kvruntime.fidelity.metrics import kl_divergence
-from kvruntime.kv import KVCache
 from kvruntime.ops import (ChunkSegment, TextSegment, compose, edit_in_place, erratum, precompile_chunk,
-                           recompute, seam_repair, splice)
+                           recompute, seam_repair)
 
 DOC = ("Order 5512 for Lena Moreau. Delivery status: {status}. The parcel holds two ceramic vases "
        "and a linen tablecloth. Customers whose parcel is lost are refunded in full within a week; "
@@ -55,14 +54,6 @@ def test_batched_seam_repair_equals_chunk_by_chunk(smol):
         one_by_one = seam_repair(smol, one_by_one, [s], k=3)
     assert torch.allclose(batched.data, one_by_one.data, atol=1e-4)
     assert not torch.allclose(batched.data, comp.kv.data, atol=1e-3)
-
-
-def test_splice_rejects_out_of_order_parts():
-    a = KVCache(torch.zeros(1, 2, 1, 2, 4), torch.tensor([5, 6]), torch.tensor([1, 2]))
-    b = KVCache(torch.zeros(1, 2, 1, 2, 4), torch.tensor([0, 1]), torch.tensor([3, 4]))
-    with pytest.raises(ValueError):
-        splice([a, b])
-    assert splice([b, a]).positions.tolist() == [0, 1, 5, 6]
 
 
 @pytest.mark.slow

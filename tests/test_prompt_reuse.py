@@ -23,6 +23,7 @@ from decode_workers.held_kv import HeldPrefixes
 from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
 from kvruntime.messages.prefill import PrefillResult, PrefillStats
+from kvtransport.transfer.endpoints import BlockKVSender
 from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
 from prefill_workers.executor import PrefillExecutor
 from tests.conftest import DictSource, metric
@@ -64,7 +65,7 @@ class ReuseBackends(Backends):
         self.rx = GrpcTransport(GrpcTransportConfig(require_grant=True), model=engine.spec.name)
         self.addr = self.rx.serve()
         self.source = PieceSource(engine)
-        self.pre = PrefillExecutor(engine, self.source, GrpcTransport())
+        self.pre = PrefillExecutor(engine, self.source, BlockKVSender(GrpcTransport()))
         self.dec = DecodeExecutor(engine, self.rx, receive_timeout=10, held=HeldPrefixes(256 << 20))
         self.own: set[str] = set()
         self.calls: Counter = Counter()

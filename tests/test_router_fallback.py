@@ -16,6 +16,7 @@ from cluster.control.router import Router
 from cluster.control.router_sections import ModelSection
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import SamplingParams, TokenEvent
+from kvtransport.transfer.endpoints import BlockKVSender
 from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
 from prefill_workers.executor import PrefillExecutor
 from tests.conftest import DictSource
@@ -98,8 +99,8 @@ async def _complete(router, segments, policy):
 
 
 def test_wrong_checksum_is_rejected_and_request_completes_by_recompute(smol, tmp_path):
-    good, gb = _router(smol, GrpcTransport(), tmp_path)
-    bad, bb = _router(smol, CorruptingTransport(), tmp_path)
+    good, gb = _router(smol, BlockKVSender(GrpcTransport()), tmp_path)
+    bad, bb = _router(smol, BlockKVSender(CorruptingTransport()), tmp_path)
     try:
         segs = [{"text": "The lighthouse on Hallo Point was built in 1871. When was it built?"}]
         want, fin_ok = asyncio.run(_complete(good, segs, "exact"))
@@ -119,7 +120,7 @@ def test_a_fallback_is_labelled_with_what_executed(smol, tmp_path):
     """A planned reposition whose block is refused executes as a recompute: TTFT and the request
     are labelled recompute, with the fallback reason (an operator must not see a fast reposition)."""
     from tests.conftest import metric
-    router, b = _router(smol, CorruptingTransport(), tmp_path)
+    router, b = _router(smol, BlockKVSender(CorruptingTransport()), tmp_path)
     try:
         asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
         toks, fin = asyncio.run(_complete(router, LATE_SKILL, "fast"))
@@ -167,7 +168,7 @@ def test_a_block_that_travelled_over_grpc_instead_of_nixl_is_still_what_was_plan
 
 
 def test_an_evicted_chunk_is_listed_out_of_tier_counted_as_a_miss_and_rewarmed(smol, tmp_path):
-    router, b = _router(smol, GrpcTransport(), tmp_path)
+    router, b = _router(smol, BlockKVSender(GrpcTransport()), tmp_path)
     try:
         info = asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
         assert info["tokens"] > 5 and not info["cached"]
@@ -206,7 +207,7 @@ def test_the_default_policy_reuses_a_skill_after_the_frame_exactly_one_variant_p
     computes no prefix token; a variant the tier lost is compiled on first use (counted) and a
     tier hit after; the answer is the recompute's, token for token."""
     from kvruntime.ops import recompute
-    router, b = _router(smol, GrpcTransport(), tmp_path)
+    router, b = _router(smol, BlockKVSender(GrpcTransport()), tmp_path)
     try:
         info = asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
         assert info["frame_variant"]["cached"] is False

@@ -1,5 +1,8 @@
 """Composing a context from precompiled chunks: reposition, splice, seam repair.
 
+``compose`` walks its segments through :class:`~kvruntime.ops.interpret.Interpreter`, the one
+interpreter the prefill executor runs a plan's steps through as well.
+
 A chunk is precompiled after a *prefix* whose slots are then dropped: by default the model's
 BOS token alone (the anchor), so the chunk's slots sit at positions 1..n. (Without the anchor the
 chunk's first token becomes an attention sink and, on Gemma-3, the splice fails outright.) Compiled after the prefix it will actually follow (the chat frame,
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvruntime.kv import KVCache
+from kvruntime.ops.interpret import Interpreter, SeamRule, exactly_after
 from kvruntime.ops.slots import reposition, seam_repair, write_slots  # noqa: F401 (re-exported)
 
 
@@ -40,14 +44,6 @@ def naive_splice(chunk: KVCache, start: int) -> KVCache:
                    chunk.token_ids)
 
 
-def splice(parts: list[KVCache]) -> KVCache:
-    """Concatenate caches whose positions continue one another. Cost: one copy."""
-    out = KVCache.cat(parts)
-    if not out.is_position_ordered():
-        raise ValueError("spliced parts must have strictly increasing positions")
-    return out
-
-
 @dataclass(frozen=True)
 class TextSegment:
     token_ids: list[int]     # computed in context (prefill against everything before it)
@@ -60,15 +56,9 @@ class ChunkSegment:
 
     def follows(self, context: KVCache) -> bool:
         """True if ``context`` is exactly the prefix this chunk was compiled after (same tokens
-        at positions 0..m-1) and the chunk starts at m: its KV is then exact where it stands."""
-        p = self.prefix
-        if p is None or context.num_tokens != len(p) or int(self.kv.positions[0]) != len(p):
-            return False
-        if not p:
-            return True
-        pos = torch.arange(len(p), device=context.positions.device)
-        return (torch.equal(context.token_ids.cpu(), torch.tensor(p, dtype=context.token_ids.dtype))
-                and torch.equal(context.positions, pos))
+        at positions 0..m-1) and the chunk starts at m: its KV is then exact where it stands
+        (:func:`~kvruntime.ops.interpret.exactly_after`, the executor's check too)."""
+        return self.prefix is not None and exactly_after(context, self.prefix, int(self.kv.positions[0]))
 
 
 @dataclass(frozen=True)
@@ -96,49 +86,25 @@ def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: 
     context) lets several ratios share one probe. A chunk whose ``prefix`` is exactly the context
     before it (see :meth:`ChunkSegment.follows`) is exact reuse: no rotation, seam or recompute."""
     from kvruntime.ops.blend import blend_count
-    from kvruntime.ops.build import Builder
     blend_count(recompute_ratio, 0)  # validates the ratio
     total = sum(len(s.token_ids) if isinstance(s, TextSegment) else s.kv.num_tokens for s in segments
                 if isinstance(s, (TextSegment, ChunkSegment)))
-    b = Builder(engine, total)
-    logits = None
-    computed = reused = probed = 0
-    starts: list[int] = []
-
-    def flush(text: list[int] | None = None) -> None:
-        nonlocal computed, reused, probed
-        n_seams = len({i for s in b.seams for i in range(s, min(s + seam_tokens, b.length))})
-        res = b.flush(seam_tokens, recompute_ratio, probe, text, probe_cache)
-        if res is not None and recompute_ratio > 0:
-            extra = len(res.recomputed_slots) - n_seams
-            computed, reused, probed = computed + extra, reused - extra, probed + res.probed_tokens
+    run = Interpreter(engine, total, probe_cache=probe_cache)      # the executor's interpreter too
+    rule = SeamRule(seam_tokens, recompute_ratio, probe)
+    logits, starts = None, []
     for seg in segments:
         if isinstance(seg, TextSegment):
-            if not seg.token_ids:
-                continue
-            flush(seg.token_ids)                     # text must see repaired seams
-            logits = b.compute(seg.token_ids, logits=True)
-            computed += len(seg.token_ids)
-        elif isinstance(seg, ChunkSegment) and not b.seams and seg.follows(b.kv):
-            starts.append(b.length)                  # compiled after exactly this context: exact reuse
-            b.append(seg.kv)
-            reused += seg.kv.num_tokens
+            if seg.token_ids:
+                logits = run.text(seg.token_ids, logits=True)      # after the pending seams' repair
+        elif isinstance(seg, ChunkSegment) and seg.prefix is not None \
+                and run.follows(seg.prefix, int(seg.kv.positions[0])):
+            starts.append(run.length)                             # compiled after exactly this context
+            run.splice(seg.kv)
             logits = None
         elif isinstance(seg, ChunkSegment):
-            chunk = seg.kv
-            starts.append(b.length)
-            if seam_tokens > 0 or recompute_ratio > 0:
-                b.mark_seam()
-            if rotate:
-                b.reposition(chunk, b.cursor - int(chunk.positions[0]))
-            else:
-                b.append(naive_splice(chunk, b.cursor))
-            k = min(seam_tokens, chunk.num_tokens)
-            computed += k
-            reused += chunk.num_tokens - k
+            starts.append(run.chunk(seg.kv, rule, rotate=rotate))
             logits = None
         else:
             raise TypeError(f"unknown segment type {type(seg).__name__}")
-    flush()
-    kv = b.kv
-    return ComposeResult(kv, logits, computed, reused, starts, probed)
+    kv, t = run.finish(), run.tally
+    return ComposeResult(kv, logits, t.computed, t.reused + t.repositioned, starts, run.probed)

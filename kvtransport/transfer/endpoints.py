@@ -7,14 +7,17 @@ sends with, picked by config ``kv_transport: auto | nixl | grpc``.
   (or all interfaces) and advertises the node's address, so senders on other nodes reach it.
   Its :attr:`Receiver.endpoint` (a :class:`~kvruntime.messages.transfer.KVEndpoint`, NIXL agent
   metadata included) travels to prefill workers through the Ray actors.
-- :class:`Sender` (prefill side): encodes the block in the decode engine's dtype, with the
-  transfer's credential in its header, and sends it; over gRPC streamed
-  (``GrpcTransport.send_kv``: CRC-32C'd chunk by chunk, or unchecked to a decode worker on the
+- :class:`Sender` (prefill side, the shipped
+  :class:`~kvtransport.transfer.interface.KVSender`): encodes the block in the decode engine's
+  dtype, with the transfer's credential in its header, and sends it, returning a ``SendResult``;
+  over gRPC streamed (``GrpcTransport.send_kv``: CRC-32C'd chunk by chunk, or unchecked to a decode worker on the
   same host under ``checksum: auto``); over NIXL pipelined
   (``NixlTransport.send_kv``: the receiver READs the pieces already in registered memory while
   the next is prepared). KV the prefill built in the sender's registered pool (:meth:`Sender.alloc`,
   used when :meth:`Sender.builds_into_pool` says so) is sent without a copy; other KV is copied,
   cast to the wire dtype in the same pass, into the pool piece by piece.
+- :class:`BlockKVSender`: a ``KVSender`` over one block transport (``GrpcTransport``,
+  ``NixlTransport``) to an address, for tests and benches that run one transport alone.
 
 ``auto`` = NIXL where it imports and starts, else gRPC; ``nixl`` = NIXL or refuse to start.
 A fall back from NIXL to gRPC (NIXL unavailable at start, or a peer NIXL cannot reach) is
@@ -28,13 +31,14 @@ import time
 
 import torch
 
+from kvruntime.config.choices import TransportKind
 from kvruntime.kv import KVCache
 from kvruntime.messages.transfer import KVEndpoint, TransferGrant
 from kvruntime.telemetry import log_fallback_once
-from kvtransport.transfer.blocks import DTYPES, KVBlock, block_header, wire_header
+from kvtransport.transfer.blocks import DTYPES, KVBlock, block_header, encode_block, wire_header
 from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransport.transfer.inbox import Inbox, InboxStats
-from kvtransport.transfer.interface import KVReceiver, TransferError, TransferReceipt
+from kvtransport.transfer.interface import BlockSender, KVReceiver, KVSender, SendResult, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +63,9 @@ class Receiver(KVReceiver):
     """The decode worker's side. ``bind``: interface address for the gRPC server (``0.0.0.0`` =
     all); ``advertise``: the address senders use (the node's address as Ray reports it)."""
 
-    def __init__(self, kind: str, model: str, dtype: str, *, bind: str = "0.0.0.0", advertise: str = "127.0.0.1",
+    def __init__(self, kind: TransportKind, model: str, dtype: str, *, bind: str = "0.0.0.0", advertise: str = "127.0.0.1",
                  node_id: str = "", grpc_cfg: GrpcTransportConfig | None = None, nixl_cfg=None):
-        if kind not in ("auto", "nixl", "grpc"):
-            raise ValueError(f"kv_transport must be auto, nixl or grpc, got {kind!r}")
+        kind = TransportKind.of(kind)
         gcfg = grpc_cfg or GrpcTransportConfig(require_grant=True)
         self.inbox = Inbox(gcfg.inbox_bytes, gcfg.max_block_bytes, gcfg.unclaimed_ttl_s,
                            require_grant=gcfg.require_grant)
@@ -93,13 +96,11 @@ class Receiver(KVReceiver):
             self.nixl.stop()
 
 
-class Sender:
+class Sender(KVSender):
     """The prefill worker's side: one gRPC client and (``auto``/``nixl``) one NIXL agent."""
 
-    def __init__(self, kind: str, nixl_cfg=None, grpc_cfg: GrpcTransportConfig | None = None):
-        if kind not in ("auto", "nixl", "grpc"):
-            raise ValueError(f"kv_transport must be auto, nixl or grpc, got {kind!r}")
-        self.kind = kind
+    def __init__(self, kind: TransportKind, nixl_cfg=None, grpc_cfg: GrpcTransportConfig | None = None):
+        self.kind = kind = TransportKind.of(kind)
         self.grpc = GrpcTransport(grpc_cfg or GrpcTransportConfig())
         self.nixl, self.fallback = None, None
         if kind != "grpc":
@@ -115,26 +116,23 @@ class Sender:
                               ep.nixl_agent, exc)
             return None
 
-    def send(self, ep: KVEndpoint, transfer_id: str, model: str, kv: KVCache, *, credential: str,
-             timeout: float) -> tuple[TransferReceipt, str, dict[str, float], list[str]]:
-        """Encode ``kv`` in ``ep.dtype`` and push it. Returns the receipt, the transport that
-        carried it, stage seconds (``serialise``, ``transfer``) and fallback reasons taken.
+    def send(self, to: KVEndpoint, transfer_id: str, model: str, kv: KVCache, *, credential: str,
+             timeout: float) -> SendResult:
+        """Encode ``kv`` in ``to.dtype`` and push it: over NIXL when both ends run it, else (or
+        when NIXL cannot reach the peer) over gRPC, the fall back in the result's ``fallbacks``.
         Raises :class:`TransferError` when the block did not arrive."""
+        if not isinstance(to, KVEndpoint):
+            raise TypeError(f"a Sender sends to a KVEndpoint, got {type(to).__name__}")
         fallbacks: list[str] = []
         peer = None
         if self.kind != "grpc":
-            if ep.transport != "nixl" or self.nixl is None:
+            if to.transport != "nixl" or self.nixl is None:
                 fallbacks.append("kv_transport_nixl_unavailable")   # this sender or that receiver runs gRPC only
-            elif (peer := self._nixl_peer(ep)) is None:
+            elif (peer := self._nixl_peer(to)) is None:
                 fallbacks.append("kv_transport_nixl_to_grpc")
         if peer is not None and kv.num_tokens:
-            t = time.perf_counter()
-            header = wire_header(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
-            stages = {"serialise": time.perf_counter() - t}
-            try:    # zero copy if kv.data lives in the NIXL pool, else copied (+ cast) into it, overlapping the READ
-                receipt = self.nixl.send_kv(peer, header, kv.data, timeout=timeout)
-                stages["transfer"] = receipt.seconds
-                return receipt, "nixl", stages, fallbacks
+            try:
+                return self._send_nixl(peer, to, transfer_id, model, kv, credential, timeout, fallbacks)
             except TransferError as exc:
                 if exc.reason not in _NIXL_RETRY_OVER_GRPC:
                     raise
@@ -142,20 +140,30 @@ class Sender:
                                   peer, exc)
                 fallbacks.append("kv_transport_nixl_to_grpc")
         t = time.perf_counter()
-        header, payload = block_header(transfer_id, model, kv, dtype=ep.dtype, credential=credential)
+        header, payload = block_header(transfer_id, model, kv, dtype=to.dtype, credential=credential)
         stages = {"serialise": time.perf_counter() - t}
-        receipt = self.grpc.send_kv(ep.grpc_address, header, payload, timeout=timeout)
+        receipt = self.grpc.send_kv(to.grpc_address, header, payload, timeout=timeout)
         if receipt.fallback:                  # e.g. the receiver wanted a checksum the same-host send skipped
             fallbacks.append(receipt.fallback)
         stages["transfer"] = receipt.seconds
-        return receipt, "grpc", stages, fallbacks
+        return SendResult(receipt, "grpc", stages, tuple(fallbacks))
 
-    def builds_into_pool(self, ep: KVEndpoint, dtype: torch.dtype) -> bool:
-        """Whether KV of ``dtype`` for ``ep`` should be assembled in :meth:`alloc` memory: NIXL on
+    def _send_nixl(self, peer: str, to: KVEndpoint, transfer_id: str, model: str, kv: KVCache, credential: str,
+                   timeout: float, fallbacks: list[str]) -> SendResult:
+        t = time.perf_counter()
+        header = wire_header(transfer_id, model, kv, dtype=to.dtype, credential=credential)
+        stages = {"serialise": time.perf_counter() - t}
+        # zero copy if kv.data lives in the NIXL pool, else copied (+ cast) into it, overlapping the READ
+        receipt = self.nixl.send_kv(peer, header, kv.data, timeout=timeout)
+        stages["transfer"] = receipt.seconds
+        return SendResult(receipt, "nixl", stages, tuple(fallbacks))
+
+    def builds_into_pool(self, to: KVEndpoint, dtype: torch.dtype) -> bool:
+        """Whether KV of ``dtype`` for ``to`` should be assembled in :meth:`alloc` memory: NIXL on
         both ends, ``build_into_pool`` on, and ``dtype`` already the wire dtype (else the send
         casts into the pool anyway, in one pass)."""
-        return (self.nixl is not None and self.nixl.cfg.build_into_pool and ep.transport == "nixl"
-                and bool(ep.nixl_agent) and DTYPES.get(ep.dtype) == dtype)
+        return (isinstance(to, KVEndpoint) and self.nixl is not None and self.nixl.cfg.build_into_pool
+                and to.transport == "nixl" and bool(to.nixl_agent) and DTYPES.get(to.dtype) == dtype)
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised CPU tensor in the NIXL registered pool: KV built there is sent without
@@ -169,3 +177,25 @@ class Sender:
         self.grpc.stop()
         if self.nixl is not None:
             self.nixl.stop()
+
+
+class BlockKVSender(KVSender):
+    """Ships the KV as one block (``encode_block``: the KV's own dtype, CRC-32C) through one
+    block transport (a :class:`~kvtransport.transfer.interface.BlockSender`: ``GrpcTransport``,
+    ``NixlTransport``) to an address: tests and benches that run one transport without the
+    cluster's endpoints. ``to``: a :class:`KVEndpoint` (its ``grpc_address``) or an address."""
+
+    def __init__(self, blocks: BlockSender):
+        self.blocks = blocks
+
+    def send(self, to, transfer_id: str, model: str, kv: KVCache, *, credential: str, timeout: float) -> SendResult:
+        address = to.grpc_address if isinstance(to, KVEndpoint) else str(to)
+        t = time.perf_counter()
+        block = encode_block(transfer_id, model, kv, credential=credential)
+        stages = {"serialise": time.perf_counter() - t}
+        receipt = self.blocks.send(address, block, timeout=timeout)
+        stages["transfer"] = receipt.seconds
+        return SendResult(receipt, self.blocks.kind, stages, (receipt.fallback,) if receipt.fallback else ())
+
+    def stop(self) -> None:
+        self.blocks.stop()
