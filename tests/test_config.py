@@ -128,3 +128,12 @@ def test_one_tier_and_shadow_section_in_bytes_with_the_tier_flat_keys():
         ClusterConfig.of(tier_local_cpu=False)
     with pytest.raises(ValueError, match="shadow_opt_out_tenants must be a list"):
         ClusterConfig.of(shadow_opt_out_tenants="private")
+
+
+def test_serve_refuses_a_tier_piece_size_the_prompt_index_does_not_use():
+    from cluster.control.prompt_index import PROMPT_BLOCK
+    from cluster.ops.launcher import check_prompt_block
+    check_prompt_block(ClusterConfig())                            # the default: the tier's pieces are the index's block
+    assert ClusterConfig().tier.chunk_size == PROMPT_BLOCK
+    with pytest.raises(ValueError, match=f"tier_chunk_size 128 is not supported.*every {PROMPT_BLOCK} tokens"):
+        check_prompt_block(ClusterConfig.of(tier_chunk_size=128))

@@ -73,6 +73,17 @@ def check_model(cfg: ClusterConfig):
     return get_model_spec(cfg.workers.model)
 
 
+def check_prompt_block(cfg: ClusterConfig) -> None:
+    """``tier_chunk_size`` must be the prompt index's block (``cluster.control.prompt_index.PROMPT_BLOCK``):
+    a stored prompt serves the prefixes that end on a tier piece boundary, and the index records
+    prefixes at its own block's multiples, so any other piece size would plan reuse the tier cannot
+    serve. ValueError of one line before anything starts (the index does not read the size yet)."""
+    from cluster.control.prompt_index import PROMPT_BLOCK
+    if cfg.tier.chunk_size != PROMPT_BLOCK:
+        raise ValueError(f"tier_chunk_size {cfg.tier.chunk_size} is not supported: the prompt index records "
+                         f"prefixes every {PROMPT_BLOCK} tokens, so the tier's pieces must be {PROMPT_BLOCK} tokens")
+
+
 def calibration_line(cfg: ClusterConfig, spec) -> str:
     """One line: which fidelity profile the planner reads for this model, or that there is none."""
     from kvruntime.fidelity.profiles import calibration_line as line, find_profile
@@ -88,6 +99,7 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
 
     check(cfg)               # kv_grpc / kv_nixl: a bad key fails here, not inside every actor
     check_model(cfg)         # a refused architecture fails here in one line, before Ray starts
+    check_prompt_block(cfg)  # the tier's piece size is the prompt index's block
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     if not ray.is_initialized():
         if cfg.ray.address:
