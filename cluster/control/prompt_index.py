@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # Plain-prompt prefix reuse granularity (tokens). Equal to the tier's LMCache piece size
-# (kvtransport.tier.store_config.TierConfig.chunk_size): a stored prompt serves every prefix of it that
-# ends on a piece boundary, so the index records exactly those boundaries (and the whole prefix).
+# (kvruntime.config.tier.TierConfig.chunk_size; `kvnotes serve` refuses another): a stored prompt
+# serves every prefix of it that ends on a piece boundary, so the index records exactly those
+# boundaries (and the whole prefix).
 PROMPT_BLOCK = 256
 
 
