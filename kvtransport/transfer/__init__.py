@@ -1,7 +1,7 @@
 """kvtransport.transfer: the prefill -> decode transfer, one block per request.
 
-Who calls it: the prefill worker sends with a :class:`~kvtransport.transfer.endpoints.Sender`
-(``prefill_workers.actor`` / ``executor``); the decode worker receives on a
+Who calls it: the prefill worker sends with a :class:`~kvtransport.transfer.endpoints.Sender`,
+the shipped :class:`~kvtransport.transfer.interface.KVSender` (``prefill_workers.actor`` / ``executor``); the decode worker receives on a
 :class:`~kvtransport.transfer.endpoints.Receiver` and decodes blocks (``decode_workers.actor``,
 ``executor``, ``vllm_connector``); the launcher checks the transport options
 (``cluster.ops.launcher``). What crosses it: a :class:`~kvtransport.transfer.blocks.KVBlock`
@@ -13,8 +13,10 @@ What it calls: gRPC and NIXL/UCX (imported lazily). It never imports ``kvtranspo
 - ``blocks``: ``KVBlock`` (header + one contiguous payload), the one codec (zero-copy encode and
   decode, CRC-32C via libcrc32c; ``encode_block(into=...lease)`` encodes into registered memory).
   The wire format of this box only, so it lives here.
-- ``seam``: the roles, ``KVSender`` (``send``) and ``KVReceiver`` (``receive``), and
-  ``KVTransport`` (both: gRPC and NIXL); transfer states, ``TransferError``, ``TransferReceipt``.
+- ``interface``: the roles: ``KVSender`` (what the prefill executor ships with: ``send(to,
+  transfer_id, model, kv)`` -> ``SendResult``), ``BlockSender`` (``send(address, block)``) and
+  ``KVReceiver`` (``receive``), ``KVTransport`` (both block roles: gRPC and NIXL); transfer
+  states, ``TransferError``, ``TransferReceipt``.
 - ``inbox``: the bounded ``Inbox`` (only router-granted transfers with their credential when
   ``require_grant``; duplicate ids refused, expiry counted) and its ``InboxStats``.
 - ``buffer_pool``: the ``BufferPool`` arena receivers lease from (warm, optionally huge pages).
@@ -28,8 +30,9 @@ What it calls: gRPC and NIXL/UCX (imported lazily). It never imports ``kvtranspo
   ``nixl_wire`` holds the notifications, ``nixl_read`` the receiving READ loop.
 - ``endpoints``: the chosen transport (``kv_transport: auto | nixl | grpc``) at both ends: the
   decode side's ``Receiver`` (a ``KVReceiver``: one granted inbox fed by NIXL and gRPC, bound to
-  the node's address) and the prefill side's ``Sender`` (engine dtype on the wire, credential in
-  the header, fallback to gRPC reported, ``alloc``: registered memory to build the shipped KV in).
+  the node's address) and the prefill side's ``Sender`` (a ``KVSender``: engine dtype on the wire,
+  credential in the header, fallback to gRPC reported, ``alloc``: registered memory to build the
+  shipped KV in); ``BlockKVSender``, a ``KVSender`` over one block transport (tests, benches).
 - ``options``: the cluster config's ``kv_grpc`` / ``kv_nixl`` mappings checked and turned into
   the transports' typed configs.
 """
