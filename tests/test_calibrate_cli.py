@@ -107,3 +107,33 @@ def test_device_cuda_without_a_gpu_is_one_line_error(monkeypatch, capsys, tmp_pa
     assert rc == 2 and "--device must be cpu or cuda" in capsys.readouterr().err
     rc = main(["calibrate", "--model", "smollm2-135m", "--budget", "0.05", "--cases", "3", "--out", str(tmp_path)])
     assert rc == 2 and "--budget picks the case counts" in capsys.readouterr().err
+
+
+def test_edits_only_adds_the_answer_level_edit_rows_to_an_existing_profile(tiny_checkpoints, tmp_path, capfd):
+    """``--edits-only``: the planned edit operations (and the stale baseline) measured on the edit
+    cases, judged against a recompute, written as section ``edit_answers`` into the model's
+    profile, every other section kept; the verdicts balanced will apply are printed. No profile to
+    add to: a one-line error."""
+    from cluster.ops.cli import main
+    from kvruntime.fidelity.profiles import profile_path
+    from kvruntime.models import get_model_spec
+    ckpt = tiny_checkpoints["llama3"]
+    out = tmp_path / "profiles"
+    argv = ["calibrate", "--model", str(ckpt), "--edits-only", "--cases", "3", "--out", str(out), "--threads", "1",
+            "--run-dir", str(tmp_path / "run"), "--no-progress"]
+    assert main(argv) == 2 and "--edits-only adds to a profile" in capfd.readouterr().err
+    path = profile_path(get_model_spec(str(ckpt)), out)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"meta": {"model": "tiny"}, "compose_answers": {"ops": {"x": {"n": 1}}}}))
+    assert main(argv) == 0
+    printed = capfd.readouterr().out
+    assert "edit_in_place under balanced: recomputed" in printed and "only 3 cases measured" in printed
+    prof = json.loads(path.read_text())
+    assert prof["compose_answers"] == {"ops": {"x": {"n": 1}}} and prof["meta"] == {"model": "tiny"}
+    sec = prof["edit_answers"]
+    assert set(sec["ops"]) == {"stale (no fix)", "field + top-16", "erratum: correction"}
+    row = sec["ops"]["field + top-16"]
+    assert row["n"] == 3 and row["params"] == {"edit": "edit_in_place", "top_k": 16}
+    assert row["answered"] + row["decision_n"] == 3          # each case judged: a lookup answer or a yes/no decision
+    assert 0.0 <= row["top1"] <= 1.0 and len(row["top1_ci"]) == 2 and row["ms_recompute"] > 0
+    assert sec["meta"]["cases"]["lookup"] + sec["meta"]["cases"]["derived"] == 3

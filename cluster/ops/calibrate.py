@@ -343,7 +343,7 @@ def _print_edit_verdicts(summary: dict, target: FidelityTarget, model: str, stre
 
 def calibrate_edits(model: str, *, cases: int | None = None, out: str | None = None, dtype: str = "float32",
                     device: str = "cpu", threads: int | None = None, target: FidelityTarget | None = None,
-                    command: str = "", stream=sys.stdout, run_dir: str | None = None, progress: bool = True) -> dict:
+                    command: str = "", stream=None, run_dir: str | None = None, progress: bool = True) -> dict:
     """``kvnotes calibrate --edits-only``: measure only the field edits the planner plans (and the
     stale baseline), judged against a recompute (``run_edit(reference=True)``), and write the
     section ``edit_answers`` into the model's existing profile (the other sections are kept).
@@ -357,7 +357,7 @@ def calibrate_edits(model: str, *, cases: int | None = None, out: str | None = N
     check_device(device)
     if cases is not None and cases <= 0:
         raise ValueError("--cases must be a positive number of cases")
-    target = target or FidelityTarget.answers()
+    target, stream = target or FidelityTarget.answers(), stream or sys.stdout
     spec = get_model_spec(model)
     path = profile_path(spec, out)
     summary = load_summary(path.stem, path.parent)

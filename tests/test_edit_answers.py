@@ -1,0 +1,46 @@
+"""The answer-level edit rows (``kvruntime.fidelity.edit_answers``) from ``run_edit`` rows: counts,
+intervals and the paired accuracy-drop bound, on hand-made rows (no model)."""
+import math
+
+import pytest
+
+from kvruntime.fidelity.edit_answers import edit_answers_section
+from kvruntime.fidelity.method_stats import newcombe_paired_upper
+from kvruntime.fidelity.runner import REFERENCE_OP, edit_answers_of
+from kvruntime.fidelity.cases import load_edit_cases
+
+
+def row(case, kind, top1, **kw):
+    return {"case": case, "kind": kind, "top1": top1, "greedy_exact": top1, "kl": 0.01, "recomputed_tokens": 40,
+            "context_tokens": 300, "seconds": 0.5, **kw}
+
+
+def test_each_shipped_edit_case_is_judged_by_its_answer_or_its_decision():
+    cases = load_edit_cases()
+    judged = [edit_answers_of(c) for c in cases]
+    assert all(bool(a) != yes_no for a, yes_no in judged)      # exactly one way per case
+    assert sum(1 for a, _ in judged if a) >= 30 and sum(1 for _, y in judged if y) >= 20   # the target's power
+    lookup = next(c for c in cases if c.kind == "lookup")
+    assert edit_answers_of(lookup) == ((lookup.new,), False)
+
+
+def test_the_section_pairs_answers_with_recompute_and_counts_informative_cases():
+    ref, op = [], []
+    for i in range(10):                            # lookups: recompute right on 8, the op loses one of them
+        ref.append(row(f"l{i}", "lookup", 1.0, answer_ok=float(i < 8)))
+        op.append(row(f"l{i}", "lookup", 1.0 if i else 0.0, answer_ok=float(1 <= i < 8)))
+    for i in range(6):                             # yes/no: the op agrees on 5
+        ref.append(row(f"d{i}", "derived", 1.0, decision="yes", decision_agree=1.0))
+        op.append(row(f"d{i}", "derived", 1.0, decision="yes", decision_agree=float(i < 5)))
+    informative = {r["case"]: r["case"] in ("l0", "l1", "d5") for r in ref}
+    sec = edit_answers_section({REFERENCE_OP: ref, "field + top-16": op}, informative, {"model": "m"})
+    r = sec["ops"]["field + top-16"]
+    assert r["n"] == 16 and r["top1_k"] == 15 and r["answered"] == 10 and r["lost"] == 1 and r["gained"] == 0
+    assert r["accuracy"] == pytest.approx(0.7) and r["accuracy_recompute"] == pytest.approx(0.8)
+    assert r["drop_bound"] == pytest.approx(newcombe_paired_upper(7, 1, 0, 2))
+    assert r["decision_n"] == 6 and r["decision_k"] == 5 and r["decision_ci"][0] < 5 / 6 < r["decision_ci"][1]
+    assert r["informative_n"] == 3 and r["informative_top1_k"] == 2 and r["params"]["edit"] == "edit_in_place"
+    assert sec["meta"]["cases"] == {"lookup": 10, "derived": 6, "informative": 3}
+    assert not math.isnan(r["ms_per_request"])
+    with pytest.raises(ValueError, match="reference=True"):
+        edit_answers_section({"field + top-16": op}, informative, {})
