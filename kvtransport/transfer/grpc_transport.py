@@ -48,7 +48,8 @@ from kvtransport.transfer.grpc_codec import CrcChain, Opening, Trailer, ack, blo
 from kvtransport.transfer.proto import kvtransfer_pb2 as pb
 from kvtransport.transfer.same_host import address_host, is_local_host, peer_host
 from kvtransport.transfer.buffer_pool import BufferPool
-from kvtransport.transfer.inbox import Inbox, InboxStats
+from kvtransport.transfer.inbox import MAX_TRANSFER_ID, Inbox, InboxStats, shown_id
+from kvtransport.transfer.stream_watch import HeaderWatch
 from kvtransport.transfer.interface import KVTransport, TransferError, TransferReceipt, TransferState
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,20 @@ class GrpcTransportConfig:
     # "auto": no CRC-32C for a same-host peer (send_kv sends such blocks unchecked; the receiver
     # takes unchecked blocks only from its own host); "always": every block is CRC-checked
     checksum: str = "auto"
+    # a stream must send its header within this many seconds, at most this many streams of one host (and
+    # of all hosts) wait for theirs; the server runs workers + max_waiting_streams threads
+    # (kvtransport.transfer.stream_watch: idle streams cannot hold the inbox)
+    first_message_timeout_s: float = 2.0
+    max_waiting_streams_per_peer: int = 4
+    max_waiting_streams: int = 32
+    # TLS (across hosts): the server presents tls_cert_file / tls_key_file; senders verify it against
+    # tls_ca_file (tls_server_name: the name the certificate carries, when not the dialled host), and
+    # with tls_client_auth the server requires the senders' certificate too (the same files on every actor)
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    tls_server_name: str = ""
+    tls_client_auth: bool = True
 
     def __post_init__(self):
         if self.checksum not in ("auto", "always"):
@@ -105,6 +120,39 @@ class GrpcTransportConfig:
             raise ValueError("http2_max_frame_bytes must be 0 (default) or in [16384, 16777215] (HTTP/2 limits)")
         if self.tcp_read_chunk_bytes < 0 or self.http2_lookahead_bytes < 0:
             raise ValueError("tcp_read_chunk_bytes and http2_lookahead_bytes must be >= 0 (0: gRPC's default)")
+        if self.first_message_timeout_s <= 0 or not 1 <= self.max_waiting_streams_per_peer <= self.max_waiting_streams:
+            raise ValueError("first_message_timeout_s must be > 0 and 1 <= max_waiting_streams_per_peer <= "
+                             "max_waiting_streams")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file) or (self.tls_cert_file and not self.tls_ca_file):
+            raise ValueError("TLS needs tls_cert_file, tls_key_file and tls_ca_file together (or none of them)")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
+
+    def _read(self, name: str) -> bytes:
+        from pathlib import Path
+        path = getattr(self, name)
+        try:
+            return Path(path).expanduser().read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{name}: cannot read {path}: {exc.strerror or exc}") from None
+
+    def server_credentials(self):
+        """gRPC server credentials for TLS (None: plain)."""
+        if not self.tls:
+            return None
+        return grpc.ssl_server_credentials([(self._read("tls_key_file"), self._read("tls_cert_file"))],
+                                           root_certificates=self._read("tls_ca_file"),
+                                           require_client_auth=self.tls_client_auth)
+
+    def channel_credentials(self):
+        """gRPC channel credentials for TLS (None: plain): the CA, and this actor's own certificate."""
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=self._read("tls_ca_file"),
+                                            private_key=self._read("tls_key_file"),
+                                            certificate_chain=self._read("tls_cert_file"))
 
     def channel_options(self) -> list[tuple[str, int]]:
         """gRPC channel/server arguments for this config (both ends use them)."""
@@ -145,10 +193,24 @@ def tune_malloc(keep_bytes: int) -> bool:
 class _Servicer(grpc.GenericRpcHandler):
     """The Push handler on raw bytes (see grpc_codec). Mutates the inbox and the pool."""
 
-    def __init__(self, inbox: Inbox, pool: BufferPool | None, model: str | None, crc_pool, checksum: str = "auto"):
+    def __init__(self, inbox: Inbox, pool: BufferPool | None, model: str | None, crc_pool, checksum: str = "auto",
+                 watch: HeaderWatch | None = None):
         self.inbox, self.pool, self.model, self.crc_pool, self.checksum = inbox, pool, model, crc_pool, checksum
+        self.watch = watch
         self.pool_misses = 0
         self._lock = threading.Lock()
+
+    def _first(self, request_iterator, context):
+        """The stream's first message, or None (it ended, or the watch cancelled it: no header in
+        time, or one stream too many of its host waiting)."""
+        token = self.watch.enter(peer_host(context.peer()) or context.peer(), context) if self.watch else None
+        try:
+            return next(request_iterator, None)
+        except Exception:              # cancelled (grpc.RpcError): counted by the watch
+            return None
+        finally:
+            if token is not None:
+                self.watch.leave(token)
 
     def service(self, details):
         if details.method != PUSH_METHOD:
@@ -169,25 +231,32 @@ class _Servicer(grpc.GenericRpcHandler):
         return view
 
     def push(self, request_iterator, context):
-        first = next(request_iterator, None)
-        opening = parse_message(first) if first is not None else None
+        first = self._first(request_iterator, context)
+        try:
+            opening = parse_message(first) if first is not None else None
+        except ValueError:
+            opening = None
         if not isinstance(opening, Opening):
             return ack("", False, "stream must start with a header")
         header, checksum_last, unchecked = opening
         tid = header.transfer_id
+        if len(tid) > MAX_TRANSFER_ID:            # before anything logs it or echoes it back
+            self.inbox.refuse(tid, "bad_transfer_id", f"transfer id of {len(tid)} characters from {context.peer()}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"[bad_transfer_id] transfer id {shown_id(tid)} is longer than {MAX_TRANSFER_ID} characters")
         if unchecked and not self._takes_unchecked(context.peer()):
             msg = (f"block without a checksum from {context.peer()}: this receiver takes unchecked blocks only from "
                    f"its own host under checksum policy 'auto' (its policy: {self.checksum!r})")
             self.inbox.refuse(tid, "checksum_required", msg)       # before begin: the grant stays for the retry
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"[checksum_required] {msg}")
         try:
-            self.inbox.begin(tid, header.payload_bytes, header)
+            self.inbox.begin(tid, header.payload_bytes, header, peer=context.peer())
         except TransferError as exc:
             context.abort(_CODES.get(exc.reason, grpc.StatusCode.FAILED_PRECONDITION), f"[{exc.reason}] {exc}")
         try:
             header.check(model=self.model)
         except BlockError as exc:
-            log.warning("rejected KV block %s before its payload: %s", tid, exc)
+            log.warning("rejected KV block %s before its payload: %s", shown_id(tid), exc)
             self.inbox.finish(tid, None, str(exc))
             return ack(tid, False, str(exc))
         got, error, claimed = 0, "", None if checksum_last else header.checksum
@@ -222,7 +291,7 @@ class _Servicer(grpc.GenericRpcHandler):
         if not error and not unchecked and crc != claimed:
             error = f"checksum mismatch: header {claimed:#010x}, payload {crc:#010x}"
         if error:
-            log.warning("rejected KV block %s: %s", tid, error)
+            log.warning("rejected KV block %s: %s", shown_id(tid), error)
             self.inbox.finish(tid, None, error)
             return ack(tid, False, error, got)
         if checksum_last:
@@ -248,6 +317,7 @@ class GrpcTransport(KVTransport):
         self._inbox = inbox or Inbox(cfg.inbox_bytes, cfg.max_block_bytes, cfg.unclaimed_ttl_s,
                                      require_grant=cfg.require_grant)
         self._servicer: _Servicer | None = None
+        self._watch: HeaderWatch | None = None
         self._server: grpc.Server | None = None
         self._channels: dict[str, grpc.Channel] = {}
         self._checked_addresses: set[str] = set()       # receivers that refused an unchecked block
@@ -264,10 +334,16 @@ class GrpcTransport(KVTransport):
         (``0.0.0.0``: all interfaces); returns the ``advertise:port`` address senders use
         (``advertise`` defaults to ``host``). Raises RuntimeError if it cannot be bound."""
         pool = BufferPool(self.cfg.pool_bytes) if self.cfg.pool_bytes else None
-        self._servicer = _Servicer(self._inbox, pool, self.model, self._crc_pool, self.cfg.checksum)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.workers), options=self._options())
+        c = self.cfg
+        self._watch = HeaderWatch(c.first_message_timeout_s, c.max_waiting_streams_per_peer, c.max_waiting_streams)
+        self._servicer = _Servicer(self._inbox, pool, self.model, self._crc_pool, c.checksum, self._watch)
+        threads = c.workers + c.max_waiting_streams        # streams waiting for a header never starve pushes
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-inbox"),
+                             options=self._options(), maximum_concurrent_rpcs=threads)
         server.add_generic_rpc_handlers((self._servicer,))
-        self.port = server.add_insecure_port(f"{host}:{port}")
+        creds = c.server_credentials()
+        where = f"{host}:{port}"
+        self.port = server.add_secure_port(where, creds) if creds is not None else server.add_insecure_port(where)
         if not self.port:
             raise RuntimeError(f"could not bind the KV transfer server to {host}:{port}")
         server.start()
@@ -279,6 +355,9 @@ class GrpcTransport(KVTransport):
         if self._server is not None:
             self._server.stop(grace).wait()
             self._server = None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         with self._lock:
             for ch in self._channels.values():
                 ch.close()
@@ -290,7 +369,14 @@ class GrpcTransport(KVTransport):
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address, options=self._options())
+                creds, opts = self.cfg.channel_credentials(), self._options()
+                if creds is None:
+                    ch = grpc.insecure_channel(address, options=opts)
+                else:
+                    name = self.cfg.tls_server_name
+                    ch = grpc.secure_channel(address, creds, options=opts + (
+                        [("grpc.ssl_target_name_override", name)] if name else []))
+                self._channels[address] = ch
         return ch.stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString)
 
     def send(self, address: str, block: KVBlock, *, timeout: float = 30.0) -> TransferReceipt:
@@ -358,6 +444,14 @@ class GrpcTransport(KVTransport):
 
     def state(self, transfer_id: str) -> TransferState:
         return self._inbox.state(transfer_id)
+
+    def waiting_streams(self) -> int:
+        """Streams open on the server that have not sent their header yet."""
+        return self._watch.waiting() if self._watch is not None else 0
+
+    def cancelled_streams(self) -> dict:
+        """Streams the server cancelled before their header, by reason (``no_header``, ``stream_limit``)."""
+        return dict(self._watch.cancelled) if self._watch is not None else {}
 
     def stats(self) -> InboxStats:
         """Inbox accounting (held bytes, expiries, refusals by reason). Reads only."""

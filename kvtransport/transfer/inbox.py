@@ -19,6 +19,19 @@ from kvtransport.transfer.interface import TransferError, TransferState
 
 log = logging.getLogger(__name__)
 
+MAX_TRANSFER_ID = 256        # characters; the router's ids are far shorter (request id + suffix)
+
+
+def shown_id(tid) -> str:
+    """A transfer id as logs and error texts show it: itself when short and printable, else its
+    first 32 characters, its length and a digest (a peer's 8 MiB id never reaches a log whole)."""
+    if isinstance(tid, str) and len(tid) <= 64 and tid.isprintable():
+        return tid
+    import hashlib
+    raw = tid if isinstance(tid, (bytes, bytearray)) else str(tid).encode(errors="replace")
+    head = raw[:32].decode(errors="replace") if isinstance(tid, (bytes, bytearray)) else str(tid)[:32]
+    return f"{head!r}... ({len(tid)} chars, sha256 {hashlib.sha256(raw).hexdigest()[:12]})"
+
 
 @dataclass(frozen=True)
 class InboxStats:
@@ -64,6 +77,7 @@ class Inbox:
         self._held = 0
         self._expired = self._rejected = self._unchecked = 0
         self._refused: collections.Counter[str] = collections.Counter()
+        self._owner: dict[str, str] = {}                                      # tid -> the peer that began it
 
     def expect(self, grant: TransferGrant) -> None:
         """Announce a transfer (the router, before the sender pushes). Raises ``ValueError`` for
@@ -84,32 +98,37 @@ class Inbox:
     def _check_grant(self, tid: str, header: KVBlockHeader | None) -> tuple[str, str] | None:
         entry = self._grants.get(tid)
         if entry is None:
-            return "unknown_transfer", f"transfer {tid} was not announced to this receiver"
+            return "unknown_transfer", f"transfer {shown_id(tid)} was not announced to this receiver"
         if header is None:
-            return "unknown_transfer", f"transfer {tid}: no header to check against its grant"
+            return "unknown_transfer", f"transfer {shown_id(tid)}: no header to check against its grant"
         return entry[0].mismatch(credential=header.credential, model=header.model, dtype=header.dtype,
                                  positions=header.positions, token_ids=header.token_ids)
 
-    def begin(self, tid: str, nbytes: int, header: KVBlockHeader | None = None) -> None:
+    def begin(self, tid: str, nbytes: int, header: KVBlockHeader | None = None, *, peer: str | None = None) -> None:
         """Reserve ``nbytes`` for ``tid`` (state TRANSFERRING) or raise :class:`TransferError`
-        (``too_large``, ``duplicate``, ``backpressure``, or a grant reason, see the class)
-        without reserving anything. ``header``: the block's header (checked against the grant)."""
+        (``bad_transfer_id``, ``too_large``, ``duplicate``, ``backpressure``, or a grant reason,
+        see the class) without reserving anything. ``header``: the block's header (checked against
+        the grant); ``peer``: who pushes it (only that peer may :meth:`abort` it)."""
         with self._cv:
             self._expire()
             reason, msg = None, ""
-            if nbytes > self.max_block:
+            if not isinstance(tid, str) or not 0 < len(tid) <= MAX_TRANSFER_ID:
+                reason, msg = "bad_transfer_id", f"transfer id {shown_id(tid)} is not 1-{MAX_TRANSFER_ID} characters"
+            elif nbytes > self.max_block:
                 reason, msg = "too_large", f"block of {nbytes} bytes exceeds max_block_bytes {self.max_block}"
             elif tid in self._state or tid in self._claimed:
-                reason, msg = "duplicate", f"transfer id {tid} was already pushed to this receiver"
+                reason, msg = "duplicate", f"transfer id {shown_id(tid)} was already pushed to this receiver"
             elif self.require_grant and (bad := self._check_grant(tid, header)) is not None:
                 reason, msg = bad
             elif self._held + nbytes > self.capacity:
                 reason, msg = "backpressure", f"inbox full ({self._held} of {self.capacity} bytes held)"
             if reason is not None:
                 self._refused[reason] += 1
-                log.warning("refused KV transfer %s: %s", tid, msg)
+                log.warning("refused KV transfer %s: %s", shown_id(tid), msg)
                 raise TransferError(reason, msg)
             self._grants.pop(tid, None)
+            if peer is not None:
+                self._owner[tid] = peer
             self._held += nbytes
             self._state[tid] = (TransferState.TRANSFERRING, "", nbytes, time.monotonic())
 
@@ -120,7 +139,7 @@ class Inbox:
         with self._cv:
             state = self._state.get(tid)
             if state is None or state[0] is not TransferState.TRANSFERRING:
-                log.warning("finish of KV transfer %s that is not in flight (%s) ignored", tid, state)
+                log.warning("finish of KV transfer %s that is not in flight (%s) ignored", shown_id(tid), state)
                 return
             if block is None:
                 self._held -= state[2]
@@ -132,17 +151,28 @@ class Inbox:
                 self._state[tid] = (TransferState.DONE, "", state[2], time.monotonic())
             self._cv.notify_all()
 
-    def abort(self, tid: str, error: str) -> None:
-        """Drop ``tid`` in any state but claimed (a sender's cancel): ABORTED, bytes released."""
+    def abort(self, tid: str, error: str, *, peer: str | None = None) -> bool:
+        """Drop ``tid`` in any state but claimed (a sender's cancel): ABORTED, bytes released.
+        ``peer``: who asks; only the peer that began ``tid`` may (anyone else's cancel is refused,
+        counted as ``foreign_cancel``, logged with the id bounded). Returns whether it was dropped."""
         with self._cv:
             state = self._state.get(tid)
-            if state is None or state[0] in (TransferState.FAILED, TransferState.ABORTED):
-                return
+            if state is None:
+                return False                         # nothing begun under this id: nothing to cancel
+            if peer is not None and self._owner.get(tid) != peer:
+                self._refused["foreign_cancel"] += 1
+                log.warning("ignored a cancel of KV transfer %s from %s: not a transfer that peer pushes",
+                            shown_id(tid), peer)
+                return False
+            if state[0] in (TransferState.FAILED, TransferState.ABORTED):
+                return False
             self._held -= state[2]
             self._blocks.pop(tid, None)
             self._rejected += 1
             self._state[tid] = (TransferState.ABORTED, error, 0, time.monotonic())
+            self._owner.pop(tid, None)
             self._cv.notify_all()
+            return True
 
     def claim(self, tid: str, timeout: float) -> KVBlock:
         """Wait up to ``timeout`` s for ``tid``; return its block and forget it (releasing its
@@ -170,7 +200,7 @@ class Inbox:
         ``checksum_required``); nothing is reserved and the grant stays for a proper retry."""
         with self._cv:
             self._refused[reason] += 1
-        log.warning("refused KV transfer %s: %s", tid, msg)
+        log.warning("refused KV transfer %s: %s", shown_id(tid), msg)
 
     def state(self, tid: str) -> TransferState:
         with self._cv:
@@ -184,6 +214,7 @@ class Inbox:
                               self._rejected, len(self._grants), self._grants_expired, self._unchecked)
 
     def _remember_claim(self, tid: str) -> None:
+        self._owner.pop(tid, None)
         self._claimed[tid] = None
         while len(self._claimed) > self._remember:
             self._claimed.popitem(last=False)
@@ -204,6 +235,6 @@ class Inbox:
                 self._state[tid] = (TransferState.ABORTED, "expired unclaimed", 0, now)
                 log.warning("dropped unclaimed KV block %s (%d bytes) after %.0f s", tid, nbytes, self.ttl)
             elif state in (TransferState.FAILED, TransferState.ABORTED):
-                del self._state[tid]                 # nobody claimed the failure: forget it
+                del self._state[tid]                 # nobody claimed the failure: forget it (and its owner)
                 self._remember_claim(tid)
 

@@ -53,7 +53,7 @@ from kvtransport.transfer.nixl_read import NixlReader
 from kvtransport.transfer.nixl_send import NixlSender, _Outgoing
 from kvtransport.transfer.nixl_wire import AVAIL, CANCEL, OFFER, PULLED, REPLY, STREAM, Avail, Offer, Reply
 from kvtransport.transfer.buffer_pool import BufferPool
-from kvtransport.transfer.inbox import Inbox
+from kvtransport.transfer.inbox import MAX_TRANSFER_ID, Inbox, shown_id
 from kvtransport.transfer.interface import KVTransport, TransferError, TransferState
 
 log = logging.getLogger(__name__)
@@ -243,15 +243,16 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
             if out is None:                                        # PULLED may trail the REPLY: harmless
                 if reply is not None:
                     self.counters["late_reply"] += 1
-                    log.info("NIXL reply for closed transfer %s from %s: %s", tid, peer, reply)
+                    log.info("NIXL reply for closed transfer %s from %s", shown_id(tid), peer)
                 return
             out.staging = None                                     # pulled (or refused): staging is free
             if reply is not None:
                 out.reply = reply
                 out.done.set()
-        elif kind == CANCEL:
-            self._avail.pop(body.decode(), None)
-            self._inbox.abort(body.decode(), f"cancelled by sender {peer}")
+        elif kind == CANCEL:                   # only the peer that pushes a transfer may cancel it
+            tid = body.decode(errors="replace")
+            if self._inbox.abort(tid, f"cancelled by sender {peer}", peer=peer):
+                self._avail.pop(tid, None)
         else:
             self.counters["bad_notification"] += 1
             log.warning("unknown NIXL notification %r from %s dropped", msg[:16], peer)
@@ -263,12 +264,12 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
                 self.add_peer(peer, offer.metadata)
             except Exception as exc:  # cannot pull nor answer without its metadata; the sender times out
                 self.counters["unknown_peer"] += 1
-                log.warning("NIXL offer %s from %s without usable metadata dropped: %s", tid, peer, exc)
+                log.warning("NIXL offer %s from %s without usable metadata dropped: %s", shown_id(tid), peer, exc)
                 return
         try:
-            self._inbox.begin(tid, h.payload_bytes, h)
+            self._inbox.begin(tid, h.payload_bytes, h, peer=peer)
         except TransferError as exc:
-            return self._notify(peer, Reply(tid, False, exc.reason, str(exc)))
+            return self._notify(peer, Reply(tid[:MAX_TRANSFER_ID], False, exc.reason, str(exc)))
         try:
             h.check(model=self.model, payload_bytes=offer.nbytes)
         except BlockError as exc:
@@ -297,7 +298,7 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
         self._notify(peer, Reply(tid, True))
 
     def _fail(self, peer: str, tid: str, reason: str, error: str) -> None:
-        log.warning("rejected NIXL KV block %s from %s: %s", tid, peer, error)
+        log.warning("rejected NIXL KV block %s from %s: %s", shown_id(tid), peer, error)
         self._avail.pop(tid, None)
         self._inbox.finish(tid, None, error)
         self._notify(peer, Reply(tid, False, reason, error))
