@@ -115,7 +115,7 @@ class Systems:
         # 1. the cluster
         from kvruntime.config import ClusterConfig
         from cluster.ops.launcher import start
-        self.cfg = ClusterConfig.of(port=_port(), model=model, dtype=dtype, decode_engine="vllm", vllm_kv_cache_gib=kv_gib,
+        self.cfg = ClusterConfig.of(port=_port(), model=model, dtype=dtype, decode_engine="vllm", vllm_kv_cache_bytes=kv_gib << 30,
                                  vllm_max_model_len=8192, tier_cpu_bytes=int(tier_gib * 2**30), shadow_fraction=0.0,
                                  data_dir=str(workdir / "state"))
         with contextlib.redirect_stdout(sys.stderr):     # the throwaway API key's banner: not into the table

@@ -77,7 +77,7 @@ class VllmEngineConfig:
         w = cfg.workers
         return cls(model=w.model, dtype=w.dtype, device=device,
                    load_failure_policy=cfg.transport.kv_load_failure_policy,
-                   receive_timeout_s=cfg.transport.transfer_timeout_s, kv_cache_gib=w.vllm_kv_cache_gib,
+                   receive_timeout_s=cfg.transport.transfer_timeout_s, kv_cache_gib=w.vllm_kv_cache_bytes / 2**30,
                    max_model_len=w.vllm_max_model_len, threads=w.decode.threads, kv_load=w.vllm_kv_load,
                    load_threads=w.vllm_kv_load_threads)
 

@@ -137,3 +137,11 @@ def test_serve_refuses_a_tier_piece_size_the_prompt_index_does_not_use():
     assert ClusterConfig().tier.chunk_size == PROMPT_BLOCK
     with pytest.raises(ValueError, match=f"tier_chunk_size 128 is not supported.*every {PROMPT_BLOCK} tokens"):
         check_prompt_block(ClusterConfig.of(tier_chunk_size=128))
+
+
+def test_the_vllm_kv_space_is_in_bytes_and_the_old_gib_key_says_what_replaced_it():
+    assert ClusterConfig.of(vllm_kv_cache_bytes=2 << 30).workers.vllm_kv_cache_bytes == 2 << 30
+    with pytest.raises(ValueError, match="vllm_kv_cache_bytes must be an integer"):
+        ClusterConfig.of(vllm_kv_cache_bytes=1.5)
+    with pytest.raises(ValueError, match="unknown config key.*vllm_kv_cache_gib is now vllm_kv_cache_bytes"):
+        ClusterConfig.of(vllm_kv_cache_gib=4)

@@ -15,7 +15,7 @@ def _vllm_cluster(tmp_path_factory):
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
 
     cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=128 << 20, decode_engine="vllm",
-                           vllm_kv_cache_gib=1, vllm_max_model_len=4096, data_dir=str(tmp_path_factory.mktemp("state")))
+                           vllm_kv_cache_bytes=1 << 30, vllm_max_model_len=4096, data_dir=str(tmp_path_factory.mktemp("state")))
     start(cfg, local_cpus=4)
     try:
         yield cfg

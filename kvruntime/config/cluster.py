@@ -49,6 +49,10 @@ _RENAMED = {
 }
 
 
+# keys an older config file may still carry -> what replaced them (named in the unknown-key error)
+_RETIRED = {"vllm_kv_cache_gib": "vllm_kv_cache_bytes (bytes, e.g. 4294967296 for 4 GiB)"}
+
+
 def _flat_keys() -> dict[str, tuple[str, str]]:
     renamed = {v: k for k, v in _RENAMED.items()}
     out = {}
@@ -123,7 +127,8 @@ class ClusterConfig:
             raise ValueError("a config must be a mapping")
         unknown = sorted(k for k in d if k not in FLAT_KEYS and k not in SECTIONS)
         if unknown:
-            raise ValueError(f"unknown config key(s): {', '.join(map(str, unknown))}")
+            hints = "".join(f"; {k} is now {_RETIRED[k]}" for k in unknown if k in _RETIRED)
+            raise ValueError(f"unknown config key(s): {', '.join(map(str, unknown))}{hints}")
         base = base or ClusterConfig()
         per: dict[str, dict] = {s: {} for s in SECTIONS}
         origin: dict[tuple[str, str], str] = {}

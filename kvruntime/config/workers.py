@@ -42,7 +42,7 @@ class WorkersConfig:
     decode_engine: DecodeEngineKind = DecodeEngineKind.REFERENCE  # reference (torch oracle) | vllm (vLLM v1 + kvnotes KV connector)
     grammar_cache_entries: int = 64            # structured outputs: compiled grammars a decode worker keeps (LRU)
     decode_prefix_cache_bytes: int = 256 << 20  # engine=reference: prefix KV a decode actor keeps (LRU) so it is not sent twice; 0 = off
-    vllm_kv_cache_gib: float = 1.0             # engine=vllm: paged KV space per decode actor (GiB; CPU: VLLM_CPU_KVCACHE_SPACE)
+    vllm_kv_cache_bytes: int = 1 << 30         # engine=vllm: paged KV space per decode actor (CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB)
     vllm_max_model_len: int = 8192             # engine=vllm: longest prompt + completion (tokens)
     vllm_max_concurrency: int = 16             # engine=vllm: requests one decode actor accepts at once (batched by vLLM)
     vllm_kv_load: KVLoadMode = KVLoadMode.ASYNC  # engine=vllm: async (running streams keep decoding while a block loads) | sync
@@ -69,8 +69,10 @@ class WorkersConfig:
             raise ValueError("grammar_cache_entries must be an integer >= 1")
         if not isinstance(self.decode_prefix_cache_bytes, int) or self.decode_prefix_cache_bytes < 0:
             raise ValueError("decode_prefix_cache_bytes must be an integer >= 0 (0 = off)")
-        if self.vllm_kv_cache_gib <= 0 or self.vllm_max_model_len < 16 or self.vllm_max_concurrency < 1:
-            raise ValueError("vllm_kv_cache_gib > 0, vllm_max_model_len >= 16 and vllm_max_concurrency >= 1 required")
+        if not isinstance(self.vllm_kv_cache_bytes, int) or self.vllm_kv_cache_bytes < 1 << 20:
+            raise ValueError(f"vllm_kv_cache_bytes must be an integer >= 1 MiB (1048576), got {self.vllm_kv_cache_bytes!r}")
+        if self.vllm_max_model_len < 16 or self.vllm_max_concurrency < 1:
+            raise ValueError("vllm_max_model_len >= 16 and vllm_max_concurrency >= 1 required")
         object.__setattr__(self, "vllm_kv_load", KVLoadMode.of(self.vllm_kv_load))
         if not isinstance(self.vllm_kv_load_threads, int) or self.vllm_kv_load_threads < 1:
             raise ValueError("vllm_kv_load_threads must be an integer >= 1")
