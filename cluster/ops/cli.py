@@ -9,6 +9,7 @@ import sys
 
 
 def _parser() -> argparse.ArgumentParser:
+    from kvruntime.config.choices import DecodeEngineKind   # enum only: --help stays instant
     p = argparse.ArgumentParser(prog="kvnotes", description="KV cache as notes: compose and edit.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -21,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="the embedded default: local Ray, CPU, default model, router on 127.0.0.1:8000")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--model", default="smollm2-135m")
-    r.add_argument("--decode-engine", default="reference", choices=["reference", "vllm"],
+    r.add_argument("--decode-engine", default="reference", choices=[m.value for m in DecodeEngineKind],
                    help="decode actors run the reference engine or vLLM (kvnotes KV connector)")
 
     s = sub.add_parser("serve", help="start a cluster from a config file (YAML or JSON)")
