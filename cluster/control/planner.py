@@ -1,11 +1,23 @@
 """The planner: a pure function (no Ray, no I/O) from a rendered request, a snapshot of what
 the tier holds, the session's last context and the policy to a frozen :class:`RequestPlan`.
 
-Rules (per segment, left to right; docs/architecture.md walks a request through them):
+Rules (whole-context reuse first, :func:`_reuse_first`; then per segment, left to right;
+docs/architecture.md walks a request through them):
+- the longest exact prefix first, under every policy: a session's exact context unchanged, else the
+  whole context held exactly in the tier (a session's too, before any edit of its context), else
+  (per segment) the longest exact prefix held (the prompt index) when it covers more than the frame
+  variant; then the rest by the rules below
 - session context unchanged                    -> reuse it whole (an ``exact`` request only if that
   context KV is exact; a context whose template was re-registered is planned from scratch)
-- session context with edited template fields  -> erratum or edit-in-place (policy ``fast``;
-  which one comes from the model's fidelity table, see :func:`choose_edit_kind`)
+- session context with edited template fields  -> erratum or edit-in-place: ``fast`` always;
+  ``balanced`` only an operation whose answer-level row in the profile (section ``edit_answers``)
+  meets the answer target (``PlannerConfig.balanced_edits``), else recomputed with the row cited;
+  ``exact`` never. Which one: the caller's ``edit_strategy``, else the model's fidelity table
+  (:func:`choose_edit_kind`)
+- a prompt equal to a held one except one span (``TierView.held_edit``, from prompt matching) ->
+  edit-in-place of the held KV where the policy allows it (same rule), the erratum only when the
+  request asks for it, else the exact prefix before the divergence + recompute
+  (:mod:`cluster.control.edit_plan`)
 - chat frame + the skill / memory right after it -> one exact reuse step from position 0 of the
   tier entry holding both (:func:`frame_variant`: frame + chunk compiled together, ``KVRef.prefix``
   = (), nothing before them), under every policy: no rotation, no seam, no frame forward pass; the
@@ -18,7 +30,7 @@ Rules (per segment, left to right; docs/architecture.md walks a request through 
   answers, section ``compose_answers``; ``fast`` by next-token rows when ``fast_min_top1`` is set);
   none meets it, or no profile: recompute. One the tier no longer holds is re-warmed first (compiled at its canonical
   position and stored back)
-- plain prompt with a cached prefix            -> reuse the prefix (any policy)
+- plain prompt with a cached prefix            -> reuse the prefix (any policy; the first rule)
 - everything else                              -> recompute
 - nothing reusable at all, no session to store, and a decode engine that computes prompts
   itself (vLLM: ``PlannerConfig.decode_computes_cold``) -> no prefix step: the whole prompt goes
