@@ -31,6 +31,9 @@ __all__ = ["KVSource", "PrefillExecutor"]
 
 
 class PrefillExecutor:
+    #: the per-build class (one instance per build, dropped with it); a subclass changes how steps run
+    build_type: type[PlanBuild] = PlanBuild
+
     def __init__(self, engine, source: KVSource, transport: KVSender | None, *,
                  load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE,
                  transfer_timeout: float = 30.0, prefetch: int = 1):
@@ -62,8 +65,8 @@ class PrefillExecutor:
     def _build(self, plan: RequestPlan, alloc=None, cancelled=None) -> Built:
         if plan.model != self.engine.spec.name:
             raise ValueError(f"plan is for model {plan.model!r}, this worker runs {self.engine.spec.name!r}")
-        return PlanBuild(self.engine, self.source, plan, policy=self.policy, prefetch=self.prefetch, alloc=alloc,
-                         cancelled=cancelled).build()
+        return self.build_type(self.engine, self.source, plan, policy=self.policy, prefetch=self.prefetch,
+                               alloc=alloc, cancelled=cancelled).build()
 
     def shadow(self, plan: RequestPlan, greedy_n: int = 16) -> ShadowResult:
         """Online shadow check, off the request's critical path: build the prefix as planned, then

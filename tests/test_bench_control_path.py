@@ -113,11 +113,12 @@ def test_a_composed_request_records_its_laps_and_its_chunks_last_use(smol, tmp_p
     times; the registrations' last use written off the request's path, and a failed write counted
     while the request is answered."""
     from cluster.control.state import StateStoreUnavailable
+    from kvtransport.transfer.endpoints import BlockKVSender
     from kvtransport.transfer.grpc_transport import GrpcTransport
     from tests.conftest import metric
     from tests.test_router_fallback import LATE_SKILL, _complete, _router
 
-    router, b = _router(smol, GrpcTransport(), tmp_path)
+    router, b = _router(smol, BlockKVSender(GrpcTransport()), tmp_path)
 
     async def timed():
         CLOCK.set(StageClock())

@@ -245,8 +245,9 @@ def _with(**kw):
 ])
 def test_router_counts_a_bad_block_as_a_fallback_and_completes(smol, tmp_path, change, reason):
     from tests.test_router_fallback import _complete, _router
-    good, gb = _router(smol, GrpcTransport(), tmp_path)
-    bad, bb = _router(smol, _Tampering(change), tmp_path)
+    from kvtransport.transfer.endpoints import BlockKVSender
+    good, gb = _router(smol, BlockKVSender(GrpcTransport()), tmp_path)
+    bad, bb = _router(smol, BlockKVSender(_Tampering(change)), tmp_path)
     try:
         segs = [{"text": "The lighthouse on Hallo Point was built in 1871. When was it built?"}]
         want, fin_ok = asyncio.run(_complete(good, segs, "exact"))

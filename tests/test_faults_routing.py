@@ -12,6 +12,7 @@ from cluster.control.errors import RequestError
 from cluster.control.metrics import Metrics
 from cluster.control.routing import NoLiveWorker, WorkerLost, WorkerView
 from kvruntime.messages.decode import SamplingParams, TokenEvent
+from kvtransport.transfer.endpoints import BlockKVSender
 from kvtransport.transfer.grpc_transport import GrpcTransport
 from tests.conftest import metric
 from tests.test_router_fallback import LocalBackends, make_router
@@ -55,7 +56,7 @@ class FlakyBackends(LocalBackends):
     """Two decode 'workers' over one real executor; ``lose`` says which one dies and when."""
 
     def __init__(self, engine, lose: dict[int, int], slow_s: float = 0.0):
-        super().__init__(engine, GrpcTransport())
+        super().__init__(engine, BlockKVSender(GrpcTransport()))
         self.num_decode = 2
         self.lose, self.slow_s, self.cancelled, self.calls, self.continuations = lose, slow_s, [], [], []
         self.view = WorkerView(1, 2)
@@ -118,7 +119,7 @@ class PrefillLostBackends(LocalBackends):
     """Two prefill 'workers' over one real executor; prefill-0 dies on its first call."""
 
     def __init__(self, engine):
-        super().__init__(engine, GrpcTransport())
+        super().__init__(engine, BlockKVSender(GrpcTransport()))
         self.num_prefill, self.view, self.prefill_calls = 2, WorkerView(2, 1), []
 
     async def prefill(self, index, plan, decode_index, transfer_id, store_as, *, credential, send_from=0):

@@ -244,28 +244,33 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
     from cluster.control.router import Router
     from cluster.control.router_sections import ModelSection, PolicySection
     from cluster.control.state import open_state
+    from kvtransport.transfer.endpoints import BlockKVSender
     from kvtransport.transfer.grpc_transport import GrpcTransport
     from prefill_workers.executor import PrefillExecutor
+    from prefill_workers.steps import PlanBuild
     from tests.test_router_fallback import LocalBackends
 
-    class DriftingExecutor(PrefillExecutor):
+    class DriftingBuild(PlanBuild):
         """Executes plans as planned, but the r = 0 operation corrupts the chunk's values: the
         drift a shadow check must catch (other operations are executed faithfully)."""
 
-        def _step(self, kv, step, st):
-            out = super()._step(kv, step, st)
+        def _step(self, step, last):
+            super()._step(step, last)
             if step.kind is PlanKind.REPOSITION and step.recompute_ratio == 0:
+                out = self.run.kv                        # views of the build's buffer
                 g = torch.Generator().manual_seed(0)
                 noise = torch.randn(out.data[:, 1, :, -step.tokens:].shape, generator=g) * 4
                 out.data[:, 1, :, -step.tokens:] += noise.to(out.data.dtype)
-            return out
+
+    class DriftingExecutor(PrefillExecutor):
+        build_type = DriftingBuild
 
     class Backends(LocalBackends):
         async def shadow(self, index, plan):
             return self.pre.shadow(plan)
 
-    b = Backends(smol, GrpcTransport())
-    b.pre = DriftingExecutor(smol, b.source, GrpcTransport())
+    b = Backends(smol, BlockKVSender(GrpcTransport()))
+    b.pre = DriftingExecutor(smol, b.source, BlockKVSender(GrpcTransport()))
     state = open_state(f"sqlite:///{tmp_path}/state.db")
     router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state,
                     ModelSection("m", "float32"), metrics=Metrics(),
@@ -315,6 +320,7 @@ def _router(smol, tmp_path, executor_cls):
     from cluster.control.router import Router
     from cluster.control.router_sections import ModelSection, PolicySection
     from cluster.control.state import open_state
+    from kvtransport.transfer.endpoints import BlockKVSender
     from kvtransport.transfer.grpc_transport import GrpcTransport
     from tests.test_router_fallback import LocalBackends
 
@@ -322,8 +328,8 @@ def _router(smol, tmp_path, executor_cls):
         async def shadow(self, index, plan):
             return self.pre.shadow(plan)
 
-    b = Backends(smol, GrpcTransport())
-    b.pre = executor_cls(smol, b.source, GrpcTransport())
+    b = Backends(smol, BlockKVSender(GrpcTransport()))
+    b.pre = executor_cls(smol, b.source, BlockKVSender(GrpcTransport()))
     state = open_state(f"sqlite:///{tmp_path}/state.db")
     router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state,
                     ModelSection("m", "float32"), metrics=Metrics(),
@@ -380,17 +386,21 @@ def test_a_broken_frame_variant_is_counted_as_an_exactness_bug(smol, tmp_path, c
     import torch
 
     from prefill_workers.executor import PrefillExecutor
+    from prefill_workers.steps import PlanBuild
 
-    class BrokenVariant(PrefillExecutor):
+    class BrokenBuild(PlanBuild):
         """Splices the frame variant with corrupted values: what an exactness bug (a wrong key, a
         stale variant) would serve. Everything else runs as planned."""
 
-        def _frame_reuse(self, kv, step, loaded, st):
-            out = super()._frame_reuse(kv, step, loaded, st)
+        def _frame_reuse(self, step, loaded, last):
+            super()._frame_reuse(step, loaded, last)
+            out = self.run.kv
             g = torch.Generator().manual_seed(0)
             noise = torch.randn(out.data[:, 1, :, -step.tokens:].shape, generator=g) * 4
             out.data[:, 1, :, -step.tokens:] += noise.to(out.data.dtype)
-            return out
+
+    class BrokenVariant(PrefillExecutor):
+        build_type = BrokenBuild
 
     b, router = _router(smol, tmp_path, BrokenVariant)
 
