@@ -184,7 +184,7 @@ class Authenticator:
             self.unknown_keys.labels("cached").inc()
             raise RequestError(401, "unknown or revoked API key", code="invalid_api_key")
         addr = self.forwarding.client(peer, xff)
-        wait = self._buckets.wait(addr)                 # only unknown keys spend: a valid one never waits
+        wait = self._buckets.wait(addr)                 # only unknown keys spend tokens; an address out of them waits
         if wait > 0:
             self.unknown_keys.labels("rate_limited").inc()
             raise RequestError(429, "too many unknown API keys from this address; retry later",
