@@ -262,6 +262,11 @@ def test_redact_url_hides_only_the_password():
         "rediss://kvnotes:***@h:6380/1?ssl_ca_certs=/ca.pem"
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
     assert redact_url("sqlite:////var/x.db") == "sqlite:////var/x.db"
+    # every URL form: a query or fragment parameter named like a secret, an '@' in the password, a bad port
+    assert redact_url("redis://h:6379/0?password=sekrit&db=1") == "redis://h:6379/0?password=***&db=1"
+    assert redact_url("rediss://h/0?ssl_ca_certs=/c.pem&Token=t0k#auth=x") == "rediss://h/0?ssl_ca_certs=/c.pem&Token=***#auth=***"
+    assert redact_url("redis://u:a@b@h:1/0") == "redis://u:***@h:1/0"
+    assert "pw" not in redact_url("redis://:pw@h:notaport/0")
 
 
 def test_state_url_takes_a_password_from_the_environment_and_never_shows_it(monkeypatch):

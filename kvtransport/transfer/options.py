@@ -10,24 +10,50 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import os
 
 from kvruntime.config import ClusterConfig
+
+log = logging.getLogger(__name__)
 
 #: set by the cluster itself, never by the config file
 FIXED = ("require_grant",)
 
 
-def confine_ucx(listen_host: str) -> None:
-    """UCX (NIXL's backend) listens on every network device unless told otherwise: when kvnotes'
-    listeners are on loopback, keep UCX there too (``UCX_NET_DEVICES=lo``). An operator's own
-    ``UCX_NET_DEVICES`` is kept. Call before a NIXL agent is created in this process."""
+def confine_ucx(listen_host: str) -> str | None:
+    """UCX (NIXL's backend) listens on every network device unless told otherwise: keep it on the
+    device that holds kvnotes' listen address (``bind_host``, else the node's address), ``lo`` for
+    loopback, via ``UCX_NET_DEVICES``. An operator's own ``UCX_NET_DEVICES`` is kept; an address no
+    local device holds is logged and leaves UCX as it is. Call before a NIXL agent is created in
+    this process. Returns the device chosen (None: none)."""
+    if os.environ.get("UCX_NET_DEVICES"):
+        return os.environ["UCX_NET_DEVICES"]
+    device = ucx_device(listen_host)
+    if device is None:
+        log.warning("no network device of this host holds %s: UCX (NIXL) listens on every device", listen_host)
+        return None
+    os.environ["UCX_NET_DEVICES"] = device
+    return device
+
+
+def ucx_device(listen_host: str) -> str | None:
+    """The name of the network device holding ``listen_host`` (``lo`` for loopback), or None."""
     try:
-        loopback = ipaddress.ip_address(listen_host).is_loopback
+        ip = ipaddress.ip_address(listen_host)
     except ValueError:
-        loopback = listen_host == "localhost"
-    if loopback:
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        return "lo" if listen_host == "localhost" else None
+    if ip.is_loopback:
+        return "lo"
+    import psutil
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            try:
+                if ipaddress.ip_address(a.address.split("%")[0]) == ip:
+                    return name
+            except ValueError:          # a MAC address (AF_PACKET)
+                continue
+    return None
 
 
 def _build(cls, section: str, options: dict, **fixed):

@@ -290,15 +290,36 @@ class StateStore(ABC):
         """Release connections."""
 
 
+_SECRET_PARAMS = frozenset({"password", "pass", "passwd", "pwd", "secret", "token", "auth", "key", "api_key",
+                            "access_token", "credential", "credentials"})
+
+
 def redact_url(url: str) -> str:
-    """``url`` with the password of its user part replaced by ``***`` (what logs and errors show)."""
+    """``url`` with every password in it replaced by ``***`` (what logs and errors show): the
+    user part's (``redis://user:PW@host``, also one without a user or with an ``@`` in it), and
+    query or fragment parameters named like a secret (``?password=PW``, ``&token=...``, any case)."""
     from urllib.parse import urlsplit, urlunsplit
     try:
         parts = urlsplit(url)
-    except ValueError:
+        parts.port                    # a malformed port raises here, not later in a log call
+    except (ValueError, TypeError):
         return "<unparseable url>"
-    if parts.password is None and "@" not in parts.netloc:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}:***@{host}"
+    query, fragment = _redact_params(parts.query), _redact_params(parts.fragment)
+    if (netloc, query, fragment) == (parts.netloc, parts.query, parts.fragment):
+        return url                    # nothing to hide (urlunsplit would rewrite sqlite:////path)
+    return urlunsplit(parts._replace(netloc=netloc, query=query, fragment=fragment))
+
+
+def _redact_params(text: str) -> str:
+    if not text:
+        return text
+    out = []
+    for pair in text.split("&"):
+        name, eq, _ = pair.partition("=")
+        out.append(f"{name}=***" if eq and name.strip().lower() in _SECRET_PARAMS else pair)
+    return "&".join(out)
