@@ -19,7 +19,12 @@ def test_example_serve_config_loads(monkeypatch):
     monkeypatch.setenv("KVNOTES_REDIS_PASSWORD", "pw/with@chars")
     cfg = ClusterConfig.from_file(ROOT / "deploy" / "kvnotes.yaml")
     assert cfg.workers.prefill.count == 2 and cfg.workers.prefill.custom_resource and cfg.ray.address == "auto"
-    assert cfg.state.url == "redis://:pw%2Fwith%40chars@head-node:6379/0"     # the example's Redis has a password
+    assert cfg.state.url == "redis://:pw%2Fwith%40chars@head-node:6380/0"     # the example's Redis has a password
+    # and does not sit on the port cluster.yaml gives Ray's GCS on the head; the router serves HTTPS
+    c = yaml.safe_load((ROOT / "deploy" / "cluster.yaml").read_text())
+    gcs = re.search(r"ray start --head --port=(\d+)", " ".join(c["head_start_ray_commands"])).group(1)
+    assert cfg.state.url.rsplit(":", 1)[1].split("/")[0] != gcs
+    assert cfg.server.tls_cert_file and cfg.server.tls_key_file and not cfg.server.docs
 
 
 def test_ray_up_yaml_has_what_ray_up_needs():

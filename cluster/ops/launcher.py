@@ -100,6 +100,7 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     check(cfg)               # kv_grpc / kv_nixl: a bad key fails here, not inside every actor
     check_model(cfg)         # a refused architecture fails here in one line, before Ray starts
     check_prompt_block(cfg)  # the tier's piece size is the prompt index's block
+    http_options(cfg)        # the router's TLS files readable, before anything starts
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     if not ray.is_initialized():
         if cfg.ray.address:
@@ -128,8 +129,11 @@ def http_options(cfg: ClusterConfig) -> dict:
     """Serve's HTTP options: host, port, and HTTPS when ``tls_cert_file`` / ``tls_key_file`` are set."""
     opts = {"host": cfg.server.host, "port": cfg.server.port}
     if cfg.server.tls_cert_file:
-        opts.update(ssl_certfile=str(Path(cfg.server.tls_cert_file).expanduser()),
-                    ssl_keyfile=str(Path(cfg.server.tls_key_file).expanduser()))
+        cert, key = (Path(p).expanduser() for p in (cfg.server.tls_cert_file, cfg.server.tls_key_file))
+        for name, p in (("tls_cert_file", cert), ("tls_key_file", key)):
+            if not os.access(p, os.R_OK):
+                raise ValueError(f"{name}: {p} is not a readable file (the router's HTTPS certificate and key)")
+        opts.update(ssl_certfile=str(cert), ssl_keyfile=str(key))
     return opts
 
 
@@ -302,7 +306,7 @@ def run_forever(cfg: ClusterConfig, *, register_demo: bool) -> int:
     where = f"joining the Ray cluster at {cfg.ray.address}" if cfg.ray.address else "starting local cluster"
     print(f"kvnotes: {where} (model {cfg.workers.model}, {cfg.workers.prefill.count} prefill + "
           f"{cfg.workers.decode.count} decode actors); the first start converts the model (~30 s)...", flush=True)
-    base = f"http://{cfg.server.host}:{cfg.server.port}"
+    base = f"{'https' if cfg.server.tls_cert_file else 'http'}://{cfg.server.host}:{cfg.server.port}"
     check_state(cfg)                   # a state store that is down or refuses us: one line, nothing started
     print(f"kvnotes: {calibration_line(cfg, spec)}", flush=True)
     try:
