@@ -11,7 +11,7 @@ requests (the same skills, order rotated per request, + a new question; ``kv_pol
 ``max_tokens: 1``, streamed, ``explain: true``) over HTTP with the API key. One round of warm-up
 requests (every rotation once: every frame variant compiled, every chunk in the tier) is not counted.
 
-Per request, stage seconds come from ``explain.control`` (:class:`cluster.control.lifecycle.StageClock`:
+Per request, stage seconds come from ``explain.control`` (:class:`cluster.control.context.StageClock`:
 consecutive laps in the router replica, ``time.perf_counter`` = CLOCK_MONOTONIC, comparable with this
 process's clock on one machine) and ``explain.stages`` (the KV path, measured by the workers):
 

@@ -25,7 +25,8 @@ from kvruntime import request_log
 from kvruntime.config import ClusterConfig
 from kvruntime.messages.keys import token_hash
 from kvruntime.messages.plan import decode_computes_rest
-from kvruntime.messages.transfer import KVEndpoint, TransferGrant
+from kvruntime.messages.decode import DecodeJob
+from kvruntime.messages.transfer import ExpectReply, KVEndpoint, TransferExpectation
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ class DecodeWorker:
         self.index, self.model = index, get_model_spec(cfg.workers.model).name
         self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
         self._cancel_lock = threading.Lock()
-        self._own: set[str] = set()                # transfers announced with no block to come (announce)
         from kvruntime.device import resolve_device
         device = resolve_device(cfg.workers.decode.device, "decode")   # auto: cuda when Ray assigned a GPU and torch sees it
         self.device = device
@@ -73,23 +73,17 @@ class DecodeWorker:
         from kvruntime.startup_heap import freeze_startup_heap
         freeze_startup_heap()      # the engine and inbox live as long as the actor: out of GC's walks
 
-    def address(self) -> str:
-        return self.receiver.endpoint.grpc_address
-
     def endpoint(self) -> KVEndpoint:
         """Where and how prefill actors send this actor's KV (NIXL agent metadata included)."""
         return self.receiver.endpoint
 
-    def expect(self, grant: TransferGrant, prefix_ids: tuple[int, ...] = (), salt: str | None = None,
-               computes_from: int | None = None) -> int:
-        """The router announces a transfer before the prefill actor pushes it. Returns how many
-        leading prefix tokens this engine already holds under ``salt`` (vLLM's prefix cache; the
-        reference engine's held prefix KV, pinned for this transfer); see :func:`announce`."""
-        with request_log.bound(_request_of(grant.transfer_id)):
-            held, own = announce(self.executor, self.receiver, grant, prefix_ids, salt, computes_from)
-        if own:
-            self._own.add(grant.transfer_id)
-        return held
+    def expect(self, expectation: TransferExpectation) -> ExpectReply:
+        """The router announces a transfer before the prefill actor pushes it. Answers how many
+        leading prefix tokens this engine already holds under the plan's salt (vLLM's prefix cache;
+        the reference engine's held prefix KV, pinned for this transfer) and whether it computes
+        the rest itself; see :func:`announce`."""
+        with request_log.bound(_request_of(expectation.grant.transfer_id)):
+            return announce(self.executor, self.receiver, expectation)
 
     def inbox_stats(self) -> dict:
         """Inbox accounting: held bytes, refusals by reason, expiries (reads only)."""
@@ -117,19 +111,16 @@ class DecodeWorker:
         with self._cancel_lock:
             self._cancelled.add(key)
 
-    def generate(self, transfer_id, prefix, suffix, sampling, salt=None, cancel_key=None, continuation=None,
-                 request_id=None):
-        """Stream a request's tokens (``continuation``: resume one another worker started and lost;
-        ``request_id``: the request's id, on every log line of this call)."""
-        with request_log.bound(request_id):
-            own = transfer_id in self._own          # no block comes: this engine computes the rest
-            self._own.discard(transfer_id)
-            gen = self.executor.generate(transfer_id, prefix, suffix, sampling, salt=salt, held_only=own,
-                                         continuation=continuation)
-            n = 0
+    def generate(self, job: DecodeJob):
+        """Stream a request's tokens (``job.continuation``: resume one another worker started and
+        lost; every log line of this call carries ``job.request_id``)."""
+        with request_log.bound(job.request_id):
+            gen = self.executor.generate(job.transfer_id, job.prefix_ids, job.suffix_ids, job.sampling,
+                                         salt=job.kv_salt, held_only=job.computes_rest, continuation=job.continuation)
+            n, key = 0, job.cancel_key
             try:
                 for ev in gen:
-                    if cancel_key is not None and cancel_key in self._cancelled:
+                    if key is not None and key in self._cancelled:
                         log.warning("decode-%d: generate stopped after %d token(s): cancelled by the router "
                                     "(deadline passed or client gone)", self.index, n)
                         return                 # the router stops reading and counts it
@@ -140,9 +131,9 @@ class DecodeWorker:
                 raise
             finally:
                 gen.close()
-                if cancel_key is not None:
+                if key is not None:
                     with self._cancel_lock:
-                        self._cancelled.discard(cancel_key)
+                        self._cancelled.discard(key)
 
     def shutdown(self) -> None:
         self.executor.stop()
@@ -154,25 +145,26 @@ def _request_of(transfer_id: str) -> str:
     return transfer_id.rpartition("-")[0] or transfer_id
 
 
-def announce(executor: DecodeEngine, receiver, grant: TransferGrant, prefix_ids, salt: str | None,
-             computes_from: int | None = None) -> tuple[int, bool]:
-    """What ``DecodeWorker.expect`` does: (held leading prefix tokens, whether this engine computes
-    the rest of the prefix itself). Held tokens are never built nor sent again:
+def announce(executor: DecodeEngine, receiver, expectation: TransferExpectation) -> ExpectReply:
+    """What ``DecodeWorker.expect`` does: the held leading prefix tokens, and whether this engine
+    computes the rest of the prefix itself (decided here, once). Held tokens are never built nor
+    sent again:
     - they reach ``computes_from`` (``messages.plan.decode_computes_rest``): no grant is
       registered and no block comes; ``generate`` computes the rest of the prefix in context
       (vLLM: its own prefix cache and a plain prefill; reference: the KV pinned here);
     - otherwise the grant is narrowed to the rest, all the prefill actor then sends. The reference
       engine always gets at least one token sent (the block, with its credential, stays the
-      proof the prefill actor built this prefix, and the one receive path is kept)."""
+      proof the prefill actor built this prefix, and the one receive path is kept).
+    The expectation's ids are the ones its grant was issued from (checked by length when it was
+    made: ``TransferExpectation``), so they are not hashed again here."""
+    grant, prefix_ids = expectation.grant, expectation.prefix_ids
     held = 0
-    if prefix_ids and grant.first_position == 0:
-        if token_hash(tuple(prefix_ids)) != grant.tokens_sha256 or len(prefix_ids) != grant.tokens:
-            raise ValueError(f"prefix ids do not match the grant of transfer {grant.transfer_id}")
-        held = executor.hold(grant, tuple(prefix_ids), salt, computes_from)
-        if decode_computes_rest(held, computes_from):
-            return held, True
+    if prefix_ids:
+        held = executor.hold(grant, prefix_ids, expectation.kv_salt, expectation.computes_from)
+        if decode_computes_rest(held, expectation.computes_from):
+            return ExpectReply(held, True)
         if held:
             grant = dataclasses.replace(grant, first_position=held, tokens=grant.tokens - held,
-                                        tokens_sha256=token_hash(tuple(prefix_ids[held:])))
+                                        tokens_sha256=token_hash(prefix_ids[held:]))
     receiver.expect(grant)
-    return held, False
+    return ExpectReply(held, False)

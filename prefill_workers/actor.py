@@ -18,7 +18,7 @@ from kvruntime import request_log
 from kvruntime.config import ClusterConfig
 from kvruntime.messages.plan import KVRef, RequestPlan
 from kvruntime.messages.fidelity import ShadowResult
-from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
+from kvruntime.messages.prefill import PrecompileInfo, PrefillJob, PrefillResult
 from kvruntime.messages.transfer import KVEndpoint
 
 log = logging.getLogger(__name__)
@@ -108,19 +108,22 @@ class PrefillWorker:
             while len(self._cancelled) > CANCEL_KEYS:      # keys of plans that had already ended
                 self._cancelled.pop(next(iter(self._cancelled)))
 
-    def execute(self, plan: RequestPlan, decode: KVEndpoint, transfer_id: str,
-                store_as: KVRef | None, credential: str = "", send_from: int = 0) -> PrefillResult:
-        """Build, store and push ``plan``'s prefix (``PrefillExecutor.execute``). Cancelled
-        (:meth:`cancel`): stops at the next layer or step, counted, and answers a result with
-        nothing sent (the router no longer waits for it)."""
+    def execute(self, job: PrefillJob) -> PrefillResult:
+        """Build, store and push ``job.plan``'s prefix to ``job.decode`` (``PrefillExecutor.execute``).
+        Cancelled (:meth:`cancel`): stops at the next layer or step, counted, and answers a result
+        with nothing sent (the router no longer waits for it)."""
         from kvruntime.engine import Cancelled
         from kvruntime.messages.prefill import PrefillStats
 
+        plan, transfer_id = job.plan, job.transfer_id
+        if job.decode is None:
+            raise ValueError(f"prefill job {transfer_id} names no decode endpoint to push to")
         t = time.perf_counter()
         try:
             with request_log.bound(plan.request_id):
-                res = self.executor.execute(plan, decode, transfer_id, store_as=store_as, credential=credential,
-                                            send_from=send_from, cancelled=lambda: transfer_id in self._cancelled)
+                res = self.executor.execute(plan, job.decode, transfer_id, store_as=job.store_as,
+                                            credential=job.credential, send_from=job.send_from,
+                                            cancelled=lambda: transfer_id in self._cancelled)
                 log.info("prefill-%d: plan %s (%d prompt tokens) built in %.3f s, %d bytes sent by %s%s", self.index,
                          plan.kind.value, plan.prompt_tokens, res.seconds, res.transfer_bytes,
                          res.transport or "none", f"; fallbacks {', '.join(res.stats.fallbacks)}"
@@ -141,9 +144,6 @@ class PrefillWorker:
         """Recompute ``plan`` in full and compare (online shadow check; the router calls it after the response)."""
         with request_log.bound(plan.request_id):
             return self.executor.shadow(plan)
-
-    def tier_stats(self):
-        return self.store.stats
 
 
 def _node_id() -> str:

@@ -13,7 +13,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from bench.control_path import markdown, stages_of, summarise
-from cluster.control.lifecycle import CLOCK, StageClock
+from cluster.control.context import StageClock
 
 
 def _rec(send: float, ttft: float, laps: list, worker: dict, stages: dict, kind: str = "reposition") -> dict:
@@ -121,8 +121,7 @@ def test_a_composed_request_records_its_laps_and_its_chunks_last_use(smol, tmp_p
     router, b = _router(smol, BlockKVSender(GrpcTransport()), tmp_path)
 
     async def timed():
-        CLOCK.set(StageClock())
-        return await _complete(router, LATE_SKILL, "fast")
+        return await _complete(router, LATE_SKILL, "fast", clock=StageClock())
     try:
         asyncio.run(router.register_chunk("skill", "default", "museum", "The Varga Museum closes at 17:30."))
         before = router.state.get_registration("default", "skill", "museum").last_used

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from cluster.control.context import RequestContext
 from cluster.control.errors import RequestError
 from cluster.control.metrics import Metrics
 from cluster.control.routing import NoLiveWorker, WorkerLost, WorkerView
@@ -63,12 +64,11 @@ class FlakyBackends(LocalBackends):
 
     cancels = True
 
-    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, *, cancel_key=None, continuation=None,
-                     request_id=None):
+    async def decode(self, index, job):
         self.calls.append(index)
-        self.continuations.append(continuation)
+        self.continuations.append(job.continuation)
         n = 0
-        async for ev in super().decode(index, transfer_id, prefix, suffix, sampling, salt, continuation=continuation):
+        async for ev in super().decode(index, job):
             if index in self.lose and n == self.lose[index]:
                 self.view.mark("decode", index, False, "killed")
                 raise WorkerLost("decode", index, "ActorDiedError")
@@ -81,11 +81,11 @@ class FlakyBackends(LocalBackends):
         self.cancelled.append((index, key))
 
 
-async def _run(router, max_tokens=6, **kw):
+async def _run(router, max_tokens=6, deadline_s=None):
     toks, fin = [], None
-    async for ev in router.stream_native("default", [{"text": "The lighthouse on Hallo Point was built in 1871."}],
-                                         policy=None, session=None,
-                                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0), **kw):
+    async for ev in router.stream_native(RequestContext.local("default", deadline_s=deadline_s),
+                                         [{"text": "The lighthouse on Hallo Point was built in 1871."}], session=None,
+                                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0)):
         if isinstance(ev, TokenEvent):
             toks.append(ev.token_id)
         else:
@@ -122,13 +122,12 @@ class PrefillLostBackends(LocalBackends):
         super().__init__(engine, BlockKVSender(GrpcTransport()))
         self.num_prefill, self.view, self.prefill_calls = 2, WorkerView(2, 1), []
 
-    async def prefill(self, index, plan, decode_index, transfer_id, store_as, *, credential, send_from=0):
+    async def prefill(self, index, decode_index, job):
         self.prefill_calls.append(index)
         if index == 0:
             self.view.mark("prefill", 0, False, "killed")
             raise WorkerLost("prefill", 0, "ActorDiedError")
-        return await super().prefill(index, plan, decode_index, transfer_id, store_as, credential=credential,
-                                     send_from=send_from)
+        return await super().prefill(index, decode_index, job)
 
 
 def test_a_prefill_worker_lost_before_the_first_token_is_counted_as_a_prefill_retry(smol, tmp_path):
@@ -172,7 +171,7 @@ def test_worker_lost_mid_stream_past_its_migrations_is_a_clear_counted_error(smo
         got = []
 
         async def go():
-            async for ev in r.stream_native("default", [{"text": "Count: one, two, three,"}], policy=None,
+            async for ev in r.stream_native(RequestContext.local("default"), [{"text": "Count: one, two, three,"}],
                                             session=None, sampling=SamplingParams(max_tokens=8, temperature=0)):
                 got.append(ev)
         with pytest.raises(WorkerLost, match=f"mid-stream after {after} tokens.*send the request again"):

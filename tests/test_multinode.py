@@ -72,6 +72,7 @@ def test_composed_request_crosses_nodes_over_nixl_without_fallback(multinode, sm
     from cluster.control.registry import Registry
     from cluster.control.render import Renderer
     from cluster.control.lifecycle import Finished
+    from cluster.control.context import RequestContext
     from cluster.control.router import Router
     from cluster.control.router_sections import ModelSection
     from cluster.control.state import open_state
@@ -95,9 +96,9 @@ def test_composed_request_crosses_nodes_over_nixl_without_fallback(multinode, sm
     async def run():
         await router.register_chunk("skill", "default", "refund", SKILL)
         toks, fin = [], None
-        async for ev in router.stream_native("default", [{"text": "Notes.\n"}, {"skill": "refund"},   # not first: repositioned
-                                                          {"text": "Can I return headphones?"}],
-                                             policy="fast", session=None,
+        async for ev in router.stream_native(RequestContext.local(policy="fast"),
+                                             [{"text": "Notes.\n"}, {"skill": "refund"},   # not first: repositioned
+                                              {"text": "Can I return headphones?"}], session=None,
                                              sampling=SamplingParams(max_tokens=8, temperature=0)):
             if isinstance(ev, TokenEvent):
                 toks.append(ev.token_id)

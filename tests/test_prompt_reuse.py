@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from cluster.control.context import RequestContext
 from cluster.control.backends import Backends
 from cluster.control.lifecycle import Finished
 from cluster.control.metrics import CACHED_SOURCES, prompt_sources
@@ -67,7 +68,6 @@ class ReuseBackends(Backends):
         self.source = PieceSource(engine)
         self.pre = PrefillExecutor(engine, self.source, BlockKVSender(GrpcTransport()))
         self.dec = DecodeExecutor(engine, self.rx, receive_timeout=10, held=HeldPrefixes(256 << 20))
-        self.own: set[str] = set()
         self.calls: Counter = Counter()
 
     async def contains(self, refs, index=0):
@@ -82,22 +82,17 @@ class ReuseBackends(Backends):
     async def evict(self, ref):
         return self.source.d.pop(self.source._k(ref), None) is not None
 
-    async def expect(self, decode_index, grant, prefix, salt, computes_from=None):
-        held, own = announce(self.dec, self.rx, grant, prefix, salt, computes_from)
-        if own:
-            self.own.add(grant.transfer_id)
-        return held
+    async def expect(self, decode_index, expectation):
+        return announce(self.dec, self.rx, expectation)
 
-    async def prefill(self, index, plan, decode_index, transfer_id, store_as, *, credential, send_from=0):
+    async def prefill(self, index, decode_index, job):
         self.calls["prefill"] += 1
-        return self.pre.execute(plan, self.addr, transfer_id, store_as=store_as, credential=credential,
-                                send_from=send_from)
+        return self.pre.execute(job.plan, self.addr, job.transfer_id, store_as=job.store_as,
+                                credential=job.credential, send_from=job.send_from)
 
-    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, *, cancel_key=None, continuation=None,
-                     request_id=None):
-        own = transfer_id in self.own
-        self.own.discard(transfer_id)
-        for ev in self.dec.generate(transfer_id, prefix, suffix, sampling, salt=salt, held_only=own):
+    async def decode(self, index, job):
+        for ev in self.dec.generate(job.transfer_id, job.prefix_ids, job.suffix_ids, job.sampling,
+                                    salt=job.kv_salt, held_only=job.computes_rest):
             yield ev
 
 
@@ -111,7 +106,7 @@ def rig(smol, tmp_path):
 
 async def _prompt(router, ids, max_tokens=4):
     toks, fin = [], None
-    async for ev in router.stream_prompt("default", list(ids), policy="exact",
+    async for ev in router.stream_prompt(RequestContext.local("default", policy="exact"), list(ids),
                                          sampling=SamplingParams(max_tokens=max_tokens, temperature=0)):
         if isinstance(ev, TokenEvent):
             toks.append(ev.token_id)
@@ -122,7 +117,7 @@ async def _prompt(router, ids, max_tokens=4):
 
 async def _native(router, segments, policy, max_tokens=4):
     toks, fin = [], None
-    async for ev in router.stream_native("default", segments, policy=policy, session=None,
+    async for ev in router.stream_native(RequestContext.local("default", policy=policy), segments, session=None,
                                          sampling=SamplingParams(max_tokens=max_tokens, temperature=0)):
         if isinstance(ev, TokenEvent):
             toks.append(ev.token_id)

@@ -12,7 +12,9 @@ from cluster.control.registry import Registry
 from cluster.control.render import Renderer
 from cluster.control.state import open_state
 from cluster.control.lifecycle import Finished
+from cluster.control.context import RequestContext
 from cluster.control.router import Router
+from kvruntime.messages.transfer import ExpectReply
 from cluster.control.router_sections import ModelSection
 from decode_workers.executor import DecodeExecutor
 from kvruntime.messages.decode import SamplingParams, TokenEvent
@@ -63,17 +65,17 @@ class LocalBackends(Backends):
     async def evict(self, ref):
         return self.source.d.pop(self.source._k(ref), None) is not None
 
-    async def expect(self, decode_index, grant, prefix, salt, computes_from=None):
-        self.rx.expect(grant)
-        return 0                                    # the reference engine keeps no KV across requests
+    async def expect(self, decode_index, expectation):
+        self.rx.expect(expectation.grant)
+        return ExpectReply(0, False)               # the reference engine keeps no KV across requests
 
-    async def prefill(self, index, plan, decode_index, transfer_id, store_as, *, credential, send_from=0):
-        return self.pre.execute(plan, self.addr, transfer_id, store_as=store_as, credential=credential,
-                                send_from=send_from)
+    async def prefill(self, index, decode_index, job):
+        return self.pre.execute(job.plan, self.addr, job.transfer_id, store_as=job.store_as,
+                                credential=job.credential, send_from=job.send_from)
 
-    async def decode(self, index, transfer_id, prefix, suffix, sampling, salt, *, cancel_key=None, continuation=None,
-                     request_id=None):
-        for ev in self.dec.generate(transfer_id, prefix, suffix, sampling, continuation=continuation):
+    async def decode(self, index, job):
+        for ev in self.dec.generate(job.transfer_id, job.prefix_ids, job.suffix_ids, job.sampling,
+                                    continuation=job.continuation):
             yield ev
 
 
@@ -87,9 +89,9 @@ def _router(engine, sender, tmp_path):
     return make_router(engine, b, open_state(f"sqlite:///{tmp_path}/state-{id(b)}.db")), b
 
 
-async def _complete(router, segments, policy):
+async def _complete(router, segments, policy, clock=None):
     toks, fin = [], None
-    async for ev in router.stream_native("default", segments, policy=policy, session=None,
+    async for ev in router.stream_native(RequestContext.local(policy=policy, clock=clock), segments, session=None,
                                          sampling=SamplingParams(max_tokens=10, temperature=0)):
         if isinstance(ev, TokenEvent):
             toks.append(ev.token_id)
@@ -137,10 +139,11 @@ def test_a_fallback_is_labelled_with_what_executed(smol, tmp_path):
 class NixlToGrpcBackends(LocalBackends):
     """The cluster's own Sender (NIXL and gRPC) pushing to a decode inbox that runs gRPC only."""
 
-    async def prefill(self, index, plan, decode_index, transfer_id, store_as, *, credential, send_from=0):
+    async def prefill(self, index, decode_index, job):
         from kvruntime.messages.transfer import KVEndpoint
         ep = KVEndpoint("grpc", self.addr, "float32", "", "", b"")
-        return self.pre.execute(plan, ep, transfer_id, store_as=store_as, credential=credential, send_from=send_from)
+        return self.pre.execute(job.plan, ep, job.transfer_id, store_as=job.store_as, credential=job.credential,
+                                send_from=job.send_from)
 
 
 def test_a_block_that_travelled_over_grpc_instead_of_nixl_is_still_what_was_planned(smol, tmp_path):

@@ -241,6 +241,7 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
 
     from cluster.control.registry import Registry
     from cluster.control.render import Renderer
+    from cluster.control.context import RequestContext
     from cluster.control.router import Router
     from cluster.control.router_sections import ModelSection, PolicySection
     from cluster.control.state import open_state
@@ -280,8 +281,8 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
 
     async def ask(q):
         fin = None
-        async for ev in router.stream_native("default", [{"text": "Visitor desk notes follow."}, {"skill": "museum"},
-                                              {"text": q}], policy="balanced",
+        async for ev in router.stream_native(RequestContext.local(policy="balanced"),
+                                             [{"text": "Visitor desk notes follow."}, {"skill": "museum"}, {"text": q}],
                                              session=None, sampling=SamplingParams(max_tokens=4, temperature=0)):
             fin = ev
         await router.guard.runner.drain(120)
@@ -317,6 +318,7 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
 def _router(smol, tmp_path, executor_cls):
     from cluster.control.registry import Registry
     from cluster.control.render import Renderer
+    from cluster.control.context import RequestContext
     from cluster.control.router import Router
     from cluster.control.router_sections import ModelSection, PolicySection
     from cluster.control.state import open_state
@@ -341,7 +343,7 @@ def _router(smol, tmp_path, executor_cls):
 async def _ask_default(router, q):
     """The default policy (none named), the skill first after the chat frame."""
     fin = None
-    async for ev in router.stream_native("default", [{"skill": "museum"}, {"text": q}], policy=None, session=None,
+    async for ev in router.stream_native(RequestContext.local(), [{"skill": "museum"}, {"text": q}], session=None,
                                          sampling=SamplingParams(max_tokens=4, temperature=0)):
         fin = ev
     await router.guard.runner.drain(120)

@@ -45,9 +45,9 @@ The HTTP layer admits (``Admission.admit``) before it reads the request's body, 
 never waits for the body to come through Serve's proxy (measured: 6 ms at the median, up to 22 ms,
 of a 24 ms refusal); the body's own ``deadline_s`` is checked after it
 (:meth:`Admission.within_deadline`: a deadline only refuses more, and a bad body under overload is
-a 503, not a 400). It holds the ticket in :data:`TICKET` for the request's task;
-:mod:`cluster.control.lifecycle` calls :func:`first_token`; the HTTP layer releases the ticket
-when the request ends (a request that ends without a first token leaves the queue without a
+a 503, not a 400). The ticket travels in the request's
+:class:`~cluster.control.context.RequestContext`; :mod:`cluster.control.lifecycle` calls its
+``first_token`` at the first token; the HTTP layer releases the ticket when the request ends (a request that ends without a first token leaves the queue without a
 service sample).
 """
 from __future__ import annotations
@@ -55,7 +55,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 from cluster.control.errors import RequestError
@@ -108,17 +107,6 @@ class Ticket:
         if self.queued:
             self.queued = False
             self.owner._left(self.tenant, served=False, ticket=self)
-
-
-#: the ticket of the request being served (set by the HTTP layer; None outside a request)
-TICKET: ContextVar[Ticket | None] = ContextVar("kvnotes_admission_ticket", default=None)
-
-
-def first_token() -> None:
-    """The current request produced its first token (or finished without one): it leaves the queue."""
-    t = TICKET.get()
-    if t is not None:
-        t.first_token()
 
 
 class Admission:

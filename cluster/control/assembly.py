@@ -1,7 +1,8 @@
 """The composition root of the control plane: a :class:`~cluster.control.router.Router` and its
 collaborators (Ray backends, the state store, the renderer, the fidelity profile and targets,
 the shadow checks, the store watch) built from one :class:`ClusterConfig`. The HTTP ingress
-(``cluster.http.serve_app``) only calls :func:`assemble` and serves what it returns; a script
+(``cluster.http.serve_app``) only calls :func:`assemble` and :func:`wire_admission` and serves
+what they return; a script
 or a test driving the router without HTTP calls it too (inside a Ray job whose workers are up).
 """
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING
 from kvruntime.config import ClusterConfig
 
 if TYPE_CHECKING:
+    from cluster.control.admission import Admission
+    from cluster.control.exchange import QueueExchange
     from cluster.control.ray_backends import RayBackends
     from cluster.control.router import Router
     from cluster.control.router_sections import LimitsSection, ModelSection, PolicySection
@@ -79,3 +82,28 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     router.metrics.set_tenant_labels(cfg.server.metrics_tenants)
     watch = StoreWatch(state, router.metrics, cfg.state.probe_s)
     return Assembly(router, backends, state, watch, profile, served)
+
+
+@dataclass
+class AdmissionWiring:
+    """One replica's admission queue and its exchange with the other replicas' queues."""
+    admission: "Admission"
+    exchange: "QueueExchange"
+
+
+def wire_admission(cfg: ClusterConfig, router: "Router", process: str) -> AdmissionWiring:
+    """This replica's admission (``cluster.control.admission``) over the router's backends: the
+    backends learn the replica's name (``peers.me``) and report its queue with each prefill
+    health probe (``queue_report``, ``cluster.control.peers``); a request about to be admitted is
+    checked against the others' queues as they are now (``cluster.control.exchange``)."""
+    from cluster.control.admission import Admission, AdmissionConfig
+    from cluster.control.exchange import QueueExchange
+
+    backends = router.backends
+    backends.peers.me = process
+    admission = Admission(AdmissionConfig.from_config(cfg), router.metrics,
+                          workers=lambda: len(backends.view.live("prefill")), others=backends.peers.others,
+                          reference=backends.peers.reference)
+    exchange = QueueExchange(process, admission, backends, router.metrics, cfg.server.admission_exchange_timeout_s)
+    backends.queue_report = exchange.report
+    return AdmissionWiring(admission, exchange)

@@ -13,11 +13,11 @@ from abc import ABC, abstractmethod
 from typing import AsyncIterator
 
 from cluster.control.routing import FaultPolicy, WorkerView
-from kvruntime.messages.decode import Continuation, SamplingParams, TokenEvent, DecodeSummary
+from kvruntime.messages.decode import DecodeJob, DecodeSummary, TokenEvent
 from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, RequestPlan
-from kvruntime.messages.prefill import PrecompileInfo, PrefillResult
-from kvruntime.messages.transfer import TransferGrant
+from kvruntime.messages.prefill import PrecompileInfo, PrefillJob, PrefillResult
+from kvruntime.messages.transfer import ExpectReply, TransferExpectation
 
 
 class Backends(ABC):
@@ -37,26 +37,22 @@ class Backends(ABC):
     @abstractmethod
     async def evict(self, ref: KVRef) -> bool: ...
 
-    # ---- one request ----------------------------------------------------------------------
+    # ---- one request (each call one message: kvruntime.messages) ----------------------------
     @abstractmethod
-    async def expect(self, decode_index: int, grant: TransferGrant, prefix: tuple[int, ...], salt: str,
-                     computes_from: int | None = None) -> int:
-        """Announce ``grant`` to decode worker ``decode_index``; returns the leading prefix tokens
-        it holds. When they reach ``computes_from`` (``plan.decode_computes_rest``) no block is
-        expected and ``decode`` computes the rest of the prefix itself."""
+    async def expect(self, decode_index: int, expectation: TransferExpectation) -> ExpectReply:
+        """Announce a transfer to decode worker ``decode_index``; it answers the leading prefix
+        tokens it holds and whether it computes the rest of the prefix itself (then no block is
+        expected and ``decode`` computes it)."""
 
     @abstractmethod
-    async def prefill(self, index: int, plan: RequestPlan, decode_index: int, transfer_id: str,
-                      store_as: KVRef | None, *, credential: str, send_from: int = 0) -> PrefillResult: ...
+    async def prefill(self, index: int, decode_index: int, job: PrefillJob) -> PrefillResult:
+        """Run ``job`` on prefill worker ``index``, pushing to decode worker ``decode_index``."""
 
     @abstractmethod
-    def decode(self, index: int, transfer_id: str | None, prefix: tuple[int, ...], suffix: tuple[int, ...],
-               sampling: SamplingParams, salt: str, *, cancel_key: str | None = None,
-               continuation: Continuation | None = None,
-               request_id: str | None = None) -> AsyncIterator[TokenEvent | DecodeSummary]:
-        """Stream the tokens of decode worker ``index``. ``cancel_key``: what :meth:`cancel` names
-        to stop it; ``continuation``: resume a stream another worker started and lost
-        (:mod:`cluster.control.migration`); ``request_id``: the request's id, for the worker's log."""
+    def decode(self, index: int, job: DecodeJob) -> AsyncIterator[TokenEvent | DecodeSummary]:
+        """Stream the tokens of decode worker ``index`` (``job.cancel_key``: what :meth:`cancel`
+        names to stop it; ``job.continuation``: resume a stream another worker started and lost,
+        :mod:`cluster.control.migration`)."""
 
     async def shadow(self, index: int, plan: RequestPlan) -> ShadowResult:
         """Recompute ``plan`` in full on prefill worker ``index`` and compare (online shadow check).
@@ -93,7 +89,7 @@ class Backends(ABC):
     #: completed health sweeps (``/ready`` waits for the first); default: always ready
     health_sweeps: int = 1
     #: this replica's admission queue, sent with each prefill health probe (None: nothing sent);
-    #: set by the HTTP layer once its admission exists
+    #: set by ``cluster.control.assembly`` once its admission exists
     queue_report = None
 
     def exchange_queues(self, report, timeout_s: float):

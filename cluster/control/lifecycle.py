@@ -1,37 +1,49 @@
-"""One request's execution after planning: prefill on a prefill worker, the KV pushed to a
-decode worker, tokens streamed back; retried once elsewhere when a worker is lost before the
-first token, continued on another decode worker when its own is lost mid-stream
-(:mod:`cluster.control.migration`), cut at the deadline, and accounted (TTFT and requests by what *executed*, prompt
-tokens by source, transfer bytes, stage seconds, fallbacks) in :class:`~cluster.control.metrics.Metrics`.
+"""One request's execution after planning, in stages, each a function of the request's
+:class:`~cluster.control.context.RequestContext` and its :class:`PlannedRequest`:
 
-The router plans (:mod:`cluster.control.planner`); :class:`RequestRunner` executes the plan it is given
-and never re-plans: a lost or refused block becomes the decode worker's counted recompute, not a
-new plan. It talks to workers only through the ``Backends`` protocol (:mod:`cluster.control.backends`).
+1. **place**: a live decode worker and a live prefill worker (503 ``no_live_worker`` when none);
+2. **grant**: the transfer's grant and credential, the decode worker told what to expect
+   (:class:`~kvruntime.messages.transfer.TransferExpectation`); it answers how much of the prefix
+   it holds and whether it computes the rest itself (:class:`~kvruntime.messages.transfer.ExpectReply`);
+3. **prefill**: the prefill worker builds and pushes the rest (a :class:`~kvruntime.messages.prefill.PrefillJob`),
+   told to stop past the deadline or when the client leaves (:mod:`cluster.control.cancel`);
+4. **decode**: the tokens streamed (a :class:`~kvruntime.messages.decode.DecodeJob`), continued on
+   another decode worker when its own is lost mid-stream (:mod:`cluster.control.migration`);
+5. **account**: what *executed* recorded (TTFT and requests by it, prompt tokens by source,
+   transfer bytes, stage seconds, fallbacks) in :class:`~cluster.control.metrics.Metrics`.
+
+A worker lost before the first token: the whole request retried elsewhere (``request_retries``).
+Every error maps to a status in one table (:data:`FAILURES`). The router plans
+(:mod:`cluster.control.planner`); the runner executes the plan it is given and never re-plans: a lost
+or refused block becomes the decode worker's counted recompute, not a new plan. It talks to workers
+only through the ``Backends`` protocol (:mod:`cluster.control.backends`).
 """
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
-from cluster.control import admission
 from cluster.control.cancel import prefill_or_cancel
+from cluster.control.context import RequestContext, StageClock
 from cluster.control.errors import RequestError
-from cluster.control.metrics import CACHED_SOURCES, Metrics, note_first_token, note_plan, prompt_sources
+from cluster.control.metrics import CACHED_SOURCES, Metrics, prompt_sources
 from cluster.control.migration import DecodeStream
 from cluster.control.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
-from kvruntime.messages.decode import DecodeSummary, SamplingParams, TokenEvent
-from kvruntime.messages.plan import KVRef, RequestPlan, decode_computes_rest
-from kvruntime.messages.prefill import PrefillResult
-from kvruntime.messages.transfer import STAGES, TransferGrant
+from kvruntime.messages.decode import DecodeJob, DecodeSummary, SamplingParams, TokenEvent
+from kvruntime.messages.plan import KVRef, RequestPlan
+from kvruntime.messages.prefill import PrefillJob, PrefillResult
+from kvruntime.messages.transfer import STAGES, ExpectReply, TransferExpectation, TransferGrant
 
 if TYPE_CHECKING:
     from cluster.control.backends import Backends
     from cluster.control.shadow import FidelityGuard
+
+__all__ = ["Finished", "PlannedRequest", "RequestRunner", "StageClock", "FAILURES"]
 
 log = logging.getLogger(__name__)
 # Fallbacks after which the request still executed as planned: only storing its KV failed, the KV
@@ -39,40 +51,6 @@ log = logging.getLogger(__name__)
 # block travelled over gRPC instead of NIXL (and arrived: a lost block adds its own reason)
 STORE_ONLY_FALLBACKS = frozenset({"tier_store_failed", "kv_send_pool_full", "kv_transport_nixl_unavailable",
                                   "kv_transport_nixl_to_grpc"})
-
-
-@dataclass
-class StageClock:
-    """One request's control-path clock: consecutive laps (``lap(name)``: seconds since the previous
-    lap, so the laps add up to the time since ``start``) plus named amounts measured elsewhere
-    (``add``). ``start`` and ``first_token`` are ``time.perf_counter()`` values (CLOCK_MONOTONIC on
-    Linux: comparable with a client's on the same machine). Shown as ``explain.control``."""
-    start: float = field(default_factory=time.perf_counter)
-    laps: list = field(default_factory=list)          # (stage, seconds), in order
-    extra: dict = field(default_factory=dict)          # stage -> seconds measured by a worker
-    first_token: float | None = None
-    _last: float | None = None
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.laps.append((name, now - (self._last if self._last is not None else self.start)))
-        self._last = now
-
-    def add(self, name: str, seconds: float) -> None:
-        self.extra[name] = self.extra.get(name, 0.0) + seconds
-
-    def as_json(self) -> dict:
-        return {"start": self.start, "first_token": self.first_token,
-                "laps": [[k, round(v, 6)] for k, v in self.laps], "worker": {k: round(v, 6) for k, v in self.extra.items()}}
-
-
-#: the clock of the request being served (set by the HTTP layer; None outside a request: no laps)
-CLOCK: contextvars.ContextVar[StageClock | None] = contextvars.ContextVar("kvnotes_stage_clock", default=None)
-
-
-def lap(clock: StageClock | None, name: str) -> None:
-    if clock is not None:
-        clock.lap(name)
 
 
 @dataclass(frozen=True)
@@ -91,166 +69,241 @@ class Finished:
     clock: StageClock | None = None  # control-path laps (explain.control), None outside an HTTP request
 
 
+@dataclass(frozen=True)
+class PlannedRequest:
+    """What the router hands the runner: the plan and everything decided with it."""
+    plan: RequestPlan
+    sampling: SamplingParams
+    store_as: KVRef | None         # store the built prefix under this key (None: don't)
+    prefill_index: int             # the prefill worker the router picked (and looked the tier up on)
+    salt: str                      # the tenant's salt
+    started: float                 # perf_counter when the router took the request (TTFT's origin)
+
+    @property
+    def kind(self) -> str:
+        return self.plan.kind.value
+
+
+@dataclass
+class _Run:
+    """One run's progress across attempts (mutable; lives for one ``RequestRunner.run``)."""
+    deadline: float                                   # perf_counter time
+    kv_salt: str                                      # plan.kv_salt(salt): a pass over every prefix token, once
+    prefill_index: int
+    tried: dict = field(default_factory=lambda: {"prefill": set(), "decode": set()})
+    attempt: int = 0
+    sent: int = 0                                     # tokens streamed to the client
+    ttft: float | None = None
+    result: PrefillResult | None = None
+    summary: DecodeSummary | None = None
+
+
+# exception -> (status label of kvnotes_requests_total, HTTP status, error code); None: raised unchanged
+FAILURES: dict[type, tuple[str, int | None, str | None]] = {
+    NoLiveWorker: ("no_live_worker", 503, "no_live_worker"),
+    DeadlineExceeded: ("deadline", 504, "deadline_exceeded"),
+    WorkerLost: ("worker_lost", 503, "worker_lost"),
+    RequestError: ("client_error", None, None),
+}
+_OTHER = ("error", None, None)
+
+
 class RequestRunner:
     def __init__(self, backends: "Backends", view: WorkerView, fault: FaultPolicy, metrics: Metrics, dtype: str,
                  guard: "FidelityGuard", default_tenant: str):
         self.backends, self.view, self.fault, self.metrics = backends, view, fault, metrics
         self.dtype, self.guard, self.default_tenant = dtype, guard, default_tenant
 
-    async def run(self, plan: RequestPlan, sampling: SamplingParams, t0: float,
-                  store_as: KVRef | None, pi: int, salt: str,
-                  deadline_s: float | None = None, leases: list = (),
-                  tenant: str | None = None, clock: StageClock | None = None) -> AsyncIterator[TokenEvent | Finished]:
-        """Prefill then decode, on the least loaded live decode worker. A worker lost before the
-        first token: retried on another one (``request_retries``); a decode worker lost mid-stream:
-        the stream continues on another one (``decode_migrations``, cluster.control.migration), and
-        past that a clear error. Past the deadline or with the client gone: the worker at work is
-        told to stop (prefill or decode); past the deadline, 504. All counted."""
-        m = self.metrics
-        kind = plan.kind.value
-        note_plan(kind)                            # the API layer's label for it if it is abandoned
-        deadline = t0 + min(deadline_s or self.fault.deadline_s, self.fault.deadline_s)
-        tried = {"prefill": set(), "decode": set()}
-        attempt, ttft, sent = 0, None, 0
-        # each is a pass over every prefix token (kv_salt hashes the plan's recipe and tokens): once
-        prefix_ids, kv_salt = plan.prefix_ids, plan.kv_salt(salt)
+    async def run(self, ctx: RequestContext, job: PlannedRequest) -> AsyncIterator[TokenEvent | Finished]:
+        """The stages (module doc), retried on another worker when one is lost before the first
+        token; past the deadline or with the client gone the worker at work is told to stop."""
+        ctx.outcome.planned(job.kind)              # the edge's label for it if it is abandoned
+        deadline = job.started + min(ctx.deadline_s or self.fault.deadline_s, self.fault.deadline_s)
+        run = _Run(deadline, job.plan.kv_salt(job.salt), job.prefill_index)
         while True:
             try:
-                di = self.view.pick_decode(exclude=tried["decode"])
-                if pi in tried["prefill"] or not self.view.is_alive("prefill", pi):
-                    pi = self.view.pick_prefill(None, exclude=tried["prefill"])
-            except NoLiveWorker as exc:
-                m.count_request(kind, "no_live_worker")
-                raise RequestError(503, str(exc), code="no_live_worker") from None
-            tid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
-            self.view.begin("decode", di, sampling.max_tokens)
-            try:
-                res, own = None, False
-                if plan.steps:
-                    self.view.begin("prefill", pi, plan.prompt_tokens)
-                    for lease in leases:
-                        lease.release()            # the pick's reservation becomes this call's load
-                    try:
-                        # the decode actor accepts this block only: credential (the prefill actor's
-                        # alone), shape, dtype
-                        grant, cred = TransferGrant.issue(tid, plan.model, self.dtype, prefix_ids)
-                        # ship nothing twice: the decode actor says how much of the prefix it holds;
-                        # build nothing twice: holding up to the plan's forward_from, it computes the
-                        # rest itself and no prefill runs (not for a session's context to store)
-                        computes_from = None if store_as is not None and plan.session else plan.forward_from
-                        lap(clock, "grant")
-                        held = await self._before(deadline, "prefill", self.backends.expect(
-                            di, grant, prefix_ids, kv_salt, computes_from))
-                        lap(clock, "expect_call")
-                        own = decode_computes_rest(held, computes_from)
-                        if not own:
-                            # past the deadline or with the client gone, the prefill worker is told to stop
-                            res = await prefill_or_cancel(self.backends, m, pi, tid, plan.request_id, self._before(
-                                deadline, "prefill", self.backends.prefill(pi, plan, di, tid, store_as, credential=cred,
-                                                                           send_from=held)))
-                            lap(clock, "prefill_call")
-                            if clock is not None:     # what the prefill actor itself measured of that call
-                                clock.add("prefill_build", res.seconds)
-                                clock.add("prefill_send", sum(v for k, v in res.stats.stages.items()
-                                                              if k in ("serialise", "transfer")))
-                    finally:
-                        self.view.end("prefill", pi, plan.prompt_tokens)
-                fallbacks = list(res.stats.fallbacks) if res else []
-                # -- decode: continued on another decode worker when this one is lost mid-stream, told to
-                # stop past the deadline or when the client leaves (cluster.control.migration)
-                stream = DecodeStream(self.backends, self.view, self.fault, m, plan, sampling, kv_salt,
-                                      tried["decode"], lambda aw: self._before(deadline, "decode", aw))
-                try:
-                    async for ev in stream.events(di, tid if own or (res is not None and res.transferred) else None,
-                                                  tid):
-                        if isinstance(ev, TokenEvent):
-                            if ttft is None:           # observed below, labelled with what executed
-                                ttft = time.perf_counter() - t0
-                                admission.first_token()     # out of the admission queue (a service sample)
-                                note_first_token()
-                                if clock is not None:
-                                    lap(clock, "decode_call")
-                                    clock.first_token = time.perf_counter()
-                            sent += 1
-                            yield ev
-                        else:
-                            summary = ev
-                except (GeneratorExit, asyncio.CancelledError):
-                    stream.abandon()
-                    raise
-                finally:
-                    stream.close()
-                # -- end of decode
-                fallbacks += list(summary.fallbacks)
+                async with aclosing(self._attempt(ctx, job, run)) as events:   # closed with the caller's
+                    async for ev in events:
+                        yield ev
                 break
             except WorkerLost as exc:
-                tried[exc.role].add(exc.index)
-                if sent == 0 and attempt < self.fault.retries:
-                    attempt += 1
-                    m.retries.labels(exc.role, "lost_before_first_token").inc()
-                    log.warning("request %s: %s before its first token; retrying on another worker (%d/%d)",
-                                plan.request_id, exc, attempt, self.fault.retries)
+                if not self._retry(job, run, exc):
+                    self._fail(ctx, job, run, exc)
+            except Exception as exc:
+                self._fail(ctx, job, run, exc)
+        yield self.account(ctx, job, run)
+
+    async def _attempt(self, ctx: RequestContext, job: PlannedRequest, run: _Run) -> AsyncIterator[TokenEvent]:
+        """One try on one pair of workers: place, grant, prefill, decode."""
+        decode_index = self.place(job, run)
+        transfer_id = f"{job.plan.request_id}-{uuid.uuid4().hex[:8]}"
+        self.view.begin("decode", decode_index, job.sampling.max_tokens)
+        try:
+            reply, result = ExpectReply(0, False), None
+            if job.plan.steps:
+                reply, result = await self._build(ctx, job, run, decode_index, transfer_id)
+            run.result = result
+            sent = reply.computes_rest or (result is not None and result.transferred)
+            djob = DecodeJob(job.plan.request_id, transfer_id if sent else None, job.plan.prefix_ids,
+                             job.plan.suffix_ids, job.sampling, run.kv_salt, reply.computes_rest, transfer_id)
+            async with aclosing(self.decode(ctx, job, run, decode_index, djob)) as events:
+                async for ev in events:
+                    yield ev
+        finally:
+            self.view.end("decode", decode_index, job.sampling.max_tokens)
+
+    # ---- 1. place -----------------------------------------------------------------------------
+    def place(self, job: PlannedRequest, run: _Run) -> int:
+        """A live decode worker (returned) and a live prefill worker (``run.prefill_index``): the
+        router's pick unless this request lost it."""
+        decode_index = self.view.pick_decode(exclude=run.tried["decode"])
+        if run.prefill_index in run.tried["prefill"] or not self.view.is_alive("prefill", run.prefill_index):
+            run.prefill_index = self.view.pick_prefill(None, exclude=run.tried["prefill"])
+        return decode_index
+
+    async def _build(self, ctx: RequestContext, job: PlannedRequest, run: _Run, decode_index: int,
+                     transfer_id: str) -> tuple[ExpectReply, PrefillResult | None]:
+        """Stages 2 and 3 with the prefill worker's load counted on it."""
+        prefill_index, tokens = run.prefill_index, job.plan.prompt_tokens
+        self.view.begin("prefill", prefill_index, tokens)
+        ctx.leases.release()                     # the pick's reservation becomes this call's load
+        try:
+            reply, credential = await self.grant(ctx, job, run, decode_index, transfer_id)
+            if reply.computes_rest:
+                return reply, None
+            pjob = PrefillJob(job.plan, transfer_id, credential, job.store_as, reply.held)
+            return reply, await self.prefill(ctx, job, run, decode_index, pjob)
+        finally:
+            self.view.end("prefill", prefill_index, tokens)
+
+    # ---- 2. grant -----------------------------------------------------------------------------
+    async def grant(self, ctx: RequestContext, job: PlannedRequest, run: _Run, decode_index: int,
+                    transfer_id: str) -> tuple[ExpectReply, str]:
+        """The decode worker accepts this block only: credential (the prefill worker's alone), shape,
+        dtype. Ship nothing twice: it says how much of the prefix it holds; build nothing twice:
+        holding up to the plan's ``forward_from`` it computes the rest itself and no prefill runs
+        (not for a session's context to store)."""
+        plan = job.plan
+        grant, credential = TransferGrant.issue(transfer_id, plan.model, self.dtype, plan.prefix_ids)
+        computes_from = None if job.store_as is not None and plan.session else plan.forward_from
+        ctx.lap("grant")
+        reply = await self._before(run.deadline, "prefill", self.backends.expect(
+            decode_index, TransferExpectation(grant, plan.prefix_ids, run.kv_salt, computes_from)))
+        ctx.lap("expect_call")
+        return reply, credential
+
+    # ---- 3. prefill ---------------------------------------------------------------------------
+    async def prefill(self, ctx: RequestContext, job: PlannedRequest, run: _Run, decode_index: int,
+                      pjob: PrefillJob) -> PrefillResult:
+        """Build and push the prefix; past the deadline or with the client gone the prefill worker
+        is told to stop."""
+        index = run.prefill_index
+        result = await prefill_or_cancel(self.backends, self.metrics, index, pjob.transfer_id, job.plan.request_id,
+                                         self._before(run.deadline, "prefill",
+                                                      self.backends.prefill(index, decode_index, pjob)))
+        ctx.lap("prefill_call")
+        ctx.add("prefill_build", result.seconds)       # what the prefill actor itself measured of that call
+        ctx.add("prefill_send", sum(v for k, v in result.stats.stages.items() if k in ("serialise", "transfer")))
+        return result
+
+    # ---- 4. decode ----------------------------------------------------------------------------
+    async def decode(self, ctx: RequestContext, job: PlannedRequest, run: _Run, decode_index: int,
+                     djob: DecodeJob) -> AsyncIterator[TokenEvent]:
+        """The decode worker's tokens (continued elsewhere when it is lost mid-stream, told to stop
+        past the deadline or when the client leaves); its summary kept in ``run.summary``."""
+        stream = DecodeStream(self.backends, self.view, self.fault, self.metrics, djob, job.plan.prompt_tokens,
+                              run.tried["decode"], lambda aw: self._before(run.deadline, "decode", aw))
+        try:
+            async for ev in stream.events(decode_index):
+                if not isinstance(ev, TokenEvent):
+                    run.summary = ev
                     continue
-                reason = "lost_mid_stream" if sent else "retries_exhausted"
-                m.retries.labels(exc.role, reason).inc()
-                m.count_request(kind, "worker_lost")
-                log.error("request %s failed: %s (%s after %d tokens)", plan.request_id, exc, reason, sent)
-                if sent:
-                    raise WorkerLost(exc.role, exc.index, f"{exc.reason} mid-stream after {sent} tokens; the answer "
-                                     "is incomplete, send the request again") from None
-                raise RequestError(503, f"{exc}; retried {attempt} time(s) without success, send the request "
-                                        "again", code="worker_lost") from None
-            except DeadlineExceeded as exc:
-                m.deadlines.labels(exc.stage).inc()
-                m.count_request(kind, "deadline")
-                log.warning("request %s: deadline passed during %s; worker told to stop", plan.request_id, exc.stage)
-                raise RequestError(504, str(exc), code="deadline_exceeded") from None
-            except RequestError:
-                m.count_request(kind, "client_error")
-                raise
-            except Exception:
-                m.count_request(kind, "error")
-                raise
-            finally:
-                self.view.end("decode", di, sampling.max_tokens)
+                if run.ttft is None:               # observed in account(), labelled with what executed
+                    run.ttft = time.perf_counter() - job.started
+                    ctx.first_token()              # out of the admission queue (a service sample)
+                    ctx.lap("decode_call")
+                    if ctx.clock is not None:
+                        ctx.clock.first_token = time.perf_counter()
+                run.sent += 1
+                yield ev
+        except (GeneratorExit, asyncio.CancelledError):
+            stream.abandon()
+            raise
+        finally:
+            stream.close()
 
-        yield self._account(plan, t0, ttft, res, summary, fallbacks, pi, tenant, clock)
+    # ---- retries and failures ---------------------------------------------------------------------
+    def _retry(self, job: PlannedRequest, run: _Run, exc: WorkerLost) -> bool:
+        """Whether a lost worker is retried elsewhere (before the first token, within ``request_retries``)."""
+        run.tried[exc.role].add(exc.index)
+        if run.sent or run.attempt >= self.fault.retries:
+            self.metrics.retries.labels(exc.role, "lost_mid_stream" if run.sent else "retries_exhausted").inc()
+            return False
+        run.attempt += 1
+        self.metrics.retries.labels(exc.role, "lost_before_first_token").inc()
+        log.warning("request %s: %s before its first token; retrying on another worker (%d/%d)",
+                    job.plan.request_id, exc, run.attempt, self.fault.retries)
+        return True
 
-    def _account(self, plan: RequestPlan, t0: float, ttft: float | None,
-                 res: PrefillResult | None, summary: DecodeSummary, fallbacks: list[str], pi: int,
-                 tenant: str | None, clock: StageClock | None = None) -> Finished:
+    def _fail(self, ctx: RequestContext, job: PlannedRequest, run: _Run, exc: Exception):
+        """Count the request by its status (:data:`FAILURES`) and raise what the caller sees."""
+        status, code, error = next((v for t, v in FAILURES.items() if isinstance(exc, t)), _OTHER)
+        self.metrics.count_request(job.kind, status, record=ctx.outcome)
+        if isinstance(exc, DeadlineExceeded):
+            self.metrics.deadlines.labels(exc.stage).inc()
+            log.warning("request %s: deadline passed during %s; worker told to stop", job.plan.request_id, exc.stage)
+        elif isinstance(exc, WorkerLost):
+            log.error("request %s failed: %s (%s after %d tokens)", job.plan.request_id, exc,
+                      "lost_mid_stream" if run.sent else "retries_exhausted", run.sent)
+            if run.sent:
+                raise WorkerLost(exc.role, exc.index, f"{exc.reason} mid-stream after {run.sent} tokens; the answer "
+                                 "is incomplete, send the request again") from None
+            raise RequestError(code, f"{exc}; retried {run.attempt} time(s) without success, send the request "
+                                     "again", code=error) from None
+        if code is None:
+            raise exc
+        raise RequestError(code, str(exc), code=error) from None
+
+    # ---- 5. account ---------------------------------------------------------------------------
+    def account(self, ctx: RequestContext, job: PlannedRequest, run: _Run) -> Finished:
         """Record what executed (not what was planned) and build the request's last event."""
-        m = self.metrics
-        kind = plan.kind.value
-        if ttft is None:                           # no token at all (immediate EOS): TTFT is the whole call
-            ttft = time.perf_counter() - t0
-            admission.first_token()
+        m, plan, res, summary = self.metrics, job.plan, run.result, run.summary
+        if run.ttft is None:                       # no token at all (immediate EOS): TTFT is the whole call
+            run.ttft = time.perf_counter() - job.started
+            ctx.leave_queue()
+        fallbacks = (list(res.stats.fallbacks) if res else []) + list(summary.fallbacks)
         # what executed: a fallback that recomputed the prefix (a missing chunk, a refused or lost
         # block) makes the request a recompute, whatever was planned
-        executed = "recompute" if any(f not in STORE_ONLY_FALLBACKS for f in fallbacks) else kind
-        m.ttft.labels(executed).observe(ttft)
-        m.count_request(executed, "ok", fallbacks[0] if fallbacks else "")
+        executed = "recompute" if any(f not in STORE_ONLY_FALLBACKS for f in fallbacks) else job.kind
+        m.ttft.labels(executed).observe(run.ttft)
+        m.count_request(executed, "ok", fallbacks[0] if fallbacks else "", record=ctx.outcome)
         for f in fallbacks:
             m.record_fallback(f)
-        # usage.cached_tokens: exactly the prompt tokens nobody computed for this request
-        sources = prompt_sources(plan, res, summary)
+        sources = prompt_sources(plan, res, summary)    # usage.cached_tokens: the prompt tokens nobody computed
         for src, n in sources.items():
             m.prompt_tokens.labels(src).inc(n)
-        cached = sum(sources[k] for k in CACHED_SOURCES)
-        if res is not None:
-            m.tier_rewarms.inc(res.stats.rewarmed)
-            m.chunk_variants.inc(res.stats.variants_compiled)
-            if res.transferred:
-                m.transfer_bytes.labels(res.transport or "grpc").inc(res.transfer_bytes)
-                m.transfer_seconds.labels(res.transport or "grpc").observe(res.transfer_seconds)
-        transport = res.transport if res is not None and res.transferred else ""
+        transport = self._account_transfer(res)
         got = {**(res.stats.stages if res is not None else {}), **dict(summary.stages)}
         stages = tuple((k, got[k]) for k in STAGES if k in got)
         for k, sec in stages:
             m.stage_seconds.labels(k, transport or "none").observe(sec)
-        self.guard.after_response(plan, tenant or self.default_tenant, pi)   # shadow check: fire and forget
-        return Finished(plan, summary, ttft, plan.prompt_tokens, cached, tuple(fallbacks),
-                        bool(res is not None and res.stored), stages, transport, tuple(sources.items()), clock)
+        self.guard.after_response(plan, ctx.tenant or self.default_tenant, run.prefill_index)   # fire and forget
+        return Finished(plan, summary, run.ttft, plan.prompt_tokens, sum(sources[k] for k in CACHED_SOURCES),
+                        tuple(fallbacks), bool(res is not None and res.stored), stages, transport,
+                        tuple(sources.items()), ctx.clock)
+
+    def _account_transfer(self, res: PrefillResult | None) -> str:
+        """Count the prefill worker's tier and transfer work; the transport that carried the block ("": none)."""
+        if res is None:
+            return ""
+        m = self.metrics
+        m.tier_rewarms.inc(res.stats.rewarmed)
+        m.chunk_variants.inc(res.stats.variants_compiled)
+        if not res.transferred:
+            return ""
+        m.transfer_bytes.labels(res.transport or "grpc").inc(res.transfer_bytes)
+        m.transfer_seconds.labels(res.transport or "grpc").observe(res.transfer_seconds)
+        return res.transport
 
     @staticmethod
     async def _before(deadline: float, stage: str, aw):

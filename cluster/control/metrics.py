@@ -7,7 +7,7 @@ Workers do not export metrics themselves: every worker result carries its measur
 """
 from __future__ import annotations
 
-from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -16,12 +16,10 @@ from kvruntime.messages.decode import DecodeSummary
 from kvruntime.messages.plan import PlanKind, RequestPlan
 from kvruntime.messages.prefill import PrefillResult
 
-PLAN_KINDS = tuple(k.value for k in PlanKind)
+if TYPE_CHECKING:
+    from cluster.control.context import OutcomeRecord
 
-# One holder per HTTP request (set by the API layer): the router marks the request counted when it
-# records its final status, so the API layer counts only what never reached the router (auth,
-# limits, bad bodies, planning errors) or ended without a status (a client that went away).
-REQUEST_ACCOUNT: ContextVar[dict | None] = ContextVar("kvnotes_request_account", default=None)
+PLAN_KINDS = tuple(k.value for k in PlanKind)
 
 _STATUS_BY_CODE = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large", 429: "rate_limited",
                    503: "unavailable", 504: "deadline"}
@@ -73,27 +71,6 @@ def prompt_sources(plan: RequestPlan, res: PrefillResult | None, summary: Decode
     return out
 
 
-def begin_request() -> dict:
-    """Start the accounting of one HTTP request (API layer); returns its holder."""
-    acct = {"counted": False}
-    REQUEST_ACCOUNT.set(acct)
-    return acct
-
-
-def note_plan(kind: str) -> None:
-    """The router planned the current request as ``kind`` (its label if it is abandoned)."""
-    acct = REQUEST_ACCOUNT.get()
-    if acct is not None:
-        acct["plan"] = kind
-
-
-def note_first_token() -> None:
-    """The current request's first token is out (a cancel after it is ``cancelled_after_first_token``)."""
-    acct = REQUEST_ACCOUNT.get()
-    if acct is not None:
-        acct["first_token"] = True
-
-
 # status label -> outcome label of kvnotes_requests_total (anything else: error)
 _OUTCOMES = {"ok": "ok", "shed": "shed", "deadline": "timed_out", "client_error": "rejected", "unauthorized": "rejected",
              "forbidden": "rejected", "not_found": "rejected", "too_large": "rejected", "rate_limited": "rejected"}
@@ -101,12 +78,14 @@ OUTCOMES = ("ok", "error", "rejected", "shed", "timed_out", "cancelled_before_fi
             "cancelled_after_first_token")
 
 
-def outcome_of(status: str, acct: dict | None) -> str:
+def outcome_of(status: str, record: "OutcomeRecord | None") -> str:
     """The ``outcome`` of a request counted with ``status``: ok, error (the server's), rejected (the
     caller's mistake or its in-flight limit), shed (refused at admission: cluster.control.admission),
     timed_out (its deadline passed), cancelled before / after its first token (the client left)."""
     if status == "cancelled":
-        return "cancelled_after_first_token" if (acct or {}).get("first_token") else "cancelled_before_first_token"
+        return record.cancel_outcome if record is not None else "cancelled_before_first_token"
+    if record is not None and record.shed:
+        return "shed"
     return _OUTCOMES.get(status, "error")
 
 
@@ -135,6 +114,13 @@ class Metrics:
                                 registry=r)
         self.prompt_tokens = Counter("kvnotes_prompt_tokens_total",
                                      "Prompt tokens by where their KV came from", ["source"], registry=r)
+        self.reused_tokens = Counter("kvnotes_reused_tokens_total", "Prompt tokens nobody computed, by kind of "
+                                     "reuse: exact, composed (repositioned chunks), edited (a held prompt's KV "
+                                     "edited); usage.prompt_tokens_details splits the same way", ["kind"], registry=r)
+        self.reuse_misses = Counter("kvnotes_reuse_miss_total", "Prompt tokens computed although prompt matching ran, "
+                                    "by why they were not reused", ["reason"], registry=r)
+        self.recurring_spans = Counter("kvnotes_recurring_spans_total", "Spans recurring across a tenant's prompts, "
+                                       "compiled on their own, by outcome", ["outcome"], registry=r)
         self.tier_hits = Counter("kvnotes_tier_hits_total", "KV tier lookups that hit", ["tier"], registry=r)
         self.tier_lookups = Counter("kvnotes_tier_lookups_total", "KV tier lookups", ["tier"], registry=r)
         self.transfer_bytes = Counter("kvnotes_kv_transfer_bytes_total", "KV bytes moved prefill -> decode",
@@ -238,6 +224,8 @@ class Metrics:
             self.shed.labels(reason)                # zeros: the first shed is an increase rate() sees
         for src in PROMPT_SOURCES:
             self.prompt_tokens.labels(src)  # export zeros so dashboards show the series from start
+        for kind in ("exact", "composed", "edited"):
+            self.reused_tokens.labels(kind)
         for reason in KNOWN_FALLBACKS:
             self.fallbacks.labels(reason)           # zeros: a first fallback is an increase rate() can see
         for plan in PLAN_KINDS:                     # same for every plan's first request and first TTFT
@@ -260,17 +248,17 @@ class Metrics:
             for t in (*sorted(self.tenant_labels), "other", "none"):
                 self.requests.labels(plan, "ok", "", t, "ok")
 
-    def count_request(self, plan: str, status: str, fallback: str = "", outcome: str | None = None) -> None:
-        """The one place a request's final status is counted; marks the current HTTP request.
-        The tenant label is the request's tenant only for those named in ``tenant_labels``
-        (config ``metrics_tenants``: bounded cardinality), "other" for the rest, "none" before
-        authentication."""
-        acct = REQUEST_ACCOUNT.get()
-        tenant = (acct or {}).get("tenant")
+    def count_request(self, plan: str, status: str, fallback: str = "", *,
+                      record: "OutcomeRecord | None" = None) -> None:
+        """The one place a request's final status is counted; marks ``record`` (the request's
+        :class:`~cluster.control.context.OutcomeRecord`) counted. The tenant label is the request's
+        tenant only for those named in ``tenant_labels`` (config ``metrics_tenants``: bounded
+        cardinality), "other" for the rest, "none" before authentication (or without a record)."""
+        tenant = record.tenant if record is not None else None
         label = "none" if tenant is None else (tenant if tenant in self.tenant_labels else "other")
-        self.requests.labels(plan, status, fallback, label, outcome or outcome_of(status, acct)).inc()
-        if acct is not None:
-            acct["counted"] = True
+        self.requests.labels(plan, status, fallback, label, outcome_of(status, record)).inc()
+        if record is not None:
+            record.mark_counted()
 
     def record_fallback(self, reason: str) -> None:
         self.fallbacks.labels(reason).inc()

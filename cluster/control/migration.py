@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 from cluster.control.cancel import cancel_soon
 from cluster.control.metrics import Metrics
 from cluster.control.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
-from kvruntime.messages.decode import Continuation, DecodeSummary, SamplingParams, TokenEvent
-from kvruntime.messages.plan import RequestPlan
+from kvruntime.messages.decode import Continuation, DecodeJob, DecodeSummary, TokenEvent
 
 if TYPE_CHECKING:
     from cluster.control.backends import Backends
@@ -37,14 +36,16 @@ MIGRATED = "decode_migrated"      # the fallback a migrated request records: its
 class DecodeStream:
     """One request's decode events, migrated to another worker on a mid-stream loss (module doc).
 
-    ``before(aw)`` awaits ``aw`` within the request's deadline (raises DeadlineExceeded);
-    ``tried``: decode worker indices this request already lost (updated here)."""
+    ``job``: the first worker's call; ``prompt_tokens``: the plan's (a migrated summary's
+    prompt-cache counts are bounded by it); ``before(aw)`` awaits ``aw`` within the request's
+    deadline (raises DeadlineExceeded); ``tried``: decode worker indices this request already
+    lost (updated here)."""
 
     def __init__(self, backends: "Backends", view: WorkerView, fault: FaultPolicy, metrics: Metrics,
-                 plan: RequestPlan, sampling: SamplingParams, salt: str, tried: set[int],
-                 before: Callable[[Awaitable], Awaitable]):
+                 job: DecodeJob, prompt_tokens: int, tried: set[int], before: Callable[[Awaitable], Awaitable]):
         self.backends, self.view, self.fault, self.metrics = backends, view, fault, metrics
-        self.plan, self.sampling, self.salt, self.tried, self.before = plan, sampling, salt, tried, before
+        self.job, self.prompt_tokens, self.tried, self.before = job, prompt_tokens, tried, before
+        self.request_id, self.sampling = job.request_id, job.sampling
         self.tokens: list[int] = []        # token ids streamed so far (from every worker)
         self.text: list[str] = []          # their events' text
         self.migrations = 0
@@ -53,16 +54,14 @@ class DecodeStream:
         self._can_cancel = backends.cancels
         self._loads: list[tuple[int, int]] = []   # (worker, tokens) this stream added to the view
 
-    async def events(self, index: int, transfer_id: str | None, key: str) -> AsyncIterator[TokenEvent | DecodeSummary]:
-        """Tokens from worker ``index`` (the block ``transfer_id`` pushed to it, or None), then from
-        the workers it migrates to; last a DecodeSummary covering the whole request."""
+    async def events(self, index: int) -> AsyncIterator[TokenEvent | DecodeSummary]:
+        """Tokens from worker ``index`` (the job's block pushed to it, if any), then from the workers
+        it migrates to; last a DecodeSummary covering the whole request."""
+        job = self.job
         cont: Continuation | None = None
-        base = key
         while True:
-            self.index, self.key = index, key
-            gen = self.backends.decode(index, transfer_id, self.plan.prefix_ids, self.plan.suffix_ids,
-                                       self.sampling, self.salt, cancel_key=key, continuation=cont,
-                                       request_id=self.plan.request_id)
+            self.index, self.key = index, job.cancel_key
+            gen = self.backends.decode(index, job)
             try:
                 async for ev in self._read(gen):
                     if isinstance(ev, TokenEvent):
@@ -76,14 +75,16 @@ class DecodeStream:
                 if exc.role != "decode" or not self.tokens:
                     raise                       # before the first token: the runner retries the request
                 self.tried.add(exc.index)
-                nxt = self._next_worker(exc)
+                index = self._next_worker(exc)
                 self.migrations += 1
                 self.metrics.retries.labels("decode", "migrated").inc()
                 log.warning("request %s: %s after %d tokens; continuing on decode-%d with the prompt plus those "
-                            "tokens (migration %d/%d)", self.plan.request_id, exc, len(self.tokens), nxt,
+                            "tokens (migration %d/%d)", self.request_id, exc, len(self.tokens), index,
                             self.migrations, self.fault.decode_migrations)
                 cont = Continuation(tuple(self.tokens), "".join(self.text))
-                index, transfer_id, key = nxt, None, f"{base}~m{self.migrations}"
+                # no block comes: the new worker computes the prompt plus the streamed tokens itself
+                job = dataclasses.replace(self.job, transfer_id=None, computes_rest=False, continuation=cont,
+                                          cancel_key=f"{self.job.cancel_key}~m{self.migrations}")
                 left = self._left()
                 self.view.begin("decode", index, left)     # released by close()
                 self._loads.append((index, left))
@@ -95,20 +96,20 @@ class DecodeStream:
         """Another live decode worker, or the loss re-raised (no budget, none alive)."""
         if self.migrations >= self.fault.decode_migrations:
             log.error("request %s: %s after %d tokens; %d migration(s) allowed (decode_migrations), all used",
-                      self.plan.request_id, exc, len(self.tokens), self.fault.decode_migrations)
+                      self.request_id, exc, len(self.tokens), self.fault.decode_migrations)
             raise exc
         try:
             return self.view.pick_decode(exclude=self.tried)
         except NoLiveWorker as none:
             log.error("request %s: %s after %d tokens and no decode worker to continue on (%s)",
-                      self.plan.request_id, exc, len(self.tokens), none)
+                      self.request_id, exc, len(self.tokens), none)
             raise exc from None
 
     def _migrated_summary(self, s: DecodeSummary) -> DecodeSummary:
         """The last worker's summary, marked as a recompute (its prompt KV was computed there, not
         received) and with prompt-cache counts bounded by the request's prompt."""
         return dataclasses.replace(s, fallbacks=(*s.fallbacks, MIGRATED),
-                                   cached_tokens=min(s.cached_tokens, self.plan.prompt_tokens),
+                                   cached_tokens=min(s.cached_tokens, self.prompt_tokens),
                                    loaded_tokens=0)
 
     async def _read(self, gen) -> AsyncIterator[TokenEvent | DecodeSummary]:
@@ -128,7 +129,7 @@ class DecodeStream:
         """The consumer went away (client gone): tell the current worker to stop, without waiting."""
         if self._can_cancel and self.index is not None:
             self.metrics.cancels.labels("decode", "client_gone").inc()
-            log.info("request %s: client gone; decode-%d told to stop", self.plan.request_id, self.index)
+            log.info("request %s: client gone; decode-%d told to stop", self.request_id, self.index)
             cancel_soon(self.backends.cancel(self.index, self.key))
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ load-balanced handles would hide.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import ray
 
@@ -212,25 +213,21 @@ class RayBackends(Backends):
                 self._lost("prefill", i, exc)
         return out
 
-    async def expect(self, decode_index: int, grant, prefix, salt: str, computes_from: int | None = None) -> int:
+    async def expect(self, decode_index: int, expectation):
         try:
-            return await self.decode_actors[decode_index].expect.remote(grant, prefix, salt, computes_from)
+            return await self.decode_actors[decode_index].expect.remote(expectation)
         except ACTOR_LOST as exc:
             raise self._lost("decode", decode_index, exc) from None
 
-    async def prefill(self, index: int, plan, decode_index: int, transfer_id: str, store_as, *, credential: str,
-                      send_from: int = 0):
+    async def prefill(self, index: int, decode_index: int, job):
         try:
-            return await self.prefill_actors[index].execute.remote(plan, self.endpoints[decode_index], transfer_id,
-                                                                   store_as, credential, send_from)
+            return await self.prefill_actors[index].execute.remote(replace(job, decode=self.endpoints[decode_index]))
         except ACTOR_LOST as exc:
             raise self._lost("prefill", index, exc) from None
 
-    async def decode(self, index: int, transfer_id, prefix, suffix, sampling, salt: str, *,
-                     cancel_key: str | None = None, continuation=None, request_id: str | None = None):
+    async def decode(self, index: int, job):
         try:
-            gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(
-                transfer_id, prefix, suffix, sampling, salt, cancel_key, continuation, request_id)
+            gen = self.decode_actors[index].generate.options(num_returns="streaming").remote(job)
             async for ref in gen:
                 yield await ref
         except ACTOR_LOST as exc:

@@ -25,6 +25,7 @@ from cluster.control.metrics import Metrics
 from cluster.control.planner import FidelityTarget, PlannerConfig, choose_edit_kind, choose_edits_by_answers
 from cluster.control.pricing import TokenBudget
 from cluster.control.prompt_index import PromptIndex
+from cluster.control.prompt_match import PromptMatcher
 from cluster.control.registration import Registrations
 from cluster.control.registry import Registry
 from cluster.control.render import Renderer
@@ -61,10 +62,12 @@ class Router:
                                     limits.default_tenant)
         self.lookup = TierLookup(backends, self.metrics)
         self.prompt_index = PromptIndex(state, self.metrics, self.lookup)
+        self.matcher = PromptMatcher(state, backends, self.metrics, self.lookup, renderer.chunk_position,
+                                     policy.matching, decode=lambda ids: renderer.tok.decode(ids))
         self.registrations = Registrations(backends, renderer, self.metrics, self.lookup, limits, self.salt)
         self.streams = RequestStreams(renderer, self.view, self.metrics, self.runner, self.lookup, self.prompt_index,
                                       SessionStore(state), UsageMarks(state, self.metrics), limits,
-                                      self.default_policy, self.salt, lambda: self.planner_config)
+                                      self.default_policy, self.salt, lambda: self.planner_config, self.matcher)
         backends.start_health(self.metrics)
 
     def _guard(self, policy: PolicySection) -> FidelityGuard:
@@ -103,10 +106,18 @@ class Router:
 
     # ---- registration (cluster.control.registration) ----------------------------------------------
     async def register_chunk(self, kind: str, tenant: str, name: str, text: str) -> dict:
-        return await self.registrations.register_chunk(kind, tenant, name, text)
+        out = await self.registrations.register_chunk(kind, tenant, name, text)
+        reg = self.state.get_registration(tenant, kind, name)
+        if reg is not None:              # found in any prompt at any offset from now on (prompt matching)
+            self.matcher.index_chunk(tenant, kind, name, reg.token_ids)
+        return out
 
     async def delete_chunk(self, kind: str, tenant: str, name: str) -> dict:
-        return await self.registrations.delete_chunk(kind, tenant, name)
+        reg = self.state.get_registration(tenant, kind, name)
+        out = await self.registrations.delete_chunk(kind, tenant, name)
+        if reg is not None:
+            self.matcher.unindex_chunk(tenant, reg.token_ids)
+        return out
 
     async def listing(self, kind: str, tenant: str) -> list[dict]:
         return await self.registrations.listing(kind, tenant)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.control.compose_choice import FidelityTarget
+from cluster.control.matching import MatchConfig
 from kvruntime.config.shadow import ShadowConfig
 
 
@@ -36,3 +37,4 @@ class PolicySection:
     fast_min_top1: float | None = None
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     decode_computes_cold: bool = False       # vLLM: a prompt reusing nothing runs no prefill
+    matching: MatchConfig = field(default_factory=MatchConfig)   # plain prompts matched past their exact prefix

@@ -8,17 +8,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from cluster.control.errors import RequestError
-from cluster.control.lifecycle import CLOCK, Finished, RequestRunner, lap
+from cluster.control.context import Leases, RequestContext
+from cluster.control.lifecycle import Finished, PlannedRequest, RequestRunner
 from cluster.control.metrics import Metrics
 from cluster.control.planner import PlannerConfig, RenderedRequest, SessionContext, TierView, frame_variant, \
     plan_request
 from cluster.control.pricing import TokenBudget, exceeds_message
 from cluster.control.prompt_index import PROMPT_BLOCK, PromptIndex, prompt_hash
+from cluster.control.prompt_match import PromptMatcher, count_reuse, prompt_store_as
 from cluster.control.render import Renderer
 from cluster.control.router_sections import LimitsSection
 from cluster.control.routing import NoLiveWorker, WorkerView
@@ -37,11 +38,12 @@ class RequestStreams:
     def __init__(self, renderer: Renderer, view: WorkerView, metrics: Metrics, runner: RequestRunner,
                  lookup: "TierLookup", index: PromptIndex, sessions: SessionStore, marks: UsageMarks,
                  limits: LimitsSection, default_policy: Policy, salt: Callable[[str], str],
-                 planner_config: Callable[[], PlannerConfig]):
+                 planner_config: Callable[[], PlannerConfig], matcher: "PromptMatcher"):
         self.renderer, self.view, self.metrics, self.runner = renderer, view, metrics, runner
         self.lookup, self.index, self.sessions, self.marks = lookup, index, sessions, marks
         self.limits, self.default_policy, self.salt = limits, default_policy, salt
         self.planner_config = planner_config
+        self.matcher = matcher               # plain prompts past their exact prefix (cluster.control.prompt_match)
 
     # ---- budget -------------------------------------------------------------------------------
     def budget(self, sampling: SamplingParams) -> TokenBudget:
@@ -60,75 +62,68 @@ class RequestStreams:
                                                     self.limits.context_window), code="context_length_exceeded")
 
     # ---- entry points ---------------------------------------------------------------------------
-    async def stream_native(self, *a, **kw) -> AsyncIterator[TokenEvent | Finished]:
-        """A native request's events. ``request_id``: the request's id from the edge (the plan's,
-        every transfer's prefix and every worker message's; drawn here when None)."""
-        async for ev in self._leased(self._stream_native, *a, **kw):
-            yield ev
-
-    async def stream_prompt(self, *a, **kw) -> AsyncIterator[TokenEvent | Finished]:
-        async for ev in self._leased(self._stream_prompt, *a, **kw):
-            yield ev
-
-    async def _leased(self, fn, *a, **kw):
-        """Run a request holding the prefill lease its pick took, released at the latest here."""
-        leases: list = []
+    async def stream_native(self, ctx: RequestContext, segments: list[dict], *, session: str | None,
+                            sampling: SamplingParams, edit: str = "auto") -> AsyncIterator[TokenEvent | Finished]:
+        """A native request's events (``ctx``: its id, tenant, policy, deadline, clock, outcome,
+        ticket and leases, made at the edge)."""
         try:
-            async for ev in fn(leases, *a, **kw):
+            async for ev in self._stream_native(ctx, segments, session, sampling, edit):
                 yield ev
         finally:
-            for lease in leases:
-                lease.release()
+            ctx.leases.release()      # the pick's reservation, at the latest here
 
-    def pick_prefill(self, sticky: str | None, leases: list) -> int:
+    async def stream_prompt(self, ctx: RequestContext, prompt_ids: list[int], *, sampling: SamplingParams,
+                            messages: tuple = ()) -> AsyncIterator[TokenEvent | Finished]:
+        """A plain prompt's events (the OpenAI endpoints: one call per choice). ``messages``:
+        (index, role, first token, end) of each chat message's content in ``prompt_ids``
+        (``Renderer.chat_ids``), for ``explain`` to name where a prompt diverges."""
+        try:
+            async for ev in self._stream_prompt(ctx, prompt_ids, sampling, messages):
+                yield ev
+        finally:
+            ctx.leases.release()
+
+    def pick_prefill(self, sticky: str | None, leases: Leases) -> int:
         """Sessions and prompt prefixes prefer one prefill actor (its local tier holds their KV;
         with a shared tier any actor would find them), within a load cap (``cluster.control.routing``)."""
         try:
             index = self.view.pick_prefill(sticky or None)
         except NoLiveWorker as exc:
             raise RequestError(503, str(exc), code="no_live_worker") from None
-        leases.append(self.view.lease("prefill", index))
+        leases.add(self.view.lease("prefill", index))
         return index
 
     # ---- native -------------------------------------------------------------------------------
-    async def _stream_native(self, leases: list, tenant: str, segments: list[dict], *, policy: str | None,
-                             session: str | None, sampling: SamplingParams, edit: str = "auto",
-                             deadline_s: float | None = None,
-                             request_id: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
-        t0 = time.perf_counter()
-        clock = CLOCK.get()
-        lap(clock, "validate")               # since the body was read: the API layer's checks
+    async def _stream_native(self, ctx: RequestContext, segments: list[dict], session: str | None,
+                             sampling: SamplingParams, edit: str) -> AsyncIterator[TokenEvent | Finished]:
+        started, tenant = time.perf_counter(), ctx.tenant
+        ctx.lap("validate")                  # since the body was read: the API layer's checks
         salt = self.salt(tenant)
         budget = self.budget(sampling)       # the renderer prices the segments, then charges each one
-        req = replace(await asyncio.to_thread(self.renderer.render, request_id or uuid.uuid4().hex, tenant, segments,
-                                              Policy(policy or self.default_policy.value), session, salt, budget),
+        req = replace(await asyncio.to_thread(self.renderer.render, ctx.request_id, tenant, segments,
+                                              Policy(ctx.policy or self.default_policy.value), session, salt, budget),
                       edit_strategy=edit)      # rendered off the event loop
-        lap(clock, "render")
+        ctx.lap("render")
         sess = self.sessions.get(tenant, session) if session else None
-        ids = tuple(t for seg in req.context for t in seg.token_ids)
-        # a context outside a session sticks like a plain prompt, by its first block: a repeat lands on
-        # the prefill worker whose tier holds it (round robin missed it and composed it again)
-        sticky = f"{tenant}|{session}" if session else (
-            prompt_hash(tenant, ids[:PROMPT_BLOCK]) if len(ids) >= PROMPT_BLOCK else None)
-        prefill_index = self.pick_prefill(sticky, leases)
+        prefill_index = self.pick_prefill(f"{tenant}|{session}" if session else None, ctx.leases)
         variant = frame_variant(req.context)       # the first chunk after the frame: exact reuse
         refs = [s.kv for s in req.context if s.kv is not None] + ([sess.context] if sess else []) \
             + ([variant] if variant is not None else [])
-        present = await self.lookup.present(refs, prefill_index, clock)
+        present = await self.lookup.present(refs, prefill_index, ctx.clock)
         now = time.time()
         marks = [(s.kind, s.name, s.kv.digest in present) for s in req.context if s.kv is not None]
-        lap(clock, "lookup_state")               # session, pick, tier lookup (explain.control.worker)
+        ctx.lap("lookup_state")                  # session, pick, tier lookup (explain.control.worker)
         try:
             if sess is not None and sess.context.digest not in present:
                 self.metrics.record_fallback("session_context_evicted")
                 log.warning("session %s: cached context no longer in the tier; planning from scratch", session)
                 sess = None
-            plan = await self._plan_native(req, frozenset(present), sess, tenant, salt, prefill_index, clock)
+            plan = await self._plan_native(req, frozenset(present), sess, tenant, salt, prefill_index, ctx)
             self.check_budget(plan.prompt_tokens, sampling)
             store_as = _native_store_as(plan, session, salt)
-            lap(clock, "plan")
-            async for ev in self.runner.run(plan, sampling, t0, store_as, prefill_index, salt, deadline_s, leases,
-                                            tenant, clock):
+            ctx.lap("plan")
+            job = PlannedRequest(plan, sampling, store_as, prefill_index, salt, started)
+            async for ev in self.runner.run(ctx, job):
                 if isinstance(ev, Finished):
                     self._finished_native(tenant, req, sess, plan, store_as, ev)
                 yield ev
@@ -141,13 +136,14 @@ class RequestStreams:
 
     def _finished_native(self, tenant: str, req: RenderedRequest, sess: SessionContext | None, plan: RequestPlan,
                          store_as: KVRef | None, fin: Finished) -> None:
+        count_reuse(self.metrics, fin)
         if req.session:
             self._remember(tenant, req, sess, plan, store_as if fin.stored else None)
         elif fin.stored and store_as is not None and store_as.exact:
             self.index.record(tenant, store_as.token_ids)
 
     async def _plan_native(self, req: RenderedRequest, present: frozenset, sess, tenant: str, salt: str,
-                           prefill_index: int, clock=None) -> RequestPlan:
+                           prefill_index: int, ctx: RequestContext) -> RequestPlan:
         """Plan a native request; outside a session, the whole context is first looked up as KV the
         tier holds: the exact prefix (the prompt index: an earlier exact plan or plain prompt with
         these tokens) is reused under every policy; else the plan's own recipe, when an earlier
@@ -157,16 +153,16 @@ class RequestStreams:
         hit_kv, hit = None, 0
         if len(ids) >= PROMPT_BLOCK:                # the exact prefix first, in a session too (planner._reuse_first)
             ref = KVRef(ids, 0, salt)
-            if self.index.indexed(tenant, ids) and await self.index.held_whole(ref, prefill_index, clock):
+            if self.index.indexed(tenant, ids) and await self.index.held_whole(ref, prefill_index, ctx.clock):
                 held = ref
             else:                                   # else the longest exact prefix held (whole blocks)
-                hit_kv, hit = await self.index.longest_held(tenant, salt, ids, prefill_index, clock)
+                hit_kv, hit = await self.index.longest_held(tenant, salt, ids, prefill_index, ctx.clock)
         config = self.planner_config()
         plan = plan_request(req, TierView(present, prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv, held_context=held),
                             sess, self.renderer.encode, config)
         if held is None and lone and plan.approx and len(ids) >= PROMPT_BLOCK:
             ref = KVRef(ids, 0, salt, plan.approx)
-            if await self.index.held_whole(ref, prefill_index, clock):
+            if await self.index.held_whole(ref, prefill_index, ctx.clock):
                 plan = plan_request(req, TierView(present, held_context=ref), sess, self.renderer.encode, config)
         return plan
 
@@ -185,30 +181,29 @@ class RequestStreams:
             self.sessions.put(tenant, SessionContext(req.session, stored_as, req.context, plan.prefix_ids, fields, 0))
 
     # ---- plain prompts --------------------------------------------------------------------------
-    async def _stream_prompt(self, leases: list, tenant: str, prompt_ids: list[int], *, policy: str | None,
-                             sampling: SamplingParams, deadline_s: float | None = None,
-                             request_id: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
-        t0 = time.perf_counter()
-        clock = CLOCK.get()
-        lap(clock, "validate")               # since the body was read: the API layer's checks
+    async def _stream_prompt(self, ctx: RequestContext, prompt_ids: list[int], sampling: SamplingParams,
+                             messages: tuple = ()) -> AsyncIterator[TokenEvent | Finished]:
+        started, tenant = time.perf_counter(), ctx.tenant
+        ctx.lap("validate")                  # since the body was read: the API layer's checks
         salt = self.salt(tenant)
         self.check_budget(len(prompt_ids), sampling)
-        req = self.renderer.render_prompt(request_id or uuid.uuid4().hex, prompt_ids,
-                                          Policy(policy or self.default_policy.value))
+        req = self.renderer.render_prompt(ctx.request_id, prompt_ids, Policy(ctx.policy or self.default_policy.value))
         prefix = tuple(req.context[0].token_ids) if req.context else ()
         sticky = prompt_hash(tenant, prefix[:PROMPT_BLOCK]) if len(prefix) >= PROMPT_BLOCK else None
-        prefill_index = self.pick_prefill(sticky, leases)
-        lap(clock, "render")
-        hit_kv, hit = await self.index.longest_held(tenant, salt, prefix, prefill_index, clock)
-        lap(clock, "lookup_state")
-        plan = plan_request(req, TierView(prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv), None,
-                            self.renderer.encode, self.planner_config())
-        store_as = KVRef(prefix, 0, salt) if len(prefix) >= PROMPT_BLOCK and hit < len(prefix) else None
-        lap(clock, "plan")
-        async for ev in self.runner.run(plan, sampling, t0, store_as, prefill_index, salt, deadline_s, leases,
-                                        tenant, clock):
-            if isinstance(ev, Finished) and ev.stored:
-                self.index.record(tenant, prefix)
+        prefill_index = self.pick_prefill(sticky, ctx.leases)
+        ctx.lap("render")
+        hit_kv, hit = await self.index.longest_held(tenant, salt, prefix, prefill_index, ctx.clock)
+        ctx.lap("lookup_state")
+        # the rest matched at any offset (chunks, a held prompt it edits), planned by the native rules
+        plan, matched = await self.matcher.plan(req, tenant, salt, hit, hit_kv, prefill_index, self.renderer.encode,
+                                                self.planner_config(), messages, ctx.clock)
+        store_as = prompt_store_as(plan, prefix, salt, hit)
+        ctx.lap("plan")
+        async for ev in self.runner.run(ctx, PlannedRequest(plan, sampling, store_as, prefill_index, salt, started)):
+            if isinstance(ev, Finished):
+                if ev.stored and store_as is not None and store_as.exact:
+                    self.index.record(tenant, prefix)
+                self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index)
             yield ev
 
 

@@ -18,6 +18,7 @@ import time
 import anyio
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from cluster.control.context import RequestContext
 from cluster.control.errors import RequestError
 from cluster.http.errors import internal_error_json
 from cluster.control.routing import WorkerLost
@@ -189,26 +190,28 @@ async def _events(view: _View, streams, rid: str):
     yield b"data: [DONE]\n\n"
 
 
-async def openai_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str, *,
+async def openai_complete(router: Router, limits: RequestLimits, body: dict, ctx: RequestContext, *,
                           chat: bool) -> Response:
     """``/v1/completions`` and ``/v1/chat/completions``: prepared, started and answered in stages
     (``cluster.http.completion``)."""
+    rid = ctx.request_id
     prep = await prepare(router, limits, body, chat=chat)
-    streams = await start(router, tenant, prep, rid)
+    streams = await start(router, ctx, prep)
     view = _View(router, prep, rid, prep.req.explain)
     if not prep.req.stream:
         return JSONResponse(view.whole(await drain(streams)))
     return StreamingResponse(_events(view, streams, rid), media_type="text/event-stream")
 
 
-async def notes_complete(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str) -> Response:
+async def notes_complete(router: Router, limits: RequestLimits, body: dict, ctx: RequestContext) -> Response:
     req = native_request(body, limits, model=router.served_model, vocab=len(router.renderer.tok))
     stream, explain = req.stream, req.explain
     constraint, _ = await anyio.to_thread.run_sync(functools.partial(structured, router, body, chat=False))
     sampling = dataclasses.replace(req.sampling, constraint=constraint)
-    first, gen = await _primed(router.stream_native(tenant, req.segments, policy=req.policy, session=req.session,
-                                                    sampling=sampling, edit=req.edit, deadline_s=req.deadline_s,
-                                                    request_id=rid))
+    rid = ctx.request_id
+    first, gen = await _primed(router.stream_native(ctx.with_body(policy=req.policy, deadline_s=req.deadline_s),
+                                                    req.segments, session=req.session, sampling=sampling,
+                                                    edit=req.edit))
     nid = "notes-" + rid
     if not stream:
         evs, fin = await _collect(first, gen)

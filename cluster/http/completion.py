@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from cluster.control.context import RequestContext
 from cluster.control.errors import RequestError
 from cluster.control.lifecycle import Finished
 from cluster.control.limits import RequestLimits
@@ -139,19 +140,21 @@ async def _chain(first, gen):
         yield ev
 
 
-async def start(router: Router, tenant: str, prep: Prepared, rid: str) -> list:
-    """Stage 2: the streams of every choice, each primed (its first event pulled)."""
-    req, n = prep.req, prep.req.n
-    gens = [router.stream_prompt(tenant, list(ids), policy=req.policy, sampling=choice_sampling(prep.sampling, j),
-                                 deadline_s=req.deadline_s, request_id=rid if p * n + j == 0 else f"{rid}.{p * n + j}")
+async def start(router: Router, ctx: RequestContext, prep: Prepared) -> list:
+    """Stage 2: the streams of every choice, each primed (its first event pulled); each choice its
+    own context (``<id>.<i>``, its own leases; the request's clock, outcome and ticket)."""
+    req, n, rid = prep.req, prep.req.n, ctx.request_id
+    ctx = ctx.with_body(policy=req.policy, deadline_s=req.deadline_s)
+    gens = [router.stream_prompt(ctx.choice(rid if p * n + j == 0 else f"{rid}.{p * n + j}"), list(ids),
+                                 sampling=choice_sampling(prep.sampling, j))
             for p, ids in enumerate(prep.prompts) for j in range(n)]
     try:
-        primed = await asyncio.gather(*(primed(g) for g in gens))
+        firsts = await asyncio.gather(*(primed(g) for g in gens))
     except BaseException:
         for g in gens:
             await g.aclose()
         raise
-    return [_chain(first, g) for first, g in primed]
+    return [_chain(first, g) for first, g in firsts]
 
 
 async def collect(first, gen) -> tuple[list[TokenEvent], Finished]:

@@ -17,6 +17,7 @@ import time
 import anyio
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from cluster.control.context import RequestContext
 from cluster.control.errors import RequestError
 from cluster.control.limits import RequestLimits
 from cluster.control.router import Router
@@ -47,15 +48,16 @@ async def _stored(router: Router, tenant: str, response_id: str, param: str | No
     return json.loads(data)
 
 
-async def create(router: Router, limits: RequestLimits, body: dict, tenant: str, rid: str) -> Response:
+async def create(router: Router, limits: RequestLimits, body: dict, ctx: RequestContext) -> Response:
     """``POST /v1/responses``."""
+    tenant, rid = ctx.tenant, ctx.request_id
     spec = responses_request(body, limits, default_max_tokens=limits.max_tokens)
     prior: list[dict] = []
     if spec.previous_response_id is not None:
         prior = (await _stored(router, tenant, spec.previous_response_id, "previous_response_id"))["messages"]
     head = [{"role": "system", "content": spec.instructions}] if spec.instructions else []
     prep = await prepare(router, limits, {**spec.chat, "messages": head + prior + list(spec.new_messages)}, chat=True)
-    (stream,) = await start(router, tenant, prep, rid)
+    (stream,) = await start(router, ctx, prep)
     shape = Shape(router, spec, prep, rid)
     if spec.stream:
         return StreamingResponse(events(router, tenant, shape, prior, stream), media_type="text/event-stream")

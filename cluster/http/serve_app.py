@@ -25,9 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.http import api, heap, health_view, responses, validate
-from cluster.control import admission as admission_queue    # a module reference, as below
 from cluster.control.errors import RequestError
-from cluster.control import lifecycle as stage_clock      # a module reference, as above
+from cluster.control.context import OutcomeRecord, RequestContext, StageClock
 from cluster.control.state import StateStoreUnavailable
 from cluster.http.errors import error_response
 from cluster.http.ids import REQUEST_ID_HEADER, request_id
@@ -36,7 +35,6 @@ from cluster.http.body import read_json
 from cluster.control import metrics as request_metrics      # a module reference: Serve pickles this app
 from kvruntime import request_log
 from kvruntime.config import ClusterConfig
-from cluster.control.exchange import QueueExchange
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.",
@@ -112,7 +110,7 @@ def _deadline(body) -> float | None:
 @serve.ingress(app)
 class RouterIngress:
     def __init__(self, cfg: ClusterConfig):
-        from cluster.control.assembly import assemble
+        from cluster.control.assembly import assemble, wire_admission
         from cluster.http.auth import Authenticator
         from cluster.http.body import InflightLimiter
         from kvruntime.fidelity.profiles import calibration_line
@@ -136,17 +134,8 @@ class RouterIngress:
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
         self.process = f"router-{_replica_id()}"
-        backends = self.router.backends
-        backends.peers.me = self.process
-        self.admission = admission_queue.Admission(
-            admission_queue.AdmissionConfig.from_config(cfg), self.router.metrics,
-            workers=lambda: len(backends.view.live("prefill")), others=backends.peers.others,
-            reference=backends.peers.reference)
-        # each prefill health probe carries this replica's queue (cluster.control.peers), and a request
-        # about to be admitted is checked against the others' queues as they are now (cluster.control.exchange)
-        self.exchange = QueueExchange(self.process, self.admission, backends, self.router.metrics,
-                                      cfg.server.admission_exchange_timeout_s)
-        backends.queue_report = self.exchange.report
+        wired = wire_admission(cfg, self.router, self.process)     # cluster.control.assembly
+        self.admission, self.exchange = wired.admission, wired.exchange
         self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.server.bind_host))
         threading.Thread(target=self._announce, name="kvnotes-metrics-announce", daemon=True).start()
         (log.info if self.profile.calibrated else log.warning)("%s", calibration_line(self.profile, cfg.workers.model))
@@ -170,73 +159,78 @@ class RouterIngress:
             time.sleep(TARGET_REFRESH_S)
 
     async def _call(self, request: Request, handler, *, body: bool = True, admit: bool = False) -> Response:
-        """Run ``handler(body, tenant, request_id)`` for an authenticated request within the limits;
-        every failure becomes an OpenAI-shaped error carrying the request id. ``admit``: a generation
-        request, admitted or shed by ``cluster.control.admission`` before any work."""
-        clock = stage_clock.StageClock()         # explain.control: this request's control-path laps
-        stage_clock.CLOCK.set(clock)
+        """Run ``handler(body, ctx)`` for an authenticated request within the limits, ``ctx`` its
+        :class:`~cluster.control.context.RequestContext` (made here, once); every failure becomes an
+        OpenAI-shaped error carrying the request id. ``admit``: a generation request, admitted or
+        shed by ``cluster.control.admission`` before any work."""
+        clock = StageClock()                     # explain.control: this request's control-path laps
         rid, echo = request_id(request.headers)  # the one id of this request (cluster.http.ids)
         request_log.REQUEST_ID.set(rid)          # on every log line of it, here and in the actors
-        tenant = None
-        acct = request_metrics.begin_request()   # the router marks it when it counts the final status
+        record = OutcomeRecord()                 # the router marks it when it counts the final status
         try:
-            tenant = await self.auth.of_request(request)      # the store read off the event loop
-            acct["tenant"] = tenant
-            self.inflight.acquire(tenant)
+            record.tenant = await self.auth.of_request(request)      # the store read off the event loop
+            self.inflight.acquire(record.tenant)
         except Exception as exc:
-            return _with_id(self._counted(error_response(exc, rid), acct), rid, echo)
+            return _with_id(self._counted(error_response(exc, rid), record), rid, echo)
         clock.lap("http_auth")
-        streaming, ticket = False, None
+        ctx, streaming = RequestContext(rid, record.tenant, clock=clock, outcome=record), False
         try:
             if admit:                    # before the body: a refused request never waits for it
-                acct["outcome"] = "shed"              # until admitted
-                ticket = await self.exchange.admit(tenant)
-                acct.pop("outcome")
-                clock.lap("admission")
+                ctx = await self._admit(ctx)
             parsed = await read_json(request, self.limits) if body else None
             clock.lap("http_body")
             if admit:
-                deadline = _deadline(parsed)
-                if deadline is not None:              # the request's own deadline_s only refuses more
-                    acct["outcome"] = "shed"
-                    self.admission.within_deadline(ticket, deadline)
-                    acct.pop("outcome")
-                admission_queue.TICKET.set(ticket)
-            resp = await handler(parsed, tenant, rid)
+                self._within_deadline(ctx, parsed)
+            resp = await handler(parsed, ctx)
             if isinstance(resp, StreamingResponse):       # the slot is held until the stream ends
-                resp.body_iterator = self._release_after(resp.body_iterator, tenant, acct)
+                resp.body_iterator = self._release_after(resp.body_iterator, ctx)
                 streaming = True
         except asyncio.CancelledError:        # the client left before a response: counted, once
-            if not acct["counted"]:
-                self.router.metrics.count_request(acct.get("plan", "none"), "cancelled")
+            if not record.counted:
+                self.router.metrics.count_request(record.plan_label, "cancelled", record=record)
             raise
         except Exception as exc:
             resp = error_response(exc, rid)
         finally:
-            if ticket is not None:
-                ticket.release()                  # out of the admission queue (a no-op after the first token)
+            if ctx.ticket is not None:
+                ctx.ticket.release()              # out of the admission queue (a no-op after the first token)
             if not streaming:
-                self.inflight.release(tenant)
+                self.inflight.release(ctx.tenant)
         if body and int(request.headers.get("content-length") or 0) >= heap.LARGE_BODY_BYTES and resp.background is None:
             resp.background = BackgroundTask(anyio.to_thread.run_sync, heap.trim)    # once the response is sent
-        return _with_id(resp if streaming else self._counted(resp, acct), rid, echo)
+        return _with_id(resp if streaming else self._counted(resp, record), rid, echo)
 
-    def _counted(self, resp: Response, acct: dict) -> Response:
+    async def _admit(self, ctx: RequestContext) -> RequestContext:
+        """``ctx`` with its admission ticket; refused: shed (its outcome), the caller answers the error."""
+        ctx.outcome.shed = True                  # until admitted
+        ticket = await self.exchange.admit(ctx.tenant)
+        ctx.outcome.shed = False
+        ctx.lap("admission")
+        return ctx.admitted(ticket)
+
+    def _within_deadline(self, ctx: RequestContext, parsed) -> None:
+        """The request's own ``deadline_s`` only refuses more (``Admission.within_deadline``)."""
+        deadline = _deadline(parsed)
+        if deadline is not None:
+            ctx.outcome.shed = True
+            self.admission.within_deadline(ctx.ticket, deadline)
+            ctx.outcome.shed = False
+
+    def _counted(self, resp: Response, record: OutcomeRecord) -> Response:
         """Count a request the router did not (it never reached a plan: auth, limits, bad input,
         listing and registration routes), once, by its HTTP status."""
-        if not acct["counted"]:
-            self.router.metrics.count_request("none", request_metrics.status_label(resp.status_code),
-                                              outcome=acct.get("outcome"))
+        if not record.counted:
+            self.router.metrics.count_request("none", request_metrics.status_label(resp.status_code), record=record)
         return resp
 
-    async def _release_after(self, it, tenant: str, acct: dict):
+    async def _release_after(self, it, ctx: RequestContext):
         try:
             async for chunk in it:
                 yield chunk
         finally:
-            self.inflight.release(tenant)
-            if not acct["counted"]:       # the stream ended before the router counted it: the client left
-                self.router.metrics.count_request(acct.get("plan", "none"), "cancelled")
+            self.inflight.release(ctx.tenant)
+            if not ctx.outcome.counted:       # the stream ended before the router counted it: the client left
+                self.router.metrics.count_request(ctx.outcome.plan_label, "cancelled", record=ctx.outcome)
 
     @app.get("/health")
     async def health(self, request: Request) -> JSONResponse:
@@ -320,13 +314,13 @@ class RouterIngress:
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        async def h(_, tenant, rid):
+        async def h(_, ctx):
             return JSONResponse({"object": "list", "data": [self._model_card()]})
         return await self._call(request, h, body=False)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> Response:
-        async def h(_, tenant, rid):
+        async def h(_, ctx):
             if model_id != self.served:
                 raise RequestError(404, f"model {model_id!r} is not served here; this server serves "
                                         f"{self.served!r}", code="model_not_found", param="model")
@@ -345,64 +339,64 @@ class RouterIngress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.openai_complete(self.router, self.limits, b, t, rid,
-                                                                               chat=False), admit=True)
+        return await self._call(request, lambda b, ctx: api.openai_complete(self.router, self.limits, b, ctx,
+                                                                          chat=False), admit=True)
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.openai_complete(self.router, self.limits, b, t, rid,
-                                                                               chat=True), admit=True)
+        return await self._call(request, lambda b, ctx: api.openai_complete(self.router, self.limits, b, ctx,
+                                                                          chat=True), admit=True)
 
     @app.post("/v1/responses")
     async def create_response(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: responses.create(self.router, self.limits, b, t, rid),
+        return await self._call(request, lambda b, ctx: responses.create(self.router, self.limits, b, ctx),
                                 admit=True)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: responses.retrieve(self.router, response_id, t), body=False)
+        return await self._call(request, lambda b, ctx: responses.retrieve(self.router, response_id, ctx.tenant), body=False)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: responses.delete(self.router, response_id, t), body=False)
+        return await self._call(request, lambda b, ctx: responses.delete(self.router, response_id, ctx.tenant), body=False)
 
     @app.post("/v1/notes/completions")
     async def notes(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.notes_complete(self.router, self.limits, b, t, rid),
+        return await self._call(request, lambda b, ctx: api.notes_complete(self.router, self.limits, b, ctx),
                                 admit=True)
 
     @app.post("/v1/skills")
     async def add_skill(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.register(self.router, self.limits, "skill", b, t))
+        return await self._call(request, lambda b, ctx: api.register(self.router, self.limits, "skill", b, ctx.tenant))
 
     @app.post("/v1/memories")
     async def add_memory(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.register(self.router, self.limits, "memory", b, t))
+        return await self._call(request, lambda b, ctx: api.register(self.router, self.limits, "memory", b, ctx.tenant))
 
     @app.post("/v1/templates")
     async def add_template(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.register(self.router, self.limits, "template", b, t))
+        return await self._call(request, lambda b, ctx: api.register(self.router, self.limits, "template", b, ctx.tenant))
 
     @app.get("/v1/skills")
     async def list_skills(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.listing(self.router, "skill", t), body=False)
+        return await self._call(request, lambda b, ctx: api.listing(self.router, "skill", ctx.tenant), body=False)
 
     @app.get("/v1/memories")
     async def list_memories(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.listing(self.router, "memory", t), body=False)
+        return await self._call(request, lambda b, ctx: api.listing(self.router, "memory", ctx.tenant), body=False)
 
     @app.get("/v1/templates")
     async def list_templates(self, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.listing(self.router, "template", t), body=False)
+        return await self._call(request, lambda b, ctx: api.listing(self.router, "template", ctx.tenant), body=False)
 
     @app.delete("/v1/skills/{name:path}")
     async def del_skill(self, name: str, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.delete(self.router, "skill", name, t), body=False)
+        return await self._call(request, lambda b, ctx: api.delete(self.router, "skill", name, ctx.tenant), body=False)
 
     @app.delete("/v1/memories/{name:path}")
     async def del_memory(self, name: str, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.delete(self.router, "memory", name, t), body=False)
+        return await self._call(request, lambda b, ctx: api.delete(self.router, "memory", name, ctx.tenant), body=False)
 
     @app.delete("/v1/templates/{name:path}")
     async def del_template(self, name: str, request: Request) -> Response:
-        return await self._call(request, lambda b, t, rid: api.delete(self.router, "template", name, t), body=False)
+        return await self._call(request, lambda b, ctx: api.delete(self.router, "template", name, ctx.tenant), body=False)

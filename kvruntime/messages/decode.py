@@ -93,3 +93,21 @@ class DecodeSummary:
     cached_tokens: int = 0    # prompt tokens not computed by the decode engine (received + its own prefix cache)
     loaded_tokens: int = 0    # of those, prompt tokens whose KV arrived in the transferred block
     stages: tuple[tuple[str, float], ...] = ()   # KV path stage -> seconds on the decode side (transfer.STAGES)
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """Router -> decode worker (``DecodeWorker.generate``): one request's decode."""
+    request_id: str                    # the request's id, on every log line of the call
+    transfer_id: str | None            # the prefix block to load (None: none was sent)
+    prefix_ids: tuple[int, ...]        # the plan's prefix token ids
+    suffix_ids: tuple[int, ...]        # the plan's suffix (the question), computed by the decode engine
+    sampling: SamplingParams
+    kv_salt: str                       # the plan's KV salt (held-prefix and prefix-cache key)
+    computes_rest: bool = False        # ExpectReply.computes_rest: no block comes, the engine computes the rest
+    cancel_key: str | None = None      # what ``DecodeWorker.cancel`` names to stop it
+    continuation: Continuation | None = None   # resume a stream another worker started and lost
+
+    @property
+    def cancels(self) -> bool:
+        return self.cancel_key is not None

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvruntime.messages.plan import KVRef, RequestPlan
+    from kvruntime.messages.transfer import KVEndpoint
 
 
 @dataclass
@@ -61,3 +66,15 @@ class QueueReport:
                 or not 0 <= self.ttft_p50_s <= self.ttft_p90_s or self.ttft_p90_s != self.ttft_p90_s:
             raise ValueError(f"a queue report needs a replica id, a queued count >= 0, a seq >= 0 and "
                              f"0 <= ttft_p50_s <= ttft_p90_s, got {self!r}")
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    """Router -> prefill worker (``PrefillWorker.execute``): build one plan's prefix KV and push
+    it to the decode worker that expects it."""
+    plan: "RequestPlan"
+    transfer_id: str                   # <request id>-<8 hex>: the grant the decode worker holds
+    credential: str                    # the transfer's credential (the grant holds its SHA-256 only)
+    store_as: "KVRef | None" = None    # store the built prefix in the tier under this key (None: don't)
+    send_from: int = 0                 # leading prefix tokens not to send (ExpectReply.held)
+    decode: "KVEndpoint | None" = None  # where to push (filled by the backends from the decode index)

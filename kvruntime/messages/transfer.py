@@ -19,7 +19,6 @@ from kvruntime.messages.keys import token_hash
 #: (the decode engine keeping the prefix for later requests) runs after the first token, off its path
 STAGES = ("tier_get", "rerotate", "forward", "serialise", "transfer", "receive", "load", "suffix_forward",
           "first_token", "held_copy")
-TRANSPORTS = ("auto", "nixl", "grpc")
 
 
 def new_credential() -> str:
@@ -77,3 +76,29 @@ class TransferGrant:
         if token_hash(tuple(token_ids)) != self.tokens_sha256:
             return "wrong_tokens", f"transfer {self.transfer_id}: block token ids differ from the grant"
         return None
+
+
+@dataclass(frozen=True)
+class TransferExpectation:
+    """Router -> decode worker, before any prefill (``DecodeWorker.expect``): the grant for the
+    prefix block and the prefix itself, so the worker can say how much of it it already holds.
+    The grant was issued from exactly these ids (``TransferGrant.issue``), so they are hashed
+    once, by the router; the worker compares lengths only."""
+    grant: TransferGrant
+    prefix_ids: tuple[int, ...]        # the plan's prefix token ids, positions 0..len-1
+    kv_salt: str                       # the plan's KV salt (RequestPlan.kv_salt): the held-prefix key
+    computes_from: int | None = None   # held up to here (tokens), the worker computes the rest itself
+
+    def __post_init__(self):
+        if self.grant.first_position != 0 or len(self.prefix_ids) != self.grant.tokens:
+            raise ValueError(f"transfer {self.grant.transfer_id}: the expectation's {len(self.prefix_ids)} prefix "
+                             f"ids do not match its grant ({self.grant.tokens} tokens from "
+                             f"{self.grant.first_position})")
+
+
+@dataclass(frozen=True)
+class ExpectReply:
+    """Decode worker -> router, the answer to a :class:`TransferExpectation`: who computes the
+    rest of the prefix is decided here, once (``messages.plan.decode_computes_rest``)."""
+    held: int                          # leading prefix tokens the worker holds (never built nor sent again)
+    computes_rest: bool                # True: no block comes; the worker computes the rest itself
