@@ -102,8 +102,16 @@ _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
-        r = self.registry = registry or CollectorRegistry()
+        self.registry = registry or CollectorRegistry()
         self.tenant_labels: frozenset[str] = frozenset()     # config metrics_tenants
+        self._request_series(self.registry)
+        self._fidelity_series(self.registry)
+        self._state_series(self.registry)
+        self._admission_series(self.registry)
+        self._export_zeros()
+
+    def _request_series(self, r: CollectorRegistry) -> None:
+        """Requests, prompt tokens by source, the KV path (tier, transfer, stages) and fallbacks."""
         self.ttft = Histogram("kvnotes_ttft_seconds", "Time to first token, by plan kind", ["plan"],
                               buckets=_TTFT_BUCKETS, registry=r)
         self.requests = Counter("kvnotes_requests_total", "Requests by the plan that executed, final status, "
@@ -132,6 +140,9 @@ class Metrics:
                                        "first token)", ["stage", "transport"], buckets=_STAGE_BUCKETS, registry=r)
         self.fallbacks = Counter("kvnotes_fallbacks_total", "Fallbacks taken (each one also logged)", ["reason"],
                                  registry=r)
+
+    def _fidelity_series(self, r: CollectorRegistry) -> None:
+        """Fidelity (shadow checks, demotions, the RoPE self-test) and chunk compiles."""
         self.fidelity_cosine = Histogram("kvnotes_fidelity_cosine", "Logit cosine vs recompute (shadow checks)",
                                          buckets=(0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0), registry=r)
         self.fidelity_kl = Histogram("kvnotes_fidelity_kl", "First-token KL(recompute || plan), shadow checks",
@@ -156,6 +167,9 @@ class Metrics:
         self.chunk_variants = Counter("kvnotes_chunk_variants_compiled_total",
                                       "Chunks compiled after a request's frame (system prompt + user-turn opener) "
                                       "on first use, for exact reuse as the first chunk after it", registry=r)
+
+    def _state_series(self, r: CollectorRegistry) -> None:
+        """Registrations, the state store, workers, retries, cancels, deadlines, constrained decoding."""
         self.registrations = Counter("kvnotes_registrations_total", "Skill/memory registrations by result",
                                      ["kind", "result"], registry=r)
         self.registrations_tier = Gauge("kvnotes_registered_chunks", "Registered skills and memories of every tenant "
@@ -188,7 +202,9 @@ class Metrics:
                                         "(response_format or tool parameters)", registry=r)
         for kind in ("json_object", "json_schema", "tool_auto", "tool_required", "tool_named"):
             self.constrained.labels(kind)
-        # admission control (cluster.control.admission)
+
+    def _admission_series(self, r: CollectorRegistry) -> None:
+        """Admission control (cluster.control.admission, cluster.control.exchange)."""
         self.shed = Counter("kvnotes_shed_total", "Generation requests refused at admission before any work, by "
                             "reason (tenant_over_share: 429; queue_full, deadline, ttft_objective: 503), each with "
                             "Retry-After",
@@ -220,6 +236,10 @@ class Metrics:
         self.admission_peer_queued = Gauge("kvnotes_admission_peer_queued", "Requests the other router replicas "
                                            "had queued when this one last heard (via the prefill workers' health "
                                            "answers)", registry=r)
+
+    def _export_zeros(self) -> None:
+        """Zeros for every known label set: a counter born at 1 shows no increase to rate(), so a first
+        fallback, shed, retry or mismatch would be invisible to dashboards and alerts."""
         for reason in SHED_REASONS:
             self.shed.labels(reason)                # zeros: the first shed is an increase rate() sees
         for src in PROMPT_SOURCES:
