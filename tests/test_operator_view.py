@@ -294,7 +294,7 @@ def test_health_shows_the_fidelity_view(cluster, workload):
     """Shadow checks ran on the approximate requests: /health details carry each operation's
     window (samples, agreement, demotion) and what each policy composes with, and why."""
     cfg, base = cluster
-    h = httpx.get(f"{base}/health", timeout=30).json()
+    h = httpx.get(f"{base}/health", headers=_auth(cfg), timeout=30).json()
     fid = h["fidelity"]
     assert fid["shadow_fraction"] == 1.0 and set(fid["compose"]) >= {"balanced"}
     assert fid["operations"] and all(o["samples"] >= 1 and o["demoted"] in (True, False)
@@ -316,6 +316,6 @@ def test_frame_variant_agreement_is_live_in_prometheus_and_health(cluster, prome
     assert counts["reuse(frame)"] > 0, counts
     mism = _query(prometheus, panels["Exact operations: disagreements with recompute (last hour)"].queries[0].expr)
     assert [(s["metric"]["op"], float(s["value"][1])) for s in mism] == [("reuse(frame)", 0.0)], mism
-    op = httpx.get(f"{base}/health", timeout=30).json()["fidelity"]["operations"]["reuse(frame)"]
+    op = httpx.get(f"{base}/health", headers=_auth(cfg), timeout=30).json()["fidelity"]["operations"]["reuse(frame)"]
     assert op["samples"] >= 1 and op["top1"] == 1.0 and op["greedy_exact"] == 1.0, op
     assert op["exact"] and op["mismatches"] == 0 and not op["demoted"], op

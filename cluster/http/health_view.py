@@ -16,6 +16,7 @@ from __future__ import annotations
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from cluster.control.errors import RequestError
+from cluster.control.state import StateStoreUnavailable
 
 
 def open_workers(snap: dict) -> dict:
@@ -52,14 +53,15 @@ def ready_body(ok: bool, *, served: str, sweeps: int, store: dict, tenant: str |
 
 async def caller(auth, request) -> str | None:
     """The caller's tenant when the request authenticates (auth off: the default tenant), else
-    None: a missing or refused key gets the open view, never an error (probes send no key)."""
+    None: a missing or refused key, or a state store that cannot check it, gets the open view,
+    never an error (probes send no key)."""
     if not auth.enabled:
         return auth.default_tenant
     if not request.headers.get("authorization"):
         return None
     try:
         return await auth.of_request(request)
-    except RequestError:
+    except (RequestError, StateStoreUnavailable):      # a refused key, or a store that cannot say: the open view
         return None
 
 
