@@ -58,15 +58,15 @@ def prompt_sources(plan: RequestPlan, res: PrefillResult | None, summary: Decode
     elif res.transferred and not summary.fallbacks:
         # the prefill worker built every prefix token (loaded or computed): held ones it built
         # anyway are not cached; only suffix tokens the engine's cache held are
-        st = res.stats
-        out.update(reused=st.reused, repositioned=st.repositioned, erratum=st.erratum,
+        stats = res.stats
+        out.update(reused=stats.reused, repositioned=stats.repositioned, erratum=stats.erratum,
                    decode_cache=max(engine - plan.prefix_tokens, 0))
     else:
         # the block was lost: the decode engine recomputed what its cache did not hold; of its hit,
         # the tokens the prefill worker computed anyway are not cached (a lower bound: the
         # prefill worker reports how many it computed, not where)
-        st = res.stats
-        out.update(erratum=st.erratum, decode_cache=max(engine - st.computed - st.erratum, 0))
+        stats = res.stats
+        out.update(erratum=stats.erratum, decode_cache=max(engine - stats.computed - stats.erratum, 0))
     out["computed"] = n - sum(out.values())
     return out
 
