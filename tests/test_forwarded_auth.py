@@ -147,3 +147,19 @@ def test_private_files_and_directories(tmp_path, caplog):
         assert stat.S_IMODE((tmp_path / "st").stat().st_mode) == 0o700
     finally:
         s.close()
+
+
+def test_a_start_names_every_looser_secret_file(tmp_path):
+    from cluster.ops.launcher import check_private_files
+    cfg = ClusterConfig.of(data_dir=str(tmp_path / "d"), tier_persist_dir=str(tmp_path / "tier"))
+    s = open_state(cfg.state.resolved_url)
+    ensure_default_key(s, "default", cfg.state.api_key_file)
+    s.close()
+    assert check_private_files(cfg) == []                      # as kvnotes made them
+    (tmp_path / "d").chmod(0o755)
+    cfg.state.api_key_file.chmod(0o644)
+    (tmp_path / "tier").mkdir(mode=0o777)
+    (tmp_path / "tier").chmod(0o777)
+    lines = check_private_files(cfg)
+    assert len(lines) == 3 and all("chmod" in line for line in lines), lines
+    assert any(str(cfg.state.api_key_file) in line and "0644" in line for line in lines)
