@@ -120,6 +120,9 @@ def test_a_key_file_belongs_to_its_store_and_is_never_overwritten(tmp_path, caps
         assert ensure_default_key(sc, "default", a.state.api_key_file) is None and not sc.list_api_keys()
         sc.close()
         assert a.state.api_key_file.read_text().strip() == ka
+        from cluster.http.auth import no_key_hint
+        hint = no_key_hint(a.state.api_key_file)             # what `kvnotes run` prints then: one line, how to make one
+        assert "\n" not in hint and "kvnotes keys create" in hint and "umask 077" in hint
         out = capsys.readouterr().out
         assert "created API key" in out and ka not in out and kb not in out        # the path is printed, never a key
     finally:
