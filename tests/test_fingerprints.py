@@ -80,8 +80,9 @@ def test_find_edit_one_field_and_refusals():
     assert find_edit(held + (1, 2), held, MatchConfig()) is None              # an extension: the prompt index
     other = rand_ids(1200, 4)
     assert find_edit(other, held, MatchConfig()) is None                      # nothing in common
-    big = held[:100] + rand_ids(900, 5) + held[1000:]
-    assert find_edit(big, held, MatchConfig(edit_max_tokens=512)) is None     # the divergent span is too long
+    big = held[:1000] + rand_ids(80, 5) + held[1080:]
+    assert find_edit(big, held, MatchConfig()) is None                        # the divergent span is too long
+    assert find_edit(big, held, MatchConfig(edit_max_tokens=80)) is not None
     deletion = held[:500] + held[520:]
     d = find_edit(deletion, held, MatchConfig())
     assert (d.start, d.held_end, d.new_end) == (500, 520, 500)
@@ -190,3 +191,18 @@ def test_fingerprints_and_held_prompts_are_bounded_lru_and_expire(store_url):
     assert s.get_fingerprints("acme", ["s:t"], time.time()) == {}
     assert s.get_held_prompt("acme", "ht", time.time()) is None
     s.close()
+
+
+def test_grown_runs_are_trimmed_to_line_breaks_near_their_edges():
+    from cluster.control.recurring import grow, trim
+    nl = 10
+    brk = lambda t: t == nl  # noqa: E731
+    doc = (21, 22, nl, 23, 24, 25, nl)
+    a = (1, 2, 7, 8, nl) + doc + (31, 32)
+    b = (3, 7, 8, nl) + doc + (31, 33)
+    at = a.index(23)
+    start, _, n = grow(a, at, b, b.index(23), 3)
+    assert (start, start + n) == (2, 13)                 # grown over "7 8 \n" before and "31" after
+    assert trim(a, start, start + n, brk, 32) == (5, 12)  # cut back to the document's lines
+    assert trim(a, 5, 12, brk, 32) == (5, 12)            # already on line edges: kept
+    assert trim(a, start, start + n, None, 32) == (start, start + n)

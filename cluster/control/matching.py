@@ -32,12 +32,17 @@ class MatchConfig:
     min_chunk_tokens: int = 32      # a matched chunk shorter than this is computed as text
     compile_after: int = 2          # a span seen in this many prompts is compiled on its own
     compiles_in_flight: int = 2     # background span compiles at once per router replica (more: skipped, counted)
-    edit_min_share: float = 0.5     # a held prompt is edited when >= this share of the new prompt equals it
-    edit_max_tokens: int = 1024     # and the divergent span of the new prompt is at most this long
+    trim_window: int = 32           # a recurring run's edges are cut back to a line break within this many tokens
+    # a held prompt is edited when >= this share of the new prompt equals it and the divergent
+    # span is at most this long on either side: a field's change, the kind of edit the fidelity
+    # profile measured (a longer one is composed or recomputed, never edited)
+    edit_min_share: float = 0.75
+    edit_max_tokens: int = 64
 
     def __post_init__(self):
-        if self.min_chunk_tokens < 1 or self.compile_after < 2 or self.compiles_in_flight < 0:
-            raise ValueError("prompt matching: min_chunk_tokens >= 1, compile_after >= 2, compiles_in_flight >= 0")
+        if self.min_chunk_tokens < 1 or self.compile_after < 2 or self.compiles_in_flight < 0 or self.trim_window < 0:
+            raise ValueError("prompt matching: min_chunk_tokens >= 1, compile_after >= 2, compiles_in_flight >= 0, "
+                             "trim_window >= 0")
         if not 0 < self.edit_min_share <= 1 or self.edit_max_tokens < 1:
             raise ValueError("prompt matching: edit_min_share in (0, 1], edit_max_tokens >= 1")
 
@@ -140,7 +145,7 @@ def find_edit(new: tuple[int, ...], held: tuple[int, ...], cfg: MatchConfig) -> 
     new_end, held_end = len(new) - s, len(held) - s
     if (new_end == p and held_end == p) or (s == 0 and p in (new_end, held_end)):
         return None                 # equal, or one only extends the other: an exact prefix
-    if p + s < cfg.edit_min_share * len(new) or new_end - p > cfg.edit_max_tokens:
+    if p + s < cfg.edit_min_share * len(new) or max(new_end, held_end) - p > cfg.edit_max_tokens:
         return None
     return FoundEdit(p, held_end, new_end, p + s)
 

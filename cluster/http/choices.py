@@ -97,3 +97,18 @@ async def merged(gens):
             t.cancel()
         for g in gens:
             await g.aclose()
+
+
+def prompt_details(fins) -> dict[str, int]:
+    """``usage.prompt_tokens_details`` of one prompt's answer or several prompts' (``fins``: a
+    ``Finished`` each): ``cached_tokens`` (every prompt token nobody computed for the request) and
+    beside it the same tokens by kind of reuse: ``exact_tokens``, ``composed_tokens``,
+    ``edited_tokens`` (``cluster.control.reuse_kinds``), so a client sees whether its answer rests
+    on approximate reuse."""
+    from cluster.control.reuse_kinds import REUSE_KINDS, reuse_split, usage_details
+    fins = fins if isinstance(fins, (list, tuple)) else [fins]
+    split = dict.fromkeys(REUSE_KINDS, 0)
+    for fin in fins:
+        for k, n in reuse_split(fin.plan, dict(fin.sources)).items():
+            split[k] += n
+    return usage_details(sum(f.cached_tokens for f in fins), split)

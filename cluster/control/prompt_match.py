@@ -1,0 +1,221 @@
+"""Prompt matching on the request path: after the longest exact prefix (the prompt index), one
+batched state-store read and one batched tier lookup find the chunks this prompt holds at any
+offset and the held prompt it edits in one span (:mod:`cluster.control.matching`); what the
+prompt teaches is recorded afterwards, off the request path (:mod:`cluster.control.recurring`).
+
+The result is the prompt's context as segments (exact prefix, text, chunks with their KVRef) and
+a :class:`~cluster.control.planner.HeldPromptEdit` for the planner, which plans them by the
+native rules; the plan's notes say what was matched and where the prompt first diverges from
+the nearest held prompt (``explain``).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable
+
+from cluster.control.fingerprints import Cut, anchors, cut
+from cluster.control.matching import (ChunkMatch, FoundEdit, MatchConfig, anchor_entries, anchored_chunks, choose,
+                                      find_edit, lookup_keys, nearest_held, segments, where)
+from cluster.control.planner import (HeldPromptEdit, PlannerConfig, RenderedRequest, RenderedSegment, TierView,
+                                     plan_request)
+from cluster.control.prompt_index import PROMPT_BLOCK, prompt_hash
+from cluster.control.recurring import RecurringSpans
+from cluster.control.reuse_kinds import REUSE_KINDS, reuse_split
+from cluster.control.state import StateStore, StateStoreUnavailable
+from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan
+
+if TYPE_CHECKING:
+    from cluster.control.backends import Backends
+    from cluster.control.lifecycle import Finished, StageClock
+    from cluster.control.metrics import Metrics
+    from cluster.control.tier_lookup import TierLookup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Matched:
+    """One prompt's match (``context`` replaces the prompt's one opaque segment)."""
+    key: str                                        # the prompt's index key (prompt_index.prompt_hash)
+    context: tuple[RenderedSegment, ...]
+    chunk_keys: frozenset[str] = frozenset()        # digests of the matched chunks the tier holds
+    held_edit: HeldPromptEdit | None = None
+    chunks: tuple[ChunkMatch, ...] = ()
+    cut: Cut | None = None                          # None: matching did not run (nothing to record)
+    seen: dict = field(default_factory=dict)        # the entries the match read (recording needs them)
+    notes: tuple[str, ...] = ()
+    evicted: int = 0                                # tokens of matched spans the tier no longer holds
+
+
+class PromptMatcher:
+    def __init__(self, state: StateStore, backends: "Backends", metrics: "Metrics", lookup: "TierLookup",
+                 chunk_position: int, cfg: MatchConfig = MatchConfig(),
+                 decode: Callable[[list[int]], str] | None = None):
+        """``decode``: the model's tokenizer, ids -> text (an erratum needs the changed span's words)."""
+        self.state, self.metrics, self.lookup, self.cfg = state, metrics, lookup, cfg
+        self.chunk_position, self.decode = chunk_position, decode
+        breaks = functools.lru_cache(maxsize=65536)(lambda t: "\n" in decode([t])) if decode else None
+        self.recurring = RecurringSpans(state, backends, metrics, cfg, chunk_position, breaks)
+
+    def index_chunk(self, tenant: str, kind: str, name: str, ids: tuple[int, ...]) -> None:
+        """Store a registered chunk's anchors: prompts holding its ids at any offset match it."""
+        entries = anchor_entries(kind, name, tenant, tuple(ids), self.cfg.spans)
+        if not entries:
+            log.info("%s %r has no anchor (%d tokens): prompts match it only by name", kind, name, len(ids))
+            return
+        try:
+            self.state.put_fingerprints(tenant, entries, time.time())
+        except StateStoreUnavailable as exc:        # registered all the same; prompts just do not find it
+            self.metrics.reuse_misses.labels("store_unavailable").inc()
+            log.warning("storing %s %r's anchors failed: %s", kind, name, exc)
+
+    def unindex_chunk(self, tenant: str, ids: tuple[int, ...]) -> None:
+        """Drop a deleted chunk's anchors."""
+        self.state.delete_fingerprints(tenant, [a.key for a in anchors(tenant, tuple(ids), self.cfg.spans)])
+
+    def _ref(self, salt: str):
+        return lambda ids: KVRef(tuple(ids), self.chunk_position, salt)
+
+    async def match(self, tenant: str, salt: str, prefix: tuple[int, ...], hit: int, index: int,
+                    messages: tuple = (), clock: "StageClock | None" = None) -> Matched:
+        """Match ``prefix`` (the prompt but its last token) past its exact prefix of ``hit`` tokens."""
+        base = Matched(prompt_hash(tenant, prefix), (RenderedSegment("prompt", None, prefix),) if prefix else ())
+        if not self.cfg.enabled or len(prefix) - hit < self.cfg.min_chunk_tokens:
+            return base
+        c = cut(tenant, prefix, self.cfg.spans)
+        try:
+            seen = self.state.get_fingerprints(tenant, lookup_keys(c), time.time())
+            chunks = choose(anchored_chunks(tenant, prefix, c, seen, self._ref(salt), hit), self.cfg.min_chunk_tokens)
+            edit = self._edit(tenant, prefix, c, seen, hit, base.key, chunks)
+        except StateStoreUnavailable as exc:        # a cache: the prompt is planned on its exact prefix
+            self.metrics.reuse_misses.labels("store_unavailable").inc(len(prefix) - hit)
+            log.warning("prompt matching skipped: %s", exc)
+            return base
+        refs = [m.kv for m in chunks] + ([KVRef(edit[1], 0, salt)] if edit else [])
+        present = await self.lookup.present(refs, index, clock)
+        kept, evicted = self._held_chunks(tenant, chunks, present)
+        held_edit, notes = None, [self._chunk_note(hit, kept)] if kept else []
+        if edit is not None:
+            found, held = edit
+            ref = KVRef(held, 0, salt)
+            at = where(found.start, messages)
+            if ref.digest in present:
+                held_edit = HeldPromptEdit(ref, found.start, found.held_end, tuple(prefix[found.start:found.new_end]), at,
+                                           *describe(self.decode, held, prefix, found))
+            notes.append(f"first divergence from the nearest held prompt ({len(held)} tokens): {at}; it realigns "
+                         f"at held token {found.held_end} ({found.equal} of {len(prefix)} tokens equal)"
+                         + ("" if held_edit else "; that prompt's KV is no longer in the tier"))
+        elif c.spans and not kept:
+            notes.append(f"prompt matching: nothing held matches past the exact prefix of {hit} tokens")
+        context = (segments(prefix, hit, kept) if kept else base.context)
+        return Matched(base.key, context, frozenset(m.kv.digest for m in kept), held_edit, tuple(kept), c, seen,
+                       tuple(notes), evicted)
+
+    def _edit(self, tenant, prefix, c, seen, hit, key, chunks) -> tuple[FoundEdit, tuple[int, ...]] | None:
+        """The nearest earlier prompt and how this one edits it, when editing it reuses more than
+        the exact prefix and the matched chunks would."""
+        near = nearest_held(c, seen, exclude=key)
+        held = self.state.get_held_prompt(tenant, near, time.time()) if near else None
+        found = find_edit(prefix, held, self.cfg) if held else None
+        if found is None or found.equal <= hit + sum(m.end - m.start for m in chunks):
+            return None
+        return found, held
+
+    def _held_chunks(self, tenant: str, chunks: list[ChunkMatch], present: set[str]) -> tuple[list[ChunkMatch], int]:
+        """The matched chunks to plan: registrations always (one the tier lost is re-warmed by the
+        planner's rule); recurring spans only while the tier holds them (an evicted one's anchors
+        are dropped: it is compiled again if it recurs again)."""
+        kept, gone = [], 0
+        for m in chunks:
+            if m.kind != "span" or m.kv.digest in present:
+                kept.append(m)
+                continue
+            gone += m.end - m.start
+            try:
+                self.state.delete_fingerprints(tenant, [a.key for a in anchors(tenant, m.kv.token_ids, self.cfg.spans)])
+            except StateStoreUnavailable as exc:
+                log.warning("dropping an evicted span's anchors failed: %s", exc)
+        if gone:
+            self.metrics.reuse_misses.labels("span_evicted").inc(gone)
+        return kept, gone
+
+    @staticmethod
+    def _chunk_note(hit: int, kept: list[ChunkMatch]) -> str:
+        what = ", ".join(f"{m.kind}:{m.name} at tokens {m.start}-{m.end}" for m in kept)
+        return f"prompt matching: after the exact prefix of {hit} tokens, {len(kept)} chunk(s) held: {what}"
+
+    async def plan(self, req: RenderedRequest, tenant: str, salt: str, hit: int, hit_kv: KVRef | None, index: int,
+                   encode, config: PlannerConfig, messages: tuple = (),
+                   clock: "StageClock | None" = None) -> tuple[RequestPlan, Matched]:
+        """Plan a plain prompt (``req``: ``Renderer.render_prompt``'s) past its exact prefix of
+        ``hit`` tokens: matched, then planned by the native rules; a composed plan whose very
+        recipe an earlier request stored is reused whole (its ``approx`` key: the same bytes)."""
+        prefix = tuple(req.context[0].token_ids) if req.context else ()
+        m = await self.match(tenant, salt, prefix, hit, index, messages, clock)
+        req = replace(req, context=m.context)
+        tier = TierView(chunk_keys=m.chunk_keys, prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv, held_edit=m.held_edit)
+        plan = plan_request(req, tier, None, encode, config)
+        if plan.approx and len(prefix) >= PROMPT_BLOCK:
+            ref = KVRef(prefix, 0, salt, plan.approx)
+            if ref.digest in await self.lookup.present([ref], index, clock):
+                plan = plan_request(req, replace(tier, held_context=ref), None, encode, config)
+        return (replace(plan, notes=plan.notes + m.notes) if m.notes else plan), m
+
+    def finished(self, tenant: str, salt: str, prefix: tuple[int, ...], m: Matched, fin: "Finished",
+                 index: int) -> None:
+        """Count the request's reuse by kind and its misses, and record what the prompt teaches
+        (in the background)."""
+        count_reuse(self.metrics, fin)
+        self._count_misses(fin.plan, m)
+        if m.cut is not None and self.cfg.enabled:
+            # an edit's prompt teaches no recurring span: its equal part is the held prompt's
+            self.recurring.observe(tenant, salt, m.key, prefix, m.cut, m.seen, list(m.chunks), index,
+                                   compile=not _edited(fin.plan), held=fin.stored and not fin.plan.approx)
+
+    def _count_misses(self, plan: RequestPlan, m: Matched) -> None:
+        """Prompt tokens computed in the prefix, by why they were not reused
+        (``kvnotes_reuse_miss_total{reason}``): ``policy`` a matched chunk the policy recomputes,
+        ``edit_declined`` a found edit the planner did not take, else ``unmatched``."""
+        names = {f"{c.kind}:{c.name}" for c in m.chunks}
+        declined = m.held_edit is not None and not _edited(plan)
+        for s in plan.steps:
+            if s.computed and s.kind is PlanKind.RECOMPUTE:
+                why = "policy" if s.source in names else "edit_declined" if declined else "unmatched"
+                self.metrics.reuse_misses.labels(why).inc(s.computed)
+
+
+def describe(decode, held: tuple[int, ...], new: tuple[int, ...], found: FoundEdit) -> tuple[str, str, str]:
+    """(label, old text, new text) of a found edit, for an erratum's wording: the label is the
+    text before the last ``:`` or ``=`` on the line the span starts in ("Status: shipped" ->
+    "Status"), the texts run from there to the span's end. ("", "", "") without a tokenizer."""
+    if decode is None:
+        return "", "", ""
+    line = decode(list(held[max(0, found.start - 32):found.start])).rsplit("\n", 1)[-1]
+    cut = max(line.rfind(":"), line.rfind("="))
+    label, lead = (line[:cut].strip(), line[cut + 1:].lstrip()) if cut >= 0 else (line.strip(), "")
+    old = lead + decode(list(held[found.start:found.held_end]))
+    return label[-64:], old.strip(), (lead + decode(list(new[found.start:found.new_end]))).strip()
+
+
+def _edited(plan: RequestPlan) -> bool:
+    return any(s.kind in (PlanKind.EDIT_IN_PLACE, PlanKind.ERRATUM) for s in plan.steps)
+
+
+def prompt_store_as(plan: RequestPlan, prefix: tuple[int, ...], salt: str, hit: int) -> KVRef | None:
+    """What a plain prompt stores for the next one: its prefix's KV (>= one tier piece), under the
+    plan's recipe when approximate; nothing when the tier served all of it already."""
+    whole = len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE and plan.steps[0].tokens == len(prefix)
+    if len(prefix) < PROMPT_BLOCK or hit >= len(prefix) or whole:
+        return None
+    return KVRef(prefix, 0, salt, plan.approx)
+
+
+def count_reuse(metrics: "Metrics", fin: "Finished") -> None:
+    """``kvnotes_reused_tokens_total{kind}`` for one finished request (native or plain)."""
+    split = reuse_split(fin.plan, dict(fin.sources))
+    for k in REUSE_KINDS:
+        if split[k]:
+            metrics.reused_tokens.labels(k).inc(split[k])

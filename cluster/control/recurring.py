@@ -1,0 +1,163 @@
+"""Recurring spans, compiled once on their own: what a prompt leaves behind for the next one.
+
+After a plain prompt's answer is out, off its request path (a background task per request):
+1. the prompt's ids are kept (``StateStore.put_held_prompt``, bounded LRU) and each of its
+   content-defined spans is counted once and remembered as last seen in this prompt, at its
+   offset (``p:`` keys, :mod:`cluster.control.fingerprints`); a repeat of a prompt already kept
+   counts nothing (a span recurs across prompts, not across retries);
+2. a span now seen in ``compile_after`` prompts, outside every chunk this prompt matched, is grown
+   to the whole run of tokens the two prompts share around it (:func:`grow`: e.g. the whole
+   document, whatever surrounds it in each), and that run is compiled on its own the way a
+   registration is (``Backends.precompile``: in its frame, after BOS, at its canonical position,
+   stored in the tier, so composition only ever splices KV of the kind the fidelity profile
+   measured, never KV computed inside another prompt's context); its anchors are then stored,
+   and the next prompt holding it matches it at any offset (:mod:`cluster.control.matching`).
+A run the tier has evicted is dropped from the anchors when a prompt next matches it
+(``kvnotes_reuse_miss_total{reason="span_evicted"}``) and is compiled again if it recurs again.
+Each outcome is counted in ``kvnotes_recurring_spans_total{outcome}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from cluster.control.fingerprints import Cut, fingerprint
+from cluster.control.matching import ChunkMatch, MatchConfig, anchor_entries, seen_in
+from cluster.control.state import StateStore, StateStoreUnavailable
+from kvruntime.messages.plan import KVRef
+
+if TYPE_CHECKING:
+    from cluster.control.backends import Backends
+    from cluster.control.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+def grow(new: tuple[int, ...], at: int, old: tuple[int, ...], old_at: int, n: int) -> tuple[int, int, int]:
+    """The run both sequences share around ``new[at:at+n] == old[old_at:old_at+n]``:
+    ``(start in new, start in old, length)``, grown left and right while the ids agree."""
+    a, b = at, old_at
+    while a > 0 and b > 0 and new[a - 1] == old[b - 1]:
+        a, b = a - 1, b - 1
+    end, old_end = at + n, old_at + n
+    while end < len(new) and old_end < len(old) and new[end] == old[old_end]:
+        end, old_end = end + 1, old_end + 1
+    return a, b, end - a
+
+
+def trim(ids: tuple[int, ...], start: int, end: int, is_break, window: int) -> tuple[int, int]:
+    """A grown run cut back to line breaks near its edges. An edge not at a line's start / end
+    moves in to just after the nearest token holding a line break within ``window`` tokens: two
+    prompts' shared edges are often a coincidence (a separator, the same last words of two
+    documents) that a third prompt does not share, while documents, tool outputs and catalogue
+    entries start and end at line breaks. No break near an edge: that edge stays."""
+    if is_break is None:
+        return start, end
+    head = start
+    if start > 0 and not is_break(ids[start - 1]):
+        head = next((i + 1 for i in range(start, min(start + window, end)) if is_break(ids[i])), start)
+    tail = end
+    if not is_break(ids[end - 1]):
+        tail = next((i + 1 for i in range(end - 1, max(end - window, head) - 1, -1) if is_break(ids[i])), end)
+    return (head, tail) if tail > head else (start, end)
+
+
+def recurring_runs(ids: tuple[int, ...], c: Cut, counts: dict[str, int], seen: dict, earlier, cfg: MatchConfig,
+                   covered: list[tuple[int, int]], is_break=None) -> list[tuple[int, int]]:
+    """The runs (start, end) of ``ids`` to compile: each grown from a span counted in
+    ``compile_after`` prompts against the earlier prompt it was seen in (``earlier(key)``: its
+    ids, or None when no longer kept: the span alone, then) and cut back to line breaks near its
+    edges (:func:`trim`), outside ``covered``; a run both prompts open with is skipped (the
+    prompt index serves a shared prefix exactly)."""
+    runs: list[tuple[int, int]] = list(covered)
+    out = []
+    for s in c.spans:
+        if counts.get(s.key, 0) < cfg.compile_after or any(a < s.end and s.start < b for a, b in runs):
+            continue
+        where = seen_in(seen.get("p:" + s.key[2:], (0, ""))[1])
+        old = earlier(where[0]) if where else None
+        if old is not None and tuple(old[where[1]:where[1] + s.tokens]) == tuple(ids[s.start:s.end]):
+            start, old_start, n = grow(ids, s.start, old, where[1], s.tokens)
+        else:
+            start, old_start, n = s.start, -1, s.tokens
+        if start == 0 and old_start == 0:
+            continue
+        run = trim(ids, start, start + n, is_break, cfg.trim_window) if old_start >= 0 else (start, start + n)
+        runs.append(run)
+        if n >= cfg.min_chunk_tokens:
+            out.append(run)
+    return out
+
+
+class RecurringSpans:
+    """Counts a tenant's spans and compiles the recurring ones in the background."""
+
+    def __init__(self, state: StateStore, backends: "Backends", metrics: "Metrics", cfg: MatchConfig,
+                 chunk_position: int, is_break=None):
+        """``is_break(token_id)``: the token's text holds a line break (None: runs are not trimmed)."""
+        self.state, self.backends, self.metrics, self.cfg = state, backends, metrics, cfg
+        self.chunk_position, self.is_break = chunk_position, is_break
+        self.in_flight = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    def observe(self, tenant: str, salt: str, key: str, ids: tuple[int, ...], c: Cut, seen: dict,
+                matched: list[ChunkMatch], index: int, compile: bool = True, held: bool = False) -> None:
+        """Schedule the bookkeeping of one answered prompt (``seen``: the entries its match read;
+        ``compile``: False to count its spans without compiling any; ``held``: its exact KV is
+        now in the tier, so its spans point at it from now on, for finding edits of it; the
+        spans of a prompt not held point at it only where they pointed nowhere)."""
+        task = asyncio.get_running_loop().create_task(
+            self._observe(tenant, salt, key, ids, c, seen, matched, index, compile, held))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _observe(self, tenant, salt, key, ids, c, seen, matched, index, compile, held) -> None:
+        try:
+            runs = await asyncio.to_thread(self._record, tenant, key, ids, c, seen, matched, held)
+            runs = runs if compile else []
+        except StateStoreUnavailable as exc:        # a cache: this prompt just teaches nothing
+            self.metrics.reuse_misses.labels("store_unavailable").inc()
+            log.warning("recording the prompt's spans skipped: %s", exc)
+            return
+        for start, end in runs:
+            await self._compile(tenant, salt, tuple(ids[start:end]), index)
+
+    def _record(self, tenant, key, ids, c, seen, matched, held) -> list[tuple[int, int]]:
+        now = time.time()
+        if self.state.get_held_prompt(tenant, key, now) is not None:
+            return []                               # a repeat: its spans were counted the first time
+        self.state.put_held_prompt(tenant, key, ids, now)
+        counts = self.state.count_fingerprints(tenant, [s.key for s in c.spans], now)
+        self.state.put_fingerprints(tenant, {"p:" + s.key[2:]: f"{key}@{s.start}" for s in c.spans
+                                             if held or "p:" + s.key[2:] not in seen}, now)
+        earlier = lambda k: self.state.get_held_prompt(tenant, k, now)  # noqa: E731
+        return recurring_runs(ids, c, counts, seen, earlier, self.cfg, [(m.start, m.end) for m in matched],
+                              self.is_break)
+
+    async def _compile(self, tenant: str, salt: str, run: tuple[int, ...], index: int) -> None:
+        if self.in_flight >= self.cfg.compiles_in_flight:
+            self.metrics.recurring_spans.labels("skipped_busy").inc()
+            return
+        entries = anchor_entries("span", fingerprint(tenant, run)[:12], tenant, run, self.cfg.spans)
+        if not entries:
+            self.metrics.recurring_spans.labels("no_anchor").inc()
+            return
+        self.in_flight += 1
+        try:
+            info = await self.backends.precompile(KVRef(run, self.chunk_position, salt), index)
+            await asyncio.to_thread(self.state.put_fingerprints, tenant, entries, time.time())
+        except Exception as exc:        # the prompt was answered; the span is compiled when it recurs again
+            self.metrics.recurring_spans.labels("failed").inc()
+            log.warning("compiling a recurring %d-token span failed: %s", len(run), exc)
+        else:
+            self.metrics.recurring_spans.labels("cached" if info.cached else "compiled").inc()
+            log.info("recurring %d-token span compiled on its own (%.3f s)", len(run), info.seconds)
+        finally:
+            self.in_flight -= 1
+
+    async def drain(self) -> None:
+        """Wait for every scheduled bookkeeping task (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -1,0 +1,155 @@
+"""Plain prompts matched past their exact prefix, in process (router + real executors + real
+gRPC, no Ray; the cluster tests go through the `openai` client): a registered skill pasted into a
+prompt at any offset is composed; a document two prompts share is compiled once on its own in the
+background and reused at another offset; a prompt one field away from a held one is planned as
+an edit of the held KV (``fast``) and declined where the policy does not allow it; the reuse is
+split by kind in usage and the metrics; fingerprints survive a router restart and stay within
+their tenant."""
+import asyncio
+
+import pytest
+
+from cluster.control.context import RequestContext
+from cluster.control.context import RequestContext
+from cluster.control.matching import MatchConfig
+from cluster.control.router_sections import PolicySection
+from cluster.control.state import open_state
+from cluster.http.choices import prompt_details
+from kvruntime.messages.decode import SamplingParams, TokenEvent
+from kvruntime.messages.plan import PlanKind
+from tests.conftest import metric
+from tests.test_prompt_reuse import ReuseBackends
+from tests.test_router_fallback import make_router
+
+pytestmark = pytest.mark.slow
+
+SKILL = ("Refund policy of ACME Outfitters. Unworn items may be returned within 30 days of delivery with the "
+         "receipt. Sale items are final. Refunds go back to the original payment method within five business "
+         "days; store credit is issued at once on request. Damaged deliveries are replaced free of charge when "
+         "reported within 48 hours with a photo. Gift returns receive store credit only. Shipping costs are not "
+         "refunded unless the item arrived damaged or the wrong item was sent.")
+
+
+def doc(topic: str, n: int = 14) -> str:
+    """A document as a RAG app pastes one: its lines, then a blank line."""
+    return "\n".join(f"{topic} note {i}: the {topic} ledger lists item {i * 7 % 31} at shelf {i * 5 % 17}."
+                     for i in range(n)) + "\n\n"
+
+
+def record(status: str) -> str:
+    lines = [f"field_{i}: value {i * 37 % 101} for the order" for i in range(40)]
+    lines.insert(30, f"status: {status}")     # past the tier's first 256-token piece
+    return "Order record\n" + "\n".join(lines) + "\n"
+
+
+def _router(smol, b, path, **match):
+    from tests.test_router_fallback import Renderer, Registry, Router, ModelSection, Metrics
+    state = open_state(f"sqlite:///{path}")
+    return Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state,
+                  ModelSection("m", "float32"), metrics=Metrics(),
+                  policy=PolicySection(matching=MatchConfig(**match)))
+
+
+@pytest.fixture
+def rig(smol, tmp_path):
+    b = ReuseBackends(smol)
+    yield _router(smol, b, tmp_path / "state.db"), b, tmp_path
+    b.rx.stop()
+
+
+async def _prompt(router, ids, policy, tenant="default", max_tokens=4):
+    toks, fin = [], None
+    async for ev in router.stream_prompt(RequestContext.local(tenant, policy=policy), list(ids),
+                                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0)):
+        if isinstance(ev, TokenEvent):
+            toks.append(ev.token_id)
+        else:
+            fin = ev
+    await router.matcher.recurring.drain()          # what the prompt teaches, recorded in the background
+    return toks, fin
+
+
+def run(router, ids, policy="fast", tenant="default"):
+    return asyncio.run(_prompt(router, ids, policy, tenant))
+
+
+def steps(fin):
+    return [(s.kind, s.source, s.tokens) for s in fin.plan.steps]
+
+
+def test_a_registered_skill_pasted_into_a_prompt_is_composed_at_its_offset(smol, rig):
+    router, b, _ = rig
+    asyncio.run(router.register_chunk("skill", "default", "refund", SKILL))
+    skill = router.state.get_registration("default", "skill", "refund").token_ids
+    ids = smol.encode("You are the support agent of a shop.\n\n") + list(skill) + smol.encode(
+        "Customer: may I return shoes I wore once? Answer:")
+    _, fin = run(router, ids, "fast")
+    chunk = [s for s in fin.plan.steps if s.source == "skill:refund"]
+    assert len(chunk) == 1 and chunk[0].kind is PlanKind.REPOSITION and chunk[0].tokens == len(skill)
+    assert any("skill:refund at tokens" in n for n in fin.plan.notes)
+    details = prompt_details(fin)
+    assert details["composed_tokens"] == chunk[0].reused > 0
+    assert details["cached_tokens"] == fin.cached_tokens == sum(details[f"{k}_tokens"]
+                                                                for k in ("exact", "composed", "edited"))
+    text = router.metrics.render().decode()
+    assert metric(text, "kvnotes_reused_tokens_total", kind="composed") == details["composed_tokens"]
+    # policy exact: matched, but recomputed (a repositioned chunk is not a recompute's KV), and counted
+    want, exact = run(router, ids, "exact")
+    assert all(s.kind is not PlanKind.REPOSITION for s in exact.plan.steps)
+    assert metric(router.metrics.render().decode(), "kvnotes_reuse_miss_total", reason="policy") >= len(skill)
+    off = _router(smol, b, rig[2] / "off.db", enabled=False)
+    got, plain = run(off, ids, "exact")
+    assert got == want and all(s.source != "skill:refund" for s in plain.plan.steps)
+
+
+def test_a_document_two_prompts_share_is_compiled_once_and_reused_at_another_offset(smol, rig):
+    router, b, tmp = rig
+    d1, d2, d3 = (smol.encode(doc(t)) for t in ("harbour", "orchard", "quarry"))
+    q = smol.encode("\n\nQuestion: which shelf holds item 3? Answer:")
+    p1 = smol.encode("Context A.\n\n") + d1 + d2 + q
+    p2 = smol.encode("Other context.\n\n") + d3 + d2 + q
+    run(router, p1)
+    _, fin2 = run(router, p2)
+    assert all(s.kind is not PlanKind.REPOSITION for s in fin2.plan.steps)     # seen once before: not yet
+    text = router.metrics.render().decode()
+    assert metric(text, "kvnotes_recurring_spans_total", outcome="compiled") == 1
+    d4 = smol.encode(doc("meadow"))
+    p3 = smol.encode("Third one, longer intro.\n\n") + d4 + d2 + q          # d2 (and q) at another offset
+    _, fin3 = run(router, p3)
+    spans = [s for s in fin3.plan.steps if s.source.startswith("span:")]
+    assert spans and spans[0].kind is PlanKind.REPOSITION
+    assert sum(s.tokens for s in spans) >= 0.9 * len(d2)                       # the whole document, about
+    assert prompt_details(fin3)["composed_tokens"] > 0.8 * len(d2)
+    # a router restarted on the same state store matches it the same; another tenant does not
+    _, repeat = run(router, p3)          # the same composed prompt again: its stored recipe, reused whole
+    assert [(s.kind, s.source) for s in repeat.plan.steps] == [(PlanKind.REUSE, "context")]
+    again = _router(smol, b, tmp / "state.db")
+    p4 = smol.encode("A fourth prompt, from the restarted router.\n\n") + d2 + q
+    _, fin4 = run(again, p4)
+    assert [s.source for s in fin4.plan.steps if s.source.startswith("span:")] == [s.source for s in spans], (
+        steps(fin4), fin4.plan.notes)
+    _, other = run(again, p4, tenant="globex")
+    assert not [s for s in other.plan.steps if s.source.startswith("span:")]
+
+
+def test_a_one_field_change_of_a_held_prompt_is_planned_as_an_edit(smol, rig):
+    router, _, _ = rig
+    q = smol.encode("Question: what is the order's status? Answer:")
+    p1 = smol.encode(record("shipped")) + q
+    p2 = smol.encode(record("delayed")) + q
+    assert len(p1) > 300
+    _, first = run(router, p1, "exact")
+    assert first.stored
+    _, fin = run(router, p2, "fast")
+    assert [s.kind for s in fin.plan.steps] == [PlanKind.EDIT_IN_PLACE]
+    assert any("first divergence from the nearest held prompt" in n for n in fin.plan.notes)
+    details = prompt_details(fin)
+    assert details["edited_tokens"] > 0.8 * len(p2) and details["composed_tokens"] == 0
+    # balanced without a profile row for edits: declined, the exact prefix reused, the rest computed
+    p3 = smol.encode(record("returned")) + q
+    _, declined = run(router, p3, "balanced")
+    assert PlanKind.EDIT_IN_PLACE not in [s.kind for s in declined.plan.steps]
+    assert declined.plan.steps[0].kind is PlanKind.REUSE and declined.plan.steps[0].kv.exact
+    text = router.metrics.render().decode()
+    assert metric(text, "kvnotes_reuse_miss_total", reason="edit_declined") > 0
+    assert metric(text, "kvnotes_reused_tokens_total", kind="edited") == details["edited_tokens"]
