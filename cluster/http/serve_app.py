@@ -6,7 +6,8 @@ the state store every replica opens. The router and its collaborators are built 
 ``x-request-id`` when well-formed), binds it for the request's log lines, authenticates it
 (``cluster.http.auth``: the tenant comes from the API key), reads the body within the limits
 (``cluster.http.body``), holds a per-tenant in-flight slot, and hands parsed JSON to
-``cluster.http.api``. ``/health``, ``/ready`` and ``/metrics`` need no key;
+``cluster.http.api``. ``/health``, ``/ready`` and ``/metrics`` need no key (``/health`` and ``/ready``
+then show status and counts only: ``cluster.http.health_view``; ``/docs`` only with ``docs: true``);
 ``/metrics/targets`` needs one with ``metrics_auth: true``. A state store
 that does not answer is a 503 ``state_store_unavailable`` with ``Retry-After`` (``cluster.http.errors``),
 ``/ready`` 503 and ``/health`` ``degraded`` (``cluster.control.state.watch``).
