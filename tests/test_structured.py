@@ -232,3 +232,15 @@ def test_choices_get_distinct_seeds():
     seeds = [choice_sampling(s, i).seed for i in range(4)]
     assert seeds[0] == 5 and len(set(seeds)) == 4 and seeds == [choice_sampling(s, i).seed for i in range(4)]
     assert choice_sampling(SamplingParams(), 3).seed is None
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_and_true_keeps_all():
+    from cluster.http.structured import check_schema
+    text = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    several = T.parse_tools({"tools": [WEATHER, TIME]}, check_schema)
+    one = T.parse_tools({"tools": [WEATHER, TIME], "parallel_tool_calls": False}, check_schema)
+    assert [c["name"] for c in T.parse_calls(text, several)[1]] == ["get_time", "get_weather"]
+    assert [c["name"] for c in T.parse_calls(text, one)[1]] == ["get_time"]
+    with pytest.raises(RequestError):
+        T.parse_tools({"tools": [WEATHER], "parallel_tool_calls": "no"}, check_schema)
