@@ -165,6 +165,31 @@ def test_scheduler_side_plans_one_load_per_block_and_reports_its_outcome():
     assert sched.get_num_new_matched_tokens(plain, 0) == (0, False) and sched.request_finished(plain) == (False, None)
 
 
+def test_worker_side_takes_the_registered_inbox_or_refuses_to_start(smol):
+    """The worker half uses the inbox registered under its key (and leaves it running at its
+    shutdown: the actor's to stop); a key nobody registered stops it, naming the key, instead of
+    opening an inbox no sender knows."""
+    from decode_workers.vllm_connector_worker import ConnectorWorker
+    from decode_workers.vllm_inbox import INBOXES
+    from decode_workers.vllm_settings import ConnectorSettings
+
+    rx = GrpcTransport(model=MODEL)
+    address = rx.serve("127.0.0.1", 0)
+    key = INBOXES.register(rx)
+    try:
+        w = ConnectorWorker(ConnectorSettings(MODEL, 1.0, "async", 1, inbox_key=key))
+        assert w.inbox is rx and w.address is None
+        w.shutdown()
+        kv = recompute(smol, smol.encode("Hello there"), logits=False).kv
+        GrpcTransport().send(address, encode_block("still-open", MODEL, kv), timeout=30)   # not stopped
+        assert rx.receive("still-open", timeout=5).header.transfer_id == "still-open"
+    finally:
+        INBOXES.release(key)
+        rx.stop()
+    with pytest.raises(LookupError, match="not-registered"):
+        ConnectorWorker(ConnectorSettings(MODEL, 1.0, "async", 1, inbox_key="not-registered"))
+
+
 def test_composed_kv_decoded_by_vllm_matches_reference(smol, vx, sender, one_torch_thread):
     report, exact = [], 0
     cases = list(_cases(smol))
