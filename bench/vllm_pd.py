@@ -63,12 +63,13 @@ class PrefillSide:
         from kvruntime.engine import ReferenceEngine
         from kvruntime.ops.frame import chat_frame
         from kvtransport.transfer.endpoints import Sender
-        from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+        from kvruntime.config import TierConfig
+        from kvtransport.tier.lmcache_store import LMCacheStore
         from prefill_workers.executor import PrefillExecutor
         from prefill_workers.tier_reads import PrefillTier
 
         self.engine = ReferenceEngine(model, dtype=dtype, threads=threads)
-        self.store = LMCacheStore.for_engine(self.engine, TierConfig(local_cpu_gb=1.0))
+        self.store = LMCacheStore.for_engine(self.engine, TierConfig(cpu_bytes=1 << 30))
         self.source = PrefillTier(self.store, self.engine)
         self.prefill = PrefillExecutor(self.engine, self.source, Sender(transport), transfer_timeout=120.0)
         self.chunk_pos = 0 if self.engine.bos_id is None else 1
@@ -129,10 +130,11 @@ class DecodeSide:
 
     def __init__(self, model: str, dtype: str, threads: int, transport: str, kv_gib: int):
         from decode_workers.vllm_engine import VllmDecodeExecutor
+        from decode_workers.vllm_settings import VllmEngineConfig
         from kvtransport.transfer.endpoints import Receiver
         self.receiver = Receiver(transport, model, dtype, bind="127.0.0.1", advertise="127.0.0.1")
-        self.vllm = VllmDecodeExecutor(model, dtype=dtype, receiver=self.receiver, kv_cache_gib=kv_gib,
-                                       max_model_len=8192, threads=threads, receive_timeout=120.0)
+        self.vllm = VllmDecodeExecutor(VllmEngineConfig(model, dtype=dtype, kv_cache_gib=kv_gib, max_model_len=8192,
+                                                        threads=threads, receive_timeout_s=120.0), self.receiver)
 
     def endpoint(self):
         return self.receiver.endpoint

@@ -55,19 +55,22 @@ BENCH_SALT = tenant_salt("bench")
 class Harness:
     def __init__(self, model: str, dtype: str, threads: int):
         from decode_workers.vllm_engine import VllmDecodeExecutor
+        from decode_workers.vllm_settings import VllmEngineConfig
 
-        # vLLM first, so its start-up module scan sees few modules (see vllm_engine._guard_llvmlite_for_vllm)
-        self.vllm = VllmDecodeExecutor(model, dtype=dtype, kv_cache_gib=3, max_model_len=8192, threads=threads)
+        # vLLM first, so its start-up module scan sees few modules (see vllm_adapter._guard_llvmlite)
+        self.vllm = VllmDecodeExecutor(VllmEngineConfig(model, dtype=dtype, kv_cache_gib=3, max_model_len=8192,
+                                                        threads=threads))
         from kvruntime.engine import ReferenceEngine
         from kvruntime.fidelity.runner import _frame
         from kvtransport.transfer.endpoints import BlockKVSender
         from kvtransport.transfer.grpc_transport import GrpcTransport
-        from kvtransport.tier.lmcache_store import LMCacheStore, TierConfig
+        from kvruntime.config import TierConfig
+        from kvtransport.tier.lmcache_store import LMCacheStore
         from prefill_workers.executor import PrefillExecutor
         from prefill_workers.tier_reads import PrefillTier
 
         self.engine = ReferenceEngine(model, dtype=dtype, threads=threads)
-        self.store = LMCacheStore.for_engine(self.engine, TierConfig(local_cpu_gb=1.5))
+        self.store = LMCacheStore.for_engine(self.engine, TierConfig(cpu_bytes=3 << 29))
         self.source = PrefillTier(self.store, self.engine)
         self.prefill = PrefillExecutor(self.engine, self.source, BlockKVSender(GrpcTransport()))
         self.chunk_pos = 0 if self.engine.bos_id is None else 1
