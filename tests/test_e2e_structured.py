@@ -127,10 +127,16 @@ def test_required_and_auto(client):
     oa, _ = client
     msgs = [{"role": "user", "content": "What time is it in Tokyo?"}]
     r = oa.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=60,
-                                   temperature=0)
-    (call,) = r.choices[0].message.tool_calls
+                                   temperature=0, parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls           # parallel_tool_calls false: exactly one
     schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
     jsonschema.validate(json.loads(call.function.arguments), schema)
+    several = oa.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required",
+                                         max_tokens=120, temperature=0)     # the default: one or more calls
+    assert several.choices[0].finish_reason in ("tool_calls", "length")
+    for c in several.choices[0].message.tool_calls if several.choices[0].finish_reason == "tool_calls" else ():
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == c.function.name)
+        jsonschema.validate(json.loads(c.function.arguments), schema)
     auto = oa.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=40, temperature=0)
     ch = auto.choices[0]
     # free text or a parsed call, never both a call and a "tool_calls" finish without one
