@@ -9,10 +9,19 @@ import sys
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kvruntime.config.choices import DecodeEngineKind   # enum only: --help stays instant
     p = argparse.ArgumentParser(prog="kvnotes", description="KV cache as notes: compose and edit.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    _add_cluster_commands(sub)
+    _add_calibrate(sub)
+    _add_keys(sub)
+    _add_eval(sub)
+    _add_operator_commands(sub)
+    return p
 
+
+def _add_cluster_commands(sub) -> None:
+    """demo, models, run, serve."""
+    from kvruntime.config.choices import DecodeEngineKind   # enum only: --help stays instant
     d = sub.add_parser("demo", help="compose and edit on a real model, printing each step and its fidelity")
     d.add_argument("--model", default="smollm2-135m")
     d.add_argument("--threads", type=int, default=None)
@@ -30,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None,
                    help="join this Ray cluster (host:port or auto; overrides ray_address in the config)")
 
+
+def _add_calibrate(sub) -> None:
     c = sub.add_parser("calibrate", help="measure a model's fidelity profile (what balanced may compose)")
     c.add_argument("--model", required=True, help="checkpoint directory (or registry name)")
     c.add_argument("--cases", type=int, default=None, help="only the first N compose and N edit cases (default: all)")
@@ -53,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                         "section edit_answers to the model's existing profile in --out (the rest is kept)")
     c.add_argument("--config", default=None, help="the cluster's config (profiles_dir, dtype, balanced_* target)")
 
+
+def _add_keys(sub) -> None:
     k = sub.add_parser("keys", help="API keys: each maps to a tenant (only its hash is stored)")
     ksub = k.add_subparsers(dest="action", required=True)
     kc = ksub.add_parser("create", help="create a key for a tenant; the key is the last line printed")
@@ -63,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     for x in (kc, kl, kr):
         x.add_argument("--config", default=None, help="the cluster's config file (default: the embedded default's)")
 
+
+def _add_eval(sub) -> None:
     e = sub.add_parser("eval", help="measurements")
     esub = e.add_subparsers(dest="what", required=True)
     f = esub.add_parser("fidelity", help="run the fidelity harness on the shipped case set")
@@ -91,16 +106,20 @@ def _parser() -> argparse.ArgumentParser:
     r = esub.add_parser("report", help="regenerate the tables in docs/fidelity.md from the saved summaries")
     r.add_argument("--doc", default="docs/fidelity.md")
 
+
+def _target_args(a) -> None:
+    a.add_argument("--url", default=None, help="router URL (default: KVNOTES_URL, the config's, or :8000)")
+    a.add_argument("--key", default=None, help="API key (default: KVNOTES_API_KEY or <data_dir>/api_key)")
+    a.add_argument("--config", default=None, help="the cluster's config file (router address, key file)")
+
+
+def _add_operator_commands(sub) -> None:
+    """report, tier-server, status, and skills / memories / templates through the router's API."""
     rep = sub.add_parser("report", help="render the Grafana dashboard's panels to PNG from Prometheus (no Grafana)")
     rep.add_argument("--prometheus", required=True, help="Prometheus base URL, e.g. http://127.0.0.1:9090")
     rep.add_argument("--out", required=True, help="directory for the PNGs and index.md")
     rep.add_argument("--since", default="1h", help="time range ending now (30m, 1h, 2d)")
     rep.add_argument("--step", default=None, help="query resolution (default: range / 240)")
-
-    def target_args(a):
-        a.add_argument("--url", default=None, help="router URL (default: KVNOTES_URL, the config's, or :8000)")
-        a.add_argument("--key", default=None, help="API key (default: KVNOTES_API_KEY or <data_dir>/api_key)")
-        a.add_argument("--config", default=None, help="the cluster's config file (router address, key file)")
 
     ts = sub.add_parser("tier-server", help="run the lm:// KV tier server (its key from the cluster secret)")
     ts.add_argument("--config", required=True, help="the cluster's config (state_url, tier_remote_url, capacity)")
@@ -108,20 +127,19 @@ def _parser() -> argparse.ArgumentParser:
     ts.add_argument("--port", type=int, default=None, help="port (default: tier_remote_url's port)")
     ts.add_argument("--metrics-port", type=int, default=None, help="export kvnotes_tier_server_* here")
 
-    target_args(sub.add_parser("status", help="workers per role, state store, tier and remote tier state"))
+    _target_args(sub.add_parser("status", help="workers per role, state store, tier and remote tier state"))
     for kind in ("skills", "memories", "templates"):
         k = sub.add_parser(kind, help=f"list, add or remove {kind} through the router's API")
         ksub = k.add_subparsers(dest="action", required=True)
-        target_args(ksub.add_parser("list", help=f"registered {kind}" + ("" if kind == "templates"
-                                                                          else " and whether the tier holds them")))
+        _target_args(ksub.add_parser("list", help=f"registered {kind}" + ("" if kind == "templates"
+                                                                           else " and whether the tier holds them")))
         a = ksub.add_parser("add", help="register a file, or every .txt/.md/.json file of a directory")
         a.add_argument("path")
         a.add_argument("--name", default=None, help="name for a single file (default: the file's stem)")
-        target_args(a)
+        _target_args(a)
         rm = ksub.add_parser("rm", help=f"delete one of the {kind}")
         rm.add_argument("name")
-        target_args(rm)
-    return p
+        _target_args(rm)
 
 
 def _tier_server(args) -> int:
@@ -140,80 +158,87 @@ def _tier_server(args) -> int:
     return 0
 
 
+def _models(args, argv) -> int:
+    from kvruntime.models import list_models
+    print("\n".join(list_models()))
+    return 0
+
+
+def _run(args, argv) -> int:
+    """``run`` (the embedded default) and ``serve`` (a config file)."""
+    from cluster.ops.launcher import run_forever
+    from kvruntime.config import ClusterConfig
+    if args.cmd == "run":
+        cfg = ClusterConfig.of(model=args.model, port=args.port, decode_engine=args.decode_engine)
+    else:
+        cfg = ClusterConfig.from_file(args.config)
+        if args.address:
+            cfg = cfg.replace(ray_address=args.address)
+    return run_forever(cfg, register_demo=args.cmd == "run")
+
+
+def _calibrate(args, argv) -> int:
+    from cluster.control.planner import FidelityTarget
+    from cluster.ops.calibrate import calibrate, calibrate_edits
+    from kvruntime.config import ClusterConfig
+    cfg = ClusterConfig.from_file(args.config) if args.config else None
+    common = dict(cases=args.cases, out=args.out or (cfg.policy.profiles_dir if cfg else None),
+                  dtype=args.dtype or (cfg.workers.dtype if cfg else "float32"), device=args.device,
+                  threads=args.threads, target=FidelityTarget.from_config(cfg) if cfg else FidelityTarget.answers(),
+                  command="kvnotes " + " ".join(argv), run_dir=args.run_dir, progress=not args.no_progress)
+    if args.edits_only:
+        if args.budget is not None or args.decisions is not None:
+            raise ValueError("--edits-only measures the edit cases only: drop --budget / --decisions")
+        calibrate_edits(args.model, **common)
+    else:
+        calibrate(args.model, decisions=args.decisions, budget=args.budget, **common)
+    return 0
+
+
+def _demo(args, argv) -> int:
+    from cluster.ops.demo import run_demo
+    return run_demo(args.model, threads=args.threads)
+
+
+def _eval(args, argv) -> int:
+    from kvruntime.fidelity.cli import eval_fidelity, write_report
+    return eval_fidelity(args, argv) if args.what == "fidelity" else write_report(args.doc)
+
+
+def _report(args, argv) -> int:
+    from cluster.ops.report import run as report
+    return report(args.prometheus, args.out, since=args.since, step=args.step)
+
+
+def _admin(args, argv) -> int:
+    """``status`` and skills / memories / templates: plain HTTP calls to the router."""
+    from cluster.ops import admin
+    t = admin.resolve_target(args.url, args.key, args.config)
+    if args.cmd == "status":
+        return admin.status(t)
+    if args.action == "list":
+        return admin.list_kind(t, args.cmd)
+    if args.action == "add":
+        return admin.add(t, args.cmd, args.path, args.name)
+    return admin.remove(t, args.cmd, args.name)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("KVNOTES_LOG", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    argv = list(argv) if argv is not None else sys.argv[1:]
     args = _parser().parse_args(argv)
+    commands = {"models": _models, "run": _run, "serve": _run, "tier-server": lambda a, _: _tier_server(a),
+                "keys": lambda a, _: _keys(a), "calibrate": _calibrate, "demo": _demo, "eval": _eval,
+                "report": _report, "status": _admin, "skills": _admin, "memories": _admin, "templates": _admin}
     try:
-        if args.cmd == "models":
-            from kvruntime.models import list_models
-            print("\n".join(list_models()))
-            return 0
-        if args.cmd in ("run", "serve"):
-            from kvruntime.config import ClusterConfig
-            from cluster.ops.launcher import run_forever
-            cfg = (ClusterConfig.of(model=args.model, port=args.port, decode_engine=args.decode_engine)
-                   if args.cmd == "run"
-                   else ClusterConfig.from_file(args.config))
-            if args.cmd == "serve" and args.address:
-                cfg = cfg.replace(ray_address=args.address)
-            return run_forever(cfg, register_demo=args.cmd == "run")
-        if args.cmd == "tier-server":
-            return _tier_server(args)
-        if args.cmd == "keys":
-            return _keys(args)
-        if args.cmd == "calibrate":
-            from cluster.ops.calibrate import calibrate
-            from kvruntime.config import ClusterConfig
-            cfg = ClusterConfig.from_file(args.config) if args.config else None
-            from cluster.control.planner import FidelityTarget
-            if args.edits_only:
-                if args.budget is not None or args.decisions is not None:
-                    raise ValueError("--edits-only measures the edit cases only: drop --budget / --decisions")
-                from cluster.ops.calibrate import calibrate_edits
-                calibrate_edits(args.model, cases=args.cases, out=args.out or (cfg.policy.profiles_dir if cfg else None),
-                                dtype=args.dtype or (cfg.workers.dtype if cfg else "float32"), device=args.device,
-                                threads=args.threads,
-                                target=FidelityTarget.from_config(cfg) if cfg else FidelityTarget.answers(),
-                                command="kvnotes " + " ".join(argv if argv is not None else sys.argv[1:]),
-                                run_dir=args.run_dir, progress=not args.no_progress)
-                return 0
-            calibrate(args.model, cases=args.cases, decisions=args.decisions,
-                      out=args.out or (cfg.policy.profiles_dir if cfg else None),
-                      dtype=args.dtype or (cfg.workers.dtype if cfg else "float32"), device=args.device, threads=args.threads,
-                      target=FidelityTarget.from_config(cfg) if cfg else FidelityTarget.answers(),
-                      command="kvnotes " + " ".join(argv if argv is not None else sys.argv[1:]),
-                      run_dir=args.run_dir, budget=args.budget, progress=not args.no_progress)
-            return 0
-        if args.cmd == "demo":
-            from cluster.ops.demo import run_demo
-            return run_demo(args.model, threads=args.threads)
-        if args.cmd == "eval" and args.what == "fidelity":
-            from kvruntime.fidelity.cli import eval_fidelity
-            return eval_fidelity(args, argv if argv is not None else sys.argv[1:])
-        if args.cmd == "report":
-            from cluster.ops.report import run as report
-            return report(args.prometheus, args.out, since=args.since, step=args.step)
-        if args.cmd in ("status", "skills", "memories", "templates"):
-            from cluster.ops import admin
-            t = admin.resolve_target(args.url, args.key, args.config)
-            if args.cmd == "status":
-                return admin.status(t)
-            if args.action == "list":
-                return admin.list_kind(t, args.cmd)
-            if args.action == "add":
-                return admin.add(t, args.cmd, args.path, args.name)
-            return admin.remove(t, args.cmd, args.name)
-        if args.cmd == "eval" and args.what == "report":
-            from kvruntime.fidelity.cli import write_report
-            return write_report(args.doc)
+        return commands[args.cmd](args, argv)
     except (ValueError, RuntimeError, FileNotFoundError, ConnectionError) as exc:   # ConnectionError: the state store
         print(f"kvnotes: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvnotes: interrupted", file=sys.stderr)
         return 130
-    return 2
 
 
 def _keys(args) -> int:
