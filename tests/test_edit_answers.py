@@ -44,3 +44,34 @@ def test_the_section_pairs_answers_with_recompute_and_counts_informative_cases()
     assert not math.isnan(r["ms_per_request"])
     with pytest.raises(ValueError, match="reference=True"):
         edit_answers_section({"field + top-16": op}, informative, {})
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m"])
+def test_the_shipped_edit_answers_are_what_the_committed_run_log_gives_and_the_planner_cites_them(model):
+    """The shipped profile's ``edit_answers`` section is recomputed from its committed calibrate run
+    log (docs/runs/calibrate_edits_2026-12-02/), and balanced's verdicts cite its rows."""
+    import json
+    from pathlib import Path
+
+    from cluster.control.compose_choice import FidelityTarget, choose_edits_by_answers
+    from kvruntime.fidelity.report import load_summary
+    log = Path(__file__).parent.parent / "docs" / "runs" / "calibrate_edits_2026-12-02" / f"{model}.rows.jsonl"
+    prof = load_summary(model)
+    if "edit_answers" not in prof:
+        pytest.fail(f"{model}: the shipped profile has no edit_answers section (kvnotes calibrate --edits-only)")
+    rows, informative = {}, {}
+    for line in log.read_text().splitlines():
+        rec = json.loads(line)
+        informative[rec["case"]] = rec["informative"]
+        for op, r in rec["rows"].items():
+            rows.setdefault(op, []).append(r)
+    again = edit_answers_section(rows, informative, {})
+    shipped = prof["edit_answers"]
+    assert shipped["meta"]["cases"] == again["meta"]["cases"] and shipped["meta"]["cases"]["lookup"] == 32
+    for op, r in again["ops"].items():
+        for k, v in r.items():
+            want = shipped["ops"][op][k]
+            assert (v == pytest.approx(want, nan_ok=True)) if isinstance(v, float) else v == want, (op, k)
+    for v in choose_edits_by_answers(prof, FidelityTarget.answers(), model=model):
+        assert v.row in shipped["ops"] and f"{model} edit_answers row '{v.row}'" in v.reason
+        assert ("meets" if v.allowed else "misses") in v.reason
