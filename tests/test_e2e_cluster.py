@@ -191,7 +191,7 @@ BAD = [
     ("POST", "/v1/notes/completions", {"segments": [{"text": "q"}], "edit_strategy": "guess"}, 400, "edit_strategy"),
     ("POST", "/v1/notes/completions", {"segments": [{"text": "word " * 9000}]}, 400, "context window"),
     ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": ""}, 400, "prompt"),
-    ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": ["a", 5]}, 400, "prompt[1]"),
     ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": [999999999]}, 400, "vocabulary"),
     ("POST", "/v1/completions", {"model": "smollm2-135m", "prompt": "hi", "n": 99}, 400, "n must be between 1 and 8"),
     ("POST", "/v1/chat/completions", {"model": "smollm2-135m", "messages": []}, 400, "messages"),

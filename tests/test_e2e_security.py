@@ -140,7 +140,7 @@ BAD = [
     (C, {**P, "logit_bias": {"5": 500}}, 400, "logit_bias"), (C, {**P, "logit_bias": [1]}, 400, "logit_bias"),
     (C, {**P, "stop": ["a"] * 5}, 400, "stop"), (C, {**P, "stop": [""]}, 400, "stop"), (C, {**P, "stop": 5}, 400, "stop"),
     (C, {**P, "stop": "x" * 200}, 400, "stop"), (C, {**P, "n": 99}, 400, "n must be"), (C, {**P, "n": True}, 400, "n must be"),
-    (C, {**P, "logprobs": 9}, 400, "logprobs"), (C, {**P, "echo": True}, 400, "echo"),
+    (C, {**P, "logprobs": 9}, 400, "logprobs"), (C, {**P, "echo": "yes"}, 400, "echo"),
     (C, {**P, "suffix": "x"}, 400, "suffix"), (C, {**P, "best_of": 2}, 400, "best_of"),
     (C, {**P, "stream": "yes"}, 400, "stream"), (C, {**P, "model": 7}, 400, "model"),
     (C, {**P, "model": "gpt-9"}, 404, "not served"), (C, {**P, "prompt": [-1]}, 400, "prompt"),
