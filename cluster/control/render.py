@@ -49,14 +49,15 @@ class Renderer:
                     raise RequestError(400, f"{param} may not contain the model's special token {bad!r}", param=param)
 
     def chat_ids(self, messages: list[dict], budget: TokenBudget | None = None,
-                 tools: list[dict] | None = None) -> list[int]:
+                 tools: list[dict] | None = None, spans: list | None = None) -> list[int]:
         """The chat template applied to ``messages`` (``{"role", "content": str}``, plus
         ``tool_calls`` / ``tool_call_id`` for a template that renders tools), with the
         template's own markup tokenized as special tokens and every message's content as plain
         text: content is replaced by a sentinel while rendering, then spliced back by ids.
         ``tools``: the template's ``tools`` argument (``cluster.control.tools``); it and the
         calls are rendered by the template as markup, so no special token may appear in them.
-        ``budget``: priced and charged message by message (400 as soon as the window is exceeded)."""
+        ``budget``: priced and charged message by message (400 as soon as the window is exceeded).
+        ``spans``: when given, gets (message index, role, first token, end) of each message's content."""
         budget = budget or TokenBudget(1 << 62, 0, None)
         budget.price_chars(sum(len(m["content"].strip()) for m in messages))   # some templates trim content
         if not getattr(self.tok, "chat_template", None):
@@ -86,7 +87,11 @@ class Renderer:
             c = c if c in real else c.strip()             # templates that trim content
             head_ids = self.markup(head)
             budget.charge(len(head_ids))
-            ids += head_ids + budget.encode(self.encode, c)
+            ids += head_ids
+            start = len(ids)
+            ids += budget.encode(self.encode, c)
+            if spans is not None:       # (index, role, first token, end) of its content: explain's "message 2 (user)"
+                spans.append((i, messages[i].get("role", ""), start, len(ids)))
         tail = self.markup(rest)
         budget.charge(len(tail))
         return ids + tail

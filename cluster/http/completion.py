@@ -42,6 +42,7 @@ class Prepared:
     sampling: SamplingParams
     prompts: tuple[tuple[int, ...], ...]     # token ids of each prompt (chat: one)
     echoes: tuple[str, ...] = ()             # completions with echo: each prompt's text
+    messages: tuple = ()                     # chat: (index, role, first token, end) of each message's content
 
     @property
     def choices(self) -> int:
@@ -114,8 +115,11 @@ async def prepare(router: Router, limits: RequestLimits, body: dict, *, chat: bo
         router.renderer.check_call_ids(req.messages)
         budget = router.budget(sampling)        # priced in the thread, before the template is applied
         msgs, tools_arg = prepare_tools(req.messages, tools, template_takes_tools(router.renderer.tok))
-        ids = await anyio.to_thread.run_sync(functools.partial(router.renderer.chat_ids, msgs, budget, tools_arg))
-        return Prepared(req, chat, constraint, tools, sampling, (_checked_ids(ids, vocab, "prompt"),))
+        spans: list = []                        # where each message's content lies (explain: the first divergence)
+        ids = await anyio.to_thread.run_sync(functools.partial(router.renderer.chat_ids, msgs, budget, tools_arg,
+                                                               spans))
+        return Prepared(req, chat, constraint, tools, sampling, (_checked_ids(ids, vocab, "prompt"),),
+                        messages=tuple(spans))
     prompts = []
     for i, p in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
@@ -146,7 +150,7 @@ async def start(router: Router, ctx: RequestContext, prep: Prepared) -> list:
     req, n, rid = prep.req, prep.req.n, ctx.request_id
     ctx = ctx.with_body(policy=req.policy, deadline_s=req.deadline_s)
     gens = [router.stream_prompt(ctx.choice(rid if p * n + j == 0 else f"{rid}.{p * n + j}"), list(ids),
-                                 sampling=choice_sampling(prep.sampling, j))
+                                 sampling=choice_sampling(prep.sampling, j), messages=prep.messages)
             for p, ids in enumerate(prep.prompts) for j in range(n)]
     try:
         firsts = await asyncio.gather(*(primed(g) for g in gens))
