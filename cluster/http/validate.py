@@ -222,7 +222,7 @@ def completions_prompt(body: dict, limits: RequestLimits) -> list[str | list[int
     one = _one_prompt(p, limits, "prompt")
     if one is not None:
         return [one]
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+    if isinstance(p, list) and p and any(isinstance(x, (str, list)) for x in p):     # a batch
         if len(p) > limits.max_segments:
             raise RequestError(400, f"at most {limits.max_segments} prompts per request", param="prompt")
         out = [_one_prompt(x, limits, f"prompt[{i}]") for i, x in enumerate(p)]
