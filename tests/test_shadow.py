@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from cluster.control.context import RequestContext
 from cluster.control.metrics import Metrics
 from cluster.control.planner import FidelityTarget, PlannerConfig, compose_op_key
 from cluster.control.shadow import FRAME_REUSE_OP, FidelityGuard, FidelityMonitor, checkable, plan_op, sampled
@@ -241,7 +242,6 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
 
     from cluster.control.registry import Registry
     from cluster.control.render import Renderer
-    from cluster.control.context import RequestContext
     from cluster.control.router import Router
     from cluster.control.router_sections import ModelSection, PolicySection
     from cluster.control.state import open_state
@@ -318,7 +318,6 @@ def test_router_demotes_an_injected_drifting_operation(smol, tmp_path):
 def _router(smol, tmp_path, executor_cls):
     from cluster.control.registry import Registry
     from cluster.control.render import Renderer
-    from cluster.control.context import RequestContext
     from cluster.control.router import Router
     from cluster.control.router_sections import ModelSection, PolicySection
     from cluster.control.state import open_state
