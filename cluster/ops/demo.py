@@ -40,12 +40,9 @@ def _timed(fn):
 
 
 def run_demo(model: str = "smollm2-135m", threads: int | None = None) -> int:
-    import torch
-
-    from kvruntime.fidelity.metrics import kl_divergence
-    from kvruntime.kv import KVCache
+    """Load the model, precompile the chunks, compose them against full recompute, then edit a
+    field against full recompute: each step printed with its timing and fidelity."""
     from kvruntime.engine import ReferenceEngine
-    from kvruntime.ops import ChunkSegment, TextSegment, compose, erratum, precompile_chunk, recompute
     from kvruntime.ops.frame import chat_frame
 
     print(f"== kvnotes demo on {model} (reference engine, CPU, fp32)")
@@ -54,6 +51,15 @@ def run_demo(model: str = "smollm2-135m", threads: int | None = None) -> int:
     print(f"loaded in {secs:.1f} s; RoPE re-rotation self-test: "
           f"{'passed' if rope.enabled else 'FAILED (reposition disabled)'} (rel. error {rope.self_test_error:.1e})")
     pre, suffix = chat_frame(engine), engine.spec.chat_user_suffix
+    chunks = _precompile(engine)
+    _compose_step(engine, chunks, pre, suffix)
+    _edit_step(engine, pre, suffix)
+    print("\nNext: `kvnotes eval fidelity --model smollm2-135m` measures every operation on the shipped cases.")
+    return 0
+
+
+def _precompile(engine) -> dict:
+    from kvruntime.ops import precompile_chunk
 
     print("\n-- 1. precompile skills and memories (each at its canonical position, after BOS)")
     chunks = {}
@@ -62,11 +68,17 @@ def run_demo(model: str = "smollm2-135m", threads: int | None = None) -> int:
         kv, secs = _timed(lambda: precompile_chunk(engine, ids))
         chunks[name] = kv
         print(f"   {name}: {len(ids)} tokens, {kv.nbytes / 2**20:.1f} MiB of KV, {secs * 1000:.0f} ms")
+    return chunks
+
+
+def _compose_step(engine, chunks: dict, pre: list[int], suffix: str) -> None:
+    from kvruntime.fidelity.metrics import kl_divergence
+    from kvruntime.ops import ChunkSegment, TextSegment, compose, recompute
 
     print("\n-- 2. compose: [system] + refund-policy + user-42 + question")
     q = engine.encode(QUESTION + suffix)
     segs = [TextSegment(pre), ChunkSegment(chunks["refund-policy"]), ChunkSegment(chunks["user-42"]), TextSegment(q)]
-    if rope.enabled:
+    if engine.rope.enabled:
         plan = [("system prefix", "compute", len(pre)), ("refund-policy", "reposition + seam 1", chunks["refund-policy"].num_tokens),
                 ("user-42", "reposition + seam 1", chunks["user-42"].num_tokens), ("question", "compute", len(q))]
         for seg, action, n in plan:
@@ -86,6 +98,13 @@ def run_demo(model: str = "smollm2-135m", threads: int | None = None) -> int:
         print(f"   fidelity: KL(recompute || composed) = {kl_divergence(full.logits, res.logits):.4f} nats, "
               f"top-1 {'agrees' if full.logits.argmax() == res.logits.argmax() else 'differs'}")
 
+
+def _edit_step(engine, pre: list[int], suffix: str) -> None:
+    import torch
+
+    from kvruntime.kv import KVCache
+    from kvruntime.ops import erratum, recompute
+
     print("\n-- 3. edit: the cached booking says ON TIME; the field changes to CANCELLED")
     old_ids = pre + engine.encode(BOOKING.format(status="ON TIME"))
     cached, secs = _timed(lambda: recompute(engine, old_ids, logits=False).kv)
@@ -101,5 +120,3 @@ def run_demo(model: str = "smollm2-135m", threads: int | None = None) -> int:
     oracle, t_or = _timed(lambda: recompute(engine, new_ids))
     oracle_ans = engine.decode(engine.greedy(oracle.kv, oracle.logits, 16, stop_at_eos=True))
     print(f"   erratum answer: {ans!r}; full recompute of the edited context ({t_or * 1000:.0f} ms): {oracle_ans!r}")
-    print("\nNext: `kvnotes eval fidelity --model smollm2-135m` measures every operation on the shipped cases.")
-    return 0
