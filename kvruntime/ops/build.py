@@ -1,5 +1,6 @@
 """The one builder of a request's KV: what ``compose`` (the fidelity harness, ``kvnotes
-calibrate``, the demo, the benches) and the prefill executor (what is served) both run.
+calibrate``, the demo, the benches) and the prefill executor (what is served) both run, through
+the one interpreter of their steps (:mod:`kvruntime.ops.interpret`).
 
 A :class:`Builder` owns ONE buffer of the context's final size ([layers, 2, kv_heads, capacity,
 head_dim], allocated at the first write, in a transport's registered memory when ``alloc`` has

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvruntime.kv import KVCache
-from kvruntime.ops.interpret import Interpreter, SeamRule, exactly_after
+from kvruntime.ops.interpret import Interpreter, SeamRule, naive_splice  # noqa: F401 (re-exported)
 from kvruntime.ops.slots import reposition, seam_repair, write_slots  # noqa: F401 (re-exported)
 
 
@@ -37,13 +37,6 @@ def precompile_chunk(engine, token_ids: list[int], prefix: list[int] | None = No
     return kv.slice(len(prefix)) if prefix else kv
 
 
-def naive_splice(chunk: KVCache, start: int) -> KVCache:
-    """Claim positions start.. for ``chunk`` *without* re-rotating its keys: the baseline that
-    shows why reposition exists. Never used by a plan."""
-    return KVCache(chunk.data, torch.arange(start, start + chunk.num_tokens, device=chunk.positions.device),
-                   chunk.token_ids)
-
-
 @dataclass(frozen=True)
 class TextSegment:
     token_ids: list[int]     # computed in context (prefill against everything before it)
@@ -53,12 +46,6 @@ class TextSegment:
 class ChunkSegment:
     kv: KVCache              # precompiled at canonical positions (see precompile_chunk)
     prefix: tuple[int, ...] | None = None   # token ids it was compiled after; None = unknown / the anchor
-
-    def follows(self, context: KVCache) -> bool:
-        """True if ``context`` is exactly the prefix this chunk was compiled after (same tokens
-        at positions 0..m-1) and the chunk starts at m: its KV is then exact where it stands
-        (:func:`~kvruntime.ops.interpret.exactly_after`, the executor's check too)."""
-        return self.prefix is not None and exactly_after(context, self.prefix, int(self.kv.positions[0]))
 
 
 @dataclass(frozen=True)
@@ -84,7 +71,8 @@ def compose(engine, segments: list[TextSegment | ChunkSegment], *, seam_tokens: 
     ``probe`` picks the ranking (see :mod:`kvruntime.ops.blend`; ``q...`` probes rank by the text
     that follows, :mod:`kvruntime.ops.qselect`); ``probe_cache`` (a dict kept by the caller for one
     context) lets several ratios share one probe. A chunk whose ``prefix`` is exactly the context
-    before it (see :meth:`ChunkSegment.follows`) is exact reuse: no rotation, seam or recompute."""
+    before it (``Interpreter.follows``, :mod:`kvruntime.ops.interpret`) is exact reuse: no
+    rotation, seam or recompute."""
     from kvruntime.ops.blend import blend_count
     blend_count(recompute_ratio, 0)  # validates the ratio
     total = sum(len(s.token_ids) if isinstance(s, TextSegment) else s.kv.num_tokens for s in segments

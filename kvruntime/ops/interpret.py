@@ -70,6 +70,13 @@ def exactly_after(context: KVCache, prefix, start: int) -> bool:
     return context.token_ids.tolist() == p and context.positions.tolist() == list(range(len(p)))
 
 
+def naive_splice(chunk: KVCache, start: int) -> KVCache:
+    """Claim positions start.. for ``chunk`` *without* re-rotating its keys: the baseline that
+    shows why reposition exists. Never used by a plan."""
+    return KVCache(chunk.data, torch.arange(start, start + chunk.num_tokens, device=chunk.positions.device),
+                   chunk.token_ids)
+
+
 def matches(kv: KVCache | None, token_ids, position: int) -> bool:
     """True if loaded ``kv`` holds exactly ``token_ids`` at ``position``.. (what a step says)."""
     ids = list(token_ids)
@@ -184,8 +191,7 @@ class Interpreter:
             if rotate:
                 self.builder.reposition(kv, at - int(kv.positions[0]))
             else:
-                self.builder.append(KVCache(kv.data, torch.arange(at, at + kv.num_tokens,
-                                                                  device=kv.positions.device), kv.token_ids))
+                self.builder.append(naive_splice(kv, at))
         k = min(rule.tokens, kv.num_tokens)
         self.tally.computed += k
         self.tally.repositioned += kv.num_tokens - k
