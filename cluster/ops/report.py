@@ -176,58 +176,76 @@ def render(results: list[PanelResult], out_dir: Path, start: float, end: float,
     try:
         import matplotlib
         matplotlib.use("Agg")
-        import matplotlib.dates as mdates
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("kvnotes report needs matplotlib (pip install matplotlib)") from None
-    from datetime import datetime, timezone
 
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = []
     for i, row in enumerate(ROWS, 1):
-        panels = [r for r in results if r.row == row.title]
-        cols = 2
-        rows_n = (len(panels) + cols - 1) // cols
-        fig, axes = plt.subplots(rows_n, cols, figsize=(13, 3.6 * rows_n), squeeze=False)
-        for ax, res in zip(axes.flat, panels):
-            ax.set_title(res.panel.title, fontsize=10)
-            if not res.has_data:
-                ax.text(0.5, 0.5, "no data" + (f"\n{res.errors[0][:80]}" if res.errors else ""),
-                        ha="center", va="center", transform=ax.transAxes, color="grey")
-                ax.set_xticks([])
-                ax.set_yticks([])
-                continue
-            if res.panel.kind == "stat":
-                last = [(s.legend, s.values[-1]) for s in res.series if s.values]
-                ax.text(0.5, 0.5, "\n".join(f"{name}: {v:g}" for name, v in last), ha="center", va="center",
-                        transform=ax.transAxes, fontsize=16,
-                        color="green" if all(v >= 1 for _, v in last) else "red")
-                ax.set_xticks([])
-                ax.set_yticks([])
-                continue
-            for s in res.series:
-                ts = [datetime.fromtimestamp(t, tz=timezone.utc) for t in s.times]
-                style = "--" if res.panel.dash_recompute and "recompute" in s.legend else "-"
-                # sparse series (a short workload in a long range) get markers, or a lone point is invisible
-                ax.plot(ts, s.values, style, label=s.legend, linewidth=1.4, marker="o" if len(ts) < 30 else None,
-                        markersize=3)
-            ax.set_xlim(datetime.fromtimestamp(start, tz=timezone.utc), datetime.fromtimestamp(end, tz=timezone.utc))
-            ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
-            ax.set_ylabel(res.panel.unit.split(":", 1)[1] if res.panel.unit.startswith("suffix:") else res.panel.unit,
-                          fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
-        for ax in list(axes.flat)[len(panels):]:
-            ax.axis("off")
-        span = (f"{datetime.fromtimestamp(start, tz=timezone.utc):%Y-%m-%d %H:%M:%S} - "
-                f"{datetime.fromtimestamp(end, tz=timezone.utc):%H:%M:%S} UTC")
-        fig.suptitle(f"kvnotes: {row.title}  ({span})", fontsize=12)
-        fig.tight_layout()
+        fig = _row_figure(plt, row, [r for r in results if r.row == row.title], start, end)
         path = out_dir / f"{i:02d}-{_slug(row.title)}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         pngs.append(path)
+    (out_dir / "index.md").write_text("\n".join(_index_lines(results, start, end, fidelity)))
+    return pngs
+
+
+def _utc(t: float):
+    from datetime import datetime, timezone
+    return datetime.fromtimestamp(t, tz=timezone.utc)
+
+
+def _row_figure(plt, row, panels: list[PanelResult], start: float, end: float):
+    """One dashboard row: its panels two to a line, titled with the time range."""
+    cols = 2
+    rows_n = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_n, cols, figsize=(13, 3.6 * rows_n), squeeze=False)
+    for ax, res in zip(axes.flat, panels):
+        ax.set_title(res.panel.title, fontsize=10)
+        if not res.has_data:
+            _centred(ax, "no data" + (f"\n{res.errors[0][:80]}" if res.errors else ""), color="grey")
+        elif res.panel.kind == "stat":
+            last = [(s.legend, s.values[-1]) for s in res.series if s.values]
+            _centred(ax, "\n".join(f"{name}: {v:g}" for name, v in last), fontsize=16,
+                     color="green" if all(v >= 1 for _, v in last) else "red")
+        else:
+            _plot_series(ax, res, start, end)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    span = f"{_utc(start):%Y-%m-%d %H:%M:%S} - {_utc(end):%H:%M:%S} UTC"
+    fig.suptitle(f"kvnotes: {row.title}  ({span})", fontsize=12)
+    fig.tight_layout()
+    return fig
+
+
+def _centred(ax, text: str, **style) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, **style)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _plot_series(ax, res: PanelResult, start: float, end: float) -> None:
+    import matplotlib.dates as mdates
+    for s in res.series:
+        ts = [_utc(t) for t in s.times]
+        style = "--" if res.panel.dash_recompute and "recompute" in s.legend else "-"
+        # sparse series (a short workload in a long range) get markers, or a lone point is invisible
+        ax.plot(ts, s.values, style, label=s.legend, linewidth=1.4, marker="o" if len(ts) < 30 else None,
+                markersize=3)
+    ax.set_xlim(_utc(start), _utc(end))
+    ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
+    ax.set_ylabel(res.panel.unit.split(":", 1)[1] if res.panel.unit.startswith("suffix:") else res.panel.unit,
+                  fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+def _index_lines(results: list[PanelResult], start: float, end: float,
+                 fidelity: list[OpFidelity] | None) -> list[str]:
+    """``index.md``: each row's PNG and a table of its panels (data or not, series, queries)."""
     lines = ["# kvnotes report", "",
              f"Prometheus range {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(start))} to "
              f"{time.strftime('%H:%M:%S', time.gmtime(end))} UTC; panels and queries from `cluster/ops/dashboard.py`.", ""]
@@ -241,8 +259,7 @@ def render(results: list[PanelResult], out_dir: Path, start: float, end: float,
         lines.append("")
     if fidelity is not None:
         lines += fidelity_lines(fidelity)
-    (out_dir / "index.md").write_text("\n".join(lines))
-    return pngs
+    return lines
 
 
 def run(prometheus: str, out: str, since: str = "1h", step: str | None = None, end: float | None = None) -> int:
