@@ -3,6 +3,7 @@ planning, Ray calls) at ~1k/4k/8k tokens, per stage, from the router's own recor
 
     python -m bench.control_path [--sizes 1024 4096 8192] [--reps 5] [--json runs/control_path.json]
     python -m bench.control_path --from-json runs/control_path.json       # the tables of a saved run
+    python -m bench.control_path --matching [--tokens 8192 --fingerprints 10000]   # prompt matching's cost
 
 Starts the cluster in this process (``cluster.ops.launcher.start``: the reference decode engine, 1
 prefill and 1 decode actor, shadow checks off, a throwaway data directory and API key) and stops it by
@@ -217,7 +218,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="", help="save the records here (JSON)")
     ap.add_argument("--from-json", metavar="FILE", help="print the tables of a saved run; start nothing")
-    args = ap.parse_args(argv)
+    ap.add_argument("--matching", action="store_true",
+                    help="only the prompt-matching row (bench.prompt_matching, in process): start nothing")
+    args, rest = ap.parse_known_args(argv)
+    if args.matching:
+        from bench import prompt_matching
+        return prompt_matching.main(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.from_json:
         run = json.loads(Path(args.from_json).read_text())
         print(header(run) + "\n" + markdown(run))

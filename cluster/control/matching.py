@@ -15,14 +15,18 @@ Pure functions over the entries one batched store read returned (``StateStore.ge
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from cluster.control.fingerprints import Cut, SpanConfig, anchors, divergence, fingerprint
 from cluster.control.planner import RenderedSegment
 from kvruntime.messages.plan import KVRef
+
+ANCHOR = "c1|"       # an anchor key's data: "c1|<anchor end in the chunk>|<length>|<fingerprint>|<kind>|<name>"
+
 
 @dataclass(frozen=True)
 class MatchConfig:
@@ -65,27 +69,27 @@ def anchor_entries(kind: str, name: str, tenant: str, ids: tuple[int, ...], cfg:
     """The anchor keys of a chunk (a registration, or a recurring span compiled on its own), each
     naming the chunk, the anchor's end offset in it, its length and its fingerprint."""
     fp = fingerprint(tenant, ids)
-    return {a.key: json.dumps({"k": kind, "n": name, "o": a.end, "l": len(ids), "f": fp}, separators=(",", ":"))
-            for a in anchors(tenant, ids, cfg)}
+    return {a.key: f"{ANCHOR}{a.end}|{len(ids)}|{fp}|{kind}|{name}" for a in anchors(tenant, ids, cfg)}
 
 
 def anchored_chunks(tenant: str, ids: tuple[int, ...], c: Cut, entries: dict,
-                    chunk_ref: Callable[[tuple[int, ...]], KVRef], start_at: int) -> list[ChunkMatch]:
+                    chunk_ref: Callable[[tuple[int, ...]], KVRef], start_at: int, arr=None) -> list[ChunkMatch]:
     """Chunks whose ids appear in ``ids`` at or after ``start_at``: found by an anchor, verified
-    by the fingerprint of the ids there (a re-registered chunk's old anchors no longer match)."""
+    by the fingerprint of the ids there (a re-registered chunk's old anchors no longer match).
+    ``arr``: ``ids`` as an int64 array, when the caller has it."""
+    arr = np.asarray(ids, dtype=np.int64) if arr is None else arr
     out, seen = [], set()
     for a in c.anchors:
         got = entries.get(a.key)
-        if got is None or not got[1].startswith("{"):
+        if got is None or not got[1].startswith(ANCHOR):
             continue
-        d = json.loads(got[1])
-        start = a.end - d["o"]
-        if (d["f"], start) in seen or start < start_at or start + d["l"] > len(ids):
+        off, n, fp, kind, name = got[1][len(ANCHOR):].split("|", 4)
+        start, n = a.end - int(off), int(n)
+        if (fp, start) in seen or start < start_at or start + n > len(ids):
             continue
-        seen.add((d["f"], start))
-        chunk = tuple(ids[start:start + d["l"]])
-        if fingerprint(tenant, chunk) == d["f"]:
-            out.append(ChunkMatch(start, start + d["l"], d["k"], d["n"], chunk_ref(chunk)))
+        seen.add((fp, start))
+        if fingerprint(tenant, arr[start:start + n]) == fp:
+            out.append(ChunkMatch(start, start + n, kind, name, chunk_ref(tuple(ids[start:start + n]))))
     return out
 
 

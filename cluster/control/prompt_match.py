@@ -16,12 +16,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
-from cluster.control.fingerprints import Cut, anchors, cut
+import numpy as np
+
+from cluster.control.fingerprints import Cut, anchors, cut, fingerprint
 from cluster.control.matching import (ChunkMatch, FoundEdit, MatchConfig, anchor_entries, anchored_chunks, choose,
                                       find_edit, lookup_keys, nearest_held, segments, where)
 from cluster.control.planner import (HeldPromptEdit, PlannerConfig, RenderedRequest, RenderedSegment, TierView,
                                      plan_request)
-from cluster.control.prompt_index import PROMPT_BLOCK, prompt_hash
+from cluster.control.prompt_index import PROMPT_BLOCK
 from cluster.control.recurring import RecurringSpans
 from cluster.control.reuse_kinds import REUSE_KINDS, reuse_split
 from cluster.control.state import StateStore, StateStoreUnavailable
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Matched:
     """One prompt's match (``context`` replaces the prompt's one opaque segment)."""
-    key: str                                        # the prompt's index key (prompt_index.prompt_hash)
+    key: str                                        # the prompt's key among kept prompts (fingerprints.fingerprint)
     context: tuple[RenderedSegment, ...]
     chunk_keys: frozenset[str] = frozenset()        # digests of the matched chunks the tier holds
     held_edit: HeldPromptEdit | None = None
@@ -82,14 +84,16 @@ class PromptMatcher:
     async def match(self, tenant: str, salt: str, prefix: tuple[int, ...], hit: int, index: int,
                     messages: tuple = (), clock: "StageClock | None" = None) -> Matched:
         """Match ``prefix`` (the prompt but its last token) past its exact prefix of ``hit`` tokens."""
-        base = Matched(prompt_hash(tenant, prefix), (RenderedSegment("prompt", None, prefix),) if prefix else ())
+        arr = np.asarray(prefix, dtype=np.int64)       # one conversion: every pass below reads it
+        base = Matched(fingerprint(tenant, arr), (RenderedSegment("prompt", None, prefix),) if prefix else ())
         if not self.cfg.enabled or len(prefix) - hit < self.cfg.min_chunk_tokens:
             return base
-        c = cut(tenant, prefix, self.cfg.spans)
+        c = cut(tenant, arr, self.cfg.spans)
         try:
             seen = self.state.get_fingerprints(tenant, lookup_keys(c), time.time())
-            chunks = choose(anchored_chunks(tenant, prefix, c, seen, self._ref(salt), hit), self.cfg.min_chunk_tokens)
-            edit = self._edit(tenant, prefix, c, seen, hit, base.key, chunks)
+            chunks = choose(anchored_chunks(tenant, prefix, c, seen, self._ref(salt), hit, arr),
+                            self.cfg.min_chunk_tokens)
+            edit = self._edit(tenant, arr, c, seen, hit, base.key, chunks)
         except StateStoreUnavailable as exc:        # a cache: the prompt is planned on its exact prefix
             self.metrics.reuse_misses.labels("store_unavailable").inc(len(prefix) - hit)
             log.warning("prompt matching skipped: %s", exc)
@@ -119,7 +123,7 @@ class PromptMatcher:
         the exact prefix and the matched chunks would."""
         near = nearest_held(c, seen, exclude=key)
         held = self.state.get_held_prompt(tenant, near, time.time()) if near else None
-        found = find_edit(prefix, held, self.cfg) if held else None
+        found = find_edit(prefix, held, self.cfg) if held else None       # prefix: the prompt's int64 array
         if found is None or found.equal <= hit + sum(m.end - m.start for m in chunks):
             return None
         return found, held
