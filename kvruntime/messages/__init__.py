@@ -8,9 +8,11 @@ transformers or Ray, so the router and the state store can use them without a mo
 - ``plan``: :class:`RequestPlan` / :class:`SegmentPlan` / :class:`KVRef` -- the planner's output,
   what prefill workers execute and what ``explain`` shows.
 - ``keys``: :class:`ChunkKey` -- the content address of KV in the tier, derivable from a plan.
-- ``decode``: :class:`SamplingParams`, :class:`TokenEvent`, :class:`DecodeSummary` -- the router
-  <-> decode worker boundary.
-- ``prefill``: :class:`PrefillStats`, :class:`PrefillResult` -- what a prefill worker reports.
+- ``decode``: :class:`SamplingParams`, :class:`DecodeJob` (one ``DecodeWorker.generate`` call),
+  :class:`TokenEvent`, :class:`DecodeSummary` -- the router <-> decode worker boundary.
+- ``prefill``: :class:`PrefillJob` (one ``PrefillWorker.execute`` call), :class:`PrefillStats`,
+  :class:`PrefillResult` -- what a prefill worker is asked and reports.
 - ``fidelity``: :class:`ShadowResult` -- an online shadow check (prefill worker -> router).
-- ``transfer``: :class:`KVEndpoint`, :class:`TransferGrant` (per-transfer credential), stage names.
+- ``transfer``: :class:`KVEndpoint`, :class:`TransferGrant` (per-transfer credential),
+  :class:`TransferExpectation` / :class:`ExpectReply` (``DecodeWorker.expect``), stage names.
 """
