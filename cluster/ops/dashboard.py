@@ -31,6 +31,8 @@ METRICS = (
     "kvnotes_ttft_seconds",                   # histogram {plan}: the plan that executed
     "kvnotes_requests_total",                 # counter {plan, status, outcome}: every request once
     "kvnotes_prompt_tokens_total",            # counter {source=reused|repositioned|erratum|decode_cache|computed}
+    "kvnotes_reused_tokens_total",            # counter {kind=exact|composed|edited}: usage.prompt_tokens_details' split
+    "kvnotes_reuse_miss_total",               # counter {reason}: prompt tokens computed though matching ran
     "kvnotes_tier_hits_total",                # counter {tier}
     "kvnotes_tier_lookups_total",             # counter {tier}, plan-time misses included
     "kvnotes_kv_transfer_bytes_total",        # counter {transport}
@@ -114,6 +116,17 @@ ROWS = (
                   "/ sum(rate(kvnotes_prompt_tokens_total[5m]))", "reused share"),
         ), "Fraction of prompt tokens whose KV was reused, repositioned or corrected by an "
            "erratum instead of computed."),
+        Panel("Reused prompt tokens by kind", "short", (
+            Query("sum by (kind) (rate(kvnotes_reused_tokens_total[5m]))", "{{kind}}"),
+            Query('sum(rate(kvnotes_prompt_tokens_total{source="computed"}[5m]))', "computed"),
+        ), "Prompt tokens per second nobody computed, by kind of reuse (the split of "
+           "usage.prompt_tokens_details.cached_tokens): exact (bit for bit a prefill's: the prompt index, "
+           "the decode engine's prefix cache), composed (repositioned chunks and recurring spans), edited (a "
+           "held prompt's KV edited), beside the computed ones.", stacked=True),
+        Panel("Prompt tokens not reused, by reason", "short", (
+            Query("sum by (reason) (rate(kvnotes_reuse_miss_total[5m]))", "{{reason}}"),
+        ), "Prompt tokens computed although prompt matching ran: unmatched (nothing held), policy (a "
+           "matched chunk the policy recomputes), edit_declined, span_evicted, store_unavailable.", stacked=True),
         Panel("Tier hit rate per tier", "percentunit", (
             Query("sum by (tier) (rate(kvnotes_tier_hits_total[5m])) "
                   "/ sum by (tier) (rate(kvnotes_tier_lookups_total[5m]))", "{{tier}}"),
