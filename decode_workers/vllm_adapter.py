@@ -75,16 +75,21 @@ def _guard_llvmlite() -> None:
     wrapper._kvnotes_guarded = True
 
 
-def build_engine(cfg: "VllmEngineConfig", checkpoint: str, max_model_len: int, extra: dict[str, Any]):
-    """A vLLM v1 ``LLMEngine`` with the kvnotes connector (``extra``: its
-    ``kv_connector_extra_config``), its engine core in this process."""
-    check_version()
+def prepare_process(cfg: "VllmEngineConfig") -> None:
+    """vLLM's environment for this process, set before vLLM reads it; then the version check."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core (and the connector) live here
     if cfg.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.kv_cache_gib)))))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
     set_threads(cfg.threads)
+    check_version()
+
+
+def build_engine(cfg: "VllmEngineConfig", checkpoint: str, max_model_len: int, extra: dict[str, Any]):
+    """A vLLM v1 ``LLMEngine`` with the kvnotes connector (``extra``: its
+    ``kv_connector_extra_config``), its engine core in this process (after :func:`prepare_process`)."""
+    check_version()
     from vllm import EngineArgs, LLMEngine
     from vllm.config import KVTransferConfig
 

@@ -46,7 +46,7 @@ class VllmDecodeExecutor(DecodeEngine):
     def __init__(self, config: VllmEngineConfig, receiver: "Receiver | None" = None):
         if not isinstance(config, VllmEngineConfig):
             raise ValueError(f"VllmDecodeExecutor takes a VllmEngineConfig, got {type(config).__name__}")
-        vllm_adapter.check_version()
+        vllm_adapter.prepare_process(config)           # vLLM's environment, then the pinned version
         from kvruntime.checkpoint import ensure_checkpoint
         from kvruntime.hf_models import eos_token_ids
         from kvruntime.models import get_model_spec
