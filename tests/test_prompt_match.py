@@ -85,7 +85,10 @@ def test_a_registered_skill_pasted_into_a_prompt_is_composed_at_its_offset(smol,
         "Customer: may I return shoes I wore once? Answer:")
     _, fin = run(router, ids, "fast")
     chunk = [s for s in fin.plan.steps if s.source == "skill:refund"]
-    assert len(chunk) == 1 and chunk[0].kind is PlanKind.REPOSITION and chunk[0].tokens == len(skill)
+    core = router.matcher.core(skill)                 # as a prompt pastes it: without its trailing "\n\n"
+    assert len(core) == len(skill) - 1
+    assert len(chunk) == 1 and chunk[0].kind is PlanKind.REPOSITION and chunk[0].tokens == len(core)
+    assert chunk[0].reused > 0                          # the core was compiled at registration, not on first use
     assert any("skill:refund at tokens" in n for n in fin.plan.notes)
     details = prompt_details(fin)
     assert details["composed_tokens"] == chunk[0].reused > 0
@@ -96,7 +99,7 @@ def test_a_registered_skill_pasted_into_a_prompt_is_composed_at_its_offset(smol,
     # policy exact: matched, but recomputed (a repositioned chunk is not a recompute's KV), and counted
     want, exact = run(router, ids, "exact")
     assert all(s.kind is not PlanKind.REPOSITION for s in exact.plan.steps)
-    assert metric(router.metrics.render().decode(), "kvnotes_reuse_miss_total", reason="policy") >= len(skill)
+    assert metric(router.metrics.render().decode(), "kvnotes_reuse_miss_total", reason="policy") >= len(core)
     off = _router(smol, b, rig[2] / "off.db", enabled=False)
     got, plain = run(off, ids, "exact")
     assert got == want and all(s.source != "skill:refund" for s in plain.plan.steps)

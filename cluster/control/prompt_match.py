@@ -58,9 +58,37 @@ class PromptMatcher:
                  decode: Callable[[list[int]], str] | None = None):
         """``decode``: the model's tokenizer, ids -> text (an erratum needs the changed span's words)."""
         self.state, self.metrics, self.lookup, self.cfg = state, metrics, lookup, cfg
-        self.chunk_position, self.decode = chunk_position, decode
+        self.chunk_position, self.decode, self.backends = chunk_position, decode, backends
         breaks = functools.lru_cache(maxsize=65536)(lambda t: "\n" in decode([t])) if decode else None
         self.recurring = RecurringSpans(state, backends, metrics, cfg, chunk_position, breaks)
+
+    def core(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """A registered chunk's ids as a prompt pasting its text holds them: without the trailing
+        tokens that are only whitespace (a registration ends in ``"\n\n"``, one token at the end
+        of a text, two or a merge with the next word inside one)."""
+        ids = tuple(ids)
+        n = len(ids)
+        while n > 1 and self.decode is not None and not self.decode([ids[n - 1]]).strip():
+            n -= 1
+        return ids[:n]
+
+    async def index_registration(self, tenant: str, kind: str, name: str, ids: tuple[int, ...], salt: str,
+                                 index: int) -> None:
+        """A registration, findable in any prompt at any offset from now on: its :meth:`core`'s
+        anchors stored, and the core compiled on its own like the registration (when it differs
+        from it; a failure is counted and the core is compiled on first use instead)."""
+        core = self.core(ids)
+        self.index_chunk(tenant, kind, name, core)
+        if core == tuple(ids) or len(core) < self.cfg.min_chunk_tokens:
+            return
+        try:
+            info = await self.backends.precompile(KVRef(core, self.chunk_position, salt), index)
+        except Exception as exc:
+            self.metrics.record_fallback("matched_core_precompile_failed")
+            log.warning("precompiling %s %r as prompts paste it failed (%s): compiled on first use", kind, name, exc)
+            return
+        if not info.cached:
+            self.metrics.chunk_variants.inc()
 
     def index_chunk(self, tenant: str, kind: str, name: str, ids: tuple[int, ...]) -> None:
         """Store a registered chunk's anchors: prompts holding its ids at any offset match it."""
@@ -75,8 +103,8 @@ class PromptMatcher:
             log.warning("storing %s %r's anchors failed: %s", kind, name, exc)
 
     def unindex_chunk(self, tenant: str, ids: tuple[int, ...]) -> None:
-        """Drop a deleted chunk's anchors."""
-        self.state.delete_fingerprints(tenant, [a.key for a in anchors(tenant, tuple(ids), self.cfg.spans)])
+        """Drop a deleted registration's anchors."""
+        self.state.delete_fingerprints(tenant, [a.key for a in anchors(tenant, self.core(ids), self.cfg.spans)])
 
     def _ref(self, salt: str):
         return lambda ids: KVRef(tuple(ids), self.chunk_position, salt)

@@ -109,7 +109,8 @@ class Router:
         out = await self.registrations.register_chunk(kind, tenant, name, text)
         reg = self.state.get_registration(tenant, kind, name)
         if reg is not None:              # found in any prompt at any offset from now on (prompt matching)
-            self.matcher.index_chunk(tenant, kind, name, reg.token_ids)
+            await self.matcher.index_registration(tenant, kind, name, reg.token_ids, self.salt(tenant),
+                                                  self.view.pick_prefill(None) if self.view.live("prefill") else 0)
         return out
 
     async def delete_chunk(self, kind: str, tenant: str, name: str) -> dict:
