@@ -156,3 +156,22 @@ def test_a_one_field_change_of_a_held_prompt_is_planned_as_an_edit(smol, rig):
     text = router.metrics.render().decode()
     assert metric(text, "kvnotes_reuse_miss_total", reason="edit_declined") > 0
     assert metric(text, "kvnotes_reused_tokens_total", kind="edited") == details["edited_tokens"]
+
+
+def test_a_skill_pasted_into_a_native_text_segment_is_split_out_and_composed(smol, rig):
+    router, _, _ = rig
+    asyncio.run(router.register_chunk("skill", "default", "refund", SKILL))
+    asyncio.run(router.register_chunk("memory", "default", "note", "The customer is Dana, a member since 2019."))
+    segs = [{"text": "Policy excerpt follows.\n" + SKILL + "\n\nEnd of excerpt."}, {"memory": "note"},
+            {"text": "May Dana return worn shoes?"}]
+
+    async def native(policy):
+        fin = None
+        async for ev in router.stream_native(RequestContext.local("default", policy=policy), segs, session=None,
+                                             sampling=SamplingParams(max_tokens=4, temperature=0)):
+            fin = ev if not isinstance(ev, TokenEvent) else fin
+        return fin
+    fin = asyncio.run(native("fast"))
+    got = [s for s in fin.plan.steps if s.source == "skill:refund"]
+    assert len(got) == 1 and got[0].kind is PlanKind.REPOSITION and got[0].reused > 0, steps(fin)
+    assert prompt_details(fin)["composed_tokens"] >= got[0].reused

@@ -146,6 +146,28 @@ class PromptMatcher:
         return Matched(base.key, context, frozenset(m.kv.digest for m in kept), held_edit, tuple(kept), c, seen,
                        tuple(notes), evicted)
 
+    def split_text(self, req: RenderedRequest, tenant: str, salt: str) -> RenderedRequest:
+        """A native request outside a session with its text segments matched like a plain
+        prompt's: a registered chunk or recurring span pasted into a text is split out of it (one
+        batched read of the texts' anchors), planned by the chunk rules. A session's turns keep
+        their segments as rendered (its context is compared segment by segment)."""
+        texts = {i: np.asarray(seg.token_ids, dtype=np.int64) for i, seg in enumerate(req.context)
+                 if seg.kind == "text" and len(seg.token_ids) >= self.cfg.min_chunk_tokens}
+        if not self.cfg.enabled or req.session or not texts:
+            return req
+        cuts = {i: cut(tenant, arr, self.cfg.spans) for i, arr in texts.items()}
+        try:
+            seen = self.state.get_fingerprints(tenant, [a.key for c in cuts.values() for a in c.anchors], time.time())
+        except StateStoreUnavailable as exc:        # a cache: the texts are computed as they are
+            log.warning("matching the request's texts skipped: %s", exc)
+            return req
+        context: list[RenderedSegment] = []
+        for i, seg in enumerate(req.context):
+            found = choose(anchored_chunks(tenant, seg.token_ids, cuts[i], seen, self._ref(salt), 0, texts[i]),
+                           self.cfg.min_chunk_tokens) if i in cuts else []
+            context += segments(seg.token_ids, 0, found) if found else [seg]
+        return replace(req, context=tuple(context)) if len(context) != len(req.context) else req
+
     def _edit(self, tenant, prefix, c, seen, hit, key, chunks) -> tuple[FoundEdit, tuple[int, ...]] | None:
         """The nearest earlier prompt and how this one edits it, when editing it reuses more than
         the exact prefix and the matched chunks would."""

@@ -103,6 +103,7 @@ class RequestStreams:
         req = replace(await asyncio.to_thread(self.renderer.render, ctx.request_id, tenant, segments,
                                               Policy(ctx.policy or self.default_policy.value), session, salt, budget),
                       edit_strategy=edit)      # rendered off the event loop
+        req = self.matcher.split_text(req, tenant, salt)   # chunks pasted into its texts (outside sessions)
         ctx.lap("render")
         sess = self.sessions.get(tenant, session) if session else None
         prefill_index = self.pick_prefill(f"{tenant}|{session}" if session else None, ctx.leases)
