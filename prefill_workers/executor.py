@@ -21,9 +21,8 @@ from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, RequestPlan
 from kvruntime.messages.prefill import PrefillResult, PrefillStats
 from kvruntime.messages.transfer import KVEndpoint
-from kvruntime.telemetry import log_fallback_once
 from kvtransport.transfer.interface import KVSender, TransferError
-from prefill_workers.steps import Built, KVSource, PlanBuild
+from prefill_workers.steps import KVSource, PlanBuild
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +53,11 @@ class PrefillExecutor:
         A plan of one step returns that step's KV as is (an exact hit: no copy).
         ``alloc(shape, dtype) -> Tensor | None``: where that buffer is allocated
         (``KVSender.alloc``: the transport's registered memory, so the final KV ships without a
-        copy; None: ordinary memory, counted by :meth:`execute` as ``kv_send_pool_full``).
+        copy; None: ordinary memory, counted as ``kv_send_pool_full``).
         ``cancelled() -> bool``: checked before each step and each layer of a computed step; True
         stops the build with ``kvruntime.engine.Cancelled``. The tier reads of later steps are
         issued ahead on one background thread (``prefetch`` reads at most), so the read of
         chunk i+1 overlaps the re-rotation and copy of chunk i (``prefill_workers.prefetch``)."""
-        built = self._build(plan, alloc, cancelled)
-        return built.kv, built.stats
-
-    def _build(self, plan: RequestPlan, alloc=None, cancelled=None) -> Built:
         if plan.model != self.engine.spec.name:
             raise ValueError(f"plan is for model {plan.model!r}, this worker runs {self.engine.spec.name!r}")
         return self.build_type(self.engine, self.source, plan, policy=self.policy, prefetch=self.prefetch,
@@ -103,14 +98,10 @@ class PrefillExecutor:
         t = time.perf_counter()
         # the whole prefix shipped in the wire dtype: built in the sender's registered memory, sent without a copy
         into_pool = not send_from and self.transport.builds_into_pool(decode, self.engine.dtype)
-        built = self._build(plan, self.transport.alloc if into_pool else None, cancelled)
+        kv, st = self.build(plan, self.transport.alloc if into_pool else None, cancelled)
         if cancelled is not None and cancelled():
             raise Cancelled("prefill cancelled")
-        kv, st, seconds = built.kv, built.stats, time.perf_counter() - t
-        if built.pool_misses:                     # built (partly) in ordinary memory: the send copies
-            st.fallbacks.append("kv_send_pool_full")
-            log_fallback_once(log, "kv_send_pool_full", "NIXL send pool full: KV built in ordinary memory and "
-                              "copied into the pool by the send")
+        seconds = time.perf_counter() - t
         stored = self._store(plan, store_as, kv, st)
         st.not_sent = min(send_from, kv.num_tokens)
         ok, sent, tsec, used = self._ship(plan, decode, transfer_id, kv.slice(st.not_sent) if st.not_sent else kv,

@@ -12,7 +12,6 @@ first use, and the configured fallback (recompute the step, or fail) when KV is 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Protocol
 
 from kvruntime.engine import Cancelled
@@ -21,6 +20,7 @@ from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan, SegmentPlan
 from kvruntime.messages.prefill import PrefillStats
 from kvruntime.ops.interpret import Interpreter, SeamRule, matches
 from kvruntime.rope import RepositionDisabled
+from kvruntime.telemetry import log_fallback_once
 from prefill_workers.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
@@ -38,15 +38,6 @@ class KVSource(Protocol):
     def compile(self, ref: KVRef) -> KVCache: ...
 
 
-@dataclass(frozen=True)
-class Built:
-    """A finished build: the prefix KV (slots in position order), its stats, and how many
-    buffer allocations the ``alloc`` hook could not serve (built in ordinary memory)."""
-    kv: KVCache
-    stats: PrefillStats
-    pool_misses: int = 0
-
-
 class PlanBuild:
     def __init__(self, engine, source: KVSource, plan: RequestPlan, *, policy: str, prefetch: int,
                  alloc=None, cancelled=None):
@@ -59,9 +50,11 @@ class PlanBuild:
         refs = [s.kv for s in plan.steps if s.kind in _LOADS and s.kv is not None]
         self.ahead = Prefetcher(source, refs, prefetch) if prefetch and len(refs) > 1 else None
 
-    def build(self) -> Built:
-        """Every step in order, then the pending seams; the reads not started are cancelled
-        however it ends (a cancelled build's pool lease ends with it)."""
+    def build(self) -> tuple[KVCache, PrefillStats]:
+        """Every step in order, then the pending seams: the prefix KV (slots in position order)
+        and its stats. The reads not started are cancelled however it ends (a cancelled build's
+        pool lease ends with it). A buffer the ``alloc`` hook had no room for was built in
+        ordinary memory: counted (``kv_send_pool_full``), the send then copies it."""
         steps = self.plan.steps
         try:
             for i, step in enumerate(steps):
@@ -72,7 +65,11 @@ class PlanBuild:
         finally:
             if self.ahead is not None:
                 self.ahead.close()
-        return Built(kv, self.st, self.run.builder.pool_misses)
+        if self.run.builder.pool_misses:
+            self.st.fallbacks.append("kv_send_pool_full")
+            log_fallback_once(log, "kv_send_pool_full", "NIXL send pool full: KV built in ordinary memory and "
+                              "copied into the pool by the send")
+        return kv, self.st
 
     # ---- the steps ----------------------------------------------------------------------------
     def _step(self, step: SegmentPlan, last: bool) -> None:
