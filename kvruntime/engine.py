@@ -14,10 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvruntime.buckets import bucket_for, length_masks, pad_step
 from kvruntime.checkpoint import ensure_checkpoint
+from kvruntime.config.choices import ForwardShapes
 from kvruntime.decode_cache import DecodeSession
 from kvruntime.hf_models import ModelRefused, arch_info, describe
-from kvruntime.inplace import Cancelled, SlotCache, StopForward, register, tail_is_causal  # noqa: F401 (Cancelled re-exported)
+from kvruntime.inplace import (Cancelled, SlotCache, StopForward, recording_active, register,  # noqa: F401
+                               tail_is_causal)  # (Cancelled re-exported)
 from kvruntime.kv import KVCache
 from kvruntime.models import ModelSpec, get_model_spec
 from kvruntime.rope import RopeTable, self_test
@@ -38,7 +41,8 @@ class ReferenceEngine:
     """Owns one loaded model. Not thread-safe for concurrent forwards; a lock serialises them."""
 
     def __init__(self, model: str | ModelSpec = "smollm2-135m", *, dtype: str = "float32",
-                 device: str = "cpu", threads: int | None = None, run_self_test: bool = True):
+                 device: str = "cpu", threads: int | None = None, run_self_test: bool = True,
+                 shapes: str | ForwardShapes = ForwardShapes.EAGER):
         import transformers
 
         self.spec = get_model_spec(model) if isinstance(model, str) else model
@@ -49,6 +53,9 @@ class ReferenceEngine:
         if threads:
             torch.set_num_threads(threads)
         self.dtype_name = dtype
+        # few-token forwards (<= 64 new tokens) at static bucket shapes, keys through a length
+        # (kvruntime.buckets); eager: every forward at its own shape
+        self.shapes = ForwardShapes.of(shapes)
         self.dtype = _DTYPES[dtype]
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -146,6 +153,10 @@ class ReferenceEngine:
         ids, pos = token_ids[idx].to(self.device), positions[idx].to(self.device)
         if bool((pos < 0).any()):
             raise ValueError("positions must be >= 0")
+        bucket = bucket_for(q) if self.shapes is ForwardShapes.BUCKETED and not recording_active() else None
+        if bucket is not None:
+            return self.write_padded(data, positions, idx, ids, pos, keys, bucket, logits=logits,
+                                     stop_layer=stop_layer, cancelled=cancelled)
         block = isinstance(slots, slice) and slots.stop == keys
         mask = None if block and tail_is_causal(positions, slots.start, keys) \
             else self._mask(pos, positions[:keys].to(self.device))
@@ -155,6 +166,29 @@ class ReferenceEngine:
             try:
                 out = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+            except StopForward:
+                pass
+        return out.logits[0, -1].float() if (logits and out is not None) else None
+
+    @torch.inference_mode()
+    def write_padded(self, data, positions, idx, ids, pos, keys: int, bucket: int, *, span: int | None = None,
+                     logits: bool = False, stop_layer: int | None = None, cancelled=None):
+        """:meth:`write` of the q real tokens (slots ``idx``, ids, positions) at ``bucket``'s shape
+        (:mod:`kvruntime.buckets`): pads run but are never written nor attended; every layer reads
+        ``span`` slots (default ``keys``; a graph would read the whole buffer) masked by the key
+        length ``keys`` and by position. Returns the last real token's fp32 logits when ``logits``."""
+        span = keys if span is None else span
+        if not keys <= span <= min(data.shape[3], positions.shape[0]):
+            raise ValueError(f"span must hold the {keys} attended slots and fit the buffer, got {span}")
+        step = pad_step(idx, ids, pos, keys, bucket)
+        mask = length_masks(step, positions[:span].to(self.device), self.layer_types, self.sliding_window,
+                            self.dtype, self.arch.per_layer_masks)
+        cache = SlotCache(data, step.slots, span, stop_layer=stop_layer, cancelled=cancelled, src=step.src)
+        out = None
+        with self._lock:
+            try:
+                out = self.model(input_ids=step.ids[None], position_ids=step.pos[None], attention_mask=mask,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=step.last)
             except StopForward:
                 pass
         return out.logits[0, -1].float() if (logits and out is not None) else None

@@ -47,16 +47,22 @@ class SlotCache(Cache):
     ``stop_layer``: raise :class:`StopForward` once that layer has written its K/V.
     ``cancelled``: checked before each layer's write; True raises ``engine.Cancelled``."""
 
-    def __init__(self, data: torch.Tensor, slots, keys: int, *, stop_layer: int | None = None, cancelled=None):
+    def __init__(self, data: torch.Tensor, slots, keys: int, *, stop_layer: int | None = None, cancelled=None,
+                 src: torch.Tensor | None = None):
         super().__init__(layers=[])
         self.data, self.slots, self.keys = data, slots, keys
         self.stop_layer, self.cancelled = stop_layer, cancelled
+        self.src = src      # a padded forward (kvruntime.buckets): row of the new K/V each slot receives
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.cancelled is not None and self.cancelled():
             raise Cancelled("forward cancelled")
         lyr = self.data[layer_idx]
-        if isinstance(self.slots, slice):
+        if self.src is not None:
+            # pads name the last real slot and receive the last real row: never a pad's own K/V
+            lyr[0].index_copy_(1, self.slots, key_states[0].index_select(1, self.src).to(lyr.dtype))
+            lyr[1].index_copy_(1, self.slots, value_states[0].index_select(1, self.src).to(lyr.dtype))
+        elif isinstance(self.slots, slice):
             lyr[0, :, self.slots].copy_(key_states[0])
             lyr[1, :, self.slots].copy_(value_states[0])
         else:
@@ -177,6 +183,11 @@ def register() -> str:
             AttentionInterface.register(IMPL, attend)
             _registered = True
     return IMPL
+
+
+def recording_active() -> bool:
+    """True inside :class:`recording` on this thread (its mean over queries must see no pads)."""
+    return getattr(_local, "rec", None) is not None
 
 
 def tail_is_causal(positions: torch.Tensor, start: int, stop: int) -> bool:

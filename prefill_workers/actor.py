@@ -49,7 +49,8 @@ class PrefillWorker:
         from kvruntime.device import resolve_device
         device = resolve_device(cfg.workers.prefill.device, "prefill")   # auto: cuda when Ray assigned a GPU and torch sees it
         self.device = device
-        self.engine = ReferenceEngine(cfg.workers.model, dtype=cfg.workers.dtype, device=device, threads=cfg.workers.prefill.threads)
+        self.engine = ReferenceEngine(cfg.workers.model, dtype=cfg.workers.dtype, device=device, threads=cfg.workers.prefill.threads,
+                                      shapes=cfg.workers.few_token_shapes)
         self.store = LMCacheStore.for_engine(self.engine, cfg.tier, remote_key=tier_key if cfg.tier.remote_url else None)
         self.tier = PrefillTier(self.store, self.engine, worker=f"prefill-{index}")
         from kvruntime.telemetry import listen_host

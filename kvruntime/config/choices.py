@@ -53,6 +53,18 @@ class LoadFailurePolicy(Choice):
         return "kv_load_failure_policy"
 
 
+class ForwardShapes(Choice):
+    """``few_token_shapes``: the reference engine's forwards of <= 64 new tokens at their own shape
+    (eager) or padded to a bucket (1, 2, 4, ... 64) with the keys read through a length
+    (kvruntime.buckets: the static shapes a captured graph needs; on the CPU no faster)."""
+    EAGER = "eager"
+    BUCKETED = "bucketed"
+
+    @classmethod
+    def _key(cls) -> str:
+        return "few_token_shapes"
+
+
 class DecodeEngineKind(Choice):
     """``decode_engine``: the reference engine (torch oracle) or vLLM v1 with the kvnotes connector."""
     REFERENCE = "reference"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvruntime.config.choices import DecodeEngineKind, KVLoadMode
+from kvruntime.config.choices import DecodeEngineKind, ForwardShapes, KVLoadMode
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -40,6 +40,9 @@ class WorkersConfig:
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
     decode_engine: DecodeEngineKind = DecodeEngineKind.REFERENCE  # reference (torch oracle) | vllm (vLLM v1 + kvnotes KV connector)
+    few_token_shapes: ForwardShapes = ForwardShapes.EAGER  # reference engine: eager | bucketed (<= 64 new tokens padded
+                                               # to 1, 2, 4 .. 64, keys through a length: kvruntime.buckets; eager is the CPU default,
+                                               # measured faster there: docs/benchmarks.md section 4)
     grammar_cache_entries: int = 64            # structured outputs: compiled grammars a decode worker keeps (LRU)
     decode_prefix_cache_bytes: int = 256 << 20  # engine=reference: prefix KV a decode actor keeps (LRU) so it is not sent twice; 0 = off
     vllm_kv_cache_bytes: int = 1 << 30         # engine=vllm: paged KV space per decode actor (CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB)
@@ -65,6 +68,7 @@ class WorkersConfig:
                 raise ValueError(f"{kind} must be a mapping of WorkerConfig fields")
             role.validate(kind)
         object.__setattr__(self, "decode_engine", DecodeEngineKind.of(self.decode_engine))
+        object.__setattr__(self, "few_token_shapes", ForwardShapes.of(self.few_token_shapes))
         if not isinstance(self.grammar_cache_entries, int) or self.grammar_cache_entries < 1:
             raise ValueError("grammar_cache_entries must be an integer >= 1")
         if not isinstance(self.decode_prefix_cache_bytes, int) or self.decode_prefix_cache_bytes < 0:
