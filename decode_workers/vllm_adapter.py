@@ -91,13 +91,16 @@ def build_engine(cfg: "VllmEngineConfig", checkpoint: str, max_model_len: int, e
     ``kv_connector_extra_config``), its engine core in this process (after :func:`prepare_process`)."""
     check_version()
     from vllm import EngineArgs, LLMEngine
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVTransferConfig, StructuredOutputsConfig
 
     ktc = KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_consumer",
                            kv_load_failure_policy=cfg.load_failure_policy.value, kv_connector_extra_config=extra)
     args = EngineArgs(model=checkpoint, tokenizer=checkpoint, dtype=cfg.dtype, enforce_eager=True,
                       enable_prefix_caching=cfg.enable_prefix_caching, max_model_len=max_model_len,
-                      kv_transfer_config=ktc, disable_log_stats=False, seed=0)
+                      kv_transfer_config=ktc, disable_log_stats=False, seed=0,
+                      # constrained JSON by xgrammar (strict mode) with no free whitespace: the backend
+                      # reads this engine-wide setting, not the request's own disable_any_whitespace
+                      structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True))
     _guard_llvmlite()
     return LLMEngine.from_engine_args(args)
 
