@@ -118,7 +118,8 @@ def test_agents_sdk_tool_call_and_its_result(endpoint, kind):
     from agents.items import ToolCallItem, ToolCallOutputItem
     agent = Agent(name="Assistant", instructions="You answer questions about the weather.",
                   model=_agents_model(endpoint, kind), tools=[function_tool(weather)],
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=64, temperature=0))
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+                                               temperature=0))
     try:
         result = Runner.run_sync(agent, "What is the weather in Tokyo?", max_turns=3)
         items = result.new_items
