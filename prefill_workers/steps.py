@@ -47,8 +47,8 @@ class PlanBuild:
         # q probes rank the chunks by the plan's suffix (ops.qselect), the question the decode runs
         self.run = Interpreter(engine, plan.prefix_tokens, tally=self.st, question=plan.suffix_ids, alloc=alloc,
                                cancelled=cancelled, probe_fallback=True)
-        refs = [s.kv for s in plan.steps if s.kind in _LOADS and s.kv is not None]
-        self.ahead = Prefetcher(source, refs, prefetch) if prefetch and len(refs) > 1 else None
+        self.prefetch = prefetch
+        self.ahead: Prefetcher | None = None
 
     def build(self) -> tuple[KVCache, PrefillStats]:
         """Every step in order, then the pending seams: the prefix KV (slots in position order)
@@ -56,6 +56,9 @@ class PlanBuild:
         pool lease ends with it). A buffer the ``alloc`` hook had no room for was built in
         ordinary memory: counted (``kv_send_pool_full``), the send then copies it."""
         steps = self.plan.steps
+        refs = [s.kv for s in steps if s.kind in _LOADS and s.kv is not None]
+        if self.prefetch and len(refs) > 1:
+            self.ahead = Prefetcher(self.source, refs, self.prefetch)
         try:
             for i, step in enumerate(steps):
                 if self.cancelled is not None and self.cancelled():
