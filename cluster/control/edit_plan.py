@@ -77,18 +77,37 @@ def edit_gate(policy: Policy, kind: PlanKind, verdicts: tuple[EditVerdict, ...])
 def plan_held_edit(policy: Policy, strategy: str, ids: tuple[int, ...], he: HeldPromptEdit, *, top_k: int,
                    piece: int, verdicts: tuple[EditVerdict, ...], encode: Callable[[str], list[int]],
                    notes: list[str]) -> list[SegmentPlan]:
-    """Steps building the context ``ids`` (the rendered context's tokens, equal to
-    ``he.new_token_ids``: ValueError otherwise) from the held prompt ``he.held``."""
-    if he.new_token_ids != ids:
-        raise ValueError(f"held prompt edit does not describe this prompt: it rebuilds {len(he.new_token_ids)} "
-                         f"tokens, the context has {len(ids)}")
+    """Steps building the context ``ids`` (the rendered context's tokens, starting with
+    ``he.new_token_ids``: ValueError otherwise) from the held prompt ``he.held``. The tier serves a
+    held prompt in whole pieces, so ``he.held`` may be its longest whole-piece prefix: the context
+    past ``he.new_token_ids`` is then computed in context after the edit (an erratum needs the
+    whole held prompt: with such a tail it is not planned)."""
+    n = len(he.new_token_ids)
+    if tuple(ids[:n]) != he.new_token_ids:
+        raise ValueError(f"held prompt edit does not describe this prompt: it rebuilds {n} tokens that are not "
+                         f"the first of the context's {len(ids)}")
+    ids, tail = tuple(ids[:n]), tuple(ids[n:])
+    steps = _edit_steps(policy, strategy, ids, he, top_k, piece, verdicts, encode, notes, bool(tail))
+    if tail:
+        steps.append(SegmentPlan(kind=PlanKind.RECOMPUTE, source="prompt", token_ids=tail, position=n,
+                                 computed=len(tail), reused=0,
+                                 reason="the prompt past the held KV's last whole tier piece, computed in context"))
+    return steps
+
+
+def _edit_steps(policy, strategy, ids, he: HeldPromptEdit, top_k, piece, verdicts, encode, notes: list[str],
+                tail: bool) -> list[SegmentPlan]:
     if strategy not in ("auto", "erratum", "edit_in_place"):
         raise ValueError(f"edit_strategy must be auto, erratum or edit_in_place, got {strategy!r}")
     held = he.held
     at = he.where or f"token {he.start}"
     notes.append(f"first divergence from a held prompt ({len(held.token_ids)} tokens, kv {held.digest}) at {at}: "
                  f"its tokens [{he.start}:{he.held_end}] replaced by {len(he.new_ids)} new ones, the rest equal")
-    if strategy == "erratum":
+    if strategy == "erratum" and tail:
+        notes.append("erratum requested, but the tier holds the held prompt only up to its last whole piece (the "
+                     "correction must follow the whole of it): recomputed from the divergence")
+        steps = None
+    elif strategy == "erratum":
         steps = _erratum(policy, ids, he, verdicts, encode, notes)
     else:
         steps = _in_place(policy, ids, he, top_k, verdicts, notes)

@@ -126,15 +126,15 @@ class PromptMatcher:
             self.metrics.reuse_misses.labels("store_unavailable").inc(len(prefix) - hit)
             log.warning("prompt matching skipped: %s", exc)
             return base
-        refs = [m.kv for m in chunks] + ([KVRef(edit[1], 0, salt)] if edit else [])
-        present = await self.lookup.present(refs, index, clock)
+        held_refs = _held_refs(edit, salt)
+        present = await self.lookup.present([m.kv for m in chunks] + held_refs, index, clock)
         kept, evicted = self._held_chunks(tenant, chunks, present)
         held_edit, notes = None, [self._chunk_note(hit, kept)] if kept else []
         if edit is not None:
             found, held = edit
-            ref = KVRef(held, 0, salt)
+            ref = next((r for r in held_refs if r.digest in present), None)
             at = where(found.start, messages)
-            if ref.digest in present:
+            if ref is not None:
                 held_edit = HeldPromptEdit(ref, found.start, found.held_end, tuple(prefix[found.start:found.new_end]), at,
                                            *describe(self.decode, held, prefix, found))
             notes.append(f"first divergence from the nearest held prompt ({len(held)} tokens): {at}; it realigns "
@@ -218,15 +218,15 @@ class PromptMatcher:
                 plan = plan_request(req, replace(tier, held_context=ref), None, encode, config)
         return (replace(plan, notes=plan.notes + m.notes) if m.notes else plan), m
 
-    def finished(self, tenant: str, salt: str, prefix: tuple[int, ...], m: Matched, fin: "Finished",
-                 index: int) -> None:
+    async def finished(self, tenant: str, salt: str, prefix: tuple[int, ...], m: Matched, fin: "Finished",
+                       index: int) -> None:
         """Count the request's reuse by kind and its misses, and record what the prompt teaches
-        (in the background)."""
+        (the compiles it triggers run in the background)."""
         count_reuse(self.metrics, fin)
         self._count_misses(fin.plan, m)
         if m.cut is not None and self.cfg.enabled:
             # an edit's prompt teaches no recurring span: its equal part is the held prompt's
-            self.recurring.observe(tenant, salt, m.key, prefix, m.cut, m.seen, list(m.chunks), index,
+            await self.recurring.observe(tenant, salt, m.key, prefix, m.cut, m.seen, list(m.chunks), index,
                                    compile=not _edited(fin.plan), held=fin.stored and not fin.plan.approx)
 
     def _count_misses(self, plan: RequestPlan, m: Matched) -> None:
@@ -239,6 +239,18 @@ class PromptMatcher:
             if s.computed and s.kind is PlanKind.RECOMPUTE:
                 why = "policy" if s.source in names else "edit_declined" if declined else "unmatched"
                 self.metrics.reuse_misses.labels(why).inc(s.computed)
+
+
+def _held_refs(edit, salt: str) -> list[KVRef]:
+    """The KV of the held prompt an edit would start from: the whole prompt, else its longest
+    whole-piece prefix still covering the edited span (the LMCache tier keeps a stored prompt in
+    whole ``PROMPT_BLOCK`` pieces: a last, partial piece is not kept)."""
+    if edit is None:
+        return []
+    found, held = edit
+    b = len(held) // PROMPT_BLOCK * PROMPT_BLOCK
+    whole = [KVRef(tuple(held), 0, salt)]
+    return whole + [KVRef(tuple(held[:b]), 0, salt)] if found.held_end <= b < len(held) else whole
 
 
 def describe(decode, held: tuple[int, ...], new: tuple[int, ...], found: FoundEdit) -> tuple[str, str, str]:

@@ -1,11 +1,11 @@
 """Recurring spans, compiled once on their own: what a prompt leaves behind for the next one.
 
-After a plain prompt's answer is out, off its request path (a background task per request):
+When a plain prompt's answer ends (after its first token: off the time to first token):
 1. the prompt's ids are kept (``StateStore.put_held_prompt``, bounded LRU) and each of its
    content-defined spans is counted once and remembered as last seen in this prompt, at its
    offset (``p:`` keys, :mod:`cluster.control.fingerprints`); a repeat of a prompt already kept
    counts nothing (a span recurs across prompts, not across retries);
-2. a span now seen in ``compile_after`` prompts, outside every chunk this prompt matched, is grown
+2. (in the background, off the request) a span now seen in ``compile_after`` prompts, outside every chunk this prompt matched, is grown
    to the whole run of tokens the two prompts share around it (:func:`grow`: e.g. the whole
    document, whatever surrounds it in each), and that run is compiled on its own the way a
    registration is (``Backends.precompile``: in its frame, after BOS, at its canonical position,
@@ -102,25 +102,26 @@ class RecurringSpans:
         self.in_flight = 0
         self._tasks: set[asyncio.Task] = set()
 
-    def observe(self, tenant: str, salt: str, key: str, ids: tuple[int, ...], c: Cut, seen: dict,
-                matched: list[ChunkMatch], index: int, compile: bool = True, held: bool = False) -> None:
-        """Schedule the bookkeeping of one answered prompt (``seen``: the entries its match read;
-        ``compile``: False to count its spans without compiling any; ``held``: its exact KV is
-        now in the tier, so its spans point at it from now on, for finding edits of it; the
-        spans of a prompt not held point at it only where they pointed nowhere)."""
-        task = asyncio.get_running_loop().create_task(
-            self._observe(tenant, salt, key, ids, c, seen, matched, index, compile, held))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _observe(self, tenant, salt, key, ids, c, seen, matched, index, compile, held) -> None:
+    async def observe(self, tenant: str, salt: str, key: str, ids: tuple[int, ...], c: Cut, seen: dict,
+                      matched: list[ChunkMatch], index: int, compile: bool = True, held: bool = False) -> None:
+        """Record one answered prompt (``seen``: the entries its match read), in a worker thread,
+        before its last event goes out (so the client's next prompt finds it), then schedule the
+        compiles of its recurring runs in the background. ``compile``: False to count its spans
+        without compiling any; ``held``: its exact KV is now in the tier, so its spans point at it
+        from now on, for finding edits of it; the spans of a prompt not held point at it only where
+        they pointed nowhere."""
         try:
             runs = await asyncio.to_thread(self._record, tenant, key, ids, c, seen, matched, held)
-            runs = runs if compile else []
         except StateStoreUnavailable as exc:        # a cache: this prompt just teaches nothing
             self.metrics.reuse_misses.labels("store_unavailable").inc()
             log.warning("recording the prompt's spans skipped: %s", exc)
             return
+        if compile and runs:
+            task = asyncio.get_running_loop().create_task(self._compile_all(tenant, salt, ids, runs, index))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _compile_all(self, tenant, salt, ids, runs, index) -> None:
         for start, end in runs:
             await self._compile(tenant, salt, tuple(ids[start:end]), index)
 

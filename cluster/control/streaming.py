@@ -204,7 +204,7 @@ class RequestStreams:
             if isinstance(ev, Finished):
                 if ev.stored and store_as is not None and store_as.exact:
                     self.index.record(tenant, prefix)
-                self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index)
+                await self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index)
             yield ev
 
 
