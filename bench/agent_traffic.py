@@ -33,6 +33,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 from bench.agent_traffic_shapes import SHAPES, Sizes, markdown, requests, stage_table, summarize
 from bench.cluster_vs_vllm import Systems
@@ -91,7 +92,8 @@ class Clients:
         return got["kvnotes"], got["vllm"]
 
 
-def run_policy(s: Systems, policy: str, traffic: dict[str, list], n: int, tag: str) -> list[dict]:
+def run_policy(s: Systems, policy: str, traffic: dict[str, list], n: int, tag: str, sink=None) -> list[dict]:
+    """``sink(records so far)`` after every request pair (a run cut short keeps them)."""
     c = Clients(s, policy, tag)
     recs, k = [], 0
     turns = max(len(v) for v in traffic.values())
@@ -104,6 +106,8 @@ def run_policy(s: Systems, policy: str, traffic: dict[str, list], n: int, tag: s
             for system, r in (("kvnotes", kv), ("vllm", vl)):
                 recs.append({**r, "policy": policy, "shape": shape, "turn": turn, "system": system,
                              "request": f"{shape}-{turn}"})
+            if sink is not None:
+                sink(recs)
             if kv["fallbacks"]:
                 print(f"kvnotes {shape} turn {turn} fell back: {kv['fallbacks']}", file=sys.stderr, flush=True)
             print(f"  {policy} {shape} turn {turn}: {kv['prompt']} tokens, kvnotes {kv['ttft']:.2f} s "
@@ -140,6 +144,9 @@ def _args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="runs/agent_traffic.json")
     ap.add_argument("--from-json", metavar="FILE", help="print the tables of a saved run; start nothing")
+    ap.add_argument("--attach", nargs=3, metavar=("KVNOTES_URL", "VLLM_URL", "STATE_URL"),
+                    help="measure systems already running (e.g. another run's, while it is paused): "
+                         "start and stop nothing; the policies' tenants are created in STATE_URL")
     args = ap.parse_args(argv)
     if args.turns < 1 or args.max_tokens < 1 or not args.policies or not args.shapes:
         ap.error("--turns >= 1, --max-tokens >= 1 and at least one policy and shape required")
@@ -148,11 +155,21 @@ def _args(argv):
     return args
 
 
+def _attach(s: Systems, kv_url: str, vllm_url: str, state_url: str) -> None:
+    """Point ``s`` at running systems (``start``/``close`` are then not called)."""
+    import httpx
+    from urllib.parse import urlsplit
+    s.cfg = SimpleNamespace(server=SimpleNamespace(port=urlsplit(kv_url).port), state=SimpleNamespace(resolved_url=state_url))
+    s.vllm = httpx.Client(base_url=vllm_url, timeout=900)
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     if args.from_json:
         _print(json.loads(Path(args.from_json).read_text()))
         return 0
+    if args.attach:
+        return _run_attached(args)
     sizes = Sizes(args.doc_tokens, args.record_tokens, args.tools, args.tool_output_tokens, args.rag_tokens)
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     workdir = Path(tempfile.mkdtemp(prefix="kvnotes-agent-"))
@@ -178,6 +195,28 @@ def main(argv=None) -> int:
     finally:
         s.close()
         shutil.rmtree(workdir, ignore_errors=True)
+        r["seconds"] = time.perf_counter() - t0
+        _save(r, args.json)
+        if r["records"]:
+            _print(r)
+    return 0
+
+
+def _run_attached(args) -> int:
+    sizes = Sizes(args.doc_tokens, args.record_tokens, args.tools, args.tool_output_tokens, args.rag_tokens)
+    t0, tag = time.perf_counter(), uuid.uuid4().hex[:6]
+    r = {"model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "turns": args.turns,
+         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at start (attached)",
+         "sizes": sizes.__dict__, "records": [], "vllm": __import__("vllm").__version__}
+    s = Systems(args.model, args.dtype, args.kv_gib, args.tier_gib, Path(tempfile.gettempdir()))
+    _attach(s, *args.attach)
+    traffic = requests(s.text, args.shapes, args.turns, args.seed, sizes)
+    try:
+        for policy in args.policies:
+            r["records"] += run_policy(s, policy, traffic, args.max_tokens, tag,
+                                       sink=lambda recs: _save({**r, "records": r["records"] + recs}, args.json))
+            _save(r, args.json)
+    finally:
         r["seconds"] = time.perf_counter() - t0
         _save(r, args.json)
         if r["records"]:

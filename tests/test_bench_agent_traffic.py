@@ -116,7 +116,8 @@ def test_summary_shares_ratios_and_agreement_from_the_records():
     assert fast["plans"] == {"edit_in_place": 1, "reposition": 1}
     assert fast["stages"] == {"control.plan": pytest.approx(0.02), "forward": pytest.approx(0.15)}
     table = markdown(list(rows.values()))
-    assert "| fast | docs | 1000 | 90% (10% + 40% + 40%) | 20% | 0.40 / 1.50 | 3.75x |" in table
+    assert fast["cold_ratio"] == pytest.approx(2.0 / 0.5) and ex["cold_ratio"] == pytest.approx(1.8 / 2.0)
+    assert "| fast | docs | 1000 | 90% (10% + 40% + 40%) | 20% | 0.40 / 1.50 | 3.75x (4.00x) |" in table
     assert "1/2 (vLLM)" in table and "1/2 (exact)" in table
     assert "forward 0.15, control.plan 0.02" in stage_table(list(rows.values()))
 
