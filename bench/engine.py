@@ -180,6 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cached", type=int, default=4096, help="cached tokens of the few-token target")
     ap.add_argument("--skip", nargs="*", default=[], help="columns to skip (hf, recompute, ...)")
     ap.add_argument("--target-only", action="store_true", help="only the few-token forwards over --cached tokens")
+    ap.add_argument("--nominal-gbs", type=float, default=None,
+                    help="the device's nominal memory bandwidth (GB/s): a second floor beside the measured copy rate")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler of the question forward at the largest length: top kernels by device time")
     a = ap.parse_args(argv)
@@ -256,6 +258,7 @@ def main(argv=None) -> int:
               flush=True)
     if not rows:
         few_token_target(e, a.cached, a.reps, dev, fl, vocab)
+        bucketed_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs)
         return 0
     cols = [c for c in ("recompute", "hf", "compose", "erratum+q", "edit K=16") if c in rows[0]]
     print()
@@ -278,6 +281,7 @@ def main(argv=None) -> int:
               f"{r['seam'] * 1e3:.1f} ms ({fr['seam'] * 1e3:.1f}) | {r['question'] * 1e3:.1f} ms "
               f"({fr['question'] * 1e3:.1f}) | {fr['recompute']:.3f} s |")
     few_token_target(e, a.cached, a.reps, dev, fl, vocab)
+    bucketed_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs)
     return 0
 
 
@@ -331,6 +335,47 @@ def few_token_target(e, cached: int, reps: int, dev, fl, vocab: int) -> None:
         diff = float((got - want).abs().max())
         print(f"| {q} | {t_ours * 1e3:.1f} ms | {t_ref * 1e3:.1f} ms | {t_ours / t_ref:.2f}x | "
               f"{fl.seconds(*costs(e, q, cached + q)) * 1e3:.1f} ms | (logits max diff {diff:.1e})")
+
+
+def bucketed_rows(e, cached: int, reps: int, dev, fl, vocab: int, nominal_gbs: float | None) -> None:
+    """1, 3, 4, 16 and 45 new tokens over ``cached`` slots (``engine.write`` through a Builder):
+    eager (each at its own shape) vs bucketed (padded to 1, 4, 4, 16, 64; keys through a length),
+    interleaved; the byte floor at the measured copy rate and at ``nominal_gbs`` when given."""
+    from kvruntime.buckets import bucket_for
+    from kvruntime.config.choices import ForwardShapes
+    from kvruntime.kv import KVCache
+    from kvruntime.ops.build import Builder
+    g = torch.Generator().manual_seed(2)
+    torch.manual_seed(2)
+    data = torch.randn(e.num_layers, 2, e.kv_heads, cached, e.head_dim, device=dev, dtype=e.dtype)
+    ctx = KVCache(data, torch.arange(cached, device=dev), torch.randint(100, vocab, (cached,), generator=g).to(dev))
+    nominal = f"{nominal_gbs:.0f} GB/s nominal" if nominal_gbs else "nominal bandwidth not given (--nominal-gbs)"
+    print(f"\n| new tokens over {cached} cached (random KV) | bucket | eager | bucketed | bucketed/eager "
+          f"| byte floor at {fl.bw / 1e9:.1f} GB/s copy | at {nominal} |")
+    print("|---|---|---|---|---|---|---|")
+    prev = e.shapes
+    try:
+        for q in (1, 3, 4, 16, 45):
+            ids = torch.randint(100, vocab, (q,), generator=g).tolist()
+            b = Builder(e, cached + q)
+            b.append(ctx)
+
+            def run(kind):
+                e.shapes = ForwardShapes.of(kind)
+                b.buf.length = cached
+                return b.compute(ids, logits=True)
+            te, tb = [], []
+            for _ in range(reps):                   # interleaved: the load drifts on a shared machine
+                te.append(timed(lambda _: run("eager"), 1, dev))
+                tb.append(timed(lambda _: run("bucketed"), 1, dev))
+            diff = float((run("bucketed") - run("eager")).abs().max())
+            nbytes = costs(e, q, cached + q)[1]
+            at_nominal = f"{nbytes / (nominal_gbs * 1e9) * 1e3:.2f} ms" if nominal_gbs else "-"
+            t_e, t_b = statistics.median(te), statistics.median(tb)
+            print(f"| {q} | {bucket_for(q)} | {t_e * 1e3:.1f} ms | {t_b * 1e3:.1f} ms | {t_b / t_e:.2f}x | "
+                  f"{nbytes / fl.bw * 1e3:.2f} ms | {at_nominal} | (logits max diff {diff:.1e})", flush=True)
+    finally:
+        e.shapes = prev
 
 
 if __name__ == "__main__":
