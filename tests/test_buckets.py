@@ -50,6 +50,8 @@ def test_the_setting_is_typed_and_checked():
     assert WorkersConfig(few_token_shapes="bucketed").few_token_shapes is ForwardShapes.BUCKETED
     with pytest.raises(ValueError, match="few_token_shapes must be one of eager, bucketed"):
         WorkersConfig(few_token_shapes="graphs")
+    from kvruntime.config import ClusterConfig
+    assert ClusterConfig.from_dict({"few_token_shapes": "bucketed"}).workers.few_token_shapes is ForwardShapes.BUCKETED
 
 
 @contextlib.contextmanager
