@@ -167,6 +167,9 @@ class Metrics:
         self.chunk_variants = Counter("kvnotes_chunk_variants_compiled_total",
                                       "Chunks compiled after a request's frame (system prompt + user-turn opener) "
                                       "on first use, for exact reuse as the first chunk after it", registry=r)
+        self.registration_cores = Counter("kvnotes_registration_cores_compiled_total",
+                                          "Registered chunks compiled once more without their trailing whitespace "
+                                          "tokens, as prompts paste them (prompt matching)", registry=r)
 
     def _state_series(self, r: CollectorRegistry) -> None:
         """Registrations, the state store, workers, retries, cancels, deadlines, constrained decoding."""

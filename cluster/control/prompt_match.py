@@ -88,7 +88,7 @@ class PromptMatcher:
             log.warning("precompiling %s %r as prompts paste it failed (%s): compiled on first use", kind, name, exc)
             return
         if not info.cached:
-            self.metrics.chunk_variants.inc()
+            self.metrics.registration_cores.inc()
 
     def index_chunk(self, tenant: str, kind: str, name: str, ids: tuple[int, ...]) -> None:
         """Store a registered chunk's anchors: prompts holding its ids at any offset match it."""
