@@ -4,7 +4,7 @@
 
 Builds a checkpoint of the shape with **random weights** on the device (transformers' config class,
 ``bench.engine.SHAPES``; saved once to a temporary directory, /dev/shm where it exists) and runs
-:func:`cluster.ops.calibrate.calibrate` on it: ``--cases`` compose and edit cases and ``--decisions``
+:func:`cluster.operator.calibrate.calibrate` on it: ``--cases`` compose and edit cases and ``--decisions``
 yes/no cases, every operation the planner can choose. The answers of random weights mean nothing:
 only the cost is measured (a benchmark input, never served or shipped). Prints the engine's RoPE
 self-test result, the build / save / hash times, and seconds per case of each kind.
@@ -40,7 +40,7 @@ def build_checkpoint(shape: str, device: str, dtype: str, root: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    from cluster.ops.calibrate import calibrate
+    from cluster.operator.calibrate import calibrate
     from kvruntime.models import get_model_spec
 
     ap = argparse.ArgumentParser(prog="python -m bench.calibrate_cost")

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if args.start:
         import socket
         from kvruntime.config import ClusterConfig
-        from cluster.ops.launcher import start
+        from cluster.operator.launcher import start
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     finally:
         client.close()
         if cfg is not None:
-            from cluster.ops.launcher import stop
+            from cluster.operator.launcher import stop
             stop(cfg)
     return 0
 

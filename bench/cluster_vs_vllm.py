@@ -12,7 +12,7 @@ Starts, in this order, and stops by PID / Ray shutdown on exit, Ctrl-C or error 
 * **plain vLLM**: ``python -m vllm.entrypoints.openai.api_server`` (a child process group) on the
   same converted checkpoint and dtype as the cluster's vLLM decode engine, eager, automatic prefix
   caching on, the same KV space (``VLLM_CPU_KVCACHE_SPACE``) and max length, 1 OpenMP thread.
-* **the kvnotes cluster**: ``cluster.ops.launcher.start`` with ``decode_engine: vllm`` (Ray actors:
+* **the kvnotes cluster**: ``cluster.operator.launcher.start`` with ``decode_engine: vllm`` (Ray actors:
   one prefill actor with the LMCache tier, one decode actor running vLLM + the kvnotes KV
   connector; the transport ``auto`` picks; the Serve router over HTTP with its API key; shadow
   checks off so no background recompute competes).
@@ -114,7 +114,7 @@ class Systems:
                                                          self.dtype, self.ckpt)
         # 1. the cluster
         from kvruntime.config import ClusterConfig
-        from cluster.ops.launcher import start
+        from cluster.operator.launcher import start
         self.cfg = ClusterConfig.of(port=_port(), model=model, dtype=dtype, decode_engine="vllm", vllm_kv_cache_bytes=kv_gib << 30,
                                  vllm_max_model_len=8192, tier_cpu_bytes=int(tier_gib * 2**30), shadow_fraction=0.0,
                                  data_dir=str(workdir / "state"))
@@ -163,7 +163,7 @@ class Systems:
             wait_group_exit(self.proc.pid)
             remove_leaked(self.shm_before)                  # the psm_* segments SIGKILL left in /dev/shm (logged)
         if self.cfg is not None:
-            from cluster.ops.launcher import stop
+            from cluster.operator.launcher import stop
             stop(self.cfg)                                # Serve, the actors, then ray.shutdown()
 
     # ---- one request on each system ------------------------------------------------------------

@@ -5,7 +5,7 @@ planning, Ray calls) at ~1k/4k/8k tokens, per stage, from the router's own recor
     python -m bench.control_path --from-json runs/control_path.json       # the tables of a saved run
     python -m bench.control_path --matching [--tokens 8192 --fingerprints 10000]   # prompt matching's cost
 
-Starts the cluster in this process (``cluster.ops.launcher.start``: the reference decode engine, 1
+Starts the cluster in this process (``cluster.operator.launcher.start``: the reference decode engine, 1
 prefill and 1 decode actor, shadow checks off, a throwaway data directory and API key) and stops it by
 Ray shutdown on exit, Ctrl-C or error. Per size it registers ~1k-token skills and sends composed
 requests (the same skills, order rotated per request, + a new question; ``kv_policy: fast``,
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     import httpx
     import transformers
     from cluster.control.render import Renderer
-    from cluster.ops.launcher import start, stop
+    from cluster.operator.launcher import start, stop
     from kvruntime.checkpoint import ensure_checkpoint
     from kvruntime.config import ClusterConfig
     from kvruntime.models import get_model_spec

@@ -47,7 +47,7 @@ def run_layout(n_prefill: int, n_decode: int, requests: int, concurrency: int, m
 def _measure(cfg, requests: int, concurrency: int, max_tokens: int, local_cpus: int) -> dict:
     import httpx
 
-    from cluster.ops.launcher import start, stop
+    from cluster.operator.launcher import start, stop
 
     system = " ".join(f"Rule {i}: answer politely and briefly, cite the policy section number." for i in range(80))
     import ray

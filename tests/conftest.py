@@ -40,7 +40,7 @@ class DictSource:
 
 
 def api_key(cfg) -> str:
-    """The key the embedded default created on its first start (``cluster.ops.launcher.start``)."""
+    """The key the embedded default created on its first start (``cluster.operator.launcher.start``)."""
     return cfg.state.api_key_file.read_text().strip()
 
 
@@ -292,7 +292,7 @@ def shared_ray(cfg, local_cpus: int = 4) -> None:
     no other cluster of this process runs."""
     import ray
 
-    from cluster.ops.launcher import start_local_ray
+    from cluster.operator.launcher import start_local_ray
     if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < local_cpus:
         ray.shutdown()
     if not ray.is_initialized():
@@ -324,8 +324,8 @@ def _serve_for(cfg) -> None:
 
 
 def start_cluster(cfg, local_cpus: int = 4) -> None:
-    """``cluster.ops.launcher.start`` on the shared local Ray (the fixture asks for ``local_ray``)."""
-    from cluster.ops.launcher import start
+    """``cluster.operator.launcher.start`` on the shared local Ray (the fixture asks for ``local_ray``)."""
+    from cluster.operator.launcher import start
     shared_ray(cfg, local_cpus)
     _serve_for(cfg)
     try:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.ops.calibrate import cases_for_budget, split_budget, wilson_half_width
+from cluster.operator.calibrate import cases_for_budget, split_budget, wilson_half_width
 
 TIMING = {"seconds", "seconds_mean", "cpu_seconds", "wall_s", "cpu_s", "ms_per_request", "ms_recompute", "ms",
           "ref_ms", "date", "command"}
@@ -27,7 +27,7 @@ def _untimed(x):
 
 
 def _cmd(ckpt, out, run_dir):
-    return [sys.executable, "-m", "cluster.ops.cli", "calibrate", "--model", str(ckpt), "--cases", "2",
+    return [sys.executable, "-m", "cluster.operator.cli", "calibrate", "--model", str(ckpt), "--cases", "2",
             "--decisions", "1", "--out", str(out), "--run-dir", str(run_dir), "--threads", "1"]
 
 
@@ -98,7 +98,7 @@ def test_budget_picks_the_fewest_cases_for_the_interval():
 def test_device_cuda_without_a_gpu_is_one_line_error(monkeypatch, capsys, tmp_path):
     import torch
 
-    from cluster.ops.cli import main
+    from cluster.operator.cli import main
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rc = main(["calibrate", "--model", "smollm2-135m", "--device", "cuda", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
@@ -114,7 +114,7 @@ def test_edits_only_adds_the_answer_level_edit_rows_to_an_existing_profile(tiny_
     cases, judged against a recompute, written as section ``edit_answers`` into the model's
     profile, every other section kept; the verdicts balanced will apply are printed. No profile to
     add to: a one-line error."""
-    from cluster.ops.cli import main
+    from cluster.operator.cli import main
     from kvruntime.fidelity.profiles import profile_path
     from kvruntime.models import get_model_spec
     ckpt = tiny_checkpoints["llama3"]

@@ -20,7 +20,7 @@ def test_checkpoint_is_cached_and_clean():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "cluster.ops.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "cluster.operator.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_cli_lists_models():

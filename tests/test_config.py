@@ -132,7 +132,7 @@ def test_one_tier_and_shadow_section_in_bytes_with_the_tier_flat_keys():
 
 def test_serve_refuses_a_tier_piece_size_the_prompt_index_does_not_use():
     from cluster.control.prompt_index import PROMPT_BLOCK
-    from cluster.ops.launcher import check_prompt_block
+    from cluster.operator.launcher import check_prompt_block
     check_prompt_block(ClusterConfig())                            # the default: the tier's pieces are the index's block
     assert ClusterConfig().tier.chunk_size == PROMPT_BLOCK
     with pytest.raises(ValueError, match=f"tier_chunk_size 128 is not supported.*every {PROMPT_BLOCK} tokens"):

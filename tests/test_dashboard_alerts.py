@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.ops.dashboard import DASHBOARD_JSON, METRICS, ROWS, Panel, dashboard, panel_queries
+from cluster.operator.dashboard import DASHBOARD_JSON, METRICS, ROWS, Panel, dashboard, panel_queries
 from tests.conftest import prometheus_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,14 +36,14 @@ def board():
 
 def test_committed_json_is_what_the_builder_generates(board):
     on_disk = json.loads(DASHBOARD_JSON.read_text())
-    assert on_disk == board, "regenerate: python -m cluster.ops.dashboard"
+    assert on_disk == board, "regenerate: python -m cluster.operator.dashboard"
 
 
 def test_dashboard_is_built_by_the_sdk_not_by_hand(board):
     # Fields the SDK's Dashboard model writes that the old hand-written dict never had.
     assert board["schemaVersion"] == 36 and "fiscalYearStartMonth" in board and "graphTooltip" in board
     import grafana_foundation_sdk  # noqa: F401  (the builder needs it; the runtime does not)
-    source = (ROOT / "cluster" / "ops" / "dashboard.py").read_text()
+    source = (ROOT / "cluster" / "operator" / "dashboard.py").read_text()
     assert not re.search(r"^(from|import) grafana_foundation_sdk", source, re.M), \
         "import the SDK inside dashboard(), not at module level"
 

@@ -10,7 +10,7 @@ from tests.conftest import direct_text
 
 def test_the_default_model_answers_the_readme_demo_question():
     from cluster.control.render import Renderer
-    from cluster.ops.demo import DEMO_FACT, DEMO_QUESTION, DEMO_SKILL, DEMO_SKILL_NAME
+    from cluster.operator.demo import DEMO_FACT, DEMO_QUESTION, DEMO_SKILL, DEMO_SKILL_NAME
     from kvruntime.fidelity.metrics import answer_correct
     from kvruntime.config import ClusterConfig
     from tests.conftest import get_engine

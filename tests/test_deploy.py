@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from kvruntime.config import ClusterConfig
-from cluster.ops.dashboard import METRICS, dashboard, panel_queries
+from cluster.operator.dashboard import METRICS, dashboard, panel_queries
 from cluster.control.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ DECLARED_NOT_YET_EXPORTED: set[str] = set()   # empty: every metric the dashboar
 
 def test_dashboard_file_is_generated_and_uses_exported_metrics():
     on_disk = json.loads((ROOT / "deploy" / "grafana" / "kvnotes.json").read_text())
-    assert on_disk == dashboard(), "regenerate: python -m cluster.ops.dashboard"
+    assert on_disk == dashboard(), "regenerate: python -m cluster.operator.dashboard"
     # prometheus_client names a counter's family without its _total suffix.
     types = {m.name: m.type for m in Metrics().registry.collect()}
     ours = {n for n in METRICS if n.startswith("kvnotes_")}

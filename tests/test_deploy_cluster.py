@@ -26,7 +26,7 @@ from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_YAML = ROOT / "deploy" / "cluster.yaml"
-KVNOTES = [sys.executable, "-c", "import sys; from cluster.ops.cli import main; sys.exit(main())"]
+KVNOTES = [sys.executable, "-c", "import sys; from cluster.operator.cli import main; sys.exit(main())"]
 
 
 def _cluster() -> dict:
@@ -60,7 +60,7 @@ def test_node_types_carry_exactly_what_the_actors_request(monkeypatch):
     assert _cluster()["head_node_type"] == "ray.head.default"
     assert not {"prefill", "decode", "GPU"} & set(types["ray.head.default"]["resources"])
     # the router replicas live on the head only: a lost worker node takes no router (and no open stream)
-    from cluster.ops.launcher import router_actor_options
+    from cluster.operator.launcher import router_actor_options
     for c in (cfg, gpu):
         assert c.server.router_resource == "router"
         assert router_actor_options(c) == {"num_cpus": 0, "resources": {"router": 0.01}}
@@ -215,7 +215,7 @@ out = {"nodes": [kinds(nid) for nid in nodes],
 def test_a_router_resource_no_node_declares_is_refused_before_anything_starts(monkeypatch):
     import ray
 
-    from cluster.ops.launcher import check_router_resource
+    from cluster.operator.launcher import check_router_resource
     from kvruntime.config import ClusterConfig
 
     cfg = ClusterConfig.of(router_resource="router", router_replicas=2)

@@ -28,7 +28,7 @@ def held_cluster(default_cluster):
     root = Path(cfg.state.data_dir)
     if root not in _SECOND_KEY:
         (root / "c.json").write_text(json.dumps({"data_dir": str(root)}))
-        out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "keys", "create", "--tenant", "globex",
+        out = subprocess.run([sys.executable, "-m", "cluster.operator.cli", "keys", "create", "--tenant", "globex",
                               "--config", str(root / "c.json")], capture_output=True, text=True, timeout=120, check=True)
         _SECOND_KEY[root] = out.stdout.strip().splitlines()[-1]
     base = f"http://127.0.0.1:{cfg.server.port}"

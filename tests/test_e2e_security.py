@@ -34,7 +34,7 @@ def sec(tmp_path_factory, local_ray):
     start(cfg, local_cpus=4)
     base = f"http://127.0.0.1:{cfg.server.port}"
     # a second tenant's key through the CLI: the key is the last line it prints
-    out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "keys", "create", "--tenant", "globex", "--config",
+    out = subprocess.run([sys.executable, "-m", "cluster.operator.cli", "keys", "create", "--tenant", "globex", "--config",
                           str(root / "c.json")], capture_output=True, text=True, timeout=120, check=True)
     keys = {"acme": api_key(cfg), "globex": out.stdout.strip().splitlines()[-1]}
     clients = {t: httpx.Client(base_url=base, timeout=300, headers={"authorization": f"Bearer {k}"})

@@ -163,7 +163,7 @@ def test_a_reregistered_template_is_used_by_the_next_turn(state_cluster):
 
 
 def test_whole_cluster_restart_finds_skills_in_the_fs_tier(state_cluster):
-    from cluster.ops.launcher import start, stop
+    from cluster.operator.launcher import start, stop
 
     cfg, http = state_cluster
     stop(cfg)                                                         # every process of the cluster is gone

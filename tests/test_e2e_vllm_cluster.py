@@ -99,7 +99,7 @@ def test_vllm_engine_metrics_reach_prometheus(vcluster, tmp_path):
     through the router, and every query of the dashboard's vLLM row returns series."""
     import time
 
-    from cluster.ops.dashboard import ROWS
+    from cluster.operator.dashboard import ROWS
     from tests.conftest import prom_query, prometheus_server, sd_prometheus_config
 
     http = vcluster

@@ -199,7 +199,7 @@ def test_deadline_stops_the_decode_worker_and_answers_504(smol, tmp_path):
 
 
 def test_fault_settings_are_validated_and_auth_mode_follows_the_token_file(tmp_path, monkeypatch):
-    from cluster.ops.launcher import ray_auth_mode
+    from cluster.operator.launcher import ray_auth_mode
     from kvruntime.config import ClusterConfig
 
     for bad in ({"worker_max_restarts": -2}, {"request_retries": -1}, {"health_period_s": 0},

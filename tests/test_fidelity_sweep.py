@@ -42,7 +42,7 @@ def test_summary_reports_accuracy_only_over_judged_rows():
 def test_compose_only_sweep_writes_a_profile_row_per_ratio(tmp_path):
     """End to end through the CLI: r = 100% reproduces full recompute (KL ~ 0, same greedy, same
     answers), and every row names the compose() parameters the planner will read."""
-    r = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "eval", "fidelity", "--model", "smollm2-135m",
+    r = subprocess.run([sys.executable, "-m", "cluster.operator.cli", "eval", "fidelity", "--model", "smollm2-135m",
                         "--threads", "1", "--compose-only", "--answered", "--limit", "1", "--ratios", "0.1", "1.0",
                         "--tables-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -64,7 +64,7 @@ def test_compose_only_sweep_writes_a_profile_row_per_ratio(tmp_path):
 
 
 def test_bad_ratio_is_a_one_line_error():
-    r = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "eval", "fidelity", "--compose-only", "--ratios", "1.5"],
+    r = subprocess.run([sys.executable, "-m", "cluster.operator.cli", "eval", "fidelity", "--compose-only", "--ratios", "1.5"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--ratios" in r.stderr
 
@@ -113,7 +113,7 @@ def test_wilson_interval():
     (["--from-rows", "/nonexistent/rows.jsonl"], "does not exist"),
 ])
 def test_bad_sweep_options_are_one_line_errors(argv, needle):
-    r = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "eval", "fidelity", "--compose-only", *argv],
+    r = subprocess.run([sys.executable, "-m", "cluster.operator.cli", "eval", "fidelity", "--compose-only", *argv],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr[-500:]
 

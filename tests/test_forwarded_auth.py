@@ -153,7 +153,7 @@ def test_private_files_and_directories(tmp_path, caplog):
 
 
 def test_a_start_names_every_looser_secret_file(tmp_path):
-    from cluster.ops.launcher import check_private_files
+    from cluster.operator.launcher import check_private_files
     cfg = ClusterConfig.of(data_dir=str(tmp_path / "d"), tier_persist_dir=str(tmp_path / "tier"))
     s = open_state(cfg.state.resolved_url)
     ensure_default_key(s, "default", cfg.state.api_key_file)

@@ -87,8 +87,8 @@ def _exact_text(e, n: int) -> str:
 def test_checkpoint_served_end_to_end(ray_once, tiny_checkpoints, family):
     import httpx
 
-    from cluster.ops.calibrate import calibrate
-    from cluster.ops.launcher import start
+    from cluster.operator.calibrate import calibrate
+    from cluster.operator.launcher import start
     from kvruntime.models import get_model_spec
 
     ckpt = tiny_checkpoints[family]
@@ -153,7 +153,7 @@ def test_calibrated_profile_is_found_by_content_hash(tiny_checkpoints, tmp_path)
 
     src = tiny_checkpoints["qwen3"]
     out = tmp_path / "profiles"
-    cmd = [sys.executable, "-m", "cluster.ops.cli", "calibrate", "--model", str(src), "--cases", "2",
+    cmd = [sys.executable, "-m", "cluster.operator.cli", "calibrate", "--model", str(src), "--cases", "2",
            "--out", str(out), "--threads", "1"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -179,7 +179,7 @@ def test_refused_checkpoint_stops_serve_in_one_line_before_ray(tmp_path):
     from tests.tiny_checkpoints import save_config_only
     d = save_config_only(tmp_path, "tiny-bloom", T.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=512))
     (tmp_path / "c.json").write_text(json.dumps({"model": str(d), "port": free_port()}))
-    res = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "serve", "--config", str(tmp_path / "c.json")],
+    res = subprocess.run([sys.executable, "-m", "cluster.operator.cli", "serve", "--config", str(tmp_path / "c.json")],
                          capture_output=True, text=True, timeout=120)
     lines = [l for l in res.stderr.splitlines() if l.strip()]
     assert res.returncode != 0 and len(lines) == 1, res.stderr

@@ -1,6 +1,6 @@
 """The boxes of the flow form a ladder: no import cycle between top-level packages, none between
 modules (any import counts: top-level, inside a function, or under ``TYPE_CHECKING``), the
-control plane's three boxes import one way (http -> control; ops above both), and the message
+control plane's three boxes import one way (http -> control; operator above both), and the message
 module at the bottom imports no model runtime (torch, transformers, Ray)."""
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_the_import_finder_sees_lazy_and_relative_imports(tmp_path):
 
 
 def test_the_control_plane_boxes_import_one_way():
-    """http -> control; ops may import both; control imports neither; nothing imports ops."""
+    """http -> control; operator may import both; control imports neither; nothing imports operator."""
     def box(m):
         parts = m.split(".")
         return parts[1] if parts[0] == "cluster" and len(parts) >= 2 else None
@@ -135,12 +135,12 @@ def test_the_control_plane_boxes_import_one_way():
             ba, bb = box(a), box(b)
             if bb is None or ba == bb:
                 continue
-            if (ba, bb) not in {("http", "control"), ("ops", "http"), ("ops", "control")} and \
-                    not (ba is None and bb in {"ops", "http", "control"} and not a.startswith("cluster")):
+            if (ba, bb) not in {("http", "control"), ("operator", "http"), ("operator", "control")} and \
+                    not (ba is None and bb in {"operator", "http", "control"} and not a.startswith("cluster")):
                 bad.append(f"{a} -> {b}")
-    assert bad == [], f"imports against the direction http -> control, ops -> both: {bad}"
+    assert bad == [], f"imports against the direction http -> control, operator -> both: {bad}"
     boxes = {m.split(".")[1] for m in _modules() if m.startswith("cluster.") and m.count(".") >= 1}
-    assert {"http", "control", "ops"} <= boxes
+    assert {"http", "control", "operator"} <= boxes
 
 
 def test_the_kvtransport_boxes_stand_apart():

@@ -49,12 +49,12 @@ def fresh_ray():
 
 
 def test_a_raylet_that_never_registers_is_cleaned_up_and_ray_started_again(fresh_ray, monkeypatch, caplog):
-    from cluster.ops.launcher import start_local_ray
+    from cluster.operator.launcher import start_local_ray
 
     fake = _FailingFirst(fresh_ray.init, fails=1)
     monkeypatch.setattr(fresh_ray, "init", fake)
     try:
-        with caplog.at_level(logging.WARNING, logger="cluster.ops.launcher"):
+        with caplog.at_level(logging.WARNING, logger="cluster.operator.launcher"):
             retries = start_local_ray(ClusterConfig.of(ray_start_attempts=2), local_cpus=1)
         assert retries == 1
         assert fresh_ray.is_initialized() and fresh_ray.cluster_resources().get("CPU") == 1.0
@@ -68,7 +68,7 @@ def test_a_raylet_that_never_registers_is_cleaned_up_and_ray_started_again(fresh
 
 
 def test_the_last_attempt_raises_rays_error_and_leaves_nothing_running(fresh_ray, monkeypatch):
-    from cluster.ops.launcher import start_local_ray
+    from cluster.operator.launcher import start_local_ray
 
     fake = _FailingFirst(fresh_ray.init, fails=2)
     monkeypatch.setattr(fresh_ray, "init", fake)
@@ -84,7 +84,7 @@ def test_the_last_attempt_raises_rays_error_and_leaves_nothing_running(fresh_ray
 
 
 def test_a_bad_argument_is_not_retried(fresh_ray, monkeypatch):
-    from cluster.ops.launcher import start_local_ray
+    from cluster.operator.launcher import start_local_ray
 
     calls = []
 
@@ -102,13 +102,13 @@ def test_without_an_address_attaching_to_a_cluster_found_on_the_machine_is_said(
     """``kvnotes serve`` with no ``ray_address`` (``local_cpus`` None): Ray's ``address=None``
     attaches to any cluster it finds (``RAY_ADDRESS``, the latest ``ray start``): one warning names
     it; a fresh local Ray (``local_cpus`` given, or nothing found) is not warned about."""
-    from cluster.ops.launcher import found_ray_address, start_local_ray
+    from cluster.operator.launcher import found_ray_address, start_local_ray
 
     calls = []
     monkeypatch.setattr(fresh_ray, "init", lambda **kw: calls.append(kw))     # Ray's start is not what is tested
     monkeypatch.setenv("RAY_ADDRESS", "10.9.8.7:6390")
     assert found_ray_address() == "10.9.8.7:6390"
-    with caplog.at_level(logging.WARNING, logger="cluster.ops.launcher"):
+    with caplog.at_level(logging.WARNING, logger="cluster.operator.launcher"):
         start_local_ray(ClusterConfig.of(), None)
         start_local_ray(ClusterConfig.of(), local_cpus=1)
     said = [r.getMessage() for r in caplog.records if "attaching to the Ray cluster" in r.getMessage()]

@@ -58,7 +58,7 @@ def _start_nodes():
 def nodes(tmp_path_factory):
     import ray
     from ray import serve
-    from cluster.ops.launcher import start, stop
+    from cluster.operator.launcher import start, stop
     from kvruntime.config import ClusterConfig, WorkerConfig
 
     assert not ray.is_initialized()

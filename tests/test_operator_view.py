@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.ops.dashboard import dashboard, panel_queries
+from cluster.operator.dashboard import dashboard, panel_queries
 from tests.conftest import cluster_port, free_port, metric, prom_query, prometheus_server, sd_prometheus_config
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def _auth(cfg) -> dict:
 
 
 def _cli(*args, timeout=600, env=None):
-    return subprocess.run([sys.executable, "-m", "cluster.ops.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cluster.operator.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
@@ -305,7 +305,7 @@ def test_frame_variant_agreement_is_live_in_prometheus_and_health(cluster, prome
     """The default policy's frame-variant reuse, shadow-checked: booked under reuse(frame) with
     agreement 1.0 on both metrics, no exactness mismatch, as the dashboard's own queries read it
     from the real Prometheus, and in /health's fidelity view with its sample count."""
-    from cluster.ops.dashboard import ROWS
+    from cluster.operator.dashboard import ROWS
     cfg, base = cluster
     panels = {p.title: p for r in ROWS for p in r.panels}
     agree = {(s["metric"]["op"], s["metric"]["metric"]): float(s["value"][1])

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from cluster.ops.dashboard import ROWS
+from cluster.operator.dashboard import ROWS
 from tests.conftest import free_port, prom_query, prometheus_server
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def scraped(tmp_path_factory):
 
 
 def _kvnotes(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "cluster.ops.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cluster.operator.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

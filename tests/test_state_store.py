@@ -222,7 +222,7 @@ def test_auth_off_only_on_loopback():
 def test_keys_cli_create_list_revoke(tmp_path, capsys):
     import json as _json
 
-    from cluster.ops.cli import main
+    from cluster.operator.cli import main
 
     cfg = tmp_path / "c.json"
     cfg.write_text(_json.dumps({"data_dir": str(tmp_path)}))
@@ -300,7 +300,7 @@ def test_cli_against_a_redis_with_a_password(redis_auth_url, tmp_path):
     env = {**os.environ, "KVN_PW": REDIS_PASSWORD, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
 
     def kvnotes(*args):
-        return subprocess.run([sys.executable, "-m", "cluster.ops.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "cluster.operator.cli", *args], capture_output=True, text=True,
                               env=env, timeout=120)
     ok = kvnotes("keys", "create", "--tenant", "acme", "--config", str(good))
     assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("kvn-"), ok.stderr

@@ -213,7 +213,7 @@ def test_kvnotes_tier_server_cli_serves_with_the_cluster_key(tmp_path):
     conf.write_text(json.dumps({"data_dir": str(tmp_path / "data"), "tier_remote_url": f"lm://127.0.0.1:{port}",
                                 "tier_remote_capacity_bytes": 64 << 20}))
     key = tier_key_of(ClusterConfig.from_file(conf))
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.ops.cli", "tier-server", "--config", str(conf)],
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.operator.cli", "tier-server", "--config", str(conf)],
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "cli.log", "wb"),
                             start_new_session=True)
     try:
@@ -226,6 +226,6 @@ def test_kvnotes_tier_server_cli_serves_with_the_cluster_key(tmp_path):
         proc.wait(timeout=10)
     no_tier = tmp_path / "plain.json"
     no_tier.write_text(json.dumps({"data_dir": str(tmp_path / "data")}))
-    r = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "tier-server", "--config", str(no_tier)],
+    r = subprocess.run([sys.executable, "-m", "cluster.operator.cli", "tier-server", "--config", str(no_tier)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "sets no tier_remote_url" in r.stderr, r.stderr

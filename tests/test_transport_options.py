@@ -87,7 +87,7 @@ def test_the_decode_receiver_runs_with_the_configured_limits():
 def test_serve_with_a_bad_option_exits_with_one_line_before_starting_anything(tmp_path):
     cfg = tmp_path / "kvnotes.yaml"
     cfg.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "data"), "kv_nixl": {"pool_byte": 1}}))
-    r = subprocess.run([sys.executable, "-c", "import sys; from cluster.ops.cli import main; sys.exit(main())",
+    r = subprocess.run([sys.executable, "-c", "import sys; from cluster.operator.cli import main; sys.exit(main())",
                         "serve", "--config", str(cfg)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("kvnotes: error:")]

@@ -34,7 +34,7 @@ def tb(tmp_path_factory, local_ray):
     (root / "c.json").write_text(json.dumps({"data_dir": str(data)}))
     start(cfg, local_cpus=4)
     base = f"http://127.0.0.1:{cfg.server.port}"
-    out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "keys", "create", "--tenant", "attacker", "--config",
+    out = subprocess.run([sys.executable, "-m", "cluster.operator.cli", "keys", "create", "--tenant", "attacker", "--config",
                           str(root / "c.json")], capture_output=True, text=True, timeout=120, check=True)
     keys = {"victim": api_key(cfg), "attacker": out.stdout.strip().splitlines()[-1]}
     clients = {t: httpx.Client(base_url=base, timeout=300, headers={"authorization": f"Bearer {k}"})

@@ -7,5 +7,5 @@ and its collaborators from the config); ``sessions``, ``registry`` and
 off the request path); ``admission`` refuses what cannot be served in time (``peers``: the other
 replicas' queues as heard; ``exchange``: as they are now); ``shadow`` checks approximate plans
 online and ``metrics`` records everything. Imports only ``kvruntime.messages`` and the worker packages (for
-actor classes); never ``cluster.http`` or ``cluster.ops``.
+actor classes); never ``cluster.http`` or ``cluster.operator``.
 """

@@ -105,7 +105,7 @@ def _deadline(body) -> float | None:
         return None
 
 
-# max_ongoing_requests / max_queued_requests: from the config (cluster.ops.launcher), Serve's own
+# max_ongoing_requests / max_queued_requests: from the config (cluster.operator.launcher), Serve's own
 # queue bounded; admission (cluster.control.admission) sheds before it fills
 @serve.deployment(name="kvnotes-router", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)

@@ -106,7 +106,7 @@ class ClusterConfig:
     @property
     def local_loopback(self) -> bool:
         """No ``ray.address`` and a loopback ``server.host``: on a one-node Ray cluster, kvnotes' own
-        listeners bind 127.0.0.1 (``cluster.ops.launcher.listen_on_loopback``)."""
+        listeners bind 127.0.0.1 (``cluster.operator.launcher.listen_on_loopback``)."""
         return self.ray.address is None and is_loopback(self.server.host)
 
     def replace(self, **changes) -> "ClusterConfig":

@@ -3,7 +3,7 @@
 Who calls it: the prefill worker (``prefill_workers.tier_reads`` looks chunks up by key,
 ``prefill_workers.actor`` builds the :class:`~kvtransport.tier.lmcache_store.LMCacheStore`), the
 control plane for the tier key (``cluster.control.ray_backends``) and the ``kvnotes tier-server``
-command (``cluster.ops.cli``). What crosses it: a ``ChunkKey`` (model, dtype, RoPE, token ids,
+command (``cluster.operator.cli``). What crosses it: a ``ChunkKey`` (model, dtype, RoPE, token ids,
 tenant salt, canonical position) and the chunk's dense KV (``kvruntime.kv.KVCache``) in and out;
 nothing else. What it calls: LMCache (imported lazily, CPU parts only) and, for ``lm://``, the
 tier server over TCP after a challenge-response on the tier key. It never imports

@@ -4,7 +4,7 @@ Who calls it: the prefill worker sends with a :class:`~kvtransport.transfer.endp
 the shipped :class:`~kvtransport.transfer.interface.KVSender` (``prefill_workers.actor`` / ``executor``); the decode worker receives on a
 :class:`~kvtransport.transfer.endpoints.Receiver` and decodes blocks (``decode_workers.actor``,
 ``executor``, ``vllm_connector``); the launcher checks the transport options
-(``cluster.ops.launcher``). What crosses it: a :class:`~kvtransport.transfer.blocks.KVBlock`
+(``cluster.operator.launcher``). What crosses it: a :class:`~kvtransport.transfer.blocks.KVBlock`
 (header: transfer id, model, shape, dtype, positions, token ids, credential, CRC-32C; payload:
 the dense KV) from sender to receiver; the router's ``TransferGrant`` (announced to the receiver's
 inbox) and the receiver's ``KVEndpoint`` (travelling to senders) from ``kvruntime.messages.transfer``.

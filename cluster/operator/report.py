@@ -1,7 +1,7 @@
 """``kvnotes report``: the Grafana dashboard's panels rendered to PNG without Grafana.
 
 Grafana cannot be installed on every machine (none of our build hosts can reach a package of it),
-so the report asks Prometheus the dashboard's own queries (:data:`cluster.ops.dashboard.ROWS`, the
+so the report asks Prometheus the dashboard's own queries (:data:`cluster.operator.dashboard.ROWS`, the
 single source of every panel) over a time range through its HTTP API (``/api/v1/query_range``)
 and draws each row as one PNG with matplotlib, plus ``index.md`` listing every panel, its query
 and whether it returned data. A panel with no series is drawn as "no data" and listed, never
@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.ops.dashboard import ROWS, Panel
+from cluster.operator.dashboard import ROWS, Panel
 
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -248,7 +248,7 @@ def _index_lines(results: list[PanelResult], start: float, end: float,
     """``index.md``: each row's PNG and a table of its panels (data or not, series, queries)."""
     lines = ["# kvnotes report", "",
              f"Prometheus range {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(start))} to "
-             f"{time.strftime('%H:%M:%S', time.gmtime(end))} UTC; panels and queries from `cluster/ops/dashboard.py`.", ""]
+             f"{time.strftime('%H:%M:%S', time.gmtime(end))} UTC; panels and queries from `cluster/operator/dashboard.py`.", ""]
     for i, row in enumerate(ROWS, 1):
         lines += [f"## {row.title}", "", f"![{row.title}]({i:02d}-{_slug(row.title)}.png)", "",
                   "| panel | data | series | query |", "|---|---|---|---|"]

@@ -166,7 +166,7 @@ def _models(args, argv) -> int:
 
 def _run(args, argv) -> int:
     """``run`` (the embedded default) and ``serve`` (a config file)."""
-    from cluster.ops.launcher import run_forever
+    from cluster.operator.launcher import run_forever
     from kvruntime.config import ClusterConfig
     if args.cmd == "run":
         cfg = ClusterConfig.of(model=args.model, port=args.port, decode_engine=args.decode_engine)
@@ -179,7 +179,7 @@ def _run(args, argv) -> int:
 
 def _calibrate(args, argv) -> int:
     from cluster.control.planner import FidelityTarget
-    from cluster.ops.calibrate import calibrate, calibrate_edits
+    from cluster.operator.calibrate import calibrate, calibrate_edits
     from kvruntime.config import ClusterConfig
     cfg = ClusterConfig.from_file(args.config) if args.config else None
     common = dict(cases=args.cases, out=args.out or (cfg.policy.profiles_dir if cfg else None),
@@ -196,7 +196,7 @@ def _calibrate(args, argv) -> int:
 
 
 def _demo(args, argv) -> int:
-    from cluster.ops.demo import run_demo
+    from cluster.operator.demo import run_demo
     return run_demo(args.model, threads=args.threads)
 
 
@@ -206,13 +206,13 @@ def _eval(args, argv) -> int:
 
 
 def _report(args, argv) -> int:
-    from cluster.ops.report import run as report
+    from cluster.operator.report import run as report
     return report(args.prometheus, args.out, since=args.since, step=args.step)
 
 
 def _admin(args, argv) -> int:
     """``status`` and skills / memories / templates: plain HTTP calls to the router."""
-    from cluster.ops import admin
+    from cluster.operator import admin
     t = admin.resolve_target(args.url, args.key, args.config)
     if args.cmd == "status":
         return admin.status(t)

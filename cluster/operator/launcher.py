@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from cluster.ops.demo import DEMO_QUESTION, DEMO_SKILL, DEMO_SKILL_NAME
+from cluster.operator.demo import DEMO_QUESTION, DEMO_SKILL, DEMO_SKILL_NAME
 from kvruntime.config import ClusterConfig
 from kvruntime.config.server import ROUTER_RESOURCE_UNITS
 
