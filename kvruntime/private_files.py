@@ -21,13 +21,14 @@ _warned: set[str] = set()
 
 def looser_than_private(path: str | Path) -> str | None:
     """One line when ``path`` (a file or directory) grants its group or others any access, else
-    None (also when it does not exist)."""
+    None (also when it does not exist, and for a sticky shared directory such as ``/tmp``, mode
+    1777: shared by design, the 0600 files in it stay unreadable to others and undeletable by them)."""
     p = Path(path).expanduser()
     try:
         mode = stat.S_IMODE(p.stat().st_mode)
     except OSError:
         return None
-    if mode & 0o077 == 0:
+    if mode & 0o077 == 0 or (p.is_dir() and mode & stat.S_ISVTX):
         return None
     want = DIR_MODE if p.is_dir() else FILE_MODE
     return (f"{p} is mode {mode:04o}: it holds secrets or tenant data that other users of this machine can read; "

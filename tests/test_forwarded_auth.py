@@ -142,6 +142,15 @@ def test_private_files_and_directories(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         private_file(loose)                               # kept as it is, warned about
     assert stat.S_IMODE(loose.stat().st_mode) == 0o644 and any("0644" in r.getMessage() for r in caplog.records)
+    shared = tmp_path / "shared"                          # a sticky shared directory (/tmp's 1777): no warning
+    shared.mkdir()
+    shared.chmod(0o1777)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        f = private_file(shared / "kv.db")
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600 and looser_than_private(shared) is None and not caplog.records
+    shared.chmod(0o777)                                   # not sticky: others may replace the file
+    assert "chmod 700" in looser_than_private(shared)
     s = open_state(f"sqlite:///{tmp_path}/st/state.db")
     s.put_target("x", "y", 0.0)                           # a write: the WAL files exist
     try:
