@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from kvruntime.config.workers import DEVICES    # the one list (the config checks it first)
+
 log = logging.getLogger(__name__)
-DEVICES = ("auto", "cpu", "cuda")
 
 
 class DeviceUnavailable(ValueError):

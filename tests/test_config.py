@@ -72,7 +72,7 @@ def test_replace_keeps_the_rest_and_old_attribute_names_say_where_they_went():
 def test_device_per_role_is_validated_and_resolved():
     assert ClusterConfig.of(prefill={"device": "cuda", "num_gpus": 1}).workers.prefill.device == "cuda"
     assert ClusterConfig.of(decode={"num_gpus": 0.5}).workers.decode.num_gpus == 0.5
-    for bad, msg in (({"device": "tpu"}, "device must be auto, cpu or cuda"),
+    for bad, msg in (({"device": "tpu"}, "device must be one of auto, cpu, cuda, got .tpu."),
                      ({"device": "cuda"}, "cuda needs decode.num_gpus > 0"),
                      ({"device": "cpu", "num_gpus": 1}, "reserves a GPU"),
                      ({"num_gpus": -1}, "num_gpus")):
@@ -145,3 +145,11 @@ def test_the_vllm_kv_space_is_in_bytes_and_the_old_gib_key_says_what_replaced_it
         ClusterConfig.of(vllm_kv_cache_bytes=1.5)
     with pytest.raises(ValueError, match="unknown config key.*vllm_kv_cache_gib is now vllm_kv_cache_bytes"):
         ClusterConfig.of(vllm_kv_cache_gib=4)
+
+
+def test_the_policy_names_are_one_list():
+    from kvruntime.config.policy import POLICIES
+    from kvruntime.messages.plan import Policy
+    assert POLICIES == tuple(p.value for p in Policy)        # the config (below messages) and the wire agree
+    with pytest.raises(ValueError, match="default_policy must be one of exact, balanced, fast, got 'quick'"):
+        ClusterConfig.of(default_policy="quick")

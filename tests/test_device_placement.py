@@ -58,7 +58,7 @@ def test_config_device_and_num_gpus_per_role():
     cfg = ClusterConfig.from_dict({"prefill": {"num_gpus": 1, "device": "cuda"}, "decode": {"device": "cpu"}})
     assert (cfg.workers.prefill.device, cfg.workers.prefill.num_gpus, cfg.workers.decode.device) == ("cuda", 1, "cpu")
     assert ClusterConfig().workers.prefill.device == ClusterConfig().workers.decode.device == "auto"
-    with pytest.raises(ValueError, match="prefill.device must be auto, cpu or cuda, got 'gpu'"):
+    with pytest.raises(ValueError, match="prefill.device must be one of auto, cpu, cuda, got 'gpu'"):
         ClusterConfig.from_dict({"prefill": {"device": "gpu"}})
     with pytest.raises(ValueError, match="decode.device: cuda needs decode.num_gpus > 0"):
         ClusterConfig.from_dict({"decode": {"device": "cuda"}})

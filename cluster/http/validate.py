@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from cluster.control.errors import RequestError
 from cluster.control.limits import RequestLimits, check_name, check_text
+from kvruntime.config.policy import POLICIES
 from kvruntime.messages.decode import MAX_TOP_LOGPROBS, SEED_MAX, SamplingParams
 
-POLICIES = ("exact", "balanced", "fast")
 EDIT_STRATEGIES = ("auto", "erratum", "edit_in_place")
 _SAMPLING = {"max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
              "logit_bias"}

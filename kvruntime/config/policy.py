@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# kvruntime.messages.plan.Policy's values (the config sits below messages; tests/test_config.py checks they agree)
+POLICIES = ("exact", "balanced", "fast")
+
 # ``balanced``'s answer target, checked against a profile's ``compose_answers`` section: an operation
 # is allowed when its accuracy drop vs recompute is at most drop_bound (one-sided 95% upper bound),
 # its yes/no decision agreement with recompute >= decision, its top-1 agreement >= top1 and its
@@ -27,10 +30,18 @@ class PolicyConfig:
     balanced_max_recompute_ratio: float = BALANCED_ANSWER_TARGET["max_ratio"]
     balanced_min_cases: int = BALANCED_MIN_CASES["cases"]
     fast_min_top1: float | None = None         # fast: None = reposition + seam_tokens without a target (next-token rows)
+    # a plain prompt the decode engine computed itself (vLLM: cold, or after the prefix it held) is
+    # compiled into the tier in the background by a prefill worker (cluster.control.store_behind), so
+    # later prompts reuse and edit it; at most store_behind_in_flight at once per router replica, and
+    # store_behind_queue waiting (more: skipped, counted in kvnotes_prompt_stores_total{outcome})
+    store_behind: bool = True
+    store_behind_in_flight: int = 1
+    store_behind_queue: int = 4
 
     def __post_init__(self):
-        if self.default_policy not in ("exact", "balanced", "fast"):
-            raise ValueError("default_policy must be exact, balanced or fast")
+        if self.default_policy not in POLICIES:
+            raise ValueError(f"default_policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.default_policy!r}")
         if not isinstance(self.seam_tokens, int) or self.seam_tokens < 0:
             raise ValueError("seam_tokens must be an integer >= 0")
         for name in ("balanced_min_top1", "fast_min_top1", "balanced_max_accuracy_drop", "balanced_min_decision",
@@ -38,5 +49,7 @@ class PolicyConfig:
             v = getattr(self, name)
             if v is not None and not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]")
+        if self.store_behind_in_flight < 1 or self.store_behind_queue < 0:
+            raise ValueError("store_behind_in_flight must be >= 1 and store_behind_queue >= 0")
         if not isinstance(self.balanced_min_cases, int) or self.balanced_min_cases < 1:
             raise ValueError(f"balanced_min_cases must be an integer >= 1, got {self.balanced_min_cases!r}")

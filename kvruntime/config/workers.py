@@ -26,7 +26,7 @@ class WorkerConfig:
         if self.num_cpus < 0 or self.num_gpus < 0 or self.threads < 1:
             raise ValueError(f"{kind}: num_cpus/num_gpus must be >= 0 and threads >= 1")
         if self.device not in DEVICES:
-            raise ValueError(f"{kind}.device must be auto, cpu or cuda, got {self.device!r}")
+            raise ValueError(f"{kind}.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.device == "cuda" and not self.num_gpus > 0:
             raise ValueError(f"{kind}.device: cuda needs {kind}.num_gpus > 0 (Ray gives the actor its GPU)")
         if self.device == "cpu" and self.num_gpus > 0:
