@@ -142,7 +142,8 @@ class ReferenceEngine:
         additive [q x keys] mask by position. ``stop_layer=i``: stop once layer i has written its
         K/V (a probe; later layers' slots are left as they were). ``cancelled``: checked before
         each layer, True raises :class:`Cancelled`. Returns the last new token's fp32 logits
-        when ``logits``. Cost: O(q * keys) attention + O(q) MLP per layer for q new tokens."""
+        when ``logits`` (``"all"``: every new token's, [q, vocab], at the forward's own shape).
+        Cost: O(q * keys) attention + O(q) MLP per layer for q new tokens."""
         if isinstance(slots, slice):
             idx = torch.arange(slots.start, slots.stop, device=self.device)
         else:
@@ -154,7 +155,7 @@ class ReferenceEngine:
         if bool((pos < 0).any()):
             raise ValueError("positions must be >= 0")
         bucket = bucket_for(q) if self.shapes is ForwardShapes.BUCKETED and not recording_active() else None
-        if bucket is not None:
+        if bucket is not None and logits != "all":
             return self.write_padded(data, positions, idx, ids, pos, keys, bucket, logits=logits,
                                      stop_layer=stop_layer, cancelled=cancelled)
         block = isinstance(slots, slice) and slots.stop == keys
@@ -165,9 +166,11 @@ class ReferenceEngine:
         with self._lock:
             try:
                 out = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
-                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+                                 past_key_values=cache, use_cache=True, logits_to_keep=0 if logits == "all" else 1)
             except StopForward:
                 pass
+        if logits == "all" and out is not None:      # every new token's row, [q, vocab] (prompt log-probs)
+            return out.logits[0].float()
         return out.logits[0, -1].float() if (logits and out is not None) else None
 
     @torch.inference_mode()

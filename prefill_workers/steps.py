@@ -14,8 +14,11 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+import torch
+
 from kvruntime.engine import Cancelled
 from kvruntime.kv import KVCache
+from kvruntime.messages.decode import TokenLogprob
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan, SegmentPlan
 from kvruntime.messages.prefill import PrefillStats
 from kvruntime.ops.interpret import Interpreter, SeamRule, matches
@@ -36,6 +39,19 @@ class KVSource(Protocol):
     def put(self, ref: KVRef, kv: KVCache) -> int: ...      # copies kv: keeps no view of it
 
     def compile(self, ref: KVRef) -> KVCache: ...
+
+
+SCORED_ROWS = 256      # tokens per forward when a plan asks for the prompt's log-probs ([rows, vocab] fp32 each)
+
+
+def token_logprobs(rows, next_ids, k: int) -> list[TokenLogprob]:
+    """Per logits row (``rows``: [q, vocab]), the raw log-softmax of the token that follows it
+    (``next_ids``, q of them) and the ``k`` most likely tokens, best first (vLLM's ``prompt_logprobs``)."""
+    lp = torch.log_softmax(rows.float(), dim=-1)
+    got = lp.gather(1, torch.as_tensor(list(next_ids), device=lp.device)[:, None])[:, 0].tolist()
+    top = lp.topk(k, dim=-1) if k else None
+    tops = zip(top.indices.tolist(), top.values.tolist()) if k else [((), ())] * len(got)
+    return [TokenLogprob(int(t), g, tuple(zip(i, v))) for t, g, (i, v) in zip(next_ids, got, tops)]
 
 
 class PlanBuild:
@@ -77,6 +93,8 @@ class PlanBuild:
     # ---- the steps ----------------------------------------------------------------------------
     def _step(self, step: SegmentPlan, last: bool) -> None:
         k = step.kind
+        if k is PlanKind.RECOMPUTE and self.plan.prompt_logprobs is not None:
+            return self._scored(step)
         if k is PlanKind.RECOMPUTE or k is PlanKind.ERRATUM:
             self.run.text(step.token_ids, step.position, erratum=k is PlanKind.ERRATUM)
             return
@@ -94,6 +112,18 @@ class PlanBuild:
             self._reposition(step, loaded)
         else:
             self._edit(step, loaded)
+
+    def _scored(self, step: SegmentPlan) -> None:
+        """A recompute whose logits rows are kept (``plan.prompt_logprobs``): each token's row gives
+        the log-prob of the prompt token after it (the suffix's first after the prefix's last) and
+        the top ``k``, into ``st.prompt_logprobs``; forwards of at most ``SCORED_ROWS`` tokens."""
+        ids, at = list(step.token_ids), self.run.length
+        after = self.plan.prefix_ids + self.plan.suffix_ids
+        for i in range(0, len(ids), SCORED_ROWS):
+            part = ids[i:i + SCORED_ROWS]
+            rows = self.run.text(part, step.position + i, logits="all")
+            self.st.prompt_logprobs.extend(token_logprobs(rows, after[at + i + 1:at + i + 1 + len(part)],
+                                                          self.plan.prompt_logprobs))
 
     def _recompute(self, step: SegmentPlan, reason: str) -> None:
         """The step's fallback: counted and logged; recomputed in context, or (policy ``fail``) raised."""

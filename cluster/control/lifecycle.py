@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, AsyncIterator
 
 from cluster.control.cancel import prefill_or_cancel
@@ -34,7 +34,7 @@ from cluster.control.errors import RequestError
 from cluster.control.metrics import CACHED_SOURCES, Metrics, prompt_sources
 from cluster.control.migration import DecodeStream
 from cluster.control.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
-from kvruntime.messages.decode import DecodeJob, DecodeSummary, SamplingParams, TokenEvent
+from kvruntime.messages.decode import DecodeJob, DecodeSummary, SamplingParams, TokenEvent, TokenLogprob
 from kvruntime.messages.plan import KVRef, RequestPlan
 from kvruntime.messages.prefill import PrefillJob, PrefillResult
 from kvruntime.messages.transfer import STAGES, ExpectReply, TransferExpectation, TransferGrant
@@ -67,6 +67,7 @@ class Finished:
     transport: str = ""            # what carried the prefix KV (nixl | grpc; "" if none was sent)
     sources: tuple[tuple[str, int], ...] = ()   # prompt tokens by where their KV came from (metrics.prompt_sources)
     clock: StageClock | None = None  # control-path laps (explain.control), None outside an HTTP request
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # plan.prompt_logprobs: prompt tokens 1.. (the prefill's rows)
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,8 @@ class RequestRunner:
         (not for a session's context to store)."""
         plan = job.plan
         grant, credential = TransferGrant.issue(transfer_id, plan.model, self.dtype, plan.prefix_ids)
-        computes_from = None if job.store_as is not None and plan.session else plan.forward_from
+        computes_from = None if (job.store_as is not None and plan.session) or plan.prompt_logprobs is not None \
+            else plan.forward_from             # prompt log-probs: the prefill worker computes every row
         ctx.lap("grant")
         reply = await self._before(run.deadline, "prefill", self.backends.expect(
             decode_index, TransferExpectation(grant, plan.prefix_ids, run.kv_salt, computes_from)))
@@ -218,6 +220,8 @@ class RequestRunner:
                 if not isinstance(ev, TokenEvent):
                     run.summary = ev
                     continue
+                if run.ttft is None and run.result is not None and run.result.stats.prompt_logprobs:
+                    ev = replace(ev, prompt_logprobs=tuple(run.result.stats.prompt_logprobs))   # on the first
                 if run.ttft is None:               # observed in account(), labelled with what executed
                     run.ttft = time.perf_counter() - job.started
                     ctx.first_token()              # out of the admission queue (a service sample)
@@ -290,7 +294,8 @@ class RequestRunner:
         self.guard.after_response(plan, ctx.tenant or self.default_tenant, run.prefill_index)   # fire and forget
         return Finished(plan, summary, run.ttft, plan.prompt_tokens, sum(sources[k] for k in CACHED_SOURCES),
                         tuple(fallbacks), bool(res is not None and res.stored), stages, transport,
-                        tuple(sources.items()), ctx.clock)
+                        tuple(sources.items()), ctx.clock,
+                        tuple(res.stats.prompt_logprobs) if res is not None else ())
 
     def _account_transfer(self, res: PrefillResult | None) -> str:
         """Count the prefill worker's tier and transfer work; the transport that carried the block ("": none)."""

@@ -19,6 +19,7 @@ from cluster.control.planner import PlannerConfig, RenderedRequest, SessionConte
     plan_request
 from cluster.control.pricing import TokenBudget, exceeds_message
 from cluster.control.prompt_index import PROMPT_BLOCK, PromptIndex, prompt_hash
+from cluster.control.prompt_logprobs import scored_plan
 from cluster.control.prompt_match import PromptMatcher, count_reuse, prompt_store_as
 from cluster.control.render import Renderer
 from cluster.control.router_sections import LimitsSection
@@ -195,16 +196,21 @@ class RequestStreams:
         ctx.lap("render")
         hit_kv, hit = await self.index.longest_held(tenant, salt, prefix, prefill_index, ctx.clock)
         ctx.lap("lookup_state")
-        # the rest matched at any offset (chunks, a held prompt it edits), planned by the native rules
-        plan, matched = await self.matcher.plan(req, tenant, salt, hit, hit_kv, prefill_index, self.renderer.encode,
-                                                self.planner_config(), messages, ctx.clock)
+        if sampling.prompt_logprobs is not None:     # every prompt token computed (cluster.control.prompt_logprobs)
+            plan, matched = scored_plan(req, sampling.prompt_logprobs, self.metrics), None
+        else:   # the rest matched at any offset (chunks, a held prompt it edits), planned by the native rules
+            plan, matched = await self.matcher.plan(req, tenant, salt, hit, hit_kv, prefill_index,
+                                                    self.renderer.encode, self.planner_config(), messages, ctx.clock)
         store_as = prompt_store_as(plan, prefix, salt, hit)
         ctx.lap("plan")
         async for ev in self.runner.run(ctx, PlannedRequest(plan, sampling, store_as, prefill_index, salt, started)):
             if isinstance(ev, Finished):
                 if ev.stored and store_as is not None and store_as.exact:
                     self.index.record(tenant, prefix)
-                await self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index)
+                if matched is None:
+                    count_reuse(self.metrics, ev)
+                else:
+                    await self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index)
             yield ev
 
 

@@ -29,6 +29,7 @@ from cluster.control.limits import check_name, check_text
 from cluster.http.choices import Answer, call_deltas, merged, prompt_details
 from cluster.http.completion import Prepared, collect as _collect, drain, prepare, start, structured
 from cluster.http.completion import tail as _tail
+from cluster.http.logprobs import Logprobs
 from cluster.http.completion import primed as _primed
 from cluster.http.validate import native_request
 from kvruntime.messages.decode import TokenEvent
@@ -70,30 +71,6 @@ def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-class _Logprobs:
-    """OpenAI's log-prob shapes from :class:`TokenEvent` values (chat: ``content`` entries;
-    completions: the legacy parallel lists)."""
-
-    def __init__(self, tok, chat: bool):
-        self.tok, self.chat = tok, chat
-
-    def _t(self, i: int) -> str:
-        return self.tok.decode([i])
-
-    def of(self, evs: list[TokenEvent]) -> dict | None:
-        evs = [e for e in evs if e.logprob is not None]
-        if not evs:
-            return None
-        if self.chat:
-            return {"content": [{"token": self._t(e.token_id), "logprob": e.logprob,
-                                 "bytes": list(self._t(e.token_id).encode()),
-                                 "top_logprobs": [{"token": self._t(i), "logprob": lp, "bytes": list(self._t(i).encode())}
-                                                  for i, lp in e.top_logprobs]} for e in evs]}
-        return {"tokens": [self._t(e.token_id) for e in evs], "token_logprobs": [e.logprob for e in evs],
-                "top_logprobs": [{self._t(i): lp for i, lp in e.top_logprobs} for e in evs],
-                "text_offset": None}
-
-
 def _total_usage(fins: list[Finished], prompts: int = 1) -> dict:
     """Usage of several choices (``fins`` in choice order): each prompt once (the ``n`` choices of
     a prompt share it), every choice's completion tokens."""
@@ -114,14 +91,19 @@ class _View:
         self.model = router.served_model
         self.cid = ("chatcmpl-" if self.chat else "cmpl-") + rid
         self.created = int(time.time())
-        self.lp = _Logprobs(router.renderer.tok, self.chat)
+        self.lp = Logprobs(router.renderer.tok, self.chat)
+
+    def _prompt(self, k: int, scored) -> tuple | None:
+        """Choice ``k``'s prompt rows for its log-probs (echo + logprobs; ``scored``: the prompt's
+        log-probs, from the first event or the end), else None."""
+        return (self.prep.prompt_of(k), scored) if self.prep.scores_prompt else None
 
     def choice(self, k: int, evs: list[TokenEvent], fin: Finished) -> dict:
         sent = "".join(e.text for e in evs)
         text = sent + _tail(sent, fin)
         if not self.chat:
             return {"index": k, "text": self.prep.echo(k) + text, "finish_reason": fin.summary.finish_reason,
-                    "logprobs": self.lp.of(evs)}
+                    "logprobs": self.lp.of(evs, prompt=self._prompt(k, fin.prompt_logprobs))}
         content, calls, finish = Answer(self.prep.tools).whole(text, fin.summary.finish_reason)
         msg = {"role": "assistant", "content": content}
         if calls:
@@ -136,22 +118,31 @@ class _View:
                 "usage": _total_usage(fins, len(self.prep.prompts)),
                 "kvnotes": _kvnotes(fins[0], self.explain, self.prep.explain_extra())}
 
-    def chunk(self, k: int, delta: dict | str | None, finish, evs=()) -> dict:
+    def chunk(self, k: int, delta: dict | str | None, finish, evs=(), *, offset: int = 0, prompt=None) -> dict:
         if self.chat:
             d = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
             c = {"index": k, "delta": d, "logprobs": self.lp.of(list(evs)), "finish_reason": finish}
         else:
-            c = {"index": k, "text": delta or "", "logprobs": self.lp.of(list(evs)), "finish_reason": finish}
+            c = {"index": k, "text": delta or "", "logprobs": self.lp.of(list(evs), offset=offset, prompt=prompt),
+                 "finish_reason": finish}
         return {"id": self.cid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [c]}
 
     def opening(self):
-        """The chunks before any token: the role (chat), the echoed prompt (completions with echo)."""
+        """The chunks before any token: the role (chat), the echoed prompt (completions with echo;
+        with the prompt's log-probs: at the choice's first event, :meth:`echo`)."""
         for k in range(self.prep.choices):
             if self.chat:
                 yield self.chunk(k, {"role": "assistant", "content": ""}, None)
-            elif self.prep.echo(k):
+            elif self.prep.echo(k) and not self.prep.scores_prompt:
                 yield self.chunk(k, self.prep.echo(k), None)
+
+    def echo(self, k: int, first) -> list[dict]:
+        """Choice ``k``'s echoed prompt with its log-probs, once its first event (``first``: a
+        TokenEvent or its end, both carrying them) is here."""
+        if not self.prep.scores_prompt:
+            return []
+        return [self.chunk(k, self.prep.echo(k), None, prompt=self._prompt(k, first.prompt_logprobs))]
 
     def end(self, k: int, answer: Answer, sent: str, fin: Finished) -> list[dict]:
         """The last chunks of choice ``k``: its tool calls, then what is left and the finish reason."""
@@ -164,17 +155,22 @@ async def _events(view: _View, streams, rid: str):
     ``stream_options.include_usage``) and ``kvnotes`` on the last choice's last chunk."""
     prep = view.prep
     answers = [Answer(prep.tools if view.chat else None) for _ in streams]
-    sent, fins = [""] * len(streams), {}
+    sent, fins, opened = [""] * len(streams), {}, set()
     try:
         for c in view.opening():
             yield _sse(c)
         async for k, ev in merged(streams):
+            if k not in opened:
+                opened.add(k)
+                for c in view.echo(k, ev):
+                    yield _sse(c)
             if isinstance(ev, TokenEvent):
                 if ev.text or ev.logprob is not None:
+                    at = len(prep.echo(k)) + len(sent[k])
                     sent[k] += ev.text
                     d = answers[k].push(ev.text)
                     if d or (ev.logprob is not None and answers[k].stream is None):
-                        yield _sse(view.chunk(k, d, None, [ev]))
+                        yield _sse(view.chunk(k, d, None, [ev], offset=at))
                 continue
             fins[k] = ev
             chunks = view.end(k, answers[k], sent[k], ev)

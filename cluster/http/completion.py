@@ -52,6 +52,16 @@ class Prepared:
         """The text echoed before choice ``k``'s completion ("" without ``echo``)."""
         return self.echoes[k // self.req.n] if self.echoes else ""
 
+    def prompt_of(self, k: int) -> tuple[int, ...]:
+        """Choice ``k``'s prompt token ids."""
+        return self.prompts[k // self.req.n]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """``echo`` with ``logprobs``: each choice's prompt log-probs come back (every prompt token
+        computed: ``cluster.control.prompt_logprobs``)."""
+        return self.sampling.prompt_logprobs is not None
+
     def explain_extra(self) -> dict:
         return {"structured": {"constraint": self.constraint.kind if self.constraint is not None else None,
                                "tool_choice": self.tools.choice if self.tools is not None else None,
@@ -106,11 +116,10 @@ async def prepare(router: Router, limits: RequestLimits, body: dict, *, chat: bo
     """Stage 1: every check, the constraint, the token ids."""
     vocab = len(router.renderer.tok)
     req = openai_request(body, limits, model=router.served_model, vocab=vocab, chat=chat)
-    if req.echo and req.sampling.logprobs is not None:
-        raise RequestError(400, "echo with logprobs is not supported: the decode engines do not return the "
-                                "prompt's log-probs", param="echo")
     constraint, tools = await anyio.to_thread.run_sync(functools.partial(structured, router, body, chat=chat))
-    sampling = dataclasses.replace(req.sampling, constraint=constraint)
+    # echo + logprobs: the prompt's own log-probs too (as vLLM), each prompt computed in full
+    scored = req.sampling.logprobs if req.echo and not chat else None
+    sampling = dataclasses.replace(req.sampling, constraint=constraint, prompt_logprobs=scored)
     if chat:
         router.renderer.check_call_ids(req.messages)
         budget = router.budget(sampling)        # priced in the thread, before the template is applied

@@ -39,6 +39,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit before sampling
     logprobs: int | None = None                  # None: off; k >= 0: the sampled token's log-prob + top k
     constraint: Constraint | None = None         # structured output: the grammar every token must follow
+    prompt_logprobs: int | None = None           # None: off; k >= 0: each prompt token's log-prob + top k
+                                                 # (completions echo + logprobs; the plan a full recompute)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -54,6 +56,8 @@ class SamplingParams:
             raise ValueError("logit_bias maps token ids >= 0 to biases in -100..100")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError("constraint must be a Constraint")
 
@@ -75,12 +79,23 @@ class Continuation:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One prompt token's log-prob given the tokens before it, and the ``k`` most likely tokens
+    there (``SamplingParams.prompt_logprobs``): the model's raw log-softmax, as vLLM's
+    ``prompt_logprobs``. A prompt's first token has none (nothing precedes it)."""
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, log-prob), best first
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     token_id: int
     text: str                 # incremental text for this token ("" mid-character or while a stop string may start)
     index: int                # 0 = first token (TTFT)
     logprob: float | None = None                     # sampled token's log-prob (when SamplingParams.logprobs is set)
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, log-prob) of the most likely tokens, best first
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # a request's first event only: prompt tokens 1.. (when asked)
 
 
 @dataclass(frozen=True)

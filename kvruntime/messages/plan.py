@@ -112,6 +112,17 @@ class RequestPlan:
     suffix_ids: tuple[int, ...]        # prefilled by the decode worker after the prefix
     session: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)  # planner remarks (fallbacks, limits)
+    # k >= 0: the prefill worker returns each prompt token's log-prob + top k (completions echo +
+    # logprobs, ``PrefillStats.prompt_logprobs``): every step a recompute, and the decode engine never
+    # computes the rest itself (its rows would be missing)
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self):
+        if self.prompt_logprobs is not None and (
+                not 0 <= self.prompt_logprobs <= 20 or any(s.kind is not PlanKind.RECOMPUTE for s in self.steps)
+                or not self.suffix_ids):
+            raise ValueError("a plan asking for the prompt's log-probs (0..20 top) computes every prefix step "
+                             "(recompute only) and has a suffix")
 
     @property
     def kind(self) -> PlanKind:
@@ -189,6 +200,7 @@ class RequestPlan:
                        "top_k": s.top_k, "recompute_ratio": s.recompute_ratio, "reason": s.reason}
                       for s in self.steps],
             "suffix_tokens": len(self.suffix_ids), "notes": list(self.notes),
+            **({"prompt_logprobs": self.prompt_logprobs} if self.prompt_logprobs is not None else {}),
         }
 
 

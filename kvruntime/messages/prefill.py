@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvruntime.messages.decode import TokenLogprob
     from kvruntime.messages.plan import KVRef, RequestPlan
     from kvruntime.messages.transfer import KVEndpoint
 
@@ -22,6 +23,8 @@ class PrefillStats:
     not_sent: int = 0                 # leading prefix tokens not shipped: the decode engine held them
     fallbacks: list[str] = field(default_factory=list)   # reasons, one per fallback taken
     stages: dict[str, float] = field(default_factory=dict)  # KV path stage -> seconds (transfer.STAGES)
+    # plan.prompt_logprobs: prefix tokens 1.. and the suffix's first, each given the tokens before it
+    prompt_logprobs: list["TokenLogprob"] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
