@@ -166,5 +166,7 @@ def announce(executor: DecodeEngine, receiver, expectation: TransferExpectation)
         if held:
             grant = dataclasses.replace(grant, first_position=held, tokens=grant.tokens - held,
                                         tokens_sha256=token_hash(prefix_ids[held:]))
+    if executor.receive_room and expectation.room > 0:      # the block lands where the decode session runs
+        grant = dataclasses.replace(grant, room=expectation.room)
     receiver.expect(grant)
     return ExpectReply(held, False)

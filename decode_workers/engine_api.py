@@ -23,6 +23,9 @@ class DecodeEngine(ABC):
     #: prefix KV this engine keeps between requests itself (the reference engine's); None when
     #: the engine has its own prefix cache (vLLM) or keeps none
     held: "HeldPrefixes | None" = None
+    #: whether the prefix block is received into a buffer with room for the suffix and the tokens to
+    #: come (the grant's ``room``), the buffer the engine then decodes in (the reference engine's)
+    receive_room: bool = False
 
     @abstractmethod
     def hold(self, grant: TransferGrant, prefix_ids: tuple[int, ...], salt: str | None,

@@ -11,6 +11,13 @@ the received tail (which starts at the grant's ``first_position``). When that KV
 block as is (its memory a pool lease the transport reuses), the held copy is made in the
 background once the first token has been yielded (:meth:`HeldPrefixes.put_copy`), not before it;
 the summary reports its seconds as the ``held_copy`` stage.
+
+The block is received into the buffer the suffix and the generated tokens are computed in: the
+actor grants it room (``receive_room``: the suffix plus ``max_tokens`` slots after the block, and
+the held slots before it), the transport writes the block's rows that far apart
+(:class:`~kvtransport.transfer.blocks.SlotLayout`) and the :class:`DecodeSession` adopts that
+buffer, so the received prefix is never copied (:attr:`DecodeExecutor.copied_bytes` counts the
+prefix bytes sessions did copy: a plain block, a cast, a recompute).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from kvruntime.ops import recompute
 from decode_workers.engine_api import DecodeEngine
 from decode_workers.held_kv import HeldPrefixes
 from decode_workers.sampling import Sampler, TextStream
-from kvtransport.transfer.blocks import BlockError, decode_block
+from kvtransport.transfer.blocks import BlockError, block_buffer, decode_block
 from kvtransport.transfer.interface import KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
@@ -37,6 +44,7 @@ log = logging.getLogger(__name__)
 class DecodeExecutor(DecodeEngine):
     """The reference decode engine (:class:`~decode_workers.engine_api.DecodeEngine`)."""
     kind = "reference"
+    receive_room = True
 
     def __init__(self, engine, transport: KVReceiver, *,
                  load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE, receive_timeout: float = 60.0,
@@ -46,6 +54,7 @@ class DecodeExecutor(DecodeEngine):
         self.held = held
         self._grammars = None          # decode_workers.structured.GrammarCache, made on the first constrained request
         self.grammar_cache_entries = grammar_cache_entries
+        self.copied_bytes = 0          # prefix KV bytes copied into decode sessions (0 for a block received with room)
 
     def held_prefix(self, prefix_ids: tuple[int, ...], salt: str | None = None, *,
                     transfer_id: str | None = None, limit: int | None = None,
@@ -69,55 +78,60 @@ class DecodeExecutor(DecodeEngine):
                                 computes_from=computes_from)
 
     def _held_only(self, transfer_id: str, prefix_ids: tuple[int, ...], fallbacks: list[str],
-                   stages: dict[str, float]) -> tuple[KVCache, int, int]:
+                   stages: dict[str, float], room: int) -> tuple[KVCache, int, int, torch.Tensor | None]:
         """No block comes (``messages.plan.decode_computes_rest``): the KV pinned for this
-        transfer at ``expect`` plus the rest of the prefix computed here, in context."""
+        transfer at ``expect`` plus the rest of the prefix computed here, in context -- in one
+        buffer with ``room`` more slots (the pinned KV copied into it once), adopted by the session."""
         pinned = self.held.take(transfer_id) if self.held is not None else None
         if pinned is None or pinned.token_ids.tolist() != list(prefix_ids[:pinned.num_tokens]):
             fallbacks.append("kv_held_missing")
             log.warning("held prefix KV for %s missing; policy %s", transfer_id, self.policy)
             if self.policy is LoadFailurePolicy.FAIL:
                 raise RuntimeError("held prefix KV unavailable (kv_held_missing) and kv load failure policy is 'fail'")
-            return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0
-        kv, held = pinned.to(self.engine.device, self.engine.dtype), pinned.num_tokens
-        rest = list(prefix_ids[held:])
-        if rest:
-            t = time.perf_counter()
-            out = self.engine.prefill(rest, torch.arange(held, len(prefix_ids)), kv)
-            kv = KVCache.cat([kv, out.kv])
-            stages["forward"] = time.perf_counter() - t
-        return kv, 0, held
+            return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0, None
+        held, rest = pinned.num_tokens, list(prefix_ids[pinned.num_tokens:])
+        if not rest:
+            return pinned.to(self.engine.device, self.engine.dtype), 0, held, None
+        t = time.perf_counter()
+        session = DecodeSession(self.engine, pinned, len(rest) + room)
+        session.step(rest, range(held, len(prefix_ids)), logits=False)
+        stages["forward"] = time.perf_counter() - t
+        return session.kv, 0, held, session.data
 
     def _prefix(self, transfer_id: str | None, prefix_ids: tuple[int, ...], fallbacks: list[str],
-                stages: dict[str, float] | None = None, held_only: bool = False) -> tuple[KVCache, int, int]:
-        """The prefix KV, how many of its tokens arrived in the transferred block, and how many
-        this engine did not compute (received or held)."""
+                stages: dict[str, float] | None = None, held_only: bool = False,
+                room: int = 0) -> tuple[KVCache, int, int, torch.Tensor | None]:
+        """The prefix KV, how many of its tokens arrived in the transferred block, how many this
+        engine did not compute (received or held), and the buffer the KV is the first slots of
+        with ``room`` more (the block's receive buffer; None: the session copies the KV)."""
         stages = {} if stages is None else stages
         if not prefix_ids:
-            return self.engine.empty_kv(), 0, 0
+            return self.engine.empty_kv(), 0, 0, None
         if transfer_id is None:
             # the caller knows no block was sent and has already counted that fallback
-            return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0
+            return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0, None
         if held_only:
-            return self._held_only(transfer_id, prefix_ids, fallbacks, stages)
+            return self._held_only(transfer_id, prefix_ids, fallbacks, stages, room)
         pinned = self.held.take(transfer_id) if self.held is not None else None
         try:
             t = time.perf_counter()
             block = self.transport.receive(transfer_id, timeout=self.receive_timeout)
             stages["receive"] = time.perf_counter() - t
             kv = decode_block(block, model=self.engine.spec.name, device=self.engine.device)
+            buf = block_buffer(block) if self.engine.device.type == "cpu" else None   # the room it was received with
+            lead = block.layout.lead if buf is not None else 0
             del block
             if kv.data.dtype != self.engine.dtype:
-                kv = kv.to(self.engine.device, self.engine.dtype)
+                kv, buf = kv.to(self.engine.device, self.engine.dtype), None
             start, loaded = len(prefix_ids) - kv.num_tokens, kv.num_tokens
             if start > 0:                   # the grant was narrowed: the first `start` slots are held here
                 first = int(kv.positions[0]) if kv.num_tokens else start
                 if pinned is None or pinned.num_tokens != start or first != start:
                     raise _Unusable("kv_held_missing")
-                kv = KVCache.cat([pinned.to(self.engine.device, self.engine.dtype), kv])
+                kv, buf = _join(pinned.to(self.engine.device, self.engine.dtype), kv, buf if lead == start else None)
             stages["load"] = time.perf_counter() - t - stages["receive"]
             if start >= 0 and kv.token_ids.tolist() == list(prefix_ids):
-                return kv, loaded, len(prefix_ids)
+                return kv, loaded, len(prefix_ids), buf
             reason = "kv_mismatch"
         except TransferError as exc:
             reason = f"kv_transfer_{exc.reason}"
@@ -129,15 +143,16 @@ class DecodeExecutor(DecodeEngine):
         log.warning("prefix KV for %s unusable (%s); policy %s", transfer_id, reason, self.policy)
         if self.policy is LoadFailurePolicy.FAIL:
             raise RuntimeError(f"prefix KV unavailable ({reason}) and kv load failure policy is 'fail'")
-        return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0
+        return recompute(self.engine, list(prefix_ids), logits=False).kv, 0, 0, None
 
-    def _keep(self, prefix_ids: tuple[int, ...], salt: str | None, kv: KVCache, loaded: int) -> bool:
+    def _keep(self, prefix_ids: tuple[int, ...], salt: str | None, kv: KVCache, loaded: int, aliases: bool) -> bool:
         """Keep this request's prefix KV for the next one, when it owns its memory (a cat, a
         cast, a recompute). False: it aliases the received block's memory (transports reuse
-        that), so a fresh copy is to be made, off the first token's path (:meth:`_keep_copy`)."""
+        that) or the decode session's buffer (``aliases``), so a fresh copy is to be made, off
+        the first token's path (:meth:`HeldPrefixes.put_copy`)."""
         if self.held is None or salt is None or not prefix_ids or kv.nbytes > self.held.capacity:
             return True
-        if loaded == len(prefix_ids):                 # the received block as is, no cat, no cast
+        if loaded == len(prefix_ids) or aliases:      # the received block as is, or the session's buffer
             return False
         self.held.put(prefix_ids, salt, kv)
         return True
@@ -168,16 +183,19 @@ class DecodeExecutor(DecodeEngine):
         t = time.perf_counter()
         fallbacks: list[str] = []
         stages: dict[str, float] = {}
-        kv, loaded, not_computed = self._prefix(transfer_id, prefix_ids, fallbacks, stages, held_only)
+        room = len(suffix_ids) + sampling.max_tokens
+        kv, loaded, not_computed, buf = self._prefix(transfer_id, prefix_ids, fallbacks, stages, held_only, room)
         received = time.perf_counter() - t
         # a held copy that must be made (the received block as is) waits until the first token is out
-        pending = None if self._keep(prefix_ids, salt, kv, loaded) else kv
+        pending = None if self._keep(prefix_ids, salt, kv, loaded, buf is not None) else kv
         copy = None
         try:
             start = len(prefix_ids)
             t_suffix = time.perf_counter()
-            # the context is copied once into a buffer with room for the suffix and every token to come
-            session = DecodeSession(self.engine, kv, len(suffix_ids) + sampling.max_tokens)
+            # the buffer the block was received into, with room for the suffix and every token to
+            # come (else the context is copied once into a new one)
+            session = DecodeSession(self.engine, kv, room, buffer=buf)
+            self.copied_bytes += session.copied_bytes
             logits = session.step(suffix_ids, range(start, start + len(suffix_ids)))
             pos = start + len(suffix_ids)
             for tok in done:     # a continuation replays the streamed tokens one step each, as the lost worker
@@ -230,6 +248,17 @@ class DecodeExecutor(DecodeEngine):
             stages["grammar_compile"] = guide.compile_seconds
         guide.replay(done)
         return guide
+
+
+def _join(pinned: KVCache, kv: KVCache, buf: torch.Tensor | None) -> tuple[KVCache, torch.Tensor | None]:
+    """The held slots then the received ones: written into the receive buffer's leading slots
+    (its layout left them free; only the held part is copied), else concatenated."""
+    if buf is None:
+        return KVCache.cat([pinned, kv]), None
+    n = pinned.num_tokens + kv.num_tokens
+    buf[:, :, :, :pinned.num_tokens] = pinned.data
+    return KVCache(buf[:, :, :, :n], torch.cat([pinned.positions, kv.positions]),
+                   torch.cat([pinned.token_ids, kv.token_ids])), buf
 
 
 class _Unusable(Exception):

@@ -190,7 +190,8 @@ class RequestRunner:
             else plan.forward_from             # prompt log-probs: the prefill worker computes every row
         ctx.lap("grant")
         reply = await self._before(run.deadline, "prefill", self.backends.expect(
-            decode_index, TransferExpectation(grant, plan.prefix_ids, run.kv_salt, computes_from)))
+            decode_index, TransferExpectation(grant, plan.prefix_ids, run.kv_salt, computes_from,
+                                              len(plan.suffix_ids) + job.sampling.max_tokens)))
         ctx.lap("expect_call")
         return reply, credential
 

@@ -52,6 +52,10 @@ class TransferGrant:
     tokens: int                        # token count of the block
     first_position: int                # positions are first_position .. first_position + tokens - 1
     tokens_sha256: str                 # token_hash of the block's token ids
+    # the receive layout (set by the decode worker, never by the sender): None, a plain block; an
+    # int, the block lands in a buffer with this many free slots after it (and ``first_position``
+    # slots before it), where the decode session appends the suffix and the generated tokens
+    room: int | None = None
 
     @staticmethod
     def issue(transfer_id: str, model: str, dtype: str, token_ids, first_position: int = 0) -> tuple["TransferGrant", str]:
@@ -88,6 +92,7 @@ class TransferExpectation:
     prefix_ids: tuple[int, ...]        # the plan's prefix token ids, positions 0..len-1
     kv_salt: str                       # the plan's KV salt (RequestPlan.kv_salt): the held-prefix key
     computes_from: int | None = None   # held up to here (tokens), the worker computes the rest itself
+    room: int = 0                      # tokens the decode leg adds after the prefix (suffix + max_tokens)
 
     def __post_init__(self):
         if self.grant.first_position != 0 or len(self.prefix_ids) != self.grant.tokens:

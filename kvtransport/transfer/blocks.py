@@ -81,17 +81,64 @@ class KVBlockHeader:
 
 
 @dataclass(frozen=True)
+class SlotLayout:
+    """Where a block's bytes land in a receive buffer with room: the payload's rows (one per
+    layer, K/V and kv head: ``tokens * head_dim`` values each, in order) are written
+    ``capacity`` slots apart, the block's tokens at slots ``[lead, lead + tokens)`` -- the buffer
+    is ``[layers, 2, kv_heads, capacity, head_dim]`` and the decode session that appends the
+    suffix and the generated tokens after slot ``lead + tokens`` runs in it (never copied again).
+    The wire bytes and their CRC-32C are those of the plain block."""
+    rows: int               # layers * 2 * kv_heads
+    row_bytes: int          # tokens * head_dim * itemsize: one row of the payload
+    slot_bytes: int         # head_dim * itemsize
+    lead: int               # slots before the block's tokens (held here already)
+    capacity: int           # slots per row of the buffer (>= lead + tokens)
+
+    @staticmethod
+    def of(header: KVBlockHeader, lead: int, capacity: int) -> "SlotLayout":
+        item = torch.empty(0, dtype=DTYPES[header.dtype]).element_size() if header.dtype in DTYPES else 0
+        if lead < 0 or capacity < lead + header.num_tokens or not item:
+            raise BlockError(f"no slot layout of {header.num_tokens} tokens at {lead} in {capacity} slots")
+        slot = header.head_dim * item
+        return SlotLayout(header.num_layers * 2 * header.kv_heads, header.num_tokens * slot, slot, lead, capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.capacity * self.slot_bytes
+
+    def segments(self, off: int, n: int):
+        """(buffer offset, payload offset, length) of payload bytes ``[off, off + n)``, in order."""
+        end = off + n
+        while off < end and self.row_bytes:
+            row, within = divmod(off, self.row_bytes)
+            take = min(self.row_bytes - within, end - off)
+            yield row * self.capacity * self.slot_bytes + self.lead * self.slot_bytes + within, off, take
+            off += take
+
+    def put(self, dest: np.ndarray, off: int, piece: np.ndarray) -> list[np.ndarray]:
+        """Write payload bytes ``piece`` (starting at payload offset ``off``) into ``dest``;
+        returns the written ranges of ``dest`` in payload order (to CRC)."""
+        out = []
+        for d, s, n in self.segments(off, piece.nbytes):
+            dest[d:d + n] = piece[s - off:s - off + n]
+            out.append(dest[d:d + n])
+        return out
+
+
+@dataclass(frozen=True)
 class KVBlock:
     header: KVBlockHeader
     payload: Payload                # contiguous KV bytes, see module docstring; may alias a tensor
     # the payload object whose CRC-32C a transport has already checked (that very object, so a
     # block rebuilt around other bytes is checked again); verify() skips the CRC pass for it
     verified_payload: object = field(default=None, compare=False, repr=False)
+    # the payload is a receive buffer with room (its rows ``layout.capacity`` slots apart); None: plain
+    layout: SlotLayout | None = None
 
     @staticmethod
-    def verified(header: KVBlockHeader, payload: Payload) -> "KVBlock":
+    def verified(header: KVBlockHeader, payload: Payload, layout: SlotLayout | None = None) -> "KVBlock":
         """A block whose payload the caller has just checked against ``header.checksum``."""
-        return KVBlock(header, payload, payload)
+        return KVBlock(header, payload, payload, layout)
 
 
 def _load_crc32c():
@@ -220,10 +267,20 @@ def verify(block: KVBlock, *, model: str | None = None, check_crc: bool = True) 
     """Raise :class:`BlockError` unless the payload matches its header (size, CRC, model).
     ``check_crc=False`` skips only the CRC pass, as does a payload a transport already checked
     (``block.verified_payload is block.payload``)."""
-    h = block.header
-    h.check(model=model, payload_bytes=payload_len(block.payload))
+    h, lay = block.header, block.layout
+    if lay is None:
+        h.check(model=model, payload_bytes=payload_len(block.payload))
+    else:
+        h.check(model=model)
+        if payload_len(block.payload) != lay.nbytes or lay != SlotLayout.of(h, lay.lead, lay.capacity):
+            raise BlockError(f"buffer is {payload_len(block.payload)} bytes, its slot layout says {lay.nbytes}")
     if check_crc and block.verified_payload is not block.payload:
-        got = checksum(block.payload)
+        if lay is None:
+            got = checksum(block.payload)
+        else:
+            arr, got = as_bytes_array(block.payload), 0
+            for d, _, n in lay.segments(0, h.payload_bytes):
+                got = checksum_extend(got, arr[d:d + n])
         if got != h.checksum:
             raise BlockError(f"checksum mismatch: header {h.checksum:#010x}, payload {got:#010x}")
 
@@ -232,9 +289,16 @@ def decode_block(block: KVBlock, *, model: str | None = None, device: str | torc
                  check_crc: bool = True) -> KVCache:
     """Block -> tensor, after :func:`verify`. Cost: a CRC pass (unless ``check_crc=False``); no
     copy when the payload is writable memory (the tensor then aliases it and keeps it alive),
-    one copy for read-only payloads (``bytes``) or another ``device``."""
+    one copy for read-only payloads (``bytes``) or another ``device``. A block with a
+    :class:`SlotLayout`: a view of its tokens' slots in the buffer (:func:`block_buffer`)."""
     verify(block, model=model, check_crc=check_crc)
-    h = block.header
+    h, lay = block.header, block.layout
+    if lay is not None:
+        if (buf := block_buffer(block)) is None:
+            raise BlockError("a block with a slot layout needs a writable buffer")
+        data = buf[:, :, :, lay.lead:lay.lead + h.num_tokens]
+        return KVCache(data.to(device), torch.tensor(h.positions, dtype=torch.long, device=device),
+                       torch.tensor(h.token_ids, dtype=torch.long, device=device))
     view = memoryview(block.payload)
     if view.readonly:
         raw = torch.empty(view.nbytes, dtype=torch.uint8)
@@ -244,3 +308,15 @@ def decode_block(block: KVBlock, *, model: str | None = None, device: str | torc
     data = raw.view(DTYPES[h.dtype]).reshape(h.num_layers, 2, h.kv_heads, h.num_tokens, h.head_dim)
     return KVCache(data.to(device), torch.tensor(h.positions, dtype=torch.long, device=device),
                    torch.tensor(h.token_ids, dtype=torch.long, device=device))
+
+
+def block_buffer(block: KVBlock) -> torch.Tensor | None:
+    """The receive buffer of a block with a :class:`SlotLayout`, ``[layers, 2, kv_heads,
+    capacity, head_dim]`` on the CPU, aliasing its payload (no copy; it keeps the lease alive);
+    None for a plain block or a read-only payload. Call after :func:`verify`."""
+    lay, h = block.layout, block.header
+    view = memoryview(block.payload)
+    if lay is None or view.readonly or not view.nbytes:
+        return None
+    raw = torch.frombuffer(view, dtype=torch.uint8)
+    return raw.view(DTYPES[h.dtype]).reshape(h.num_layers, 2, h.kv_heads, lay.capacity, h.head_dim)

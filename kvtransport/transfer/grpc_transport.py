@@ -250,7 +250,7 @@ class _Servicer(grpc.GenericRpcHandler):
             self.inbox.refuse(tid, "checksum_required", msg)       # before begin: the grant stays for the retry
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"[checksum_required] {msg}")
         try:
-            self.inbox.begin(tid, header.payload_bytes, header, peer=context.peer())
+            layout = self.inbox.begin(tid, header.payload_bytes, header, peer=context.peer())
         except TransferError as exc:
             context.abort(_CODES.get(exc.reason, grpc.StatusCode.FAILED_PRECONDITION), f"[{exc.reason}] {exc}")
         try:
@@ -262,7 +262,7 @@ class _Servicer(grpc.GenericRpcHandler):
         got, error, claimed = 0, "", None if checksum_last else header.checksum
         chain = None if unchecked else CrcChain(self.crc_pool)
         try:
-            dest = self._destination(header.payload_bytes)
+            dest = self._destination(header.payload_bytes if layout is None else layout.nbytes)
             for data in request_iterator:
                 piece = parse_message(data)
                 if isinstance(piece, Trailer) and checksum_last and claimed is None:
@@ -277,9 +277,13 @@ class _Servicer(grpc.GenericRpcHandler):
                 if got + n > header.payload_bytes:
                     error, got = "payload longer than announced", got + n
                     break
-                dest[got:got + n] = as_bytes_array(piece)
-                if chain is not None:
-                    chain.add(dest[got:got + n])
+                if layout is None:
+                    dest[got:got + n] = as_bytes_array(piece)
+                    written = (dest[got:got + n],)
+                else:                            # rows land ``layout.capacity`` slots apart (room after each)
+                    written = layout.put(dest, got, as_bytes_array(piece))
+                for part in written if chain is not None else ():
+                    chain.add(part)
                 got += n
         except Exception as exc:  # a broken stream (client cancelled, deadline): the transfer fails, logged
             error = f"stream broken after {got} bytes: {type(exc).__name__}: {exc}"
@@ -296,7 +300,7 @@ class _Servicer(grpc.GenericRpcHandler):
             return ack(tid, False, error, got)
         if checksum_last:
             header = dataclasses.replace(header, checksum=crc)
-        self.inbox.finish(tid, KVBlock.verified(header, memoryview(dest)), unchecked=unchecked)
+        self.inbox.finish(tid, KVBlock.verified(header, memoryview(dest), layout), unchecked=unchecked)
         return ack(tid, True, "", got)
 
     def _takes_unchecked(self, peer: str) -> bool:

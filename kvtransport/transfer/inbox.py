@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from kvruntime.messages.transfer import TransferGrant
-from kvtransport.transfer.blocks import KVBlock, KVBlockHeader
+from kvtransport.transfer.blocks import BlockError, KVBlock, KVBlockHeader, SlotLayout
 from kvtransport.transfer.interface import TransferError, TransferState
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class InboxStats:
     grants: int = 0            # transfers announced by the router and not pushed yet
     grants_expired: int = 0    # grants no push claimed within the TTL (since start)
     unchecked: int = 0         # blocks accepted without a checksum: same-host gRPC pushes (since start)
+    roomless: int = 0          # granted room dropped (the buffer would not fit): received plain (since start)
 
 
 class Inbox:
@@ -75,7 +76,7 @@ class Inbox:
         self._claimed: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent claims
         self._remember = remember
         self._held = 0
-        self._expired = self._rejected = self._unchecked = 0
+        self._expired = self._rejected = self._unchecked = self._roomless = 0
         self._refused: collections.Counter[str] = collections.Counter()
         self._owner: dict[str, str] = {}                                      # tid -> the peer that began it
 
@@ -104,13 +105,18 @@ class Inbox:
         return entry[0].mismatch(credential=header.credential, model=header.model, dtype=header.dtype,
                                  positions=header.positions, token_ids=header.token_ids)
 
-    def begin(self, tid: str, nbytes: int, header: KVBlockHeader | None = None, *, peer: str | None = None) -> None:
+    def begin(self, tid: str, nbytes: int, header: KVBlockHeader | None = None, *,
+              peer: str | None = None) -> SlotLayout | None:
         """Reserve ``nbytes`` for ``tid`` (state TRANSFERRING) or raise :class:`TransferError`
         (``bad_transfer_id``, ``too_large``, ``duplicate``, ``backpressure``, or a grant reason,
         see the class) without reserving anything. ``header``: the block's header (checked against
-        the grant); ``peer``: who pushes it (only that peer may :meth:`abort` it)."""
+        the grant); ``peer``: who pushes it (only that peer may :meth:`abort` it). Returns the
+        receive layout when the grant asks for room (:meth:`_layout`; its bytes are reserved), else None."""
         with self._cv:
             self._expire()
+            layout = self._layout(tid, header, nbytes)
+            if layout is not None:
+                nbytes = layout.nbytes
             reason, msg = None, ""
             if not isinstance(tid, str) or not 0 < len(tid) <= MAX_TRANSFER_ID:
                 reason, msg = "bad_transfer_id", f"transfer id {shown_id(tid)} is not 1-{MAX_TRANSFER_ID} characters"
@@ -131,6 +137,24 @@ class Inbox:
                 self._owner[tid] = peer
             self._held += nbytes
             self._state[tid] = (TransferState.TRANSFERRING, "", nbytes, time.monotonic())
+            return layout
+
+    def _layout(self, tid: str, header: KVBlockHeader | None, nbytes: int) -> SlotLayout | None:
+        """The granted room as a :class:`SlotLayout` (the block at ``first_position`` of ``first_position
+        + tokens + room`` slots); dropped (``roomless``, a plain block) when that buffer would not fit
+        ``max_block_bytes`` or the free inbox bytes while the plain block would. Under the lock."""
+        entry = self._grants.get(tid)
+        if entry is None or entry[0].room is None or header is None or not header.num_tokens:
+            return None
+        g = entry[0]
+        try:
+            layout = SlotLayout.of(header, g.first_position, g.first_position + header.num_tokens + g.room)
+        except BlockError:
+            return None                      # the header is refused below (or by the transport's check)
+        if layout.nbytes > self.max_block or self._held + layout.nbytes > self.capacity >= self._held + nbytes:
+            self._roomless += 1
+            return None
+        return layout
 
     def finish(self, tid: str, block: KVBlock | None, error: str = "", *, unchecked: bool = False) -> None:
         """Complete ``tid`` begun by :meth:`begin`: DONE with ``block`` (keeps its reservation
@@ -211,7 +235,8 @@ class Inbox:
             self._expire()
             pending = sum(1 for s in self._state.values() if s[0] is TransferState.TRANSFERRING)
             return InboxStats(self._held, len(self._blocks), pending, self._expired, dict(self._refused),
-                              self._rejected, len(self._grants), self._grants_expired, self._unchecked)
+                              self._rejected, len(self._grants), self._grants_expired, self._unchecked,
+                              self._roomless)
 
     def _remember_claim(self, tid: str) -> None:
         self._owner.pop(tid, None)

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvtransport.transfer.blocks import checksum_extend
+from kvtransport.transfer.blocks import SlotLayout, checksum_extend
 from kvtransport.transfer.nixl_wire import AVAIL, CANCEL, Offer, Reply
 from kvtransport.transfer.interface import TransferState
 
@@ -45,10 +45,12 @@ class NixlReader:
     ``_agent``, ``_lock``, ``_inbox``, ``cfg``, ``_avail``, ``_deferred``, ``_dispatch``,
     ``counters``, ``_crc_pool``)."""
 
-    def _read(self, peer: str, dest: np.ndarray, offer: Offer, notif: bytes) -> tuple[str, int | None]:
+    def _read(self, peer: str, dest: np.ndarray, offer: Offer, notif: bytes,
+              layout: SlotLayout | None = None) -> tuple[str, int | None]:
         """Pull ``offer`` into ``dest`` piece by piece (the last piece carries ``notif``; a
         streamed offer's pieces as they are announced); returns the final NIXL state and the
-        CRC-32C of what arrived (None unless ``verify_crc``)."""
+        CRC-32C of what arrived (None unless ``verify_crc``). ``layout``: each piece is READ as
+        one descriptor per row segment, the rows ``layout.capacity`` slots apart in ``dest``."""
         deadline = time.monotonic() + self.cfg.read_timeout_s
         chain = _CrcChain(self._crc_pool) if self.cfg.verify_crc else None
         n, step, state = offer.nbytes, self.cfg.read_piece_bytes, "DONE"
@@ -57,9 +59,10 @@ class NixlReader:
             if ready <= off and (ready := self._wait_ready(offer.header.transfer_id, off, deadline)) <= off:
                 return "ERR (the sender stopped streaming: cancelled or timed out)", None
             size = min(step, ready - off)
+            segs = [(off, off, size)] if layout is None else list(layout.segments(off, size))
             with self._lock:
-                local = self._agent.get_xfer_descs([(int(dest.ctypes.data) + off, size, 0)], "DRAM")
-                remote = self._agent.get_xfer_descs([(offer.addr + off, size, offer.dev_id)], "DRAM")
+                local = self._agent.get_xfer_descs([(int(dest.ctypes.data) + d, k, 0) for d, _, k in segs], "DRAM")
+                remote = self._agent.get_xfer_descs([(offer.addr + o, k, offer.dev_id) for _, o, k in segs], "DRAM")
                 handle = self._agent.initialize_xfer("READ", local, remote, peer, notif if off + size == n else b"")
                 try:
                     state = self._agent.transfer(handle)
@@ -69,8 +72,8 @@ class NixlReader:
                     self._agent.release_xfer_handle(handle)
             if state != "DONE":
                 return state, None                       # pending CRC tasks keep their pieces' lease alive
-            if chain is not None:
-                chain.add(dest[off:off + size])          # CRC'd on its thread while the next piece is READ
+            for d, _, k in segs if chain is not None else ():
+                chain.add(dest[d:d + k])                 # CRC'd on its thread while the next piece is READ
             off += size
         if n == 0 and notif:
             with self._lock:

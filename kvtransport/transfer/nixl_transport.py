@@ -267,19 +267,19 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
                 log.warning("NIXL offer %s from %s without usable metadata dropped: %s", shown_id(tid), peer, exc)
                 return
         try:
-            self._inbox.begin(tid, h.payload_bytes, h, peer=peer)
+            layout = self._inbox.begin(tid, h.payload_bytes, h, peer=peer)
         except TransferError as exc:
             return self._notify(peer, Reply(tid[:MAX_TRANSFER_ID], False, exc.reason, str(exc)))
         try:
             h.check(model=self.model, payload_bytes=offer.nbytes)
         except BlockError as exc:
             return self._fail(peer, tid, "rejected", str(exc))
-        dest = self._pool.lease(offer.nbytes)
+        dest = self._pool.lease(offer.nbytes if layout is None else layout.nbytes)
         if dest is None:
             self.counters["pool_full"] += 1
             return self._fail(peer, tid, "backpressure", f"NIXL receive pool full ({self._pool.leased_bytes} leased)")
         try:
-            state, crc = self._read(peer, dest, offer, PULLED + tid.encode())
+            state, crc = self._read(peer, dest, offer, PULLED + tid.encode(), layout)
         except Exception as exc:  # a NIXL/UCX error fails this transfer only; counted, logged
             state, crc = f"ERR ({type(exc).__name__}: {exc})", None
         if state != "DONE":
@@ -294,7 +294,8 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
             return self._fail(peer, tid, "rejected", f"checksum mismatch on {tid}: header {h.checksum:#010x}, "
                                                      f"payload {crc:#010x}")
         payload = memoryview(dest)
-        self._inbox.finish(tid, KVBlock.verified(h, payload) if crc is not None else KVBlock(h, payload))
+        self._inbox.finish(tid, KVBlock.verified(h, payload, layout) if crc is not None
+                           else KVBlock(h, payload, layout=layout))
         self._notify(peer, Reply(tid, True))
 
     def _fail(self, peer: str, tid: str, reason: str, error: str) -> None:
