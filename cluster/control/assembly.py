@@ -63,8 +63,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     profile = find_profile(spec, cfg.policy.profiles_dir)
     served = cfg.served_name(spec.name)      # the API's `model`; KV and profiles use spec.name
     backends = RayBackends.from_names(cfg)
-    state = open_state(cfg.state.resolved_url, StoreLimits(cfg.state.session_ttl_s, cfg.state.session_max, cfg.state.prompt_index_ttl_s,
-                                                           cfg.state.prompt_index_max, cfg.state.timeout_s))
+    state = open_state(cfg.state.resolved_url, StoreLimits(**cfg.state.store_limits()))
     model = ModelSection(spec.name if spec.checkpoint else ckpt.name, cfg.workers.dtype,   # = engine.model_id
                          served_model=served)
     policy = PolicySection(default_policy=cfg.policy.default_policy, seam_tokens=cfg.policy.seam_tokens,

@@ -20,6 +20,8 @@ class StateConfig:
     prompt_index_max: int = 200_000            # and at most this many block hashes are kept (LRU)
     timeout_s: float = 2.0                     # a Redis call without an answer within this fails: 503 state_store_unavailable
     probe_s: float = 1.0                       # each router replica pings the state store this often (/ready, kvnotes_state_store_up)
+    response_ttl_s: float = 7 * 86400.0        # a stored /v1/responses answer is gone this long after it was stored
+    response_max: int = 20_000                 # and at most this many are kept, all tenants together (oldest go first)
 
     def __post_init__(self):
         if self.url is not None and not (isinstance(self.url, str)
@@ -29,6 +31,18 @@ class StateConfig:
             raise ValueError("state_timeout_s and state_probe_s must be in (0, 60] seconds")
         if self.session_ttl_s <= 0 or self.prompt_index_ttl_s <= 0 or self.session_max < 1 or self.prompt_index_max < 1:
             raise ValueError("session_ttl_s, prompt_index_ttl_s > 0 and session_max, prompt_index_max >= 1 required")
+        if isinstance(self.response_ttl_s, bool) or not isinstance(self.response_ttl_s, (int, float)) \
+                or not 0 < self.response_ttl_s < float("inf"):
+            raise ValueError(f"response_ttl_s must be a number of seconds > 0, got {self.response_ttl_s!r}")
+        if isinstance(self.response_max, bool) or not isinstance(self.response_max, int) or self.response_max < 1:
+            raise ValueError(f"response_max must be an integer >= 1, got {self.response_max!r}")
+
+    def store_limits(self) -> dict:
+        """The state store's bounds from this section, as ``cluster.control.state.StoreLimits``
+        keywords (the fields it does not name keep their defaults)."""
+        return {"session_ttl_s": self.session_ttl_s, "session_max": self.session_max,
+                "prompt_ttl_s": self.prompt_index_ttl_s, "prompt_max": self.prompt_index_max,
+                "timeout_s": self.timeout_s, "response_ttl_s": self.response_ttl_s, "response_max": self.response_max}
 
     @property
     def api_key_file(self) -> Path:
