@@ -46,16 +46,19 @@ class PrefillTier:
 
     def compile(self, ref: KVRef) -> KVCache:
         """Prefill ``ref``'s tokens after its compile prefix (``ref.prefix``; None: BOS alone; ():
-        nothing, from position 0), whose slots are dropped, and store the result. Only exact
-        chunks can be compiled from tokens alone."""
+        nothing, from position 0), whose slots are dropped, and store the result; a ref at
+        position 0 without a prefix is a stored context (a prompt's prefix, its first token at
+        position 0). Only exact chunks can be compiled from tokens alone."""
         from kvruntime.ops import precompile_chunk
 
         if not ref.exact:
             raise ValueError("approximate KV cannot be recompiled from its tokens alone")
+        context = ref.position == 0 and ref.prefix is None     # a prompt's prefix (a stored context): from position 0
         want = (0 if self.engine.bos_id is None else 1) if ref.prefix is None else len(ref.prefix)
-        if ref.position != want:
+        if ref.position != want and not context:
             raise ValueError(f"a chunk compiles at canonical position {want}, the ref says {ref.position}")
-        kv = precompile_chunk(self.engine, list(ref.token_ids), None if ref.prefix is None else list(ref.prefix))
+        kv = precompile_chunk(self.engine, list(ref.token_ids), [] if context else
+                              None if ref.prefix is None else list(ref.prefix))
         self.put(ref, kv)
         self.variants_compiled += ref.prefix is not None
         return kv

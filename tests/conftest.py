@@ -33,7 +33,9 @@ class DictSource:
 
     def compile(self, ref):
         from kvruntime.ops import precompile_chunk
-        kv = precompile_chunk(self.engine, list(ref.token_ids), None if ref.prefix is None else list(ref.prefix))
+        context = ref.position == 0 and ref.prefix is None     # a stored context: from position 0 (PrefillTier)
+        kv = precompile_chunk(self.engine, list(ref.token_ids), [] if context else
+                              None if ref.prefix is None else list(ref.prefix))
         self.compiled += 1
         self.put(ref, kv)
         return kv

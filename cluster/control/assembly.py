@@ -51,6 +51,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     from cluster.control.router_sections import LimitsSection, ModelSection, PolicySection
     from cluster.control.state import StoreLimits, open_state
     from cluster.control.state.watch import StoreWatch
+    from cluster.control.store_behind import StoreBehindConfig
     from kvruntime.checkpoint import ensure_checkpoint
     from kvruntime.fidelity.profiles import find_profile
     from kvruntime.models import get_model_spec
@@ -71,7 +72,9 @@ def assemble(cfg: ClusterConfig) -> Assembly:
                            fast_min_top1=cfg.policy.fast_min_top1,
                            shadow=cfg.shadow,      # the one ShadowConfig (kvruntime.config.shadow), as configured
                            # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
-                           decode_computes_cold=cfg.workers.decode_engine == "vllm")
+                           decode_computes_cold=cfg.workers.decode_engine == "vllm",
+                           store_behind=StoreBehindConfig(cfg.policy.store_behind, cfg.policy.store_behind_in_flight,
+                                                          cfg.policy.store_behind_queue))
     limits = LimitsSection(context_window=spec.context_window, max_tokens_limit=cfg.server.max_tokens_limit,
                            default_tenant=cfg.server.tenant)
     router = Router(backends, Renderer(tok, spec, Registry(state), tok.bos_token_id), state, model,

@@ -129,6 +129,9 @@ class Metrics:
                                     "by why they were not reused", ["reason"], registry=r)
         self.recurring_spans = Counter("kvnotes_recurring_spans_total", "Spans recurring across a tenant's prompts, "
                                        "compiled on their own, by outcome", ["outcome"], registry=r)
+        self.prompt_stores = Counter("kvnotes_prompt_stores_total", "Plain prompts the decode engine computed "
+                                     "itself, compiled into the tier in the background, by outcome "
+                                     "(cluster.control.store_behind)", ["outcome"], registry=r)
         self.tier_hits = Counter("kvnotes_tier_hits_total", "KV tier lookups that hit", ["tier"], registry=r)
         self.tier_lookups = Counter("kvnotes_tier_lookups_total", "KV tier lookups", ["tier"], registry=r)
         self.transfer_bytes = Counter("kvnotes_kv_transfer_bytes_total", "KV bytes moved prefill -> decode",

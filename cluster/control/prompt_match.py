@@ -219,15 +219,17 @@ class PromptMatcher:
         return (replace(plan, notes=plan.notes + m.notes) if m.notes else plan), m
 
     async def finished(self, tenant: str, salt: str, prefix: tuple[int, ...], m: Matched, fin: "Finished",
-                       index: int) -> None:
+                       index: int, held: bool | None = None) -> None:
         """Count the request's reuse by kind and its misses, and record what the prompt teaches
-        (the compiles it triggers run in the background)."""
+        (the compiles it triggers run in the background). ``held``: its exact KV is (being) stored
+        in the tier (None: it is when the request stored it, exactly)."""
         count_reuse(self.metrics, fin)
         self._count_misses(fin.plan, m)
         if m.cut is not None and self.cfg.enabled:
             # an edit's prompt teaches no recurring span: its equal part is the held prompt's
             await self.recurring.observe(tenant, salt, m.key, prefix, m.cut, m.seen, list(m.chunks), index,
-                                   compile=not _edited(fin.plan), held=fin.stored and not fin.plan.approx)
+                                   compile=not _edited(fin.plan),
+                                   held=fin.stored and not fin.plan.approx if held is None else held)
 
     def _count_misses(self, plan: RequestPlan, m: Matched) -> None:
         """Prompt tokens computed in the prefix, by why they were not reused

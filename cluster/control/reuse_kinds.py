@@ -32,7 +32,8 @@ def planned_kinds(plan: RequestPlan) -> dict[str, int]:
 def reuse_split(plan: RequestPlan, sources: dict[str, int]) -> dict[str, int]:
     """The cached tokens of one finished request by kind (``sources``: ``Finished.sources``).
     Tokens the prefill worker loaded are split as planned (when a fallback loaded fewer, the
-    exact ones first); those the decode engine held are exact."""
+    exact ones first); those the decode engine held are exact under an exact plan, else of the
+    plan's approximate kind (its cache holds them under the plan's recipe, ``RequestPlan.kv_salt``)."""
     loaded = sources.get("reused", 0) + sources.get("repositioned", 0)
     planned = planned_kinds(plan)
     out = dict.fromkeys(REUSE_KINDS, 0)
@@ -40,7 +41,8 @@ def reuse_split(plan: RequestPlan, sources: dict[str, int]) -> dict[str, int]:
         out[k] = min(planned[k], loaded)
         loaded -= out[k]
     out["composed"] += loaded                       # loaded beyond the plan (none expected): not exact
-    out["exact"] += sources.get("decode_cache", 0)
+    # the decode engine's cache holds them under the plan's salt: exact, or built by its approximate steps
+    out["exact" if not plan.approx else "edited" if planned["edited"] else "composed"] += sources.get("decode_cache", 0)
     return out
 
 

@@ -67,7 +67,8 @@ class Router:
         self.registrations = Registrations(backends, renderer, self.metrics, self.lookup, limits, self.salt)
         self.streams = RequestStreams(renderer, self.view, self.metrics, self.runner, self.lookup, self.prompt_index,
                                       SessionStore(state), UsageMarks(state, self.metrics), limits,
-                                      self.default_policy, self.salt, lambda: self.planner_config, self.matcher)
+                                      self.default_policy, self.salt, lambda: self.planner_config, self.matcher,
+                                      policy.store_behind)
         backends.start_health(self.metrics)
 
     def _guard(self, policy: PolicySection) -> FidelityGuard:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from cluster.control.compose_choice import FidelityTarget
 from cluster.control.matching import MatchConfig
+from cluster.control.store_behind import StoreBehindConfig
 from kvruntime.config.shadow import ShadowConfig
 
 
@@ -38,3 +39,4 @@ class PolicySection:
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     decode_computes_cold: bool = False       # vLLM: a prompt reusing nothing runs no prefill
     matching: MatchConfig = field(default_factory=MatchConfig)   # plain prompts matched past their exact prefix
+    store_behind: StoreBehindConfig = field(default_factory=StoreBehindConfig)  # decode-computed prompts into the tier

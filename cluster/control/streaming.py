@@ -21,10 +21,12 @@ from cluster.control.pricing import TokenBudget, exceeds_message
 from cluster.control.prompt_index import PROMPT_BLOCK, PromptIndex, prompt_hash
 from cluster.control.prompt_logprobs import scored_plan
 from cluster.control.prompt_match import PromptMatcher, count_reuse, prompt_store_as
+from cluster.control.decode_held import DecodeHeld, prefer_exact
 from cluster.control.render import Renderer
 from cluster.control.router_sections import LimitsSection
 from cluster.control.routing import NoLiveWorker, WorkerView
 from cluster.control.sessions import SessionStore
+from cluster.control.store_behind import StoreBehind, StoreBehindConfig, needs_store
 from cluster.control.usage_marks import UsageMarks
 from kvruntime.messages.decode import SamplingParams, TokenEvent
 from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan
@@ -39,12 +41,15 @@ class RequestStreams:
     def __init__(self, renderer: Renderer, view: WorkerView, metrics: Metrics, runner: RequestRunner,
                  lookup: "TierLookup", index: PromptIndex, sessions: SessionStore, marks: UsageMarks,
                  limits: LimitsSection, default_policy: Policy, salt: Callable[[str], str],
-                 planner_config: Callable[[], PlannerConfig], matcher: "PromptMatcher"):
+                 planner_config: Callable[[], PlannerConfig], matcher: "PromptMatcher",
+                 store_behind: StoreBehindConfig = StoreBehindConfig()):
         self.renderer, self.view, self.metrics, self.runner = renderer, view, metrics, runner
         self.lookup, self.index, self.sessions, self.marks = lookup, index, sessions, marks
         self.limits, self.default_policy, self.salt = limits, default_policy, salt
         self.planner_config = planner_config
         self.matcher = matcher               # plain prompts past their exact prefix (cluster.control.prompt_match)
+        self.store_behind = StoreBehind(runner.backends, metrics, index, store_behind)   # decode-computed prompts
+        self.decode_held = DecodeHeld()      # the decode engine's exact prompts, as last run (a hint)
 
     # ---- budget -------------------------------------------------------------------------------
     def budget(self, sampling: SamplingParams) -> TokenBudget:
@@ -201,17 +206,39 @@ class RequestStreams:
         else:   # the rest matched at any offset (chunks, a held prompt it edits), planned by the native rules
             plan, matched = await self.matcher.plan(req, tenant, salt, hit, hit_kv, prefill_index,
                                                     self.renderer.encode, self.planner_config(), messages, ctx.clock)
+            plan = self._decode_exact_first(tenant, prompt_ids, req, plan, hit, hit_kv)
         store_as = prompt_store_as(plan, prefix, salt, hit)
         ctx.lap("plan")
         async for ev in self.runner.run(ctx, PlannedRequest(plan, sampling, store_as, prefill_index, salt, started)):
             if isinstance(ev, Finished):
+                behind = False
                 if ev.stored and store_as is not None and store_as.exact:
                     self.index.record(tenant, prefix)
+                elif needs_store(store_as, ev):      # the decode engine computed it: into the tier behind it
+                    behind = self.store_behind.schedule(tenant, store_as, hit, prefill_index) == "scheduled"
+                if not plan.approx:                  # its exact KV is in the decode engine's prefix cache now
+                    self.decode_held.note(tenant, prompt_ids)
                 if matched is None:
                     count_reuse(self.metrics, ev)
                 else:
-                    await self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index)
+                    await self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index, held=behind or None)
             yield ev
+
+    def _decode_exact_first(self, tenant: str, prompt_ids: list[int], req: RenderedRequest, plan: RequestPlan,
+                            hit: int, hit_kv: KVRef | None) -> RequestPlan:
+        """An approximate plan gives way to the exact prefix the decode engine's own prefix cache
+        holds (:mod:`cluster.control.decode_held`) when that reuses at least as much: planned exact,
+        the decode engine computes the rest after it (a growing conversation keeps vLLM's exact
+        prefix, as in plain vLLM)."""
+        held = self.decode_held.longest(tenant, prompt_ids)
+        if not prefer_exact(plan, held, hit):
+            return plan
+        exact = plan_request(req, TierView(prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv), None, self.renderer.encode,
+                             self.planner_config())
+        why = (f"the decode engine holds an exact prefix of about {held} tokens (an earlier exact prompt), at least "
+               f"the {plan.reused_tokens} the {plan.kind.value} plan would reuse: planned exact, its prefix cache "
+               "serves them")
+        return replace(exact, notes=exact.notes + (why,))
 
 
 def _native_store_as(plan: RequestPlan, session: str | None, salt: str) -> KVRef | None:

@@ -166,16 +166,21 @@ class RequestPlan:
     @property
     def approx(self) -> str:
         """"" if the prefix KV this plan builds is exact (only recompute and exact reuse), else a
-        digest of the recipe and the tokens: the tag its stored KV carries, so ``exact`` plans
-        never read it and two recipes never share it."""
+        digest of its approximate steps: the tag its stored KV carries (beside its token ids), so
+        ``exact`` plans never read it and two recipes never share it. Only the approximate steps
+        are named: KV of the same tokens built with the same approximate steps is the same whatever
+        was recomputed or reused exactly around them, so a growing conversation's next turn, composed
+        the same way, finds the previous turn's blocks in vLLM's prefix cache (the same
+        ``kv_salt``). A question-probed selective recompute also depends on the suffix: named too."""
         if not any(s.approximate for s in self.steps):
             return ""
         if len(self.steps) == 1 and self.steps[0].kind is PlanKind.REUSE and self.steps[0].position == 0:
             return self.steps[0].kv.approx          # the stored context reused whole: the same bytes, its tag
         recipe = [(s.kind.value, s.position, s.tokens, s.seam_tokens, s.top_k, s.recompute_ratio, s.field_span,
-                   s.kv.digest if s.kv else None, tuple((e.field, e.old, e.new) for e in s.edits))
-                  for s in self.steps]
-        raw = f"{self.model}\0{recipe}\0{token_hash(self.prefix_ids)}"
+                   s.kv.digest if s.kv else None, tuple((e.field, e.old, e.new) for e in s.edits), s.probe)
+                  for s in self.steps if s.approximate]
+        asks = any(s.approximate and s.recompute_ratio and s.probe.startswith("q") for s in self.steps)
+        raw = f"{self.model}\0{recipe}" + (f"\0{token_hash(self.suffix_ids)}" if asks else "")
         return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
     def kv_salt(self, tenant_salt: str) -> str:

@@ -1,0 +1,116 @@
+"""Prompt matching end to end on the vLLM decode engine: the official `openai` client against the
+real embedded cluster with ``decode_engine: vllm`` (the kept cluster of test_e2e_vllm_cluster).
+A registered skill pasted into a system message is composed; a document two chat prompts shared
+is reused at another offset; a cold prompt vLLM computed alone reaches the tier behind it (a
+prefill worker compiles it in the background) so a one-field change of it is planned as an edit
+under ``fast``; the reuse is split by kind in ``usage``, ``explain`` and the metrics; a growing
+conversation keeps vLLM's exact prefix (planned exact, nothing composed)."""
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed (scripts/dev.sh installs it)")
+
+from tests.conftest import http_client, metric, wait_for  # noqa: E402
+from tests.test_e2e_prompt_match import SKILL, chat, doc, record, split_sums  # noqa: E402
+from tests.test_e2e_vllm_cluster import vllm_cluster  # noqa: E402,F401  (one kept cluster for the vLLM modules)
+
+pytestmark = pytest.mark.slow
+
+TOOLS = "\n".join(f"- tool_{i}(order_id, field_{i % 5}): looks up {('stock', 'price', 'route', 'owner')[i % 4]} "
+                  f"number {i * 11 % 37} of an order and returns it as one line" for i in range(24))
+
+
+@pytest.fixture(scope="module")
+def rig(vllm_cluster):
+    import openai
+    from cluster.control.state import open_state
+    from cluster.http.auth import create_key
+
+    http = http_client(vllm_cluster)
+    base = f"http://127.0.0.1:{vllm_cluster.server.port}/v1"
+    r = http.post("/v1/skills", json={"name": "vpm-warranty", "text": SKILL})
+    assert r.status_code in (201, 409), r.text
+    store = open_state(vllm_cluster.state.resolved_url)
+    keys = {name: create_key(store, name)[0] for name in ("vpm-docs", "vpm-edit", "vpm-talk")}
+    store.close()
+    clients = {name: openai.OpenAI(base_url=base, api_key=k, max_retries=0, timeout=600) for name, k in keys.items()}
+    clients["default"] = openai.OpenAI(base_url=base, api_key=http.headers["authorization"].split()[1],
+                                       max_retries=0, timeout=600)
+    try:
+        yield clients, http
+    finally:
+        http.close()
+
+
+def metrics(http) -> str:
+    return http.get("/metrics").text
+
+
+def test_a_skill_pasted_into_a_system_message_is_composed_on_vllm(rig):
+    clients, http = rig
+    m0 = metrics(http)
+    _, ex, details = chat(clients["default"], [
+        {"role": "system", "content": "You answer for a shop.\n" + SKILL + "\n\nBe brief."},
+        {"role": "user", "content": "Is a broken cable covered?"}])
+    steps = [s for s in ex["steps"] if s["source"] == "skill:vpm-warranty"]
+    assert steps and steps[0]["kind"] == "reposition" and steps[0]["reused"] > 0, ex["steps"]
+    assert details["composed_tokens"] >= steps[0]["reused"] and split_sums(details), details
+    assert metric(metrics(http), "kvnotes_reused_tokens_total", kind="composed") - \
+        metric(m0, "kvnotes_reused_tokens_total", kind="composed") == details["composed_tokens"]
+
+
+def test_a_document_two_prompts_shared_is_reused_at_another_offset_on_vllm(rig):
+    clients, http = rig
+    client = clients["vpm-docs"]
+    d1, d2, d3, d4 = (doc(t) for t in ("vpm-harbour", "vpm-orchard", "vpm-quarry", "vpm-meadow"))
+
+    def docs(*ds):
+        return [{"role": "user", "content": "Documents:\n" + "\n\n".join(ds) + "\n\nWhich bay holds crate 3?"}]
+    before = metric(metrics(http), "kvnotes_recurring_spans_total", outcome="compiled")
+    chat(client, docs(d1, d2))
+    chat(client, docs(d3, d2))
+    wait_for(lambda: metric(metrics(http), "kvnotes_recurring_spans_total", outcome="compiled") > before,
+             180, "the shared document compiled on its own, in the background")
+    _, ex, details = chat(client, docs(d4, d1, d2))
+    spans = [s for s in ex["steps"] if s["source"].startswith("span:")]
+    assert spans and all(s["kind"] == "reposition" for s in spans), ex["steps"]
+    assert details["composed_tokens"] > 0 and split_sums(details), details
+
+
+def test_a_cold_prompt_vllm_computed_is_stored_behind_and_a_one_field_change_is_an_edit(rig):
+    clients, http = rig
+    client = clients["vpm-edit"]
+    ask = {"role": "user", "content": "What is the shipment's status?"}
+    stored = metric(metrics(http), "kvnotes_prompt_stores_total", outcome="stored")
+    _, first, _ = chat(client, [{"role": "system", "content": record("in transit")}, ask])
+    assert not first["steps"] and any("decode engine computes all" in n for n in first["notes"]), first
+    wait_for(lambda: metric(metrics(http), "kvnotes_prompt_stores_total", outcome="stored") > stored, 180,
+             "the prompt vLLM computed alone, compiled into the tier behind it")
+    m0 = metrics(http)
+    _, ex, details = chat(client, [{"role": "system", "content": record("delivered")}, ask])
+    assert ex["kind"] == "edit_in_place", (ex["notes"], [(s["kind"], s["source"], s["tokens"]) for s in ex["steps"]])
+    assert any("first divergence" in n and "message 0 (system)" in n for n in ex["notes"]), ex["notes"]
+    assert details["edited_tokens"] > 0.8 * ex["prompt_tokens"] and split_sums(details), details
+    assert metric(metrics(http), "kvnotes_reused_tokens_total", kind="edited") - \
+        metric(m0, "kvnotes_reused_tokens_total", kind="edited") == details["edited_tokens"]
+
+
+def test_a_growing_conversation_keeps_vllms_exact_prefix(rig):
+    # the tool catalogue recurs in every turn, so prompt matching finds it as a recurring span; an
+    # approximate plan of it would be salted by its recipe in vLLM's cache and lose vLLM's exact
+    # blocks of the previous turn: the exact prefix (vLLM's own cache, the tier behind it) reuses
+    # more, so every turn is planned exact
+    clients, http = rig
+    client = clients["vpm-talk"]
+    messages = [{"role": "system", "content": "You route orders.\nTools:\n" + TOOLS + "\n\nAnswer with one call."},
+                {"role": "user", "content": "Where is order 17?"}]
+    d, _, _ = chat(client, messages)
+    prev = d["usage"]["prompt_tokens"]
+    for turn in range(3):
+        messages += [{"role": "assistant", "content": d["choices"][0]["message"]["content"] or "tool_3(17, field_3)"},
+                     {"role": "user", "content": f"And the route of order {18 + turn}? Use the tools again."}]
+        d, ex, details = chat(client, messages)
+        assert ex["exact"] and not [s for s in ex["steps"] if s["kind"] == "reposition"], ex
+        assert details["composed_tokens"] == 0 and split_sums(details), details
+        # vLLM keeps the previous turn's whole blocks (16 tokens), as plain vLLM's prefix cache does
+        assert details["exact_tokens"] >= prev - 16, (details, prev, ex["notes"])
+        prev = d["usage"]["prompt_tokens"]
