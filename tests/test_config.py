@@ -153,3 +153,29 @@ def test_the_policy_names_are_one_list():
     assert POLICIES == tuple(p.value for p in Policy)        # the config (below messages) and the wire agree
     with pytest.raises(ValueError, match="default_policy must be one of exact, balanced, fast, got 'quick'"):
         ClusterConfig.of(default_policy="quick")
+
+
+def test_the_matching_section_flat_or_nested_reaches_the_router_and_bad_values_name_the_key(tmp_path):
+    from kvruntime.config import MatchConfig, SpanConfig
+    p = tmp_path / "m.yaml"
+    p.write_text(yaml.safe_dump({"matching": {"min_chunk_tokens": 64, "compile_after": 3, "spans": {"anchor_bits": 6},
+                                              "fingerprint_max": 5000, "held_prompt_ttl_s": 60.0}}))
+    a = ClusterConfig.from_file(p)
+    assert a.matching == ClusterConfig.of(matching_min_chunk_tokens=64, matching_compile_after=3,
+                                          matching_spans={"anchor_bits": 6}, matching_fingerprint_max=5000,
+                                          matching_held_prompt_ttl_s=60.0).matching
+    assert a.matching.spans == SpanConfig(anchor_bits=6) and a.matching.enabled and hash(a) == hash(a.replace())
+    assert a.matching.store_limits()["fingerprint_max"] == 5000 and ClusterConfig().matching == MatchConfig()
+    from cluster.control.matching import MatchConfig as Matcher
+    from cluster.control.state import StoreLimits
+    assert Matcher is MatchConfig and StoreLimits(**a.state.store_limits(), **a.matching.store_limits()).held_prompt_ttl_s == 60
+    for bad, key in [({"matching_compile_after": 1}, "matching.compile_after"),
+                     ({"matching": {"spans": {"windw": 8}}}, "matching.spans: windw"),
+                     ({"matching_spans": {"window": 1}}, "matching.spans.window"),
+                     ({"matching_enabled": "yes"}, "matching.enabled"),
+                     ({"matching_min_chunk_tokens": 2.5}, "matching.min_chunk_tokens"),
+                     ({"matching_edit_min_share": 0}, "matching.edit_min_share"),
+                     ({"matching_fingerprint_ttl_s": 0}, "matching.fingerprint_ttl_s"),
+                     ({"matching": {"held_prompts": 3}}, "unknown config key(s) in matching: held_prompts")]:
+        with pytest.raises(ValueError, match=key.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
+            ClusterConfig.from_dict(bad)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.control.fingerprints import SpanConfig, anchors, cut, cuts, divergence, fingerprint, spans
+from cluster.control.fingerprints import SpanConfig, anchors, as_ids, cut, cuts, divergence, fingerprint, spans
 from cluster.control.matching import (MatchConfig, anchor_entries, anchored_chunks, choose, find_edit, lookup_keys,
                                       nearest_held, segments, seen_in, where)
 from cluster.control.state import StoreLimits, open_state
@@ -128,11 +128,19 @@ def test_segments_split_the_prompt_around_chunks():
 def test_nearest_held_by_votes_and_where():
     ids = rand_ids(1500, 10)
     c = cut("acme", ids)
-    entries = {"p:" + s.key[2:]: (0, ("A" if i < 2 else "B") + f"@{s.start}") for i, s in enumerate(c.spans)}
+    # a span's entry: (how many kept prompts held it, where it was last seen)
+    entries = {s.key: (1, ("A" if i < 2 else "B") + f"@{s.start}") for i, s in enumerate(c.spans)}
     assert nearest_held(c, entries) == "B" and nearest_held(c, {}) is None
     assert nearest_held(c, entries, exclude="B") == "A"
+    # an edit candidate holds this prompt's equal parts at the same offsets (or shifted by the edit's
+    # change in length): a prompt holding them elsewhere gets no vote
+    moved = {s.key: (1, ("A" if i < 2 else "B") + f"@{s.start + (0 if i < 2 else 500)}") for i, s in enumerate(c.spans)}
+    assert nearest_held(c, moved) == "B" and nearest_held(c, moved, max_shift=64) == "A"
+    assert nearest_held(c, {s.key: (1, f"B@{s.start + 65}") for s in c.spans}, max_shift=64) is None
     assert seen_in("ab@12") == ("ab", 12) and seen_in("") is None
-    assert len(lookup_keys(c)) == 2 * len(c.spans) + len(c.anchors)
+    assert lookup_keys(c) == [s.key for s in c.spans] + [a.key for a in c.anchors]
+    assert [(a.end, a.key) for a in c.anchors] == [(a.end, a.key) for a in anchors("acme", ids)]
+    assert as_ids(list(ids)).tolist() == list(ids) == as_ids(as_ids(ids)).tolist()
     msgs = ((0, "system", 3, 50), (1, "user", 55, 90))
     assert where(60, msgs) == "message 1 (user), token 60"
     assert where(52, msgs) == "after message 0 (system), token 52 (chat markup)"

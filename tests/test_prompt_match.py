@@ -1,15 +1,16 @@
 """Plain prompts matched past their exact prefix, in process (router + real executors + real
 gRPC, no Ray; the cluster tests go through the `openai` client): a registered skill pasted into a
-prompt at any offset is composed; a document two prompts share is compiled once on its own in the
-background and reused at another offset; a prompt one field away from a held one is planned as
+prompt at any offset is composed; a document two prompts share is compiled once on its own (in the
+build of the prompt that sees it the second time, or in the background where that prompt's policy
+recomputes it) and reused at another offset; a prompt one field away from a held one is planned as
 an edit of the held KV (``fast``) and declined where the policy does not allow it; the reuse is
 split by kind in usage and the metrics; fingerprints survive a router restart and stay within
 their tenant."""
 import asyncio
 
 import pytest
+import torch
 
-from cluster.control.context import RequestContext
 from cluster.control.context import RequestContext
 from cluster.control.matching import MatchConfig
 from cluster.control.router_sections import PolicySection
@@ -105,23 +106,44 @@ def test_a_registered_skill_pasted_into_a_prompt_is_composed_at_its_offset(smol,
     assert got == want and all(s.source != "skill:refund" for s in plain.plan.steps)
 
 
-def test_a_document_two_prompts_share_is_compiled_once_and_reused_at_another_offset(smol, rig):
+def test_a_document_seen_in_an_earlier_prompt_is_compiled_on_its_own_in_the_second_and_reused_from_the_third(
+        smol, rig):
+    """Sighting by sighting: the 1st prompt holding a document teaches (nothing to reuse: its KV
+    was computed in that prompt's context); the 2nd splices it, compiled on its own in this very
+    request's build (computed, not reused); the 3rd, at another offset, reuses it from the tier."""
     router, b, tmp = rig
     d1, d2, d3 = (smol.encode(doc(t)) for t in ("harbour", "orchard", "quarry"))
     q = smol.encode("\n\nQuestion: which shelf holds item 3? Answer:")
     p1 = smol.encode("Context A.\n\n") + d1 + d2 + q
     p2 = smol.encode("Other context.\n\n") + d3 + d2 + q
-    run(router, p1)
+    _, fin1 = run(router, p1)
+    assert not [s for s in fin1.plan.steps if s.source.startswith("span:")]
+    compiled_before = b.source.compiled
     _, fin2 = run(router, p2)
-    assert all(s.kind is not PlanKind.REPOSITION for s in fin2.plan.steps)     # seen once before: not yet
+    spans2 = [s for s in fin2.plan.steps if s.source.startswith("span:")]
+    assert len(spans2) == 1 and spans2[0].kind is PlanKind.REPOSITION, steps(fin2)
+    span = spans2[0]
+    assert span.tokens >= 0.9 * len(d2) and span.computed == span.tokens and span.reused == 0
+    # the plan counts the span as computed (compiled in this build); the prefill worker's tally counts
+    # the compiled chunk it spliced as repositioned (as for a re-warmed registration), so usage says
+    # the answer rests on composed KV for all but the seam
+    assert prompt_details(fin2)["composed_tokens"] == span.tokens - span.seam_tokens
+    assert any("recurs (seen in an earlier prompt)" in n for n in fin2.plan.notes)
+    # the tier holds the span's own KV: compiled in its frame at its canonical position, bit for bit
+    # a registration's compile of its ids, not KV taken from p1's context
+    from kvruntime.ops import precompile_chunk
+    assert span.kv.position == router.renderer.chunk_position and b.source.compiled == compiled_before + 1
+    stored, alone = b.source.get(span.kv), precompile_chunk(smol, list(span.kv.token_ids), None)
+    assert torch.equal(stored.data, alone.data) and torch.equal(stored.positions, alone.positions)
     text = router.metrics.render().decode()
-    assert metric(text, "kvnotes_recurring_spans_total", outcome="compiled") == 1
+    assert metric(text, "kvnotes_recurring_spans_total", outcome="compiled_in_request") == 1
+    assert metric(text, "kvnotes_recurring_spans_total", outcome="compiled") == 0      # no second compile
     d4 = smol.encode(doc("meadow"))
     p3 = smol.encode("Third one, longer intro.\n\n") + d4 + d2 + q          # d2 (and q) at another offset
     _, fin3 = run(router, p3)
-    spans = [s for s in fin3.plan.steps if s.source.startswith("span:")]
-    assert spans and spans[0].kind is PlanKind.REPOSITION
-    assert sum(s.tokens for s in spans) >= 0.9 * len(d2)                       # the whole document, about
+    spans3 = [s for s in fin3.plan.steps if s.source.startswith("span:")]
+    assert [s.source for s in spans3] == [span.source] and spans3[0].kind is PlanKind.REPOSITION
+    assert spans3[0].reused > 0 and b.source.compiled == compiled_before + 1
     assert prompt_details(fin3)["composed_tokens"] > 0.8 * len(d2)
     # a router restarted on the same state store matches it the same; another tenant does not
     _, repeat = run(router, p3)          # the same composed prompt again: its stored recipe, reused whole
@@ -129,10 +151,28 @@ def test_a_document_two_prompts_share_is_compiled_once_and_reused_at_another_off
     again = _router(smol, b, tmp / "state.db")
     p4 = smol.encode("A fourth prompt, from the restarted router.\n\n") + d2 + q
     _, fin4 = run(again, p4)
-    assert [s.source for s in fin4.plan.steps if s.source.startswith("span:")] == [s.source for s in spans], (
+    assert [s.source for s in fin4.plan.steps if s.source.startswith("span:")] == [span.source], (
         steps(fin4), fin4.plan.notes)
     _, other = run(again, p4, tenant="globex")
     assert not [s for s in other.plan.steps if s.source.startswith("span:")]
+
+
+def test_a_recurring_span_the_policy_recomputes_is_compiled_in_the_background_instead(smol, rig):
+    """Under ``exact`` the 2nd sighting recomputes the document in context (a spliced chunk is not
+    a recompute's KV): nothing is compiled in its build; the background compile stores it for the
+    policies that splice, and a later ``fast`` prompt reuses it."""
+    router, b, _ = rig
+    d1, d2, d3 = (smol.encode(doc(t)) for t in ("harbour", "orchard", "quarry"))
+    q = smol.encode("\n\nQuestion: which shelf holds item 3? Answer:")
+    run(router, smol.encode("Context A.\n\n") + d1 + d2 + q, "exact")
+    _, fin2 = run(router, smol.encode("Other context.\n\n") + d2 + q, "exact")
+    assert all(s.kind is not PlanKind.REPOSITION for s in fin2.plan.steps), steps(fin2)
+    text = router.metrics.render().decode()
+    assert metric(text, "kvnotes_recurring_spans_total", outcome="compiled") == 1
+    assert metric(text, "kvnotes_recurring_spans_total", outcome="compiled_in_request") == 0
+    _, fin3 = run(router, smol.encode("Third, fast.\n\n") + d3 + d2 + q, "fast")     # no edit of the second
+    got = [s for s in fin3.plan.steps if s.source.startswith("span:")]
+    assert got and got[0].kind is PlanKind.REPOSITION and got[0].reused > 0, steps(fin3)
 
 
 def test_a_one_field_change_of_a_held_prompt_is_planned_as_an_edit(smol, rig):

@@ -64,7 +64,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     profile = find_profile(spec, cfg.policy.profiles_dir)
     served = cfg.served_name(spec.name)      # the API's `model`; KV and profiles use spec.name
     backends = RayBackends.from_names(cfg)
-    state = open_state(cfg.state.resolved_url, StoreLimits(**cfg.state.store_limits()))
+    state = open_state(cfg.state.resolved_url, StoreLimits(**cfg.state.store_limits(), **cfg.matching.store_limits()))
     model = ModelSection(spec.name if spec.checkpoint else ckpt.name, cfg.workers.dtype,   # = engine.model_id
                          served_model=served)
     policy = PolicySection(default_policy=cfg.policy.default_policy, seam_tokens=cfg.policy.seam_tokens,
@@ -73,6 +73,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
                            shadow=cfg.shadow,      # the one ShadowConfig (kvruntime.config.shadow), as configured
                            # vLLM computes a prompt that reuses nothing itself: no prefill, no transfer
                            decode_computes_cold=cfg.workers.decode_engine == "vllm",
+                           matching=cfg.matching,  # the one MatchConfig (kvruntime.config.matching), as configured
                            store_behind=StoreBehindConfig(cfg.policy.store_behind, cfg.policy.store_behind_in_flight,
                                                           cfg.policy.store_behind_queue))
     limits = LimitsSection(context_window=spec.context_window, max_tokens_limit=cfg.server.max_tokens_limit,

@@ -12,40 +12,24 @@ registered skill or memory is found at any offset of a prompt by the anchors ins
 anchor names the chunk and its offset in it; the match is verified on the ids).
 
 Fingerprints are tenant-scoped (the tenant is hashed in), 32 hex characters; keys carry a kind
-prefix (``s:`` a span, ``a:`` an anchor, ``p:`` the held prompt a span was last seen in) and
-live in the state store (``StateStore.get_fingerprints``). numpy only, no I/O: an 8k-token
-prompt is cut and fingerprinted in well under a millisecond.
+prefix (``s:`` a span: its count is how many kept prompts held it, its data the prompt it was
+last seen in and where; ``a:`` an anchor) and live in the state store
+(``StateStore.get_fingerprints``). numpy only, no I/O: an 8k-token prompt is cut and
+fingerprinted in well under a millisecond. ``SpanConfig`` lives in :mod:`kvruntime.config.matching`.
 """
 from __future__ import annotations
 
 import hashlib
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
 
+from kvruntime.config.matching import SpanConfig  # noqa: F401  (re-exported: the one SpanConfig)
+
 _MIX = np.uint64(0x9E3779B97F4A7C15)        # odd constants: each id is spread over 64 bits
 _MIX2 = np.uint64(0xBF58476D1CE4E5B9)
 _BASE = np.uint64(0x100000001B3)
-
-
-@dataclass(frozen=True)
-class SpanConfig:
-    """How prompts are cut (every replica and every stored fingerprint must agree: changing
-    these makes the stored fingerprints unmatchable until they age out)."""
-    window: int = 16            # token ids in the rolling hash
-    min_span: int = 32          # a span is at least this long (but the prompt's last one)
-    max_span: int = 256         # and at most this long
-    boundary_bits: int = 6      # a candidate boundary every 2**bits tokens on average
-    anchor_bits: int = 5        # an anchor every 2**bits tokens on average
-
-    def __post_init__(self):
-        if not 2 <= self.window <= 64:
-            raise ValueError(f"span window must be in [2, 64] tokens, got {self.window}")
-        if not self.window <= self.min_span <= self.max_span:
-            raise ValueError(f"need window <= min_span <= max_span, got {self.window}, {self.min_span}, "
-                             f"{self.max_span}")
-        if not (1 <= self.boundary_bits <= 16 and 1 <= self.anchor_bits <= 16):
-            raise ValueError("boundary_bits and anchor_bits must be in [1, 16]")
 
 
 @dataclass(frozen=True)
@@ -68,7 +52,7 @@ class Anchor:
 
 def window_hashes(ids, window: int) -> np.ndarray:
     """``h[j]``: the hash of ``ids[j:j + window]`` (uint64), for ``j`` in ``0..n - window``."""
-    a = np.asarray(ids, dtype=np.int64).astype(np.uint64)
+    a = as_ids(ids).astype(np.uint64)
     n = len(a)
     if n < window:
         return np.zeros(0, dtype=np.uint64)
@@ -111,20 +95,26 @@ def cuts(ids, cfg: SpanConfig = SpanConfig(), h: np.ndarray | None = None) -> li
 
 def fingerprint(tenant: str, ids) -> str:
     """Tenant-scoped content hash of ``ids`` (32 hex characters)."""
-    return _fp(tenant.encode()[:64], np.asarray(ids, dtype=np.int64).tobytes())
+    return _fp(tenant.encode()[:64], as_ids(ids).tobytes())
 
 
 def _fp(key: bytes, raw) -> str:
     return hashlib.blake2b(raw, digest_size=16, person=b"kvnotes-span", key=key).hexdigest()
 
 
+def _hasher(key: bytes):
+    return hashlib.blake2b(digest_size=16, person=b"kvnotes-span", key=key)
+
+
 def spans(tenant: str, ids, cfg: SpanConfig = SpanConfig(), h: np.ndarray | None = None) -> list[Span]:
     """The content-defined spans of ``ids`` with their fingerprints."""
-    arr = np.asarray(ids, dtype=np.int64)
-    raw, key = memoryview(arr.tobytes()), tenant.encode()[:64]
-    out, start = [], 0
+    arr = as_ids(ids)
+    raw, base = memoryview(arr.tobytes()), _hasher(tenant.encode()[:64])
+    out, start, n = [], 0, len(arr)
     for end in cuts(arr, cfg, h):
-        out.append(Span(start, end, "s:" + _fp(key, raw[start * 8:end * 8]), end < len(arr)))
+        one = base.copy()                   # the keyed state, copied: cheaper than keying each span again
+        one.update(raw[start * 8:end * 8])
+        out.append(Span(start, end, "s:" + one.hexdigest(), end < n))
         start = end
     return out
 
@@ -132,30 +122,51 @@ def spans(tenant: str, ids, cfg: SpanConfig = SpanConfig(), h: np.ndarray | None
 def anchors(tenant: str, ids, cfg: SpanConfig = SpanConfig(), h: np.ndarray | None = None) -> list[Anchor]:
     """The anchors of ``ids``: windows whose hash has ``anchor_bits`` leading zero bits. The key
     hashes the 64-bit window hash with the tenant (collisions are caught by verifying ids)."""
-    h = window_hashes(ids, cfg.window) if h is None else h
-    salt = hashlib.blake2b(tenant.encode(), digest_size=8, person=b"kvnotes-anchor").hexdigest()
+    ends, keys = _anchor_keys(tenant, window_hashes(ids, cfg.window) if h is None else h, cfg)
+    return [Anchor(e, k) for e, k in zip(ends, keys)]
+
+
+def _anchor_keys(tenant: str, h: np.ndarray, cfg: SpanConfig) -> tuple[list[int], list[str]]:
+    """(end offsets, keys) of the anchors among the window hashes ``h``, without an object each."""
+    prefix = "a:" + hashlib.blake2b(tenant.encode(), digest_size=8, person=b"kvnotes-anchor").hexdigest()
     at = _top_zero(h, cfg.anchor_bits)
-    return [Anchor(j + cfg.window, f"a:{salt}{v:016x}") for j, v in zip(at.tolist(), h[at].tolist())]
+    hexed = h[at].astype(">u8").tobytes().hex()       # each window hash as 16 hex digits, in one pass
+    return (at + cfg.window).tolist(), [prefix + hexed[i:i + 16] for i in range(0, len(hexed), 16)]
 
 
 @dataclass(frozen=True)
 class Cut:
-    """A prompt, cut: its spans and anchors from one pass of the rolling hash."""
+    """A prompt, cut: its spans and anchors from one pass of the rolling hash (the anchors kept
+    as two parallel tuples: a prompt has hundreds, read by key)."""
     spans: tuple[Span, ...]
-    anchors: tuple[Anchor, ...]
+    anchor_ends: tuple[int, ...]
+    anchor_keys: tuple[str, ...]
+
+    @property
+    def anchors(self) -> tuple[Anchor, ...]:
+        return tuple(Anchor(e, k) for e, k in zip(self.anchor_ends, self.anchor_keys))
+
+
+def as_ids(ids) -> np.ndarray:
+    """Token ids as an int64 array (a tuple of ints converted through a typed buffer: faster than
+    ``np.asarray`` on a tuple; an array as it is)."""
+    if isinstance(ids, np.ndarray):
+        return ids if ids.dtype == np.int64 else ids.astype(np.int64)
+    return np.frombuffer(array("q", ids), dtype=np.int64)
 
 
 def cut(tenant: str, ids, cfg: SpanConfig = SpanConfig()) -> Cut:
-    arr = np.asarray(ids, dtype=np.int64)
+    arr = as_ids(ids)
     h = window_hashes(arr, cfg.window)
-    return Cut(tuple(spans(tenant, arr, cfg, h)), tuple(anchors(tenant, arr, cfg, h)))
+    ends, keys = _anchor_keys(tenant, h, cfg)
+    return Cut(tuple(spans(tenant, arr, cfg, h)), tuple(ends), tuple(keys))
 
 
 def divergence(new, held) -> tuple[int, int]:
     """(common prefix length, common suffix length) of two id sequences, the suffix never
     overlapping the prefix in either: ``new`` equals ``held`` except ``new[p:len(new)-s]``
     replacing ``held[p:len(held)-s]``."""
-    a, b = np.asarray(new, dtype=np.int64), np.asarray(held, dtype=np.int64)
+    a, b = as_ids(new), as_ids(held)
     m = min(len(a), len(b))
     neq = np.flatnonzero(a[:m] != b[:m])
     p = int(neq[0]) if len(neq) else m

@@ -6,7 +6,7 @@ comes first (the prompt index, ``cluster.control.prompt_index``); this module fi
   and verified by the fingerprint of the ids found there. The prompt is then split into text
   segments and chunk segments (:func:`segments`), planned by the native rules.
 - **Edits found, not declared**: the earlier prompt that shares the most span tokens with this
-  one (each span remembers the last prompt it was seen in and where: ``p:`` keys), when equal to
+  one (each span's entry remembers the last prompt it was seen in and where), when equal to
   it but for one contiguous span short enough (:func:`find_edit`) and held in the tier, becomes
   a :class:`~cluster.control.planner.HeldPromptEdit`.
 
@@ -16,39 +16,17 @@ Pure functions over the entries one batched store read returned (``StateStore.ge
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from cluster.control.fingerprints import Cut, SpanConfig, anchors, divergence, fingerprint
+from cluster.control.fingerprints import Cut, SpanConfig, anchors, as_ids, divergence, fingerprint
 from cluster.control.planner import RenderedSegment
+from kvruntime.config.matching import MatchConfig  # noqa: F401  (re-exported: the one MatchConfig)
 from kvruntime.messages.plan import KVRef
 
 ANCHOR = "c1|"       # an anchor key's data: "c1|<anchor end in the chunk>|<length>|<fingerprint>|<kind>|<name>"
-
-
-@dataclass(frozen=True)
-class MatchConfig:
-    """Prompt matching (``prompt_matching`` in the cluster config)."""
-    enabled: bool = True
-    spans: SpanConfig = field(default_factory=SpanConfig)
-    min_chunk_tokens: int = 32      # a matched chunk shorter than this is computed as text
-    compile_after: int = 2          # a span seen in this many prompts is compiled on its own
-    compiles_in_flight: int = 2     # background span compiles at once per router replica (more: skipped, counted)
-    trim_window: int = 32           # a recurring run's edges are cut back to a line break within this many tokens
-    # a held prompt is edited when >= this share of the new prompt equals it and the divergent
-    # span is at most this long on either side: a field's change, the kind of edit the fidelity
-    # profile measured (a longer one is composed or recomputed, never edited)
-    edit_min_share: float = 0.75
-    edit_max_tokens: int = 64
-
-    def __post_init__(self):
-        if self.min_chunk_tokens < 1 or self.compile_after < 2 or self.compiles_in_flight < 0 or self.trim_window < 0:
-            raise ValueError("prompt matching: min_chunk_tokens >= 1, compile_after >= 2, compiles_in_flight >= 0, "
-                             "trim_window >= 0")
-        if not 0 < self.edit_min_share <= 1 or self.edit_max_tokens < 1:
-            raise ValueError("prompt matching: edit_min_share in (0, 1], edit_max_tokens >= 1")
 
 
 @dataclass(frozen=True)
@@ -61,8 +39,9 @@ class ChunkMatch:
 
 
 def lookup_keys(c: Cut) -> list[str]:
-    """Every key one prompt's match reads: its spans, the prompt each was last seen in, its anchors."""
-    return [s.key for s in c.spans] + ["p:" + s.key[2:] for s in c.spans] + [a.key for a in c.anchors]
+    """Every key one prompt's match reads: its spans (each one's count, and in its data the prompt
+    it was last seen in), its anchors."""
+    return [s.key for s in c.spans] + list(c.anchor_keys)
 
 
 def anchor_entries(kind: str, name: str, tenant: str, ids: tuple[int, ...], cfg: SpanConfig) -> dict[str, str]:
@@ -77,14 +56,14 @@ def anchored_chunks(tenant: str, ids: tuple[int, ...], c: Cut, entries: dict,
     """Chunks whose ids appear in ``ids`` at or after ``start_at``: found by an anchor, verified
     by the fingerprint of the ids there (a re-registered chunk's old anchors no longer match).
     ``arr``: ``ids`` as an int64 array, when the caller has it."""
-    arr = np.asarray(ids, dtype=np.int64) if arr is None else arr
+    arr = as_ids(ids) if arr is None else arr
     out, seen = [], set()
-    for a in c.anchors:
-        got = entries.get(a.key)
+    for end, key in zip(c.anchor_ends, c.anchor_keys):
+        got = entries.get(key)
         if got is None or not got[1].startswith(ANCHOR):
             continue
         off, n, fp, kind, name = got[1][len(ANCHOR):].split("|", 4)
-        start, n = a.end - int(off), int(n)
+        start, n = end - int(off), int(n)
         if (fp, start) in seen or start < start_at or start + n > len(ids):
             continue
         seen.add((fp, start))
@@ -118,17 +97,27 @@ def segments(ids: tuple[int, ...], hit: int, chunks: list[ChunkMatch]) -> tuple[
 
 
 def seen_in(data: str) -> tuple[str, int] | None:
-    """A ``p:`` entry's data: (the prompt's key, the span's offset in it)."""
+    """A span entry's data (``"<prompt key>@<offset>"``): (the prompt it was last seen in, the
+    span's offset there); None for a span counted but seen nowhere kept."""
     key, _, off = data.rpartition("@")
     return (key, int(off)) if key and off.isdigit() else None
 
 
-def nearest_held(c: Cut, entries: dict, exclude: str = "") -> str | None:
-    """The earlier prompt most of this prompt's spans were last seen in (its prompt-index key)."""
+def last_seen(entries: dict, span_key: str) -> tuple[str, int] | None:
+    """Where the span ``span_key`` was last seen, from the entries a match read."""
+    got = entries.get(span_key)
+    return seen_in(got[1]) if got is not None else None
+
+
+def nearest_held(c: Cut, entries: dict, exclude: str = "", max_shift: int | None = None) -> str | None:
+    """The earlier prompt most of this prompt's spans were last seen in (its prompt-index key).
+    ``max_shift``: count only spans seen there within this many tokens of their offset here (a
+    prompt one span away from this one holds its equal parts at the same offsets, or shifted by
+    the span's change in length: a prompt sharing text at another offset is no edit candidate)."""
     votes = Counter()
     for s in c.spans:
-        got = seen_in(entries.get("p:" + s.key[2:], (0, ""))[1])
-        if got is not None and got[0] != exclude:
+        got = last_seen(entries, s.key)
+        if got is not None and got[0] != exclude and (max_shift is None or abs(got[1] - s.start) <= max_shift):
             votes[got[0]] += s.tokens
     return votes.most_common(1)[0][0] if votes else None
 

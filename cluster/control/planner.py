@@ -298,11 +298,13 @@ def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView
         r = choice.recompute_ratio if choice else 0.0
         probe = choice.probe if choice and r else EXECUTED_PROBE
         why = f"; chosen because {choice.reason}" if choice else ""
-        if seg.kv.digest not in tier.chunk_keys:
-            notes.append(f"{source} is not in the tier: re-warmed (compiled and stored back) before use")
+        if seg.kv.digest not in tier.chunk_keys:       # a span: seen again, not compiled yet (recurring.py)
+            what = "compiled on its own" if seg.kind == "span" else "re-warmed"
+            notes.append(f"{source} is not in the tier: {what} (compiled and stored back) before use")
             return [SegmentPlan(kind=PlanKind.REPOSITION, source=source, token_ids=seg.token_ids, position=pos,
                                 computed=n, reused=0, kv=seg.kv, seam_tokens=k, recompute_ratio=r, probe=probe,
-                                reason=f"evicted chunk re-warmed, then moved to position {pos}{why}")]
+                                reason=f"{'recurring span' if seg.kind == 'span' else 'evicted chunk'} {what}, "
+                                       f"then moved to position {pos}{why}")]
         c = k + math.ceil(r * (n - k) - 1e-9)
         return [SegmentPlan(kind=PlanKind.REPOSITION, source=source, token_ids=seg.token_ids, position=pos,
                             computed=c, reused=n - c, kv=seg.kv, seam_tokens=k, recompute_ratio=r, probe=probe,

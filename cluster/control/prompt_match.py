@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from cluster.control.fingerprints import Cut, anchors, cut, fingerprint
+from cluster.control.fingerprints import Cut, anchors, as_ids, cut, fingerprint
 from cluster.control.matching import (ChunkMatch, FoundEdit, MatchConfig, anchor_entries, anchored_chunks, choose,
                                       find_edit, lookup_keys, nearest_held, segments, where)
 from cluster.control.planner import (HeldPromptEdit, PlannerConfig, RenderedRequest, RenderedSegment, TierView,
                                      plan_request)
 from cluster.control.prompt_index import PROMPT_BLOCK
-from cluster.control.recurring import RecurringSpans
+from cluster.control.recurring import RecurringSpans, sighted_notes
 from cluster.control.reuse_kinds import REUSE_KINDS, reuse_split
 from cluster.control.state import StateStore, StateStoreUnavailable
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan
@@ -50,6 +50,7 @@ class Matched:
     seen: dict = field(default_factory=dict)        # the entries the match read (recording needs them)
     notes: tuple[str, ...] = ()
     evicted: int = 0                                # tokens of matched spans the tier no longer holds
+    fresh: frozenset[str] = frozenset()             # digests of the spans this sighting made recurring (recurring.py)
 
 
 class PromptMatcher:
@@ -112,15 +113,18 @@ class PromptMatcher:
     async def match(self, tenant: str, salt: str, prefix: tuple[int, ...], hit: int, index: int,
                     messages: tuple = (), clock: "StageClock | None" = None) -> Matched:
         """Match ``prefix`` (the prompt but its last token) past its exact prefix of ``hit`` tokens."""
-        arr = np.asarray(prefix, dtype=np.int64)       # one conversion: every pass below reads it
+        arr = as_ids(prefix)                            # one conversion: every pass below reads it
         base = Matched(fingerprint(tenant, arr), (RenderedSegment("prompt", None, prefix),) if prefix else ())
         if not self.cfg.enabled or len(prefix) - hit < self.cfg.min_chunk_tokens:
             return base
         c = cut(tenant, arr, self.cfg.spans)
         try:
-            seen = self.state.get_fingerprints(tenant, lookup_keys(c), time.time())
+            seen = self.state.get_fingerprints(tenant, lookup_keys(c), time.time(), touch=False)  # touched when recorded
             chunks = choose(anchored_chunks(tenant, prefix, c, seen, self._ref(salt), hit, arr),
                             self.cfg.min_chunk_tokens)
+            fresh = self.recurring.sighted(tenant, salt, base.key, prefix, c, seen, hit,
+                                           [(m.start, m.end) for m in chunks])
+            chunks = choose(chunks + fresh, self.cfg.min_chunk_tokens) if fresh else chunks
             edit = self._edit(tenant, arr, c, seen, hit, base.key, chunks)
         except StateStoreUnavailable as exc:        # a cache: the prompt is planned on its exact prefix
             self.metrics.reuse_misses.labels("store_unavailable").inc(len(prefix) - hit)
@@ -128,8 +132,9 @@ class PromptMatcher:
             return base
         held_refs = _held_refs(edit, salt)
         present = await self.lookup.present([m.kv for m in chunks] + held_refs, index, clock)
-        kept, evicted = self._held_chunks(tenant, chunks, present)
-        held_edit, notes = None, [self._chunk_note(hit, kept)] if kept else []
+        fresh_keys = frozenset(f.kv.digest for f in fresh)
+        kept, evicted = self._held_chunks(tenant, chunks, present, fresh_keys)
+        held_edit, notes = None, [self._chunk_note(hit, kept)] + sighted_notes(kept, fresh_keys) if kept else []
         if edit is not None:
             found, held = edit
             ref = next((r for r in held_refs if r.digest in present), None)
@@ -143,8 +148,8 @@ class PromptMatcher:
         elif c.spans and not kept:
             notes.append(f"prompt matching: nothing held matches past the exact prefix of {hit} tokens")
         context = (segments(prefix, hit, kept) if kept else base.context)
-        return Matched(base.key, context, frozenset(m.kv.digest for m in kept), held_edit, tuple(kept), c, seen,
-                       tuple(notes), evicted)
+        held_keys = frozenset(m.kv.digest for m in kept if m.kv.digest in present or m.kv.digest not in fresh_keys)
+        return Matched(base.key, context, held_keys, held_edit, tuple(kept), c, seen, tuple(notes), evicted, fresh_keys)
 
     def split_text(self, req: RenderedRequest, tenant: str, salt: str) -> RenderedRequest:
         """A native request outside a session with its text segments matched like a plain
@@ -171,20 +176,22 @@ class PromptMatcher:
     def _edit(self, tenant, prefix, c, seen, hit, key, chunks) -> tuple[FoundEdit, tuple[int, ...]] | None:
         """The nearest earlier prompt and how this one edits it, when editing it reuses more than
         the exact prefix and the matched chunks would."""
-        near = nearest_held(c, seen, exclude=key)
+        near = nearest_held(c, seen, exclude=key, max_shift=self.cfg.edit_max_tokens)
         held = self.state.get_held_prompt(tenant, near, time.time()) if near else None
         found = find_edit(prefix, held, self.cfg) if held else None       # prefix: the prompt's int64 array
         if found is None or found.equal <= hit + sum(m.end - m.start for m in chunks):
             return None
         return found, held
 
-    def _held_chunks(self, tenant: str, chunks: list[ChunkMatch], present: set[str]) -> tuple[list[ChunkMatch], int]:
+    def _held_chunks(self, tenant: str, chunks: list[ChunkMatch], present: set[str],
+                     fresh: frozenset[str] = frozenset()) -> tuple[list[ChunkMatch], int]:
         """The matched chunks to plan: registrations always (one the tier lost is re-warmed by the
-        planner's rule); recurring spans only while the tier holds them (an evicted one's anchors
-        are dropped: it is compiled again if it recurs again)."""
+        planner's rule), and so the spans this sighting made recurring (``fresh``: compiled in
+        the request's build); other recurring spans only while the tier holds them (an evicted
+        one's anchors are dropped: it is compiled again if it recurs again)."""
         kept, gone = [], 0
         for m in chunks:
-            if m.kind != "span" or m.kv.digest in present:
+            if m.kind != "span" or m.kv.digest in present or m.kv.digest in fresh:
                 kept.append(m)
                 continue
             gone += m.end - m.start
@@ -228,7 +235,8 @@ class PromptMatcher:
         if m.cut is not None and self.cfg.enabled:
             # an edit's prompt teaches no recurring span: its equal part is the held prompt's
             await self.recurring.observe(tenant, salt, m.key, prefix, m.cut, m.seen, list(m.chunks), index,
-                                   compile=not _edited(fin.plan),
+                                   compile=not _edited(fin.plan), fresh=m.fresh, plan=fin.plan,
+                                   fallbacks=fin.fallbacks,
                                    held=fin.stored and not fin.plan.approx if held is None else held)
 
     def _count_misses(self, plan: RequestPlan, m: Matched) -> None:

@@ -1,17 +1,27 @@
 """Recurring spans, compiled once on their own: what a prompt leaves behind for the next one.
 
-When a plain prompt's answer ends (after its first token: off the time to first token):
-1. the prompt's ids are kept (``StateStore.put_held_prompt``, bounded LRU) and each of its
-   content-defined spans is counted once and remembered as last seen in this prompt, at its
-   offset (``p:`` keys, :mod:`cluster.control.fingerprints`); a repeat of a prompt already kept
-   counts nothing (a span recurs across prompts, not across retries);
-2. (in the background, off the request) a span now seen in ``compile_after`` prompts, outside every chunk this prompt matched, is grown
-   to the whole run of tokens the two prompts share around it (:func:`grow`: e.g. the whole
-   document, whatever surrounds it in each), and that run is compiled on its own the way a
-   registration is (``Backends.precompile``: in its frame, after BOS, at its canonical position,
-   stored in the tier, so composition only ever splices KV of the kind the fidelity profile
-   measured, never KV computed inside another prompt's context); its anchors are then stored,
-   and the next prompt holding it matches it at any offset (:mod:`cluster.control.matching`).
+Sighting by sighting (``compile_after`` = 2, the default), for a span of a tenant's plain prompts:
+1. **first sighting** (a prompt holding it answered; after its first token, off the time to
+   first token): the prompt's ids are kept (``StateStore.put_held_prompt``, bounded LRU) and each
+   of its content-defined spans is counted once and remembered as last seen in this prompt, at
+   its offset (the span entry's data, :mod:`cluster.control.fingerprints`); a repeat of a prompt
+   already kept counts nothing (a span recurs across prompts, not across retries). Nothing is
+   reused: the first prompt's KV of it was computed inside that prompt's context.
+2. **second sighting** (:meth:`RecurringSpans.sighted`, on the request path, from the entries
+   the one batched match read returned): the span is grown to the whole run of tokens the two
+   prompts share around it (:func:`grow`: e.g. the whole document, whatever surrounds it in each),
+   cut back to line breaks (:func:`trim`), and planned as a chunk the tier does not hold yet: the
+   planner's re-warm rule compiles it on its own as part of *this* request's build (in its frame,
+   after BOS, at its canonical position, the way a registration is precompiled), stores it in the
+   tier and splices it (reposition + seam / selective recompute by the policy's row). Its tokens
+   count as computed, not reused (``kvnotes_reused_tokens_total`` is unchanged by it); its anchors
+   are stored when the answer ends (``outcome="compiled_in_request"``). Composition so only ever
+   splices KV of the kind the fidelity profile measured, never KV computed inside another
+   prompt's context. Where the policy recomputes the span instead (``exact``, or no row allows
+   it), it is compiled in the background after the answer (``Backends.precompile``, off the
+   request, ``outcome="compiled"`` / ``"cached"``), for the policies that splice.
+3. **third sighting on**: matched at any offset by its anchors (:mod:`cluster.control.matching`)
+   and reused from the tier.
 A run the tier has evicted is dropped from the anchors when a prompt next matches it
 (``kvnotes_reuse_miss_total{reason="span_evicted"}``) and is compiled again if it recurs again.
 Each outcome is counted in ``kvnotes_recurring_spans_total{outcome}``.
@@ -24,9 +34,9 @@ import time
 from typing import TYPE_CHECKING
 
 from cluster.control.fingerprints import Cut, fingerprint
-from cluster.control.matching import ChunkMatch, MatchConfig, anchor_entries, seen_in
+from cluster.control.matching import ChunkMatch, MatchConfig, anchor_entries, last_seen
 from cluster.control.state import StateStore, StateStoreUnavailable
-from kvruntime.messages.plan import KVRef
+from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan
 
 if TYPE_CHECKING:
     from cluster.control.backends import Backends
@@ -76,7 +86,7 @@ def recurring_runs(ids: tuple[int, ...], c: Cut, counts: dict[str, int], seen: d
     for s in c.spans:
         if counts.get(s.key, 0) < cfg.compile_after or any(a < s.end and s.start < b for a, b in runs):
             continue
-        where = seen_in(seen.get("p:" + s.key[2:], (0, ""))[1])
+        where = last_seen(seen, s.key)
         old = earlier(where[0]) if where else None
         if old is not None and tuple(old[where[1]:where[1] + s.tokens]) == tuple(ids[s.start:s.end]):
             start, old_start, n = grow(ids, s.start, old, where[1], s.tokens)
@@ -102,20 +112,58 @@ class RecurringSpans:
         self.in_flight = 0
         self._tasks: set[asyncio.Task] = set()
 
+    def sighted(self, tenant: str, salt: str, key: str, ids: tuple[int, ...], c: Cut, seen: dict, hit: int,
+                covered: list[tuple[int, int]]) -> list[ChunkMatch]:
+        """The runs of this prompt (``key``) that this very sighting makes recurring (a span kept
+        prompts held ``compile_after - 1`` times or more, last seen in another prompt, outside the
+        exact prefix of ``hit`` tokens and the ``covered`` chunks), as span chunks to plan: the
+        tier does not hold them yet, so the planner compiles each on its own in this request's
+        build (the re-warm rule) and splices it. Reads the earlier prompts back (one read each);
+        a run without an anchor is left out (no later prompt could find it)."""
+        counts = {}
+        for s in c.spans:
+            got, where = seen.get(s.key), last_seen(seen, s.key)
+            if got is not None and where is not None and where[0] != key and got[0] + 1 >= self.cfg.compile_after:
+                counts[s.key] = got[0] + 1
+        if not counts:
+            return []
+        now, kept = time.time(), {}
+
+        def earlier(k):
+            if k not in kept:
+                kept[k] = self.state.get_held_prompt(tenant, k, now)
+            return kept[k]
+        out = []
+        for start, end in recurring_runs(ids, c, counts, seen, earlier, self.cfg, covered + [(0, hit)] * bool(hit),
+                                         self.is_break):
+            run = tuple(ids[start:end])
+            if end - start >= self.cfg.min_chunk_tokens and anchor_entries("span", "", tenant, run, self.cfg.spans):
+                out.append(ChunkMatch(start, end, "span", fingerprint(tenant, run)[:12],
+                                      KVRef(run, self.chunk_position, salt)))
+        return out
+
     async def observe(self, tenant: str, salt: str, key: str, ids: tuple[int, ...], c: Cut, seen: dict,
-                      matched: list[ChunkMatch], index: int, compile: bool = True, held: bool = False) -> None:
+                      matched: list[ChunkMatch], index: int, compile: bool = True, held: bool = False,
+                      fresh: frozenset[str] = frozenset(), plan: RequestPlan | None = None,
+                      fallbacks: tuple[str, ...] = ()) -> None:
         """Record one answered prompt (``seen``: the entries its match read), in a worker thread,
         before its last event goes out (so the client's next prompt finds it), then schedule the
         compiles of its recurring runs in the background. ``compile``: False to count its spans
         without compiling any; ``held``: its exact KV is now in the tier, so its spans point at it
         from now on, for finding edits of it; the spans of a prompt not held point at it only where
-        they pointed nowhere."""
+        they pointed nowhere. ``fresh``: digests of the matched spans :meth:`sighted` found: the
+        ones ``plan`` spliced were compiled in the request's build (their anchors are stored now),
+        the others are left to the background compile."""
+        inline = _compiled_in_request(matched, fresh, plan, fallbacks)
+        covered = [m for m in matched if m.kv.digest not in fresh or m in inline]
         try:
-            runs = await asyncio.to_thread(self._record, tenant, key, ids, c, seen, matched, held)
+            runs = await asyncio.to_thread(self._record, tenant, key, ids, c, seen, covered, held, inline)
         except StateStoreUnavailable as exc:        # a cache: this prompt just teaches nothing
             self.metrics.reuse_misses.labels("store_unavailable").inc()
             log.warning("recording the prompt's spans skipped: %s", exc)
             return
+        if inline:
+            self.metrics.recurring_spans.labels("compiled_in_request").inc(len(inline))
         if compile and runs:
             task = asyncio.get_running_loop().create_task(self._compile_all(tenant, salt, ids, runs, index))
             self._tasks.add(task)
@@ -125,14 +173,19 @@ class RecurringSpans:
         for start, end in runs:
             await self._compile(tenant, salt, tuple(ids[start:end]), index)
 
-    def _record(self, tenant, key, ids, c, seen, matched, held) -> list[tuple[int, int]]:
+    def _record(self, tenant, key, ids, c, seen, matched, held, inline) -> list[tuple[int, int]]:
         now = time.time()
+        if seen:                                    # the match read them without refreshing their LRU: now
+            self.state.get_fingerprints(tenant, list(seen), now)
+        for m in inline:                            # compiled in the request's build: findable from now on
+            self.state.put_fingerprints(tenant, anchor_entries("span", m.name, tenant, m.kv.token_ids,
+                                                               self.cfg.spans), now)
         if self.state.get_held_prompt(tenant, key, now) is not None:
             return []                               # a repeat: its spans were counted the first time
         self.state.put_held_prompt(tenant, key, ids, now)
         counts = self.state.count_fingerprints(tenant, [s.key for s in c.spans], now)
-        self.state.put_fingerprints(tenant, {"p:" + s.key[2:]: f"{key}@{s.start}" for s in c.spans
-                                             if held or "p:" + s.key[2:] not in seen}, now)
+        self.state.put_fingerprints(tenant, {s.key: f"{key}@{s.start}" for s in c.spans
+                                             if held or last_seen(seen, s.key) is None}, now)
         earlier = lambda k: self.state.get_held_prompt(tenant, k, now)  # noqa: E731
         return recurring_runs(ids, c, counts, seen, earlier, self.cfg, [(m.start, m.end) for m in matched],
                               self.is_break)
@@ -162,3 +215,23 @@ class RecurringSpans:
         """Wait for every scheduled bookkeeping task (tests, shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _compiled_in_request(matched: list[ChunkMatch], fresh: frozenset[str], plan: RequestPlan | None,
+                         fallbacks: tuple[str, ...]) -> list[ChunkMatch]:
+    """The fresh spans ``plan`` spliced (a reposition step of the span's own KV): the prefill
+    worker compiled each on its own and stored it. None when a KV load failed in the build
+    (the step was recomputed in context, nothing may have been stored: the background compile
+    takes those)."""
+    if plan is None or not fresh or "kv_load_failed" in fallbacks:
+        return []
+    spliced = {s.kv.digest for s in plan.steps if s.kind is PlanKind.REPOSITION and s.kv is not None}
+    return [m for m in matched if m.kv.digest in fresh and m.kv.digest in spliced]
+
+
+def sighted_notes(kept: list[ChunkMatch], fresh: frozenset[str]) -> list[str]:
+    """``explain``'s words for the spans this sighting made recurring."""
+    return [f"prompt matching: span:{m.name} at tokens {m.start}-{m.end} recurs (seen in an earlier prompt): where "
+            "the policy splices it, it is compiled on its own in this request's build (in its frame, at its canonical "
+            "position), stored and spliced, its tokens counted as computed; later prompts reuse it"
+            for m in kept if m.kv.digest in fresh]

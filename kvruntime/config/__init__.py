@@ -10,12 +10,14 @@
 - ``state`` (:mod:`.state`): the state store and entry lifetimes.
 - ``ray`` (:mod:`.ray_cluster`): which Ray cluster and how it starts.
 - ``routing`` (:mod:`.routing`): health checks, retries, migration, affinity, deadlines.
+- ``matching`` (:mod:`.matching`): prompt matching past the exact prefix, its fingerprints' bounds.
 
 Config files keep today's flat keys (:data:`FLAT_KEYS` maps each to its section; :mod:`.cluster`
 holds the loader) and may use the nested form. Unknown keys and bad values are ``ValueError``
 with the key named. Torch-, Ray- and transport-free: every process imports it."""
 from kvruntime.config.cluster import FLAT_KEYS, SECTIONS, ClusterConfig
 from kvruntime.config.env import expand_env
+from kvruntime.config.matching import MatchConfig, SpanConfig
 from kvruntime.config.policy import BALANCED_ANSWER_TARGET, BALANCED_MIN_CASES, PolicyConfig
 from kvruntime.config.ray_cluster import RayConfig
 from kvruntime.config.routing import RoutingConfig
@@ -27,5 +29,6 @@ from kvruntime.config.transport import TransportConfig
 from kvruntime.config.workers import WorkerConfig, WorkersConfig
 
 __all__ = ["FLAT_KEYS", "SECTIONS", "ClusterConfig", "expand_env", "BALANCED_ANSWER_TARGET", "BALANCED_MIN_CASES",
-           "PolicyConfig", "RayConfig", "RoutingConfig", "ServerConfig", "ShadowConfig", "StateConfig", "TierConfig",
+           "MatchConfig", "PolicyConfig", "SpanConfig", "RayConfig", "RoutingConfig", "ServerConfig", "ShadowConfig",
+           "StateConfig", "TierConfig",
            "TransportConfig", "WorkerConfig", "WorkersConfig"]

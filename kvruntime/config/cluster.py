@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvruntime.config.env import expand_env
+from kvruntime.config.matching import MatchConfig
 from kvruntime.config.policy import PolicyConfig
 from kvruntime.config.ray_cluster import RayConfig
 from kvruntime.config.routing import RoutingConfig
@@ -25,7 +26,7 @@ from kvruntime.config.workers import WorkerConfig, WorkersConfig
 SECTIONS: dict[str, type] = {
     "server": ServerConfig, "policy": PolicyConfig, "shadow": ShadowConfig, "tier": TierConfig,
     "transport": TransportConfig, "workers": WorkersConfig, "state": StateConfig, "ray": RayConfig,
-    "routing": RoutingConfig,
+    "routing": RoutingConfig, "matching": MatchConfig,
 }
 
 # flat keys whose name differs from the section field's; every other field's flat key is its own name
@@ -46,6 +47,7 @@ _RENAMED = {
     "state_url": ("state", "url"), "state_timeout_s": ("state", "timeout_s"), "state_probe_s": ("state", "probe_s"),
     "ray_address": ("ray", "address"), "ray_auth_mode": ("ray", "auth_mode"),
     "ray_start_attempts": ("ray", "start_attempts"), "ray_worker_niceness": ("ray", "worker_niceness"),
+    **{f"matching_{f.name}": ("matching", f.name) for f in dataclasses.fields(MatchConfig)},   # every one prefixed
 }
 
 
@@ -80,6 +82,7 @@ class ClusterConfig:
     state: StateConfig = field(default_factory=StateConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    matching: MatchConfig = field(default_factory=MatchConfig)
 
     def __post_init__(self):
         for name, cls in SECTIONS.items():

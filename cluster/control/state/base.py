@@ -217,8 +217,10 @@ class StateStore(ABC):
         """Set each key's data (an opaque string; its count is kept, 0 for a new key)."""
 
     @abstractmethod
-    def get_fingerprints(self, tenant: str, keys: list[str], now: float) -> dict[str, tuple[int, str]]:
-        """The subset of ``keys`` present (not expired): key -> (count, data); refreshes their LRU."""
+    def get_fingerprints(self, tenant: str, keys: list[str], now: float,
+                         touch: bool = True) -> dict[str, tuple[int, str]]:
+        """The subset of ``keys`` present (not expired): key -> (count, data); refreshes their LRU
+        (``touch=False``: a read only, the caller refreshes them later, off the request path)."""
 
     @abstractmethod
     def delete_fingerprints(self, tenant: str, keys: list[str]) -> int:

@@ -198,7 +198,7 @@ class RedisState(StateStore):
         if entries:
             self._fp_write(tenant, list(entries.items()), now, lambda pipe, key, d: pipe.hset(key, "d", d))
 
-    def get_fingerprints(self, tenant, keys, now):
+    def get_fingerprints(self, tenant, keys, now, touch=True):
         if not keys:
             return {}
         keys = list(dict.fromkeys(keys))
@@ -207,7 +207,7 @@ class RedisState(StateStore):
             pipe.hmget(_k("fp", tenant, k), "n", "d")
         vals = pipe.execute()
         hits = {k: (int(n or 0), (d or b"").decode()) for k, (n, d) in zip(keys, vals) if n is not None or d is not None}
-        if hits:
+        if hits and touch:
             ttl = int(self.limits.fingerprint_ttl_s * 1000)
             pipe = self.r.pipeline()
             for k in hits:

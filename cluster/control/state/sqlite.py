@@ -3,6 +3,7 @@ for several processes on one node (router replicas, the CLI); each thread gets i
 connection. Bounds are enforced every ``_TRIM_EVERY`` writes and by :meth:`expire`."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
@@ -198,18 +199,18 @@ class SqliteState(StateStore):
                           "SET data=excluded.data, used=excluded.used", [(tenant, k, d, now) for k, d in entries.items()])
         self._wrote(now)
 
-    def get_fingerprints(self, tenant, keys, now):
+    def get_fingerprints(self, tenant, keys, now, touch=True):
         if not keys:
             return {}
         keys = list(dict.fromkeys(keys))
-        with self._tx() as c:
+        with self._tx() if touch else contextlib.nullcontext(self._conn()) as c:   # a read only: no write lock
             rows = []
             for i in range(0, len(keys), 500):          # under SQLite's bound on bound parameters
                 part = keys[i:i + 500]
                 rows += c.execute(f"SELECT key, n, data FROM fingerprints WHERE tenant=? AND key IN "
                                   f"({','.join('?' * len(part))}) AND used>=?",
                                   (tenant, *part, now - self.limits.fingerprint_ttl_s)).fetchall()
-            if rows:
+            if rows and touch:
                 c.executemany("UPDATE fingerprints SET used=? WHERE tenant=? AND key=?",
                               [(now, tenant, k) for k, _, _ in rows])
         return {k: (n, d) for k, n, d in rows}
