@@ -293,6 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-gib", type=int, default=1, help="vLLM KV space (GiB), each of the two engines")
     ap.add_argument("--tier-gib", type=float, default=1.0)
+    ap.add_argument("--nominal-gbs", type=float, default=None,
+                    help="the machine's nominal memory bandwidth (GB/s): a second byte floor beside the measured copy rate")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1k only, 1 rep, 2 edit turns, 3 load requests")
     ap.add_argument("--json", default="runs/cluster_vs_vllm.json")
     ap.add_argument("--plots", default="", help="folder for PNGs (e.g. docs/img; '' for none)")
@@ -327,6 +329,11 @@ def main(argv=None) -> int:
         from kvruntime.engine import ReferenceEngine
         torch.set_num_threads(1)
         ref = ReferenceEngine(args.model, dtype=args.dtype, threads=1)     # in-process compose, 1 thread
+        from bench.decode_leg import copy_gbs
+        per_token = ref.num_layers * 2 * ref.kv_heads * ref.head_dim * torch.empty(0, dtype=ref.dtype).element_size()
+        # the decode leg's byte floor (bench.cluster_vs_vllm_report.floor_rows): the KV moved once
+        r["device"] = {"copy_gbs": copy_gbs(per_token * 4096), "nominal_gbs": args.nominal_gbs,
+                       "kv_bytes_per_token": per_token}
         r["inprocess"] = {}
         for i, size in enumerate(_progress(args.sizes, "context sizes")):
             w = {}

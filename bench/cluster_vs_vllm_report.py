@@ -161,6 +161,7 @@ def markdown(r: dict) -> str:
             m = stage_means(recs)
             lines.append(f"| {wl} | {x['size']} | {statistics.mean(q['ttft'] for q in recs):.2f} | "
                          + " | ".join(_f(m.get(k)) for k in STAGE_COLS) + f" | {m[OUTSIDE]:.2f} |")
+    lines += floor_rows(r)
     fell = [(wl, size, f) for size, w in r["sizes"].items() for wl, d in w.items() for x in d.get("kvnotes", [])
             for f in x.get("fallbacks", [])]
     lines += ["", f"kvnotes requests that fell back to recompute: {len(fell)}"
@@ -177,6 +178,32 @@ def markdown(r: dict) -> str:
                          f"| {_f(p90(by['cold']) if by['cold'] else None)} "
                          f"| {_f(p90(by['edit']) if by['edit'] else None)} | {len(recs) / ld['span']:.2f} |")
     return "\n".join(lines)
+
+
+def floor_rows(r: dict) -> list[str]:
+    """The composed prompt against vLLM's exact hit plus its KV bytes moved once at the measured
+    copy rate (and at the nominal bandwidth when given): what a decode leg at copy speed would cost
+    (issue 47). Empty for a run that measured no copy rate."""
+    dev = r.get("device")
+    if not dev:
+        return []
+    copy, nominal, per_token = dev["copy_gbs"], dev.get("nominal_gbs"), dev["kv_bytes_per_token"]
+    at = f"{nominal:g} GB/s nominal" if nominal else "nominal (not given: --nominal-gbs)"
+    out = ["", f"### The decode leg against its byte floor (copy measured at {copy:.1f} GB/s; {at})", "",
+           "| context | KV bytes | bytes at copy rate | bytes at nominal | transfer + receive + load (measured) "
+           "| kvnotes compose | vLLM exact hit | hit + bytes at copy rate | compose / (hit + bytes) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for x in size_rows(r):
+        if "compose" not in x:
+            continue
+        nbytes = x["prompt"] * per_token
+        fc = nbytes / (copy * 1e9)
+        fn = f"{nbytes / (nominal * 1e9):.3f} s" if nominal else "-"
+        m = stage_means(x["compose_recs"])
+        moved = sum(m.get(k, 0.0) for k in ("transfer", "receive", "load"))
+        out.append(f"| {x['prompt']} | {nbytes / 1e6:.0f} MB | {fc:.3f} s | {fn} | {moved:.3f} s | {x['compose']:.2f} "
+                   f"| {x['hit']:.2f} | {x['hit'] + fc:.2f} | {x['compose'] / (x['hit'] + fc):.2f}x |")
+    return out
 
 
 STAGE_COLS = ("tier_get", "rerotate", "forward", "serialise", "transfer", "receive", "load", "suffix_forward",

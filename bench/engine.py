@@ -23,6 +23,11 @@ buffer, SDPA with lower-right causality and GQA: ~25 lines; llama-family models)
 
 ``--shape llama3-8b`` builds a checkpoint of Llama-3.1-8B's real shape with random weights on the
 device (transformers' ``LlamaConfig``): a benchmark input only, never served or shipped.
+
+Last, the reference decode leg's suffix forward over ``--cached`` received tokens
+(:mod:`bench.decode_leg`): through ``prefill`` (copies the past), a session that copies the
+block, a session adopting the buffer it was received into; byte floors at the copy rate and at
+``--nominal-gbs``.
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.decode_leg import decode_leg_rows
 
 SHAPES = {   # transformers LlamaConfig keyword arguments of real model shapes
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -259,6 +266,7 @@ def main(argv=None) -> int:
     if not rows:
         few_token_target(e, a.cached, a.reps, dev, fl, vocab)
         bucketed_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs)
+        decode_leg_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs, costs, timed)
         return 0
     cols = [c for c in ("recompute", "hf", "compose", "erratum+q", "edit K=16") if c in rows[0]]
     print()
@@ -282,6 +290,7 @@ def main(argv=None) -> int:
               f"({fr['question'] * 1e3:.1f}) | {fr['recompute']:.3f} s |")
     few_token_target(e, a.cached, a.reps, dev, fl, vocab)
     bucketed_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs)
+    decode_leg_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs, costs, timed)
     return 0
 
 
