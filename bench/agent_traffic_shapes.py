@@ -183,6 +183,15 @@ def _stage_medians(recs: list[dict]) -> dict[str, float]:
     return {k: statistics.median(r["stages"].get(k, 0.0) for r in recs) for k in keys}
 
 
+def _warm(kv: list[dict], vl: list[dict]) -> dict:
+    """Reuse and TTFT p50 from turn 1 on (turn 0 is cold on both sides: what traffic that has
+    been seen before gets)."""
+    a, b = [r for r in kv if r["turn"] > 0], [r for r in vl if r["turn"] > 0]
+    med = lambda xs: statistics.median(r["ttft"] for r in xs) if xs else float("nan")  # noqa: E731
+    return {"kv_reused_warm": share(a, "cached"), "vllm_reused_warm": share(b, "cached"),
+            "kv_p50_warm": med(a), "vllm_p50_warm": med(b)}
+
+
 def _cold_ratio(kv: list[dict], vl: list[dict]) -> float:
     """vLLM's TTFT / kvnotes' on turn 0 (nothing held on either side yet): the two engines' own
     speed on this machine, the baseline the reuse ratios are to be read against."""
@@ -213,7 +222,7 @@ def summarize(records: list[dict]) -> list[dict]:
                          "kv_p90": pct([r["ttft"] for r in kv], 0.9),
                          "vllm_p50": statistics.median(r["ttft"] for r in vl) if vl else float("nan"),
                          "vllm_p90": pct([r["ttft"] for r in vl], 0.9),
-                         "cold_ratio": _cold_ratio(kv, vl),
+                         "cold_ratio": _cold_ratio(kv, vl), **_warm(kv, vl),
                          "same": same, "compared": n, "reference": "vLLM" if pol == "exact" else "exact",
                          "same_prompt": sum(a["prompt"] == b["prompt"] for a, b in zip(kv, vl)),
                          "plans": dict(sorted({p: sum(r["plan"] == p for r in kv) for p in {r["plan"] for r in kv}}.items())),
@@ -225,14 +234,17 @@ def summarize(records: list[dict]) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     lines = ["| policy | traffic | prompt (tokens) | reused kvnotes (exact + composed + edited) | reused vLLM "
              "| TTFT p50 kvnotes / vLLM (s) | p50 ratio vLLM/kvnotes (turn 0) | TTFT p90 kvnotes / vLLM (s) "
-             "| outputs = reference | plans |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| outputs = reference | plans | turns 1+: reused kvnotes / vLLM, TTFT p50 kvnotes / vLLM (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         ratio = x["vllm_p50"] / x["kv_p50"] if x["kv_p50"] else float("nan")
         lines.append(
             f"| {x['policy']} | {x['shape']} | {x['prompt_mean']:.0f} | {x['kv_reused']:.0%} ({x['kv_exact']:.0%} + "
             f"{x['kv_composed']:.0%} + {x['kv_edited']:.0%}) | {x['vllm_reused']:.0%} | {x['kv_p50']:.2f} / "
             f"{x['vllm_p50']:.2f} | {ratio:.2f}x ({x['cold_ratio']:.2f}x) | {x['kv_p90']:.2f} / {x['vllm_p90']:.2f} | {x['same']}/{x['compared']} "
-            f"({x['reference']}) | {', '.join(f'{k} {v}' for k, v in x['plans'].items())} |")
+            f"({x['reference']}) | {', '.join(f'{k} {v}' for k, v in x['plans'].items())} | "
+            f"{x.get('kv_reused_warm', 0):.0%} / {x.get('vllm_reused_warm', 0):.0%}, "
+            f"{x.get('kv_p50_warm', float('nan')):.2f} / {x.get('vllm_p50_warm', float('nan')):.2f} |")
     return "\n".join(lines)
 
 

@@ -119,6 +119,8 @@ def test_summary_shares_ratios_and_agreement_from_the_records():
     assert fast["cold_ratio"] == pytest.approx(2.0 / 0.5) and ex["cold_ratio"] == pytest.approx(1.8 / 2.0)
     assert "| fast | docs | 1000 | 90% (10% + 40% + 40%) | 20% | 0.40 / 1.50 | 3.75x (4.00x) |" in table
     assert "1/2 (vLLM)" in table and "1/2 (exact)" in table
+    assert fast["kv_reused_warm"] == pytest.approx(0.9) and fast["kv_p50_warm"] == pytest.approx(0.3)
+    assert "| 90% / 20%, 0.30 / 1.00 |" in table                                   # turn 1 on
     assert "forward 0.15, control.plan 0.02" in stage_table(list(rows.values()))
 
 

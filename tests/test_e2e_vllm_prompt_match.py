@@ -72,7 +72,7 @@ def test_a_document_two_prompts_shared_is_reused_at_another_offset_on_vllm(rig):
              180, "the shared document compiled on its own, in the background")
     _, ex, details = chat(client, docs(d4, d1, d2))
     spans = [s for s in ex["steps"] if s["source"].startswith("span:")]
-    assert spans and all(s["kind"] == "reposition" for s in spans), ex["steps"]
+    assert spans and all(s["kind"] == "reposition" for s in spans), (ex["steps"], ex["notes"])
     assert details["composed_tokens"] > 0 and split_sums(details), details
 
 
@@ -111,6 +111,6 @@ def test_a_growing_conversation_keeps_vllms_exact_prefix(rig):
         d, ex, details = chat(client, messages)
         assert ex["exact"] and not [s for s in ex["steps"] if s["kind"] == "reposition"], ex
         assert details["composed_tokens"] == 0 and split_sums(details), details
-        # vLLM keeps the previous turn's whole blocks (16 tokens), as plain vLLM's prefix cache does
-        assert details["exact_tokens"] >= prev - 16, (details, prev, ex["notes"])
+        # vLLM keeps the previous turn's whole blocks (128 tokens on the CPU), as plain vLLM's prefix cache does
+        assert details["exact_tokens"] >= prev // 128 * 128 > 0, (details, prev, ex["notes"])
         prev = d["usage"]["prompt_tokens"]

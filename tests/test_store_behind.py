@@ -103,10 +103,12 @@ def test_the_decode_engines_exact_prefix_comes_before_a_shorter_approximate_plan
     held.note("t", [3, 4])                             # LRU: the oldest of this tenant dropped
     assert held.longest("t", turn0) == 0
     plan = _plan([_rc(0, 30), _repos(30, 600), _rc(630, 500)])
-    assert prefer_exact(plan, held=1000, hit=0)        # 1000 exact tokens beat 600 - 1 composed
+    assert prefer_exact(plan, held=1000, hit=0)        # 1000 exact tokens beat a 600-token composition
     assert not prefer_exact(plan, held=500, hit=0)     # the composition reuses more
     assert not prefer_exact(plan, held=1000, hit=1000)  # the tier's exact prefix is in the plan already
     assert not prefer_exact(_plan([_rc(0, 1130)]), held=1000, hit=0)   # exact already
+    fresh = _plan([_rc(0, 30), _repos(30, 600, reused=0), _rc(630, 500)])  # the span compiled in its build
+    assert not prefer_exact(fresh, held=40, hit=0) and prefer_exact(fresh, held=700, hit=0)
 
 
 def test_a_conversation_composed_the_same_way_keeps_its_vllm_salt():
@@ -145,10 +147,10 @@ def _reuse(pos, n):
                        computed=0, reused=n, kv=KVRef(tuple(range(pos, pos + n)), 0, SALT))
 
 
-def _repos(pos, n, r=0.0, probe="kv1"):
+def _repos(pos, n, r=0.0, probe="kv1", reused=None):
     ids = tuple(range(10_000, 10_000 + n))
-    return SegmentPlan(kind=PlanKind.REPOSITION, source="span:x", token_ids=ids, position=pos, computed=1,
-                       reused=n - 1, kv=KVRef(ids, 1, SALT), seam_tokens=1, recompute_ratio=r, probe=probe)
+    return SegmentPlan(kind=PlanKind.REPOSITION, source="span:x", token_ids=ids, position=pos,
+                       computed=1 if reused is None else n - reused, reused=n - 1 if reused is None else reused, kv=KVRef(ids, 1, SALT), seam_tokens=1, recompute_ratio=r, probe=probe)
 
 
 @pytest.mark.slow

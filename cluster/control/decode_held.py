@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvruntime.messages.plan import RequestPlan
+from kvruntime.messages.plan import PlanKind, RequestPlan
 
 
 class DecodeHeld:
@@ -57,8 +57,15 @@ class DecodeHeld:
         return best
 
 
+def sourced(plan: RequestPlan) -> int:
+    """Prefix tokens ``plan`` takes from KV rather than computing in context: its reuse,
+    reposition and edit steps whole (a span compiled in this request's build counts: the plan
+    makes it reusable)."""
+    return sum(s.tokens for s in plan.steps if s.kind not in (PlanKind.RECOMPUTE, PlanKind.ERRATUM))
+
+
 def prefer_exact(plan: RequestPlan, held: int, hit: int) -> bool:
     """Whether an approximate ``plan`` gives way to the exact prefix of ``held`` tokens the decode
     engine holds (``hit``: the exact prefix the tier holds, already in the plan): when that prefix
-    is longer than the tier's and reuses at least as many tokens as the plan does."""
-    return bool(plan.approx) and held > hit and held >= plan.reused_tokens
+    is longer than the tier's and covers at least as many tokens as the plan takes from KV."""
+    return bool(plan.approx) and held > hit and held >= sourced(plan)

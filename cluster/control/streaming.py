@@ -21,7 +21,7 @@ from cluster.control.pricing import TokenBudget, exceeds_message
 from cluster.control.prompt_index import PROMPT_BLOCK, PromptIndex, prompt_hash
 from cluster.control.prompt_logprobs import scored_plan
 from cluster.control.prompt_match import PromptMatcher, count_reuse, prompt_store_as
-from cluster.control.decode_held import DecodeHeld, prefer_exact
+from cluster.control.decode_held import DecodeHeld, prefer_exact, sourced
 from cluster.control.render import Renderer
 from cluster.control.router_sections import LimitsSection
 from cluster.control.routing import NoLiveWorker, WorkerView
@@ -236,7 +236,7 @@ class RequestStreams:
         exact = plan_request(req, TierView(prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv), None, self.renderer.encode,
                              self.planner_config())
         why = (f"the decode engine holds an exact prefix of about {held} tokens (an earlier exact prompt), at least "
-               f"the {plan.reused_tokens} the {plan.kind.value} plan would reuse: planned exact, its prefix cache "
+               f"the {sourced(plan)} the {plan.kind.value} plan would take from KV: planned exact, its prefix cache "
                "serves them")
         return replace(exact, notes=exact.notes + (why,))
 
