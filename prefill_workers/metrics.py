@@ -81,6 +81,11 @@ class TierCollector:
                                       labels=["worker"])
             ref.add_metric([w], s.remote_auth_refusals)
             yield ref
+            tls = CounterMetricFamily("kvnotes_worker_tier_remote_tls_handshakes", "TLS handshakes with the tier "
+                                      "(tier_remote_tls_*: its tunnel and probes), by outcome", labels=["worker", "outcome"])
+            tls.add_metric([w, "ok"], s.remote_tls_connections)
+            tls.add_metric([w, "failed"], s.remote_tls_handshake_failures)
+            yield tls
             # counted here, once, where the miss happened (not by every router replica that sees it)
             fb = CounterMetricFamily("kvnotes_fallbacks", "Fallbacks taken, by reason (a prefill worker's: "
                                      "lookups and gets that missed because the remote tier was down; the "

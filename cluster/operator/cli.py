@@ -154,7 +154,7 @@ def _tier_server(args) -> int:
         raise ValueError(f"{args.config} sets no tier_remote_url: no prefill actor would use a tier server")
     host, port = parse_lm_url(cfg.tier.remote_url)
     serve(args.host or host, args.port or port, tier_key_of(cfg), cfg.tier.remote_capacity_bytes,
-          metrics_port=args.metrics_port)
+          metrics_port=args.metrics_port, tls=cfg.tier.remote_tls)
     return 0
 
 

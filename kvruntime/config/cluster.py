@@ -42,6 +42,8 @@ _RENAMED = {
     "tier_remote_timeout_s": ("tier", "remote_timeout_s"), "tier_remote_retry_s": ("tier", "remote_retry_s"),
     "tier_confirm_timeout_s": ("tier", "confirm_timeout_s"), "tier_chunk_size": ("tier", "chunk_size"),
     "tier_connector": ("tier", "connector"),
+    **{f"tier_remote_tls_{k}": ("tier", f"remote_tls_{k}") for k in ("ca_file", "cert_file", "key_file",
+                                                                     "server_name", "client_auth")},
     "kv_transport": ("transport", "kind"), "kv_grpc": ("transport", "grpc"), "kv_nixl": ("transport", "nixl"),
     "worker_max_restarts": ("workers", "max_restarts"),
     "state_url": ("state", "url"), "state_timeout_s": ("state", "timeout_s"), "state_probe_s": ("state", "probe_s"),

@@ -29,6 +29,16 @@ class TierConfig:
     confirm_timeout_s: float = 30.0            # put() waits this long for the asynchronous tiers to confirm
     chunk_size: int = 256                      # LMCache piece size (tokens): the prompt index records prefixes at its multiples
     connector: TierConnector = TierConnector.CPU  # where LMCache's connector keeps what it copies: cpu | cuda
+    # TLS for lm:// (kvtransport.tier.tls: a local tunnel on each prefill actor, a terminator in the tier
+    # server): on with remote_tls_ca_file, which both ends verify the other's certificate against; the server
+    # presents remote_tls_cert_file / _key_file, and so do clients when remote_tls_client_auth (the default:
+    # the same files on every host); remote_tls_server_name: the name the server's certificate carries when
+    # it is not the URL's host
+    remote_tls_ca_file: str | None = None
+    remote_tls_cert_file: str | None = None
+    remote_tls_key_file: str | None = None
+    remote_tls_server_name: str | None = None
+    remote_tls_client_auth: bool = True
 
     def __post_init__(self):
         for name in ("cpu_bytes", "disk_bytes", "remote_capacity_bytes", "chunk_size"):
@@ -52,6 +62,43 @@ class TierConfig:
         object.__setattr__(self, "connector", TierConnector.of(self.connector))
         if not (self.local_cpu or self.disk_path or self.persist_dir or self.remote_url):
             raise ValueError("no tier would hold anything: enable tier_local_cpu or configure another tier")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        names = ("remote_tls_ca_file", "remote_tls_cert_file", "remote_tls_key_file", "remote_tls_server_name")
+        for name in names:
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip() or
+                                  (name.endswith("server_name") and any(c.isspace() for c in v))):
+                raise ValueError(f"tier_{name} must be a non-empty string or null, got {v!r}")
+        if not isinstance(self.remote_tls_client_auth, bool):
+            raise ValueError(f"tier_remote_tls_client_auth must be true or false, got {self.remote_tls_client_auth!r}")
+        if any(getattr(self, n) for n in names) and not (self.remote_url and self.remote_tls_ca_file):
+            raise ValueError("the tier_remote_tls_* settings need tier_remote_url and tier_remote_tls_ca_file "
+                             "(TLS for lm:// is on with the CA both ends verify against)")
+        if (self.remote_tls_cert_file is None) != (self.remote_tls_key_file is None):
+            raise ValueError("tier_remote_tls_cert_file and tier_remote_tls_key_file go together")
+        if self.remote_tls_ca_file and self.remote_tls_client_auth and not self.remote_tls_cert_file:
+            raise ValueError("tier_remote_tls_client_auth needs tier_remote_tls_cert_file and _key_file (the "
+                             "certificate every prefill actor presents; or tier_remote_tls_client_auth: false)")
+
+    @property
+    def remote_tls(self) -> "TierTLS | None":
+        """The lm:// TLS settings, or None for plain TCP."""
+        if not self.remote_tls_ca_file:
+            return None
+        return TierTLS(self.remote_tls_ca_file, self.remote_tls_cert_file, self.remote_tls_key_file,
+                       self.remote_tls_server_name, self.remote_tls_client_auth)
+
+
+@dataclass(frozen=True)
+class TierTLS:
+    """TLS for the lm:// tier (``TierConfig.remote_tls``; ``kvtransport.tier.tls`` reads the files)."""
+    ca_file: str
+    cert_file: str | None = None            # with key_file: this end's certificate (the server's; a client's)
+    key_file: str | None = None
+    server_name: str | None = None          # checked in the server's certificate (default: the URL's host)
+    client_auth: bool = True                # the server requires a client certificate of the CA
 
 
 def parse_lm_url(url: str) -> tuple[str, int]:

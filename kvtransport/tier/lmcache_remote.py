@@ -27,26 +27,30 @@ from __future__ import annotations
 import inspect
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import Any, Callable
 
 import torch
 
-from kvruntime.config.tier import parse_lm_url   # the one lm:// URL check (the config validates with it)
+from kvruntime.config.tier import TierTLS, parse_lm_url   # the one lm:// URL check (the config validates with it)
+from kvtransport.tier.tls import TlsCounts
 
 log = logging.getLogger(__name__)
 
 BACKEND = "RemoteBackend"   # LMCache's name for the backend built from ``remote_url``
 
 
-def lm_server_status(host: str, port: int, timeout_s: float, key: bytes) -> str | None:
-    """None if the tier server proves reachable: connect, answer its challenge with ``key``
-    (``kvtransport.tier.auth``), one HEALTH round trip, each bounded by ``timeout_s`` on a fresh
-    socket. Else why not, in one line (``"refused: ..."`` when the server refused the key). Never
-    raises for network errors."""
+def lm_server_status(host: str, port: int, timeout_s: float, key: bytes, tls: ssl.SSLContext | None = None,
+                     server_name: str | None = None, counts: TlsCounts | None = None) -> str | None:
+    """None if the tier server proves reachable: connect (over TLS with ``tls``, the server's
+    certificate checked for ``server_name`` or ``host``; ``counts`` counts the handshake), answer
+    its challenge with ``key`` (``kvtransport.tier.auth``), one HEALTH round trip, each bounded by
+    ``timeout_s`` on a fresh socket. Else why not, in one line (``"refused: ..."`` when the server
+    refused the key, or a TLS handshake failed). Never raises for network errors."""
     from kvtransport.tier import lmcache_env
-    from kvtransport.tier.auth import TierAuthError, client_handshake
+    from kvtransport.tier.auth import TierAuthError
     lmcache_env.prepare()
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.memory_management import MemoryFormat
@@ -54,29 +58,71 @@ def lm_server_status(host: str, port: int, timeout_s: float, key: bytes) -> str 
 
     msg = ClientMetaMessage(ClientCommand.HEALTH, CacheEngineKey("kvnotes-probe", 1, 0, 0, torch.float16),
                             0, MemoryFormat(1), torch.float16, torch.Size([0, 0, 0, 0])).serialize()
+    where = f"{host}:{port}"
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as s:
-            s.settimeout(timeout_s)
-            client_handshake(s, key, f"{host}:{port}")
-            s.sendall(msg)
-            want, buf = ServerMetaMessage.packlength(), b""
-            while len(buf) < want:
-                part = s.recv(want - len(buf))
-                if not part:
-                    return f"{host}:{port} closed the connection during HEALTH"
-                buf += part
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
+            raw.settimeout(timeout_s)
+            with (raw if tls is None else _tls_wrap(raw, tls, server_name or host, where, counts)) as s:
+                _answer_challenge(s, key, where, tls is not None, counts)
+                s.sendall(msg)
+                want, buf = ServerMetaMessage.packlength(), b""
+                while len(buf) < want:
+                    part = s.recv(want - len(buf))
+                    if not part:
+                        return f"{where} closed the connection during HEALTH"
+                    buf += part
         if ServerMetaMessage.deserialize(buf).code != ServerReturnCode.SUCCESS:
-            return f"{host}:{port} answered HEALTH with a failure"
+            return f"{where} answered HEALTH with a failure"
         return None
-    except TierAuthError as exc:
+    except (TierAuthError, TierTLSError) as exc:
         return f"refused: {exc}"
+    except ssl.SSLError as exc:     # TLS 1.3: the server's refusal of our certificate arrives on the first read
+        line = counts.handshake_failed(exc, where) if counts is not None else f"TLS with {where} failed: {exc}"
+        return f"refused: {line}"
     except (OSError, ValueError) as exc:
-        return f"no answer from {host}:{port} within {timeout_s}s ({type(exc).__name__}: {exc})"
+        return f"no answer from {where} within {timeout_s}s ({type(exc).__name__}: {exc})"
 
 
-def probe_lm_server(host: str, port: int, timeout_s: float, key: bytes) -> bool:
+def _answer_challenge(sock: socket.socket, key: bytes, where: str, over_tls: bool, counts: TlsCounts | None) -> None:
+    """``client_handshake``; over TLS a close before the challenge is the terminator's refusal of
+    this end's certificate (TLS 1.3 sends it after the client's side of the handshake is done),
+    raised as :class:`TierTLSError` and counted (reason ``closed``)."""
+    from kvtransport.tier.auth import TierAuthError, client_handshake
+    try:
+        client_handshake(sock, key, where)
+    except ConnectionError as exc:
+        if not over_tls or isinstance(exc, TierAuthError):
+            raise
+        why = ConnectionError(f"{where} closed the TLS connection before its challenge: it refused this end's "
+                              "certificate (tier_remote_tls_cert_file not of its CA?) or cannot reach its LMCache server")
+        raise TierTLSError(counts.handshake_failed(why, where) if counts is not None else str(why)) from exc
+
+
+class TierTLSError(ConnectionError):
+    """A TLS handshake with the tier server failed (its certificate is not of the configured CA or
+    does not name it, or it does not speak TLS)."""
+
+
+def _tls_wrap(sock: socket.socket, ctx: ssl.SSLContext, server_name: str, where: str,
+              counts: TlsCounts | None) -> ssl.SSLSocket:
+    """``sock`` after a TLS handshake (bounded by its timeout). A failed one is counted and raised
+    as :class:`TierTLSError` naming what failed; a timeout or reset stays itself (counted too)."""
+    try:
+        tls_sock = ctx.wrap_socket(sock, server_hostname=server_name)
+    except (OSError, EOFError) as exc:
+        line = counts.handshake_failed(exc, where) if counts is not None else f"TLS handshake with {where} failed: {exc}"
+        if isinstance(exc, ssl.SSLError):
+            raise TierTLSError(line) from exc
+        raise
+    if counts is not None:
+        counts.bump("connections")
+    return tls_sock
+
+
+def probe_lm_server(host: str, port: int, timeout_s: float, key: bytes, tls: ssl.SSLContext | None = None,
+                    server_name: str | None = None) -> bool:
     """True if the tier server answers an authenticated HEALTH within ``timeout_s``."""
-    return lm_server_status(host, port, timeout_s, key) is None
+    return lm_server_status(host, port, timeout_s, key, tls, server_name) is None
 
 
 class _FailureTap:
@@ -126,11 +172,13 @@ class RemoteTier:
     """Owns the ``lm://`` backend of one LMCache engine (see the module doc for the states)."""
 
     def __init__(self, url: str, engine: Any, timeout_s: float, retry_s: float, key: bytes,
-                 lock: threading.RLock, probe_s: float | None = None):
+                 lock: threading.RLock, probe_s: float | None = None, tls: TierTLS | None = None):
         from kvtransport.tier.auth import check_key
         self.url = url
         self.host, self.port = parse_lm_url(url)
         self._engine = engine          # lmcache LMCacheEngine (post-initialised)
+        self.tls_counts = TlsCounts()  # TLS handshakes of the tunnel and the probes (with tls)
+        self._tls_ctx, self._tunnel, self._server_name = None, None, None
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._key = check_key(key)
@@ -148,8 +196,14 @@ class RemoteTier:
         self._down_logged = False      # one warning per outage
         self._backend: Any = None
         self._stop = threading.Event()
-        with lock:
-            self._try_attach()
+        if tls is not None:
+            self._start_tunnel(tls)
+        try:
+            with lock:
+                self._try_attach()
+        except BaseException:
+            self.close()
+            raise
         self._prober = None
         if probe_s is not None:
             self._prober = threading.Thread(target=self._probe_loop, args=(probe_s,), daemon=True,
@@ -184,11 +238,37 @@ class RemoteTier:
         self._close_socket(self._backend)
         self._backend = None
         self.up = False
+        if self._tunnel is not None:
+            self._tunnel.close()
+
+    @property
+    def tls_target(self) -> str | None:
+        """Where LMCache's client connects when TLS is on: the tunnel's loopback ``lm://`` URL."""
+        return None if self._tunnel is None else self._tunnel.url
 
     # ---- internals ---------------------------------------------------------------------------
+    def _start_tunnel(self, tls: TierTLS) -> None:
+        """TLS on: LMCache's client dials a loopback tunnel (``kvtransport.tier.tls``) that
+        forwards over TLS to the tier; probes open TLS themselves."""
+        from kvtransport.tier.tls import Forwarder, client_context
+        self._tls_ctx = client_context(tls)           # ValueError for unreadable files or a loose key
+        self._server_name = tls.server_name or self.host
+        self._tunnel = Forwarder(("127.0.0.1", 0), (self.host, self.port), connect_tls=self._tls_ctx,
+                                 server_name=self._server_name, handshake_timeout_s=self.timeout_s + 1.0,
+                                 counts=self.tls_counts, name=f"kvnotes-tier-tls-{self.port}")
+        self._engine.config.remote_url = self._tunnel.url    # read by LMCache's RemoteBackend
+
+    def _status(self) -> str | None:
+        """lm_server_status of the tier itself (over TLS when on), bounded by ``timeout_s``."""
+        why = lm_server_status(self.host, self.port, self.timeout_s, self._key, self._tls_ctx,
+                               self._server_name, self.tls_counts)
+        if why is not None and self._tunnel is not None and self.tls_counts.last_error and "TLS" not in why:
+            why = f"{why}; last TLS error: {self.tls_counts.last_error}"
+        return why
+
     def _probe_loop(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
-            why = lm_server_status(self.host, self.port, self.timeout_s, self._key)   # outside the lock
+            why = self._status()   # outside the lock
             with self._lock:
                 if self._stop.is_set():
                     return
@@ -225,7 +305,7 @@ class RemoteTier:
         from kvtransport.tier.auth import TierAuthError, client_handshake
 
         self._next_try = time.monotonic() + self.retry_s
-        why = lm_server_status(self.host, self.port, self.timeout_s, self._key)
+        why = self._status()
         if why is not None:
             if why.startswith("refused"):
                 self.auth_refusals += 1

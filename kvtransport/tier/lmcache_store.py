@@ -74,6 +74,9 @@ class LMCacheStore(KVStore):
                 raise ValueError("tier_remote_url needs the tier key: the tier server refuses anonymous clients "
                                  "(kvtransport.tier.auth.tier_key of the cluster secret)")
             check_key(remote_key)
+            if config.remote_tls is not None:
+                from kvtransport.tier.tls import checked_files
+                checked_files(config.remote_tls, server=False)   # before any engine: unreadable, or a loose key
         from kvtransport.tier import lmcache_env
         lmcache_env.prepare()
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -124,8 +127,13 @@ class LMCacheStore(KVStore):
         if config.remote_url:
             from kvtransport.tier.lmcache_remote import RemoteTier
             cfg.remote_url = config.remote_url    # read by LMCache's RemoteBackend, built by RemoteTier
-            self._remote = RemoteTier(config.remote_url, self._engine, config.remote_timeout_s,
-                                      config.remote_retry_s, remote_key, self._lock, config.remote_probe_s)
+            try:
+                self._remote = RemoteTier(config.remote_url, self._engine, config.remote_timeout_s,
+                                          config.remote_retry_s, remote_key, self._lock, config.remote_probe_s,
+                                          config.remote_tls)
+            except BaseException:
+                LMCacheEngineBuilder.destroy(self._instance)
+                raise
         self._closed = False
 
     @classmethod
@@ -239,6 +247,8 @@ class LMCacheStore(KVStore):
             remote_errors=self._remote.errors if self._remote else 0,
             remote_reconnects=self._remote.reconnects if self._remote else 0,
             remote_auth_refusals=self._remote.auth_refusals if self._remote else 0,
+            remote_tls_connections=self._remote.tls_counts.connections if self._remote else 0,
+            remote_tls_handshake_failures=self._remote.tls_counts.handshake_failures if self._remote else 0,
             remote_last_error=self._remote.last_error if self._remote else "",
             remote_up=bool(self._remote and self._remote.up), evictions=c["evictions"],
             remote_evict_unsupported=c["remote_evict_unsupported"])

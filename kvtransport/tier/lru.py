@@ -94,9 +94,10 @@ class LRUPieceStore:
 class TierServerCollector:
     """``kvnotes_tier_server_*`` series, read from the store and the server at scrape time."""
 
-    def __init__(self, store: LRUPieceStore, connections: Counter):
+    def __init__(self, store: LRUPieceStore, connections: Counter, tls=None):
         self.store = store
         self.connections = connections   # "accepted" | "bad_proof" | "no_proof" -> count (the server's)
+        self.tls = tls                   # its TLS terminator's kvtransport.tier.tls.TlsCounts, or None (plain)
 
     def collect(self):
         s = self.store
@@ -132,4 +133,20 @@ class TierServerCollector:
                                 "in time)", labels=["reason"])
         for reason in ("bad_proof", "no_proof"):
             c.add_metric([reason], self.connections[reason])
+        yield c
+        if self.tls is not None:
+            yield from self._tls_series()
+
+    def _tls_series(self):
+        from kvtransport.tier.tls import FAILURE_REASONS
+        counts = self.tls.snapshot()
+        c = CounterMetricFamily("kvnotes_tier_server_tls_connections", "TLS connections its terminator "
+                                "accepted and forwarded to LMCache's server")
+        c.add_metric([], counts.get("connections", 0))
+        yield c
+        c = CounterMetricFamily("kvnotes_tier_server_tls_handshake_failures", "TLS handshakes refused or "
+                                "failed: certificate (a client certificate missing or not of the CA), "
+                                "protocol (not TLS, e.g. plaintext), timeout, closed", labels=["reason"])
+        for reason in FAILURE_REASONS:
+            c.add_metric([reason], counts.get(f"handshake_failures:{reason}", 0))
         yield c

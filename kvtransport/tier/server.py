@@ -11,6 +11,11 @@ the ``lmcache_server`` console script runs) with three changes:
 - its listening socket sets ``SO_REUSEADDR``, so a server restarted after a crash binds its port
   again at once (the stock one fails with EADDRINUSE for ~60 s while old connections sit in
   TIME_WAIT).
+- with TLS (``tls=``, the config's ``tier_remote_tls_*``), the configured address is a TLS
+  terminator (``kvtransport.tier.tls``: a client certificate of the CA required unless
+  ``client_auth`` is off, handshake failures counted in
+  ``kvnotes_tier_server_tls_handshake_failures_total{reason}``) forwarding to LMCache's server on
+  a loopback port of its own; the tier key's handshake still runs inside TLS.
 Still no delete and no persistence: entries live in the server's memory until evicted or the
 server stops. ``start_tier_server`` returns once the server answers an authenticated health
 probe (and, by default, makes it exit when the starting process dies: no orphans);
@@ -35,6 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvruntime.config.tier import TierTLS
 from kvtransport.tier import lmcache_env
 from kvtransport.tier.lmcache_remote import probe_lm_server
 from kvtransport.tier.auth import KEY_ENV, check_key
@@ -71,14 +77,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 def start_tier_server(host: str = "127.0.0.1", port: int = 0, *, key: bytes,
                       capacity_bytes: int = DEFAULT_CAPACITY_BYTES, metrics_port: int | None = 0,
                       log_path: str | Path | None = None, ready_timeout_s: float = 30.0,
-                      exit_with_parent: bool = True) -> TierServer:
+                      exit_with_parent: bool = True, tls: TierTLS | None = None) -> TierServer:
     """Spawn the server in its own session; wait until it answers a health probe made with
     ``key`` (the tier key, ``kvtransport.tier.auth.tier_key`` of the cluster secret; handed to the
     child in its environment, never on its command line). ``port=0`` / ``metrics_port=0`` pick
     free ports; ``metrics_port=None`` exports nothing. With ``exit_with_parent`` the server also
     exits (within ~1 s) when this process dies without stopping it. Raises ``RuntimeError`` (with
-    the log tail) if it exits or does not answer within ``ready_timeout_s``."""
+    the log tail) if it exits or does not answer within ``ready_timeout_s``. ``tls``: serve TLS
+    (``kvtransport.tier.tls``; the readiness probe dials it with the same files)."""
     check_key(key)
+    probe_tls = None
+    if tls is not None:
+        from kvtransport.tier.tls import checked_files, client_context
+        checked_files(tls, server=True)
+        probe_tls = client_context(tls)
     if not 0 <= port < 65536 or (metrics_port is not None and not 0 <= metrics_port < 65536):
         raise ValueError(f"ports must be in [0, 65536), got {port} and {metrics_port}")
     port = port or free_port(host)
@@ -89,6 +101,7 @@ def start_tier_server(host: str = "127.0.0.1", port: int = 0, *, key: bytes,
         cmd += ["--metrics-port", str(metrics_port)]
     if exit_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]
+    cmd += tls_args(tls)
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(cmd,
@@ -103,7 +116,7 @@ def start_tier_server(host: str = "127.0.0.1", port: int = 0, *, key: bytes,
         if proc.poll() is not None:
             raise RuntimeError(f"lm:// tier server exited with {proc.returncode} on {host}:{port}"
                                f"{_tail(log_path)}")
-        if probe_lm_server(host, port, 0.5, key):
+        if probe_lm_server(host, port, 0.5, key, probe_tls, tls and tls.server_name):
             return server
         time.sleep(0.1)
     stop_tier_server(server)
@@ -147,11 +160,31 @@ def _tail(log_path: str | Path | None, n: int = 2000) -> str:
     return "\n--- server log tail ---\n" + Path(log_path).read_bytes()[-n:].decode(errors="replace")
 
 
+def tls_args(tls: TierTLS | None) -> list[str]:
+    """The ``--tls-*`` arguments of ``python -m kvtransport.tier.server`` for ``tls`` (paths only)."""
+    if tls is None:
+        return []
+    args = ["--tls-ca-file", tls.ca_file, "--tls-cert-file", tls.cert_file or "", "--tls-key-file", tls.key_file or ""]
+    return args + ([] if tls.client_auth else ["--no-tls-client-auth"])
+
+
+def _terminator(host: str, port: int, tls: TierTLS, backend_port: int):
+    """The TLS listener on (host, port) that forwards to LMCache's server on 127.0.0.1:backend_port."""
+    from kvtransport.tier.tls import Forwarder, server_context
+    return Forwarder((host, port), ("127.0.0.1", backend_port), accept_tls=server_context(tls),
+                     handshake_timeout_s=AUTH_TIMEOUT_S, name="kvnotes-tier-tls-terminator")
+
+
 def serve(host: str, port: int, key: bytes, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, *,
-          parent_pid: int | None = None, metrics_port: int | None = None) -> None:
+          parent_pid: int | None = None, metrics_port: int | None = None, tls: TierTLS | None = None) -> None:
     """Run the server in this process until killed (blocks); with ``parent_pid``, also until that
-    process is gone (checked every second). ``metrics_port``: export the server's series there."""
+    process is gone (checked every second). ``metrics_port``: export the server's series there.
+    ``tls``: (host, port) is a TLS terminator (``kvtransport.tier.tls``) and LMCache's server
+    listens on a loopback port of its own."""
     check_key(key)
+    if tls is not None:
+        from kvtransport.tier.tls import server_context
+        server_context(tls)       # files and key mode checked before anything listens
     lmcache_env.prepare()
     if parent_pid is not None:
         def watch() -> None:
@@ -172,12 +205,14 @@ def serve(host: str, port: int, key: bytes, capacity_bytes: int = DEFAULT_CAPACI
     count_lock = threading.Lock()
 
     class _Server(LMCacheServer):
-        def __init__(self):  # LMCacheServer.__init__ with our store and SO_REUSEADDR
-            self.host, self.port, self.data_store = host, port, store
+        def __init__(self):  # LMCacheServer.__init__ with our store and SO_REUSEADDR (behind TLS: on loopback)
+            self.host, self.port = (host, port) if tls is None else ("127.0.0.1", 0)
+            self.data_store = store
             self.server_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self.server_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.server_socket.bind((host, port))
+            self.server_socket.bind((self.host, self.port))
             self.server_socket.listen()
+            self.port = self.server_socket.getsockname()[1]
 
         def _serve_one(self, sock: socket.socket, addr) -> None:
             refused = server_handshake(sock, key, AUTH_TIMEOUT_S)
@@ -192,8 +227,8 @@ def serve(host: str, port: int, key: bytes, capacity_bytes: int = DEFAULT_CAPACI
             self.handle_client(sock)
 
         def run(self) -> None:
-            log.warning("lm:// tier server on %s:%s, capacity %d bytes, tier key required", host, port,
-                        capacity_bytes)
+            log.warning("lm:// tier server on %s:%s%s, capacity %d bytes, tier key required", host, port,
+                        "" if tls is None else f" (TLS, to LMCache on 127.0.0.1:{self.port})", capacity_bytes)
             try:
                 while True:
                     sock, addr = self.server_socket.accept()
@@ -202,12 +237,13 @@ def serve(host: str, port: int, key: bytes, capacity_bytes: int = DEFAULT_CAPACI
                 self.server_socket.close()
 
     server = _Server()
+    terminator = None if tls is None else _terminator(host, port, tls, server.port)
     if metrics_port is not None:
         from prometheus_client import CollectorRegistry
 
         from kvruntime.telemetry import start_exporter
         reg = CollectorRegistry()
-        reg.register(TierServerCollector(store, connections))
+        reg.register(TierServerCollector(store, connections, terminator and terminator.counts))
         start_exporter(reg, host=host, port=metrics_port)
     server.run()
 
@@ -233,15 +269,27 @@ def main(argv: list[str] | None = None) -> None:
                     help="least recently used pieces are evicted beyond this")
     ap.add_argument("--metrics-port", type=int, default=None, help="export Prometheus series on this port")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
+    ap.add_argument("--tls-ca-file", default=None, help="serve TLS: the CA client certificates are checked against")
+    ap.add_argument("--tls-cert-file", default=None, help="with --tls-ca-file: this server's certificate")
+    ap.add_argument("--tls-key-file", default=None, help="with --tls-ca-file: its key (mode 0600)")
+    ap.add_argument("--no-tls-client-auth", action="store_true", help="TLS without client certificates")
     args = ap.parse_args(argv)
     try:
         key = _read_key(args.key_file)
         if args.capacity_bytes <= 0:
             raise ValueError(f"--capacity-bytes must be > 0, got {args.capacity_bytes}")
+        tls = None
+        if args.tls_ca_file or args.tls_cert_file or args.tls_key_file:
+            if not args.tls_ca_file:
+                raise ValueError("--tls-cert-file / --tls-key-file need --tls-ca-file (TLS is on with the CA)")
+            tls = TierTLS(args.tls_ca_file or "", args.tls_cert_file or None, args.tls_key_file or None,
+                          client_auth=not args.no_tls_client_auth)
+            from kvtransport.tier.tls import checked_files
+            checked_files(tls, server=True)
     except (OSError, ValueError) as exc:
         sys.exit(f"tier_server: {exc}")
     serve(args.host, args.port, key, args.capacity_bytes, parent_pid=args.parent_pid,
-          metrics_port=args.metrics_port)
+          metrics_port=args.metrics_port, tls=tls)
 
 
 if __name__ == "__main__":

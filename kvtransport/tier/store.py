@@ -76,7 +76,9 @@ class StoreStats:
     remote_errors: int = 0            # failed or timed-out remote operations
     remote_reconnects: int = 0        # times the remote tier came back
     remote_up: bool = False           # remote tier configured and in use right now
-    remote_auth_refusals: int = 0     # attaches or probes the tier server refused (wrong tier key)
+    remote_auth_refusals: int = 0     # attaches or probes the tier server refused (wrong tier key, TLS failed)
+    remote_tls_connections: int = 0   # TLS connections made to the tier (tunnel and probes; tier_remote_tls_*)
+    remote_tls_handshake_failures: int = 0  # TLS handshakes with the tier that failed (certificate, protocol, ...)
     remote_last_error: str = ""       # why the remote tier last went down (one line)
     evictions: int = 0                # evict() calls that removed the chunk from some tier
     remote_evict_unsupported: int = 0  # evictions the remote tier could not do (no delete)

@@ -1,0 +1,243 @@
+"""TLS for the lm:// tier (issue 45, item 4), stunnel style (kvtransport.tier.tls): a real tier
+server process with a TLS terminator (started and stopped by PID) and real LMCache stores whose
+client dials a loopback tunnel. A chunk travels between two stores over TLS and a recording relay
+on the wire sees neither the KV bytes nor the tier handshake in clear; a client with another CA
+refuses the server, a client certificate of another CA is refused by the server, plaintext to the
+TLS port gets no challenge; each is counted. Certificates are made here with ``cryptography``
+(throwaway CAs). Every wait is bounded."""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import threading
+
+import httpx
+import pytest
+import torch
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from kvruntime.config import TierConfig
+from kvruntime.config.tier import TierTLS
+from kvruntime.kv import KVCache
+from kvtransport.tier.auth import MAGIC, tier_key
+from kvtransport.tier.lmcache_remote import lm_server_status
+from kvtransport.tier.lmcache_store import LMCacheStore
+from kvtransport.tier.server import start_tier_server, stop_tier_server
+from kvtransport.tier.store import ChunkKey, key_positions, tenant_salt
+from kvtransport.tier.tls import client_context
+from tests.conftest import metric
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
+
+L, H, D = 2, 2, 64
+KEY = tier_key(os.urandom(32))
+
+
+def _pki(tmp_path, name: str) -> dict:
+    """A CA and a certificate for 127.0.0.1 signed by it, as files (the key 0600): {cert, key, ca}."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvnotes")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    files = {"cert": tmp_path / f"{name}.pem", "key": tmp_path / f"{name}.key", "ca": tmp_path / f"{name}-ca.pem"}
+    files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    os.chmod(files["key"], 0o600)
+    return {k: str(v) for k, v in files.items()}
+
+
+def _tls_cfg(p: dict, **over) -> dict:
+    return {"remote_tls_ca_file": p["ca"], "remote_tls_cert_file": p["cert"], "remote_tls_key_file": p["key"], **over}
+
+
+def mkstore(url: str, tls: dict, **cfg) -> LMCacheStore:
+    return LMCacheStore("m", "float32", L, H, D, TierConfig(**{"cpu_bytes": 50 << 20, "remote_url": url,
+                                                               "remote_timeout_s": 1.0, "remote_probe_s": None,
+                                                               **tls, **cfg}), rope="5eed", remote_key=KEY)
+
+
+def mkkey(n: int, start: int) -> ChunkKey:
+    return ChunkKey.build("m", "float32", "5eed", range(start, start + n), tenant_salt("a"), 1)
+
+
+def mkkv(key: ChunkKey, seed: int = 0) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    return KVCache(torch.randn(L, 2, H, key.num_tokens, D, generator=g), key_positions(key),
+                   torch.tensor(key.token_ids))
+
+
+class _Relay:
+    """A TCP relay on the wire between a store and the tier's TLS port: forwards both ways and
+    keeps every byte it saw."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target, self.seen, self.lock = target, bytearray(), threading.Lock()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.target, timeout=10)
+            self.conns += [c, up]
+            for a, b in ((c, up), (up, c)):
+                threading.Thread(target=self._copy, args=(a, b), daemon=True).start()
+
+    def _copy(self, a: socket.socket, b: socket.socket):
+        try:
+            while data := a.recv(1 << 16):
+                with self.lock:
+                    self.seen += data
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.fixture
+def pki(tmp_path):
+    return _pki(tmp_path, "cluster"), _pki(tmp_path, "other")
+
+
+@pytest.fixture
+def server(tmp_path, pki):
+    ours, _ = pki
+    srv = start_tier_server(key=KEY, capacity_bytes=64 << 20, log_path=tmp_path / "tier.log",
+                            tls=TierTLS(ours["ca"], ours["cert"], ours["key"]))
+    yield srv
+    stop_tier_server(srv)
+
+
+def scrape(srv) -> str:
+    return httpx.get(srv.metrics_url, timeout=10).text
+
+
+def test_a_chunk_travels_over_tls_and_the_wire_shows_no_kv(server, pki):
+    ours, _ = pki
+    relay = _Relay((server.host, server.port))
+    writer = mkstore(f"lm://127.0.0.1:{relay.port}", _tls_cfg(ours))     # through the recording relay
+    reader = mkstore(server.url, _tls_cfg(ours))
+    try:
+        assert writer.stats.remote_up and reader.stats.remote_up
+        assert writer._remote.tls_target.startswith("lm://127.0.0.1:")     # LMCache dials the loopback tunnel
+        k = mkkey(300, 1000)                                               # a full piece and a 44-token tail
+        kv = mkkv(k, seed=3)
+        writer.put(k, kv)
+        assert writer.stats.put_tier_failures == {}
+        got = reader.get(k)                                                # the reader's local tier is empty
+        assert got is not None and torch.equal(got.data, kv.data)
+        assert reader.stats.hits_by_tier == {"remote": 1}
+        with relay.lock:
+            wire = bytes(relay.seen)
+        raw = kv.data.numpy().tobytes()
+        assert len(wire) > len(raw)                                        # the KV went through the relay ...
+        assert MAGIC not in wire                                           # ... the handshake not in clear
+        assert not any(raw[i:i + 64] in wire for i in range(0, len(raw) - 64, len(raw) // 16))   # nor the KV
+        assert writer.stats.remote_tls_connections >= 2 and writer.stats.remote_tls_handshake_failures == 0
+        text = scrape(server)
+        assert metric(text, "kvnotes_tier_server_entries") == 2
+        assert metric(text, "kvnotes_tier_server_tls_connections_total") >= 4   # ready probe, 2 probes, 2 tunnels
+        assert metric(text, "kvnotes_tier_server_tls_handshake_failures_total") == 0
+    finally:
+        writer.close()
+        reader.close()
+        relay.close()
+
+
+def test_another_ca_plaintext_and_a_foreign_client_certificate_are_refused_and_counted(server, pki):
+    ours, theirs = pki
+    wrong_ca = mkstore(server.url, _tls_cfg(ours, remote_tls_ca_file=theirs["ca"]))   # cannot verify the server
+    try:
+        st = wrong_ca.stats
+        assert not st.remote_up and st.remote_auth_refusals == 1 and st.remote_tls_handshake_failures >= 1
+        assert st.remote_last_error.startswith("refused") and "certificate" in st.remote_last_error
+        k = mkkey(256, 5000)
+        wrong_ca.put(k, mkkv(k))                                           # its local tier only
+        assert wrong_ca.stats.put_tier_failures == {"remote": 1}
+    finally:
+        wrong_ca.close()
+    foreign = mkstore(server.url, _tls_cfg(theirs, remote_tls_ca_file=ours["ca"]))  # trusts ours, presents theirs
+    try:
+        st = foreign.stats
+        assert not st.remote_up and st.remote_last_error.startswith("refused"), st.remote_last_error
+        assert "certificate" in st.remote_last_error and st.remote_tls_handshake_failures >= 1
+    finally:
+        foreign.close()
+    plain = mkstore(server.url, {})                                        # a client without TLS
+    try:
+        assert not plain.stats.remote_up
+    finally:
+        plain.close()
+    with socket.create_connection((server.host, server.port), timeout=10) as s:   # plaintext bytes to the TLS port
+        s.settimeout(10)
+        s.sendall(b"\x00" * 64)
+        got = b""
+        try:
+            while part := s.recv(4096):
+                got += part
+        except OSError:
+            pass
+        assert MAGIC not in got                                            # no challenge: closed after a TLS alert
+    text = scrape(server)
+    assert metric(text, "kvnotes_tier_server_tls_handshake_failures_total", reason="certificate") >= 1
+    assert metric(text, "kvnotes_tier_server_tls_handshake_failures_total", reason="protocol") >= 1
+    assert metric(text, "kvnotes_tier_server_tls_handshake_failures_total") >= 4   # + the other CA's, the plain store's
+    assert metric(text, "kvnotes_tier_server_entries") == 0
+    ok = lm_server_status(server.host, server.port, 5.0, KEY, client_context(TierTLS(ours["ca"], ours["cert"],
+                                                                                     ours["key"])))
+    assert ok is None                                                      # the cluster's own files still get in
+
+
+def test_tls_files_are_checked_before_anything_listens(tmp_path, pki):
+    ours, _ = pki
+    os.chmod(ours["key"], 0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        mkstore("lm://127.0.0.1:9", _tls_cfg(ours))
+    with pytest.raises(ValueError, match="chmod 600"):
+        start_tier_server(key=KEY, tls=TierTLS(ours["ca"], ours["cert"], ours["key"]))
+    os.chmod(ours["key"], 0o600)
+    with pytest.raises(ValueError, match="cannot read"):
+        mkstore("lm://127.0.0.1:9", _tls_cfg(ours, remote_tls_ca_file=str(tmp_path / "missing.pem")))
+    for bad, why in (({"remote_tls_cert_file": ours["cert"]}, "need tier_remote_url and tier_remote_tls_ca_file"),
+                     ({"remote_tls_ca_file": ours["ca"], "remote_tls_cert_file": ours["cert"]}, "go together"),
+                     ({"remote_tls_ca_file": ours["ca"]}, "client_auth needs"),
+                     ({"remote_tls_ca_file": ours["ca"], "remote_tls_client_auth": False,
+                       "remote_tls_server_name": "a b"}, "non-empty string")):
+        with pytest.raises(ValueError, match=why):
+            TierConfig(remote_url="lm://127.0.0.1:9", **bad)
+    from kvruntime.config import ClusterConfig
+    cfg = ClusterConfig.of(tier_remote_url="lm://127.0.0.1:9", tier_remote_tls_ca_file=ours["ca"],
+                           tier_remote_tls_client_auth=False)
+    assert cfg.tier.remote_tls == TierTLS(ours["ca"], client_auth=False)
