@@ -112,7 +112,9 @@ def test_agents_sdk_tool_call_and_its_result(endpoint, kind):
     """The forced call is made with the right arguments, run, and its result sent back (the Responses
     model sends ``function_call`` + ``function_call_output`` items). SmolLM2-135M then tends to call
     the tool again rather than answer, so the run may end at ``max_turns``: the items are read from
-    the result or from the error's run data."""
+    the result or from the error's run data. ``tool_choice="required"`` because under ``auto`` the
+    135M model answers without the tool, ``parallel_tool_calls=False`` because under vLLM's array
+    grammar it repeats the call to ``max_tokens`` (measured; docs/api.md, tools)."""
     from agents import Agent, ModelSettings, Runner, function_tool
     from agents.exceptions import MaxTurnsExceeded
     from agents.items import ToolCallItem, ToolCallOutputItem
@@ -130,6 +132,23 @@ def test_agents_sdk_tool_call_and_its_result(endpoint, kind):
     calls = [i for i in items if isinstance(i, ToolCallItem)]
     outputs = [i for i in items if isinstance(i, ToolCallOutputItem)]
     assert json.loads(calls[0].raw_item.arguments)["city"] == "Tokyo" and "sunny" in outputs[0].output
+
+
+@pytest.mark.parametrize("kind", ["responses", "chat"])
+def test_agents_sdk_default_settings_with_a_tool(endpoint, kind):
+    """The SDK's default settings (``tool_choice`` unset: ``auto``; no ``parallel_tool_calls``)
+    with a tool: the run completes with an answer. SmolLM2-135M answers in text without calling
+    the tool under ``auto`` (docs/api.md, tools: the model's choice, as on vLLM); a call it makes
+    must carry the city."""
+    from agents import Agent, ModelSettings, Runner, function_tool
+    from agents.items import ToolCallItem
+    agent = Agent(name="Assistant", instructions="You answer questions about the weather.",
+                  model=_agents_model(endpoint, kind), tools=[function_tool(weather)],
+                  model_settings=ModelSettings(max_tokens=64, temperature=0))
+    result = Runner.run_sync(agent, "What is the weather in Tokyo?", max_turns=3)
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    for call in (i for i in result.new_items if isinstance(i, ToolCallItem)):
+        assert json.loads(call.raw_item.arguments)["city"] == "Tokyo"
 
 
 @pytest.mark.parametrize("kind", ["responses", "chat"])
