@@ -5,13 +5,17 @@ with F fingerprints held in the tenant's state store (SQLite in a temporary file
     python -m bench.prompt_matching [--tokens 8192] [--fingerprints 10000] [--reps 30] [--state URL]
     python -m bench.control_path --matching ...        # the same row
 
-The store is filled first with F fingerprints of earlier prompts (spans, the prompts each was
-seen in, anchors of compiled chunks); the measured prompt holds a registered chunk, a compiled
-run, and otherwise text the store has never seen, and shares spans with one kept prompt (so the
-edit check reads it back). Timed: cutting the prompt (rolling hash, spans, anchors), the one
-batched store read, verifying chunk matches, reading the nearest prompt back and the divergence
-check. Not timed: the tier lookup (one Ray call to a prefill worker, ``tier_lookup`` in
-``bench.control_path``'s rows): it answers here at once from a set of the refs it was told of.
+The store is filled first with F fingerprints of earlier prompts (spans, each with the prompt
+it was seen in, and anchors of compiled chunks); the measured prompt holds a registered chunk, a
+compiled run, and otherwise text the store has never seen, and shares its tail with one kept
+prompt at the same offsets (an edit candidate: the edit check reads it back and compares).
+Timed: cutting the prompt (rolling hash, spans, anchors), the one batched store read (a read
+only: the entries' LRU is refreshed when the prompt is recorded, after its answer), verifying
+chunk matches, the spans this sighting makes recurring, reading the nearest prompt back and the
+divergence check. Not timed: the tier lookup (one Ray call to a prefill worker, ``tier_lookup``
+in ``bench.control_path``'s rows): it answers here at once from a set of the refs it was told
+of. Reported: wall-clock min / median / p90 and the median CPU time of the matching thread (what
+the work costs, whatever else the machine runs), with the load average.
 """
 from __future__ import annotations
 

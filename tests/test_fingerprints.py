@@ -11,7 +11,7 @@ import pytest
 
 from cluster.control.fingerprints import SpanConfig, anchors, as_ids, cut, cuts, divergence, fingerprint, spans
 from cluster.control.matching import (MatchConfig, anchor_entries, anchored_chunks, choose, find_edit, lookup_keys,
-                                      nearest_held, segments, seen_in, where)
+                                      may_edit, nearest_held, segments, seen_in, where)
 from cluster.control.state import StoreLimits, open_state
 from kvruntime.messages.plan import KVRef
 
@@ -86,6 +86,16 @@ def test_find_edit_one_field_and_refusals():
     deletion = held[:500] + held[520:]
     d = find_edit(deletion, held, MatchConfig())
     assert (d.start, d.held_end, d.new_end) == (500, 520, 500)
+    # the quick check never refuses a real one-span edit, wherever the span falls against its samples
+    r = random.Random(11)
+    for _ in range(300):
+        at, old_n, new_n = r.randrange(0, 1200), r.randrange(0, 65), r.randrange(0, 65)
+        new = held[:at] + rand_ids(new_n, r.randrange(10 ** 6)) + held[at + old_n:]
+        assert may_edit(new, held, 64) and may_edit(held, new, 64)
+        if at + old_n < len(held) and divergence(new, held) != (len(new), 0):    # not equal, no truncation
+            assert find_edit(new, held, MatchConfig(edit_min_share=0.5)) is not None
+    assert not may_edit(held[:600] + rand_ids(200, 12) + held[800:], held, 64)   # two samples differ
+    assert not may_edit(held + rand_ids(65, 13), held, 64)
 
 
 def test_chunk_found_at_any_offset_and_verified():

@@ -134,6 +134,8 @@ def find_edit(new: tuple[int, ...], held: tuple[int, ...], cfg: MatchConfig) -> 
     """``new`` as ``held`` with one contiguous span replaced, when enough of it is equal
     (``edit_min_share``) and the divergent span is short enough; None otherwise (and for two
     equal prompts, or one that only extends the held one: the prompt index serves those)."""
+    if not may_edit(new, held, cfg.edit_max_tokens):
+        return None
     p, s = divergence(new, held)
     new_end, held_end = len(new) - s, len(held) - s
     if (new_end == p and held_end == p) or (s == 0 and p in (new_end, held_end)):
@@ -141,6 +143,19 @@ def find_edit(new: tuple[int, ...], held: tuple[int, ...], cfg: MatchConfig) -> 
     if p + s < cfg.edit_min_share * len(new) or max(new_end, held_end) - p > cfg.edit_max_tokens:
         return None
     return FoundEdit(p, held_end, new_end, p + s)
+
+
+def may_edit(new, held, most: int) -> bool:
+    """A quick necessary condition for ``new`` being ``held`` with one span of at most ``most``
+    tokens replaced, from every ``most + 1``-th token (at most one of them falls in the span):
+    the lengths differ by at most ``most``, and the samples equal ``held`` at their own offset up
+    to the first that does not, and at their offset shifted by the change in length after it."""
+    d = len(new) - len(held)
+    if abs(d) > most:
+        return False
+    step = most + 1
+    k = next((i for i in range(0, len(new), step) if i >= len(held) or new[i] != held[i]), None)
+    return k is None or all(0 <= i - d < len(held) and new[i] == held[i - d] for i in range(k + step, len(new), step))
 
 
 def where(offset: int, messages: tuple[tuple[int, str, int, int], ...]) -> str:
