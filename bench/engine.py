@@ -187,6 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cached", type=int, default=4096, help="cached tokens of the few-token target")
     ap.add_argument("--skip", nargs="*", default=[], help="columns to skip (hf, recompute, ...)")
     ap.add_argument("--target-only", action="store_true", help="only the few-token forwards over --cached tokens")
+    ap.add_argument("--decode-leg-only", action="store_true", help="only the decode leg's suffix forward rows")
     ap.add_argument("--nominal-gbs", type=float, default=None,
                     help="the device's nominal memory bandwidth (GB/s): a second floor beside the measured copy rate")
     ap.add_argument("--profile", action="store_true",
@@ -212,6 +213,9 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     vocab = min(e.model.config.vocab_size, 30000)
     rows = []
+    if a.decode_leg_only:
+        decode_leg_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs, costs, timed)
+        return 0
     for n in ([] if a.target_only else lengths):
         ids = torch.randint(100, vocab, (n,), generator=g).tolist()
         qids = torch.randint(100, vocab, (a.question,), generator=g).tolist()

@@ -3,7 +3,11 @@ one process (issue 47 item 3): one vLLM decode engine with the kvnotes connector
 inbox), a block pushed to it over gRPC, then the request; and the same prompt recomputed once and
 asked again (vLLM's exact hit), interleaved per repetition.
 
-    python -m bench.vllm_first_token [--sizes 1024 4096] [--reps 3] [--kv-load async sync] [--json FILE]
+    python -m bench.vllm_first_token [--sizes 1024 4096] [--reps 3] [--variants async async-poll sync] [--json FILE]
+
+Variants, interleaved per repetition: ``async`` (the default load; the step loop waits for the
+load's end), ``async-poll`` (the same with the step loop polling every 2 ms, as before issue 47),
+``sync`` (the load inside the step that runs the suffix), and vLLM's ``exact_hit``.
 
 Stages of a loaded request (seconds, medians): ``send`` (the push, before the request), ``receive``
 (the connector's claim), ``decode`` (the block's header / CRC checks and tensor view), ``write``
@@ -22,6 +26,9 @@ import statistics
 import sys
 import time
 import uuid
+
+from kvtransport.transfer.blocks import encode_block
+from kvtransport.transfer.grpc_transport import GrpcTransport
 
 
 def _instrument():
@@ -73,13 +80,42 @@ def _first(vx, rec, tid, prefix, suffix, salt, kv_load):
             "loaded": summary.loaded_tokens, "cached": summary.cached_tokens}
 
 
+VARIANTS = ("async", "async-poll", "sync")   # async-poll: the step loop polling every 2 ms (before issue 47)
+
+
+def _load_once(vx, rec, tx, ref, kv, prefix, suffix, variant):
+    """Push the block, run the request with ``variant``'s load, then the same prompt and salt again."""
+    from decode_workers import vllm_engine
+    poll = variant == "async-poll"
+    if poll:                                          # the old loop: no wake-up, a 2 ms poll
+        vx._unhook()
+        vllm_engine._KV_WAIT_S = 0.002
+    try:
+        tid = uuid.uuid4().hex
+        t = time.perf_counter()
+        tx.send(vx.address, encode_block(tid, ref.spec.name, kv), timeout=60)
+        send = time.perf_counter() - t
+        rec["write"].clear(), rec["decode"].clear()
+        salt = uuid.uuid4().hex
+        one = _first(vx, rec, tid, prefix, suffix, salt, "sync" if variant == "sync" else "async")
+        # the same prompt and salt again: vLLM's exact hit on the blocks the load wrote
+        one["hit_after"] = _first(vx, rec, None, prefix, suffix, salt, None)["first_token"]
+        one.update(send=send, write=sum(w for w, _ in rec["write"]), decode=sum(rec["decode"]))
+        return one
+    finally:
+        if poll:
+            from decode_workers.vllm_async_load import on_load_done
+            vx._unhook = on_load_done(vx._load_done)
+            vllm_engine._KV_WAIT_S = 0.05
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.vllm_first_token")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--sizes", type=int, nargs="*", default=[1024, 4096])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--suffix", type=int, default=8)
-    ap.add_argument("--kv-load", nargs="*", default=["async", "sync"])
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     rec, vllm_adapter = _instrument()
@@ -88,8 +124,6 @@ def main(argv=None) -> int:
     from decode_workers.vllm_settings import VllmEngineConfig
     from kvruntime.engine import ReferenceEngine
     from kvruntime.ops import recompute
-    from kvtransport.transfer.blocks import encode_block
-    from kvtransport.transfer.grpc_transport import GrpcTransport
     from bench.decode_leg import copy_gbs
 
     ref = ReferenceEngine(args.model, threads=1)
@@ -105,41 +139,27 @@ def main(argv=None) -> int:
             prefix, suffix = ids[:size], ids[size:]
             kv = recompute(ref, prefix, logits=False).kv
             row = {"size": size, "bytes": kv.nbytes, "copy_gbs": copy_gbs(kv.nbytes)}
-            for mode in args.kv_load:
-                runs, sends, writes, decodes, agains = [], [], [], [], []
-                for r in range(-1, args.reps):                      # rep -1: an untimed warm-up
-                    tid = uuid.uuid4().hex
-                    t = time.perf_counter()
-                    tx.send(vx.address, encode_block(tid, ref.spec.name, kv), timeout=60)
-                    send = time.perf_counter() - t
-                    rec["write"].clear(), rec["decode"].clear()
-                    salt = uuid.uuid4().hex
-                    one = _first(vx, rec, tid, prefix, suffix, salt, mode)
-                    # the same prompt and salt again: vLLM's exact hit on the blocks the load wrote
-                    again = _first(vx, rec, None, prefix, suffix, salt, None)
+            runs = {v: [] for v in (*args.variants, "exact_hit")}
+            for r in range(-1, args.reps):                      # rep -1: an untimed warm-up
+                order = [*args.variants, "exact_hit"]
+                order = order[r % len(order):] + order[:r % len(order)]     # interleaved, rotated
+                for v in order:
+                    if v == "exact_hit":
+                        salt = uuid.uuid4().hex
+                        _first(vx, rec, None, prefix, suffix, salt, None)      # cold: vLLM computes and caches it
+                        one = _first(vx, rec, None, prefix, suffix, salt, None)
+                    else:
+                        one = _load_once(vx, rec, tx, ref, kv, prefix, suffix, v)
                     if r >= 0:
-                        runs.append(one), sends.append(send), agains.append(again)
-                        writes += [w for w, _ in rec["write"]]
-                        decodes += rec["decode"]
-                row[f"load_{mode}"] = _median(runs) | {"send": statistics.median(sends),
-                                                        "write": statistics.median(writes or [0.0]),
-                                                        "decode": statistics.median(decodes or [0.0]),
-                                                        "hit_after": _median(agains)["first_token"]}
-            hits = []
-            for r in range(-1, args.reps):
-                salt = uuid.uuid4().hex
-                _first(vx, rec, None, prefix, suffix, salt, None)      # cold: vLLM computes and caches the prompt
-                one = _first(vx, rec, None, prefix, suffix, salt, None)  # the exact hit
-                if r >= 0:
-                    hits.append(one)
-            row["exact_hit"] = _median(hits)
+                        runs[v].append(one)
+            row.update({v: _median(x) for v, x in runs.items()})
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
         tx.stop()
         vx.stop()
         torch.set_num_threads = vllm_adapter._set_num_threads
-    _table(rows, args.kv_load)
+    _table(rows, args.variants)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "load_average": os.getloadavg(), "argv": sys.argv[1:]}, f, indent=1)
@@ -163,7 +183,7 @@ def _table(rows: list[dict], modes) -> None:
         print(f"| {r['size']} | exact hit | {h['first_token']:.3f} | | | | {h['steps']:.0f} | {h['other_steps']:.3f} | "
               f"{h['suffix_step']:.3f} | | |")
         for m in modes:
-            x = r[f"load_{m}"]
+            x = r[m]
             rate = r["bytes"] / x["write"] / 1e9 if x["write"] else 0.0
             print(f"| {r['size']} | load {m} | {x['first_token']:.3f} | {x['receive']:.3f} | {x['decode']:.3f} | "
                   f"{x['write']:.3f} ({rate:.1f}; copy {r['copy_gbs']:.1f}) | {x['steps']:.0f} | "

@@ -18,6 +18,10 @@ of the same cache tensors, never these.
 A load that fails (missing, late, corrupt, mismatched block; any error) still completes: its
 blocks are reported through ``get_block_ids_with_load_errors`` no later than the step its id is
 returned as finished, and vLLM's ``kv_load_failure_policy`` recomputes or fails the request.
+
+A load's end is announced to the listeners of :func:`on_load_done` (the decode engine's step loop,
+which then steps at once instead of polling: empty steps every 2 ms ran beside the write on the
+2-core machine and slowed it, issue 47).
 """
 from __future__ import annotations
 
@@ -27,6 +31,32 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 log = logging.getLogger(__name__)
+
+_listeners: list[Callable[[], None]] = []
+_listeners_lock = threading.Lock()
+
+
+def on_load_done(fn: Callable[[], None]) -> Callable[[], None]:
+    """Call ``fn()`` whenever an awaited async load of this process ends (no loader lock held);
+    returns the function that unregisters it."""
+    with _listeners_lock:
+        _listeners.append(fn)
+
+    def remove() -> None:
+        with _listeners_lock:
+            if fn in _listeners:
+                _listeners.remove(fn)
+    return remove
+
+
+def _announce() -> None:
+    with _listeners_lock:
+        fns = list(_listeners)
+    for fn in fns:
+        try:
+            fn()
+        except Exception:  # a listener's failure never fails the load; logged
+            log.exception("kvnotes: a load-done listener failed")
 
 
 class AsyncLoader:
@@ -67,6 +97,7 @@ class AsyncLoader:
                         self._on_failure(req_id, reason)
                     self._inflight.discard(req_id)
                     self._done.add(req_id)
+                _announce()                        # after the lock: a listener may take its own
 
     def take_done(self) -> set[str]:
         """Request ids whose load ended since the last call (caller holds no lock)."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from decode_workers import vllm_adapter
 from decode_workers.engine_api import DecodeEngine
+from decode_workers.vllm_async_load import on_load_done
 from decode_workers.vllm_inbox import INBOXES
 from decode_workers.vllm_settings import ConnectorSettings, VllmEngineConfig, load_params
 from decode_workers.vllm_stream import DecodeStream
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from kvtransport.transfer.endpoints import Receiver
 
 log = logging.getLogger(__name__)
+
+_KV_WAIT_S = 0.05     # the step loop's wait while only async loads are pending (their end wakes it)
 
 
 class VllmDecodeExecutor(DecodeEngine):
@@ -76,6 +79,8 @@ class VllmDecodeExecutor(DecodeEngine):
         self._work = threading.Condition(threading.Lock())
         self._queues: dict[str, queue.Queue] = {}
         self._stopped = False
+        self._hurry = 0            # steps to run without waiting: a load ended (reported, then scheduled)
+        self._unhook = on_load_done(self._load_done)
         self._thread = threading.Thread(target=self._loop, name="vllm-step", daemon=True)
         self._thread.start()
 
@@ -88,10 +93,11 @@ class VllmDecodeExecutor(DecodeEngine):
                     self._work.wait()
                 if self._stopped:
                     return
-                if self.core.only_waiting_for_kv():
-                    # only requests waiting for their KV (an async load): nothing to compute, so poll
-                    # the loads' completion gently instead of spinning on empty steps
-                    self._work.wait(0.002)
+                if self.core.only_waiting_for_kv() and not self._hurry:
+                    # only requests waiting for their KV (an async load): nothing to compute; a load's
+                    # end wakes this (vllm_async_load.on_load_done), the timeout is a safety net
+                    self._work.wait(_KV_WAIT_S)
+                self._hurry = max(0, self._hurry - 1)
                 try:
                     outs = self.engine.step()
                 except Exception as exc:           # an engine failure ends every request with it
@@ -107,7 +113,14 @@ class VllmDecodeExecutor(DecodeEngine):
                         if out.finished:
                             self._queues.pop(out.request_id, None)
 
+    def _load_done(self) -> None:
+        """An async load ended: the next step reports it, the one after schedules its request."""
+        with self._work:
+            self._hurry = 2
+            self._work.notify()
+
     def stop(self) -> None:
+        self._unhook()
         with self._work:
             self._stopped = True
             self._work.notify_all()
