@@ -241,3 +241,34 @@ def test_tls_files_are_checked_before_anything_listens(tmp_path, pki):
     cfg = ClusterConfig.of(tier_remote_url="lm://127.0.0.1:9", tier_remote_tls_ca_file=ours["ca"],
                            tier_remote_tls_client_auth=False)
     assert cfg.tier.remote_tls == TierTLS(ours["ca"], client_auth=False)
+
+
+def test_kvnotes_tier_server_reads_the_tls_settings_from_the_config(tmp_path, pki):
+    """`kvnotes tier-server --config F` with `tier_remote_tls_*` in F serves TLS only: a probe with
+    the cluster's files gets in, a plain one does not. Stopped by PID."""
+    import json
+    import subprocess
+    import sys
+
+    from cluster.control.ray_backends import tier_key_of
+    from kvruntime.config import ClusterConfig
+    from tests.conftest import free_port, wait_for
+
+    ours, _ = pki
+    port = free_port()
+    conf = tmp_path / "kvnotes.json"
+    conf.write_text(json.dumps({"data_dir": str(tmp_path / "data"), "tier_remote_url": f"lm://127.0.0.1:{port}",
+                                "tier_remote_capacity_bytes": 64 << 20,
+                                **{f"tier_{k}": v for k, v in _tls_cfg(ours).items()}}))
+    cfg = ClusterConfig.from_file(conf)
+    key, ctx = tier_key_of(cfg), client_context(cfg.tier.remote_tls)
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.operator.cli", "tier-server", "--config", str(conf)],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "cli.log", "wb"), start_new_session=True)
+    try:
+        wait_for(lambda: proc.poll() is not None or lm_server_status("127.0.0.1", port, 1.0, key, ctx) is None, 60,
+                 "the CLI's TLS tier server to answer", every=0.2)
+        assert proc.poll() is None, (tmp_path / "cli.log").read_text()[-2000:]
+        assert lm_server_status("127.0.0.1", port, 1.0, key) is not None          # plain TCP gets no challenge
+    finally:
+        stop_tier_server(proc.pid)
+        proc.wait(timeout=10)

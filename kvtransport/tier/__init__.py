@@ -6,7 +6,7 @@ control plane for the tier key (``cluster.control.ray_backends``) and the ``kvno
 command (``cluster.operator.cli``). What crosses it: a ``ChunkKey`` (model, dtype, RoPE, token ids,
 tenant salt, canonical position) and the chunk's dense KV (``kvruntime.kv.KVCache``) in and out;
 nothing else. What it calls: LMCache (imported lazily, CPU parts only) and, for ``lm://``, the
-tier server over TCP after a challenge-response on the tier key. It never imports
+tier server over TCP (TLS by config) after a challenge-response on the tier key. It never imports
 ``kvtransport.transfer``: the tier stores LMCache memory objects, not transfer blocks.
 
 - ``store``: ``ChunkKey`` and ``key_for`` (from ``kvruntime.messages.keys``) and the ``KVStore``
@@ -19,5 +19,6 @@ tier server over TCP after a challenge-response on the tier key. It never import
 - ``lmcache_env``: LMCache's process-wide settings (telemetry off) and the globals it touches.
 - ``server``: start/stop the ``lm://`` tier server by PID (LMCache's, authenticated, LRU;
   ``python -m kvtransport.tier.server``); ``auth``: its tier-key challenge-response; ``lru``:
-  what it holds, and its metrics.
+  what it holds, and its metrics; ``tls``: TLS around LMCache for ``lm://`` (a loopback tunnel per
+  store, a terminator in the server; ``tier_remote_tls_*``).
 """

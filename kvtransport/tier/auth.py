@@ -21,10 +21,12 @@ wire:
 
 Both proofs cover both nonces, so neither is valid on another connection (a recorded client
 proof replayed to the server fails: the server's nonce differs); the labels keep a proof of one
-role from passing as the other's. The proofs carry a channel binding (``tcp`` today) so that a TLS
-session can be bound in the same place; on plain TCP a relay that passes the handshake through
-could read and change what follows, and the KV bytes travel in clear: across hosts the tier
-belongs on a private network (docs/deploy.md, "Security").
+role from passing as the other's. The proofs carry a channel binding (``tcp``) so that a TLS
+session could be bound in the same place; it is not: with ``tier_remote_tls_*`` the handshake
+runs inside TLS that ``kvtransport.tier.tls`` adds around LMCache (a tunnel and a terminator, on
+loopback at both ends), where neither end of this handshake sees the TLS session. On plain TCP a
+relay that passes the handshake through could read and change what follows, and the KV bytes
+travel in clear: across hosts use TLS, or a private network (docs/deploy.md, "Security").
 """
 from __future__ import annotations
 
