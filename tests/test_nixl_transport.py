@@ -41,6 +41,8 @@ def _receiver(cmds, results):
                         and torch.equal(kv.positions, want.positions) and torch.equal(kv.token_ids, want.token_ids))
                 del kv
                 results.put(("ok", same))
+            elif cmd[0] == "metadata":                    # for a second sender agent
+                results.put(("ok", t.metadata()))
             elif cmd[0] == "stats":
                 gc.collect()
                 s = t.stats()
@@ -216,6 +218,39 @@ def test_forged_notifications_are_counted_not_fatal(pair):
     assert ask("receive", "after-garbage", 5, 60, "float32") == ("ok", True)
     counters = _stats(ask)["counters"]
     assert counters.get("bad_offer") == 1 and counters.get("bad_notification") == 1
+
+
+def test_a_cancel_is_taken_only_from_the_peer_that_pushes_the_transfer(pair):
+    """Two real sender agents: a second agent's CANCEL of a transfer the first pushed is refused and
+    counted (``foreign_cancel``), the block stays and is received bit exact; the pushing agent's own
+    CANCEL drops its transfer (the receiver's claim then fails as rejected)."""
+    from kvtransport.transfer.nixl_wire import CANCEL
+    from tests.conftest import wait_for
+    tx, name, ask = pair
+    status, md = ask("metadata")
+    assert status == "ok"
+    intruder = NixlTransport(CFG)
+    try:
+        intruder.add_peer(name, md)
+        tx.send(name, encode_block("held", "m", _kv(60)), timeout=30)            # delivered, not yet claimed
+        before = _stats(ask)
+        with intruder._lock:
+            intruder._agent.send_notif(name, CANCEL + b"held")
+        wait_for(lambda: _stats(ask)["refused"].get("foreign_cancel", 0) == before["refused"].get("foreign_cancel", 0) + 1,
+                 10, "the foreign cancel to be counted", every=0.1)
+        assert _stats(ask)["blocks"] == before["blocks"]                          # nothing was dropped
+        assert ask("receive", "held", 5, 60, "float32") == ("ok", True)
+        tx.send(name, encode_block("cancel-me", "m", _kv(60)), timeout=30)
+        held = _stats(ask)["blocks"]
+        with tx._lock:
+            tx._agent.send_notif(name, CANCEL + b"cancel-me")                      # its own pusher's cancel
+        wait_for(lambda: _stats(ask)["blocks"] == held - 1, 10, "the owner's cancel to drop the block", every=0.1)
+        status, kind, reason, msg = ask("receive", "cancel-me", 5, 0, "float32")
+        assert (status, kind, reason) == ("error", "TransferError", "rejected") and "cancelled by sender" in msg
+        s = _stats(ask)
+        assert s["held"] == 0 and s["blocks"] == 0
+    finally:
+        intruder.stop()
 
 
 def test_config_validation():
