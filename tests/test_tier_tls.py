@@ -272,3 +272,34 @@ def test_kvnotes_tier_server_reads_the_tls_settings_from_the_config(tmp_path, pk
     finally:
         stop_tier_server(proc.pid)
         proc.wait(timeout=10)
+
+
+def test_the_tunnel_follows_a_tls_server_killed_and_restarted(tmp_path, pki):
+    """The tunnel's connection ends with the server's (SIGKILL by PID): the probe marks the tier
+    down, re-attaches through the tunnel to the restarted server, and a put reaches it."""
+    import signal
+
+    from tests.conftest import wait_for
+    ours, _ = pki
+    tls = TierTLS(ours["ca"], ours["cert"], ours["key"])
+    srv = start_tier_server(key=KEY, capacity_bytes=64 << 20, log_path=tmp_path / "tier.log", tls=tls)
+    store = mkstore(srv.url, _tls_cfg(ours), remote_probe_s=0.5, remote_retry_s=60)
+    again = None
+    try:
+        assert store.stats.remote_up
+        os.kill(srv.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=10)
+        wait_for(lambda: not store.stats.remote_up, 10, "the probe to see the server gone", every=0.1)
+        again = start_tier_server(srv.host, srv.port, key=KEY, capacity_bytes=64 << 20,
+                                  log_path=tmp_path / "again.log", tls=tls)
+        wait_for(lambda: store.stats.remote_up, 15, "the probe to re-attach through the tunnel", every=0.1)
+        assert store.stats.remote_reconnects == 1
+        k = mkkey(256, 70_000)
+        store.put(k, mkkv(k))
+        assert "remote" not in store.stats.put_tier_failures
+        assert metric(scrape(again), "kvnotes_tier_server_entries") == 1
+    finally:
+        store.close()
+        stop_tier_server(srv)
+        if again is not None:
+            stop_tier_server(again)
