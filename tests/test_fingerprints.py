@@ -201,6 +201,24 @@ def test_fingerprints_and_held_prompts_are_bounded_lru_and_expire(store_url):
     s.expire(now + 3)
     assert s.get_held_prompt("acme", "h0", now + 3) is None and s.get_held_prompt("acme", "h2", now + 3) == (2,)
     s.close()
+
+
+def test_a_read_without_touch_refreshes_no_lru(store_url):
+    """The request path's reads (``touch=False``): the recording's touch refreshes them later."""
+    s = open_state(store_url, StoreLimits(fingerprint_max=2, held_prompt_max=2, fingerprint_ttl_s=600,
+                                          held_prompt_ttl_s=600))
+    now = time.time()
+    for i in range(2):
+        s.put_fingerprints("globex", {f"s:{i}": ""}, now + i)
+        s.put_held_prompt("globex", f"h{i}", (i,), now + i)
+    assert set(s.get_fingerprints("globex", ["s:0", "s:1"], now + 3, touch=False)) == {"s:0", "s:1"}
+    assert s.get_held_prompt("globex", "h0", now + 3, touch=False) == (0,)
+    s.put_fingerprints("globex", {"s:2": ""}, now + 4)
+    s.put_held_prompt("globex", "h2", (2,), now + 4)
+    s.expire(now + 4)
+    assert set(s.get_fingerprints("globex", ["s:0", "s:1", "s:2"], now + 5)) == {"s:1", "s:2"}
+    assert s.get_held_prompt("globex", "h0", now + 5) is None and s.get_held_prompt("globex", "h1", now + 5) == (1,)
+    s.close()
     s = open_state(store_url, StoreLimits(fingerprint_ttl_s=0.5, held_prompt_ttl_s=0.5))
     t = time.time()
     s.put_fingerprints("acme", {"s:t": ""}, t)

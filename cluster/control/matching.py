@@ -19,8 +19,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
 from cluster.control.fingerprints import Cut, SpanConfig, anchors, as_ids, divergence, fingerprint
 from cluster.control.planner import RenderedSegment
 from kvruntime.config.matching import MatchConfig  # noqa: F401  (re-exported: the one MatchConfig)

@@ -177,7 +177,8 @@ class PromptMatcher:
         """The nearest earlier prompt and how this one edits it, when editing it reuses more than
         the exact prefix and the matched chunks would."""
         near = nearest_held(c, seen, exclude=key, max_shift=self.cfg.edit_max_tokens)
-        held = self.state.get_held_prompt(tenant, near, time.time()) if near else None
+        # a read only: the entry is touched when this prompt is recorded (recurring.py), off the request path
+        held = self.state.get_held_prompt(tenant, near, time.time(), touch=False) if near else None
         found = find_edit(prefix, held, self.cfg) if held else None       # prefix: the prompt's int64 array
         if found is None or found.equal <= hit + sum(m.end - m.start for m in chunks):
             return None

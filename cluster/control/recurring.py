@@ -34,7 +34,7 @@ import time
 from typing import TYPE_CHECKING
 
 from cluster.control.fingerprints import Cut, fingerprint
-from cluster.control.matching import ChunkMatch, MatchConfig, anchor_entries, last_seen
+from cluster.control.matching import ChunkMatch, MatchConfig, anchor_entries, last_seen, nearest_held
 from cluster.control.state import StateStore, StateStoreUnavailable
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan
 
@@ -131,7 +131,7 @@ class RecurringSpans:
 
         def earlier(k):
             if k not in kept:
-                kept[k] = self.state.get_held_prompt(tenant, k, now)
+                kept[k] = self.state.get_held_prompt(tenant, k, now, touch=False)    # touched when recorded
             return kept[k]
         out = []
         for start, end in recurring_runs(ids, c, counts, seen, earlier, self.cfg, covered + [(0, hit)] * bool(hit),
@@ -177,6 +177,9 @@ class RecurringSpans:
         now = time.time()
         if seen:                                    # the match read them without refreshing their LRU: now
             self.state.get_fingerprints(tenant, list(seen), now)
+            near = nearest_held(c, seen, exclude=key, max_shift=self.cfg.edit_max_tokens)
+            if near is not None:                    # and the held prompt it compared this one with
+                self.state.get_held_prompt(tenant, near, now)
         for m in inline:                            # compiled in the request's build: findable from now on
             self.state.put_fingerprints(tenant, anchor_entries("span", m.name, tenant, m.kv.token_ids,
                                                                self.cfg.spans), now)

@@ -231,7 +231,8 @@ class StateStore(ABC):
         """The token ids of a prompt the tier holds (``key``: its prompt-index hash)."""
 
     @abstractmethod
-    def get_held_prompt(self, tenant: str, key: str, now: float) -> tuple[int, ...] | None: ...
+    def get_held_prompt(self, tenant: str, key: str, now: float, touch: bool = True) -> tuple[int, ...] | None:
+        """The ids, refreshing the entry's LRU (``touch=False``: a read only, refreshed later)."""
 
     # ---- stored responses (/v1/responses with store: bounded, expiring; cluster.http.responses) ---
     @abstractmethod

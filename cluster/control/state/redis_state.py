@@ -228,9 +228,10 @@ class RedisState(StateStore):
         self._put_bounded("held", {_k("held", tenant, key): array("q", token_ids).tobytes()},
                           self.limits.held_prompt_ttl_s, self.limits.held_prompt_max, now)
 
-    def get_held_prompt(self, tenant, key, now):
+    def get_held_prompt(self, tenant, key, now, touch=True):
         from array import array
-        v = self._get_bounded("held", [_k("held", tenant, key)], self.limits.held_prompt_ttl_s, now)[0]
+        name = _k("held", tenant, key)
+        v = self._get_bounded("held", [name], self.limits.held_prompt_ttl_s, now)[0] if touch else self.r.get(name)
         return tuple(array("q", v)) if v is not None else None
 
     # ---- stored responses (TTL from storing; the oldest trimmed past response_max) -------------

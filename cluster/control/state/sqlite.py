@@ -227,14 +227,15 @@ class SqliteState(StateStore):
                       (tenant, key, array("q", token_ids).tobytes(), now))
         self._wrote(now)
 
-    def get_held_prompt(self, tenant, key, now):
+    def get_held_prompt(self, tenant, key, now, touch=True):
         from array import array
-        with self._tx() as c:
+        with self._tx() if touch else contextlib.nullcontext(self._conn()) as c:   # a read only: no write lock
             rows = c.execute("SELECT ids FROM held_prompts WHERE tenant=? AND key=? AND used>=?",
                              (tenant, key, now - self.limits.held_prompt_ttl_s)).fetchall()
             if not rows:
                 return None
-            c.execute("UPDATE held_prompts SET used=? WHERE tenant=? AND key=?", (now, tenant, key))
+            if touch:
+                c.execute("UPDATE held_prompts SET used=? WHERE tenant=? AND key=?", (now, tenant, key))
         return tuple(array("q", rows[0][0]))
 
     # ---- stored responses (expired and over-limit ones dropped on each store) --------------------
