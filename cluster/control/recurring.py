@@ -102,7 +102,8 @@ def recurring_runs(ids: tuple[int, ...], c: Cut, counts: dict[str, int], seen: d
 
 
 class RecurringSpans:
-    """Counts a tenant's spans and compiles the recurring ones in the background."""
+    """Counts a tenant's spans, finds the ones a prompt's sighting makes recurring (compiled in its
+    build) and compiles in the background those its policy recomputed."""
 
     def __init__(self, state: StateStore, backends: "Backends", metrics: "Metrics", cfg: MatchConfig,
                  chunk_position: int, is_break=None):
