@@ -3,7 +3,8 @@ the embedded default (reference decode engine; ``test_e2e_vllm_echo_logprobs`` r
 decode): the prompt's own log-probs first (its first token's null), equal to a direct forward of
 the model; the request a full recompute although the tier holds the prompt, counted; the
 completion's log-probs those of the same request without echo; streamed, the first chunk the
-prompt with its log-probs."""
+prompt with its log-probs; a batch of token-id prompts (lm-evaluation-harness's loglikelihood
+request)."""
 import pytest
 
 from tests.conftest import metric
@@ -73,6 +74,13 @@ def check_echo_logprobs(client, http):
     assert streamed == lp.tokens[n:] and "".join(ch.text for ch in chunks) == c.text
     offsets = [o for ch in chunks if ch.logprobs for o in ch.logprobs.text_offset]
     assert offsets[:n] == lp.text_offset[:n] and offsets[n] == len(PROMPT)
+    # lm-evaluation-harness's loglikelihood request: a batch of token-id prompts, max_tokens 1
+    batch = [ids[:40], ids[:25]]
+    b = oa.completions.create(model=MODEL, prompt=batch, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    for ch, p in zip(b.choices, batch):
+        got = ch.logprobs.token_logprobs
+        assert got[0] is None and len(got) == len(p) + 1
+        assert got[1:len(p)] == pytest.approx([float(want[i - 1, p[i]]) for i in range(1, len(p))], abs=2e-3)
 
 
 def test_echo_with_logprobs_returns_the_prompts_own(client):
