@@ -32,6 +32,10 @@ class InboxCollector:
                                         "(same-host gRPC pushes under checksum policy auto)", labels=["worker"])
         unchecked.add_metric([w], s.unchecked)
         yield unchecked
+        roomless = CounterMetricFamily("kvnotes_inbox_roomless_blocks", "Blocks received plain: the granted room "
+                                       "for the decode session did not fit (the session copies them)", labels=["worker"])
+        roomless.add_metric([w], s.roomless)
+        yield roomless
         expired = CounterMetricFamily("kvnotes_inbox_expired", "Received blocks or grants that expired unclaimed",
                                       labels=["worker", "what"])
         expired.add_metric([w, "block"], s.expired)

@@ -219,8 +219,10 @@ class ReferenceEngine:
             raise ValueError("positions must be >= 0")
         past = past if past is not None else self.empty_kv()
         p, n = past.num_tokens, ids.numel()
-        data = torch.zeros(self.num_layers, 2, self.kv_heads, p + n, self.head_dim, dtype=self.dtype,
-                           device=self.device)
+        # every slot is written before it is read (past copied, the new ones by the forward), so no
+        # memset pass; a probe leaves later layers unwritten, and those are documented as zeros
+        alloc = torch.zeros if stop_after_layer is not None else torch.empty
+        data = alloc(self.num_layers, 2, self.kv_heads, p + n, self.head_dim, dtype=self.dtype, device=self.device)
         all_pos = torch.empty(p + n, dtype=torch.long, device=self.device)
         all_ids = torch.empty(p + n, dtype=torch.long, device=self.device)
         if p:

@@ -155,3 +155,26 @@ def test_the_suffix_runs_in_the_buffer_the_block_was_received_into(wired, monkey
     assert again[-1].fallbacks == () and again[-1].loaded_tokens == 1
     assert [ev.token_id for ev in again if isinstance(ev, TokenEvent)] == \
            [ev.token_id for ev in old if isinstance(ev, TokenEvent)]
+
+
+def test_only_an_engine_that_decodes_in_the_receive_buffer_is_granted_room():
+    """``announce`` (DecodeWorker.expect) puts the router's room on the grant for the reference
+    engine (``receive_room``) only; vLLM writes the block into its paged cache, so it gets none."""
+    class Engine:
+        held = None
+
+        def __init__(self, receive_room):
+            self.receive_room = receive_room
+
+        def hold(self, grant, prefix_ids, salt, computes_from=None):
+            return 0
+
+    class Receiver:
+        def expect(self, grant):
+            self.grant = grant
+
+    grant, _ = TransferGrant.issue("a-1", "m", "float32", (1, 2, 3))
+    for receive_room, room, want in ((True, 9, 9), (False, 9, None), (True, 0, None)):
+        rx = Receiver()
+        announce(Engine(receive_room), rx, TransferExpectation(grant, (1, 2, 3), "s", None, room))
+        assert rx.grant.room == want, (receive_room, room)
