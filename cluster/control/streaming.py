@@ -132,7 +132,7 @@ class RequestStreams:
             job = PlannedRequest(plan, sampling, store_as, prefill_index, salt, started)
             async for ev in self.runner.run(ctx, job):
                 if isinstance(ev, Finished):
-                    self._finished_native(tenant, req, sess, plan, store_as, ev)
+                    self._finished_native(tenant, req, sess, plan, store_as, ev, prefill_index)
                 yield ev
                 if marks:        # the first event is out: the writes stay off the time to first token
                     self.marks.later(tenant, marks, now)
@@ -142,12 +142,14 @@ class RequestStreams:
                 self.marks.later(tenant, marks, now)
 
     def _finished_native(self, tenant: str, req: RenderedRequest, sess: SessionContext | None, plan: RequestPlan,
-                         store_as: KVRef | None, fin: Finished) -> None:
+                         store_as: KVRef | None, fin: Finished, prefill_index: int) -> None:
         count_reuse(self.metrics, fin)
         if req.session:
             self._remember(tenant, req, sess, plan, store_as if fin.stored else None)
         elif fin.stored and store_as is not None and store_as.exact:
             self.index.record(tenant, store_as.token_ids)
+        elif needs_store(store_as, fin):          # the decode engine computed the rest: into the tier behind it
+            self.store_behind.schedule(tenant, store_as, 0, prefill_index)
 
     async def _plan_native(self, req: RenderedRequest, present: frozenset, sess, tenant: str, salt: str,
                            prefill_index: int, ctx: RequestContext) -> RequestPlan:
