@@ -69,7 +69,7 @@ def _tls_cfg(p: dict, **over) -> dict:
 
 def mkstore(url: str, tls: dict, **cfg) -> LMCacheStore:
     return LMCacheStore("m", "float32", L, H, D, TierConfig(**{"cpu_bytes": 50 << 20, "remote_url": url,
-                                                               "remote_timeout_s": 1.0, "remote_probe_s": None,
+                                                               "remote_timeout_s": 3.0, "remote_probe_s": None,
                                                                **tls, **cfg}), rope="5eed", remote_key=KEY)
 
 
@@ -134,7 +134,7 @@ def pki(tmp_path):
 @pytest.fixture
 def server(tmp_path, pki):
     ours, _ = pki
-    srv = start_tier_server(key=KEY, capacity_bytes=64 << 20, log_path=tmp_path / "tier.log",
+    srv = start_tier_server(key=KEY, capacity_bytes=64 << 20, log_path=tmp_path / "tier.log", ready_timeout_s=120,
                             tls=TierTLS(ours["ca"], ours["cert"], ours["key"]))
     yield srv
     stop_tier_server(srv)
@@ -265,7 +265,7 @@ def test_kvnotes_tier_server_reads_the_tls_settings_from_the_config(tmp_path, pk
     proc = subprocess.Popen([sys.executable, "-m", "cluster.operator.cli", "tier-server", "--config", str(conf)],
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "cli.log", "wb"), start_new_session=True)
     try:
-        wait_for(lambda: proc.poll() is not None or lm_server_status("127.0.0.1", port, 1.0, key, ctx) is None, 60,
+        wait_for(lambda: proc.poll() is not None or lm_server_status("127.0.0.1", port, 2.0, key, ctx) is None, 120,
                  "the CLI's TLS tier server to answer", every=0.2)
         assert proc.poll() is None, (tmp_path / "cli.log").read_text()[-2000:]
         assert lm_server_status("127.0.0.1", port, 1.0, key) is not None          # plain TCP gets no challenge
@@ -282,7 +282,8 @@ def test_the_tunnel_follows_a_tls_server_killed_and_restarted(tmp_path, pki):
     from tests.conftest import wait_for
     ours, _ = pki
     tls = TierTLS(ours["ca"], ours["cert"], ours["key"])
-    srv = start_tier_server(key=KEY, capacity_bytes=64 << 20, log_path=tmp_path / "tier.log", tls=tls)
+    srv = start_tier_server(key=KEY, capacity_bytes=64 << 20, log_path=tmp_path / "tier.log", tls=tls,
+                            ready_timeout_s=120)
     store = mkstore(srv.url, _tls_cfg(ours), remote_probe_s=0.5, remote_retry_s=60)
     again = None
     try:
@@ -291,7 +292,7 @@ def test_the_tunnel_follows_a_tls_server_killed_and_restarted(tmp_path, pki):
         srv.proc.wait(timeout=10)
         wait_for(lambda: not store.stats.remote_up, 10, "the probe to see the server gone", every=0.1)
         again = start_tier_server(srv.host, srv.port, key=KEY, capacity_bytes=64 << 20,
-                                  log_path=tmp_path / "again.log", tls=tls)
+                                  log_path=tmp_path / "again.log", tls=tls, ready_timeout_s=120)
         wait_for(lambda: store.stats.remote_up, 15, "the probe to re-attach through the tunnel", every=0.1)
         assert store.stats.remote_reconnects == 1
         k = mkkey(256, 70_000)

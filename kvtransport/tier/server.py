@@ -116,7 +116,7 @@ def start_tier_server(host: str = "127.0.0.1", port: int = 0, *, key: bytes,
         if proc.poll() is not None:
             raise RuntimeError(f"lm:// tier server exited with {proc.returncode} on {host}:{port}"
                                f"{_tail(log_path)}")
-        if probe_lm_server(host, port, 0.5, key, probe_tls, tls and tls.server_name):
+        if probe_lm_server(host, port, 0.5 if tls is None else 2.0, key, probe_tls, tls and tls.server_name):
             return server
         time.sleep(0.1)
     stop_tier_server(server)

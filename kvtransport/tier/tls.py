@@ -17,18 +17,19 @@ The tier key's challenge-response (``kvtransport.tier.auth``) still runs end to 
 a local process that connects to the tunnel's loopback port gets a TLS connection to the tier but
 no KV without the key. Its probes (``lm_server_status``) open TLS directly, without the tunnel.
 
-Each forwarder runs its own asyncio event loop in one daemon thread and counts (``TlsCounts``):
+Each forwarder runs an accept thread and one thread per connection, and counts (``TlsCounts``):
 connections forwarded, TLS handshakes failed by reason (``certificate``: a certificate refused
 either way, ``protocol``: not TLS, e.g. plaintext to the TLS port, ``timeout``, ``closed``), and
 targets it could not connect to. Key files other users may read are refused (:func:`checked_files`).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
+import select
 import socket
 import ssl
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from kvruntime.config.tier import TierTLS
 
 log = logging.getLogger(__name__)
 
-BUFFER_BYTES = 256 << 10         # one read of a forwarded stream (LMCache sends whole pieces, ~MBs)
+BUFFER_BYTES = 1 << 20           # one read of a forwarded stream (LMCache sends whole pieces, ~MBs)
 FAILURE_REASONS = ("certificate", "protocol", "timeout", "closed")
 
 
@@ -94,7 +95,7 @@ def failure_reason(exc: BaseException) -> str:
     text = str(exc).lower()
     if isinstance(exc, ssl.SSLCertVerificationError) or "certificate" in text or "unknown ca" in text:
         return "certificate"
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) or "timed out" in text or "longer than" in text:
+    if isinstance(exc, TimeoutError) or "timed out" in text or "longer than" in text:
         return "timeout"
     if isinstance(exc, ssl.SSLError):
         return "protocol"
@@ -141,7 +142,9 @@ class TlsCounts:
 class Forwarder:
     """One TCP listener; every connection it accepts is forwarded to ``target``, with TLS on the
     accepting side (``accept_tls``: a terminator) or the dialling side (``connect_tls``: a tunnel).
-    Closing either end closes both. :meth:`close` stops the listener and every connection."""
+    An accept thread and one thread per connection, OpenSSL en/decrypting on the sockets with the
+    GIL released (asyncio's TLS streams, tried first, moved KV several times slower). Closing
+    either end closes both; :meth:`close` stops the listener and every connection."""
 
     def __init__(self, listen: tuple[str, int], target: tuple[str, int], *, accept_tls: ssl.SSLContext | None = None,
                  connect_tls: ssl.SSLContext | None = None, server_name: str | None = None,
@@ -150,142 +153,165 @@ class Forwarder:
             raise ValueError("a Forwarder has TLS on exactly one side (accept_tls or connect_tls)")
         if handshake_timeout_s <= 0:
             raise ValueError(f"handshake_timeout_s must be > 0, got {handshake_timeout_s}")
-        self.target = target
+        self.target, self.name = target, name
         self._accept_tls, self._connect_tls = accept_tls, connect_tls
         self._server_name = server_name or target[0]
         self._timeout = handshake_timeout_s
         self.counts = counts if counts is not None else TlsCounts()
-        self._tasks: set[asyncio.Task] = set()
-        self._listener = socket.create_server(listen, reuse_port=False)     # SO_REUSEADDR on POSIX
-        self._listener.setblocking(False)
-        self.host, self.port = self._listener.getsockname()[:2]
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-        self._accepting = asyncio.run_coroutine_threadsafe(self._accept_loop(), self._loop)
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()          # every socket of a live connection (closed by close())
         self._closed = False
+        self._listener = socket.create_server(listen)   # SO_REUSEADDR on POSIX
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._acceptor = threading.Thread(target=self._accept_loop, name=name, daemon=True)
+        self._acceptor.start()
 
     @property
     def url(self) -> str:
         return f"lm://{self.host}:{self.port}"
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop listening, close every forwarded connection, stop the loop thread. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout_s)
-        except (TimeoutError, RuntimeError, asyncio.TimeoutError):
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=timeout_s)
-        if not self._thread.is_alive():
-            self._loop.close()
+        """Stop listening and close every forwarded connection (their threads end). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            socks = list(self._open)
+        for s in [self._listener, *socks]:
+            _shut(s)
         self._listener.close()
+        self._acceptor.join(timeout=timeout_s)
 
-    async def _shutdown(self) -> None:
-        """Cancel the accept loop and every connection's task (all this loop runs but this)."""
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _accept_loop(self) -> None:
         while True:
             try:
-                conn, addr = await loop.sock_accept(self._listener)
-            except OSError as exc:      # e.g. EMFILE: counted, and the loop goes on after a pause
-                self.counts.bump("accept_failures", f"accept: {type(exc).__name__}: {exc}")
-                await asyncio.sleep(0.1)
+                conn, addr = self._listener.accept()
+            except OSError as exc:
+                if self._closed:
+                    return
+                self.counts.bump("accept_failures", f"accept: {type(exc).__name__}: {exc}")   # e.g. EMFILE
+                time.sleep(0.1)
                 continue
-            task = loop.create_task(self._handle(conn, addr))
-            self._tasks.add(task)             # asyncio holds tasks weakly: an idle connection's would be collected
-            task.add_done_callback(self._tasks.discard)
+            threading.Thread(target=self._handle, args=(conn, f"{addr[0]}:{addr[1]}"), daemon=True,
+                             name=f"{self.name}-conn").start()
 
-    async def _handle(self, conn: socket.socket, addr) -> None:
-        """One accepted connection: TLS accepted on it (terminator) or made to the target (tunnel)
-        before anything else is read, so no TLS byte is buffered where the handshake cannot see it."""
-        ins = out = None
+    def _track(self, *socks: socket.socket) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._open.update(socks)
+            return True
+
+    def _handle(self, conn: socket.socket, where: str) -> None:
+        """One accepted connection: TLS accepted on it (terminator) or made to the target (tunnel),
+        then both directions copied until either ends."""
+        raw, out = conn, None
         try:
-            ins = await self._wrap_accepted(conn, f"{addr[0]}:{addr[1]}")
-            if ins is None:
+            if not self._track(raw):
                 return
-            out = await self._dial()
-            if out is None:
+            if self._accept_tls is not None:
+                conn = self._handshake(raw, self._accept_tls, where, server_side=True)
+                if conn is None or not self._track(conn):
+                    return
+            out = self._dial()
+            if out is None or not self._track(out):
                 return
             self.counts.bump("connections")
-            await self._pipe(*ins, *out)
-        except asyncio.CancelledError:
-            pass
+            _relay(conn, out)
         finally:
-            for streams in (ins, out):
-                if streams is not None:
-                    streams[1].close()
-            if ins is None:
-                conn.close()
+            with self._lock:
+                self._open.difference_update(s for s in (raw, conn, out) if s is not None)
+            for s in (raw, conn, out):
+                if s is not None:
+                    s.close()
 
-    async def _wrap_accepted(self, conn: socket.socket, where: str):
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=4 * BUFFER_BYTES)
-        protocol = asyncio.StreamReaderProtocol(reader)
-        kw = {} if self._accept_tls is None else {"ssl": self._accept_tls, "ssl_handshake_timeout": self._timeout}
+    def _handshake(self, sock: socket.socket, ctx: ssl.SSLContext, where: str, *, server_side: bool,
+                   server_name: str | None = None) -> ssl.SSLSocket | None:
+        sock.settimeout(self._timeout)
         try:
-            transport, _ = await asyncio.wait_for(loop.connect_accepted_socket(lambda: protocol, conn, **kw),
-                                                  self._timeout + 1.0)
-        except (OSError, EOFError, asyncio.TimeoutError) as exc:
+            tls = ctx.wrap_socket(sock, server_side=server_side, server_hostname=server_name)
+        except (OSError, EOFError) as exc:
             log.debug("%s", self.counts.handshake_failed(exc, where))
+            sock.close()
             return None
-        return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+        tls.settimeout(None)
+        return tls
 
-    async def _dial(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    def _dial(self) -> socket.socket | None:
         host, port = self.target
         where = f"{host}:{port}"
         try:
-            sock = await asyncio.wait_for(self._connect(host, port), self._timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
+            sock = socket.create_connection((host, port), timeout=self._timeout)
+        except OSError as exc:
             self.counts.bump("connect_failures", f"cannot connect to {where}: {type(exc).__name__}: {exc}")
             return None
-        kw = {} if self._connect_tls is None else {"ssl": self._connect_tls, "server_hostname": self._server_name,
-                                                    "ssl_handshake_timeout": self._timeout}
-        try:
-            return await asyncio.wait_for(asyncio.open_connection(sock=sock, limit=4 * BUFFER_BYTES, **kw),
-                                          self._timeout + 1.0)
-        except (OSError, EOFError, asyncio.TimeoutError) as exc:
-            sock.close()
-            line = self.counts.handshake_failed(exc, where)
-            log.debug("%s", line)
-            return None
+        if self._connect_tls is None:
+            sock.settimeout(None)
+            return sock
+        return self._handshake(sock, self._connect_tls, where, server_side=False, server_name=self._server_name)
 
-    @staticmethod
-    async def _connect(host: str, port: int) -> socket.socket:
-        loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, type_, proto, _, addr = infos[0]
-        sock = socket.socket(family, type_, proto)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, addr)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
 
-    @staticmethod
-    async def _pipe(r1: asyncio.StreamReader, w1: asyncio.StreamWriter, r2: asyncio.StreamReader,
-                    w2: asyncio.StreamWriter) -> None:
-        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(BUFFER_BYTES):
-                    dst.write(data)
-                    await dst.drain()
-            except (OSError, EOFError):
-                pass
-        legs = [asyncio.ensure_future(copy(r1, w2)), asyncio.ensure_future(copy(r2, w1))]
+def _relay(a: socket.socket, b: socket.socket) -> None:
+    """Copy both ways between a plain and a TLS socket, in this one thread (an ``SSLSocket`` must
+    not be read and written by two threads at once), until either ends or fails; then shut both.
+    The TLS side is read non-blocking (a record that is not application data, e.g. a session
+    ticket, must not block the other direction) and written blocking."""
+    tls_side = a if isinstance(a, ssl.SSLSocket) else b
+    other = {a: b, b: a}
+    buf = bytearray(BUFFER_BYTES)
+    view = memoryview(buf)
+    poller = select.poll()
+    for s in (a, b):
+        poller.register(s, select.POLLIN)
+    tls_side.setblocking(False)
+    try:
+        while True:
+            if tls_side.pending():
+                ready = [tls_side]
+            else:
+                fds = {fd for fd, _ in poller.poll()}
+                ready = [s for s in (a, b) if s.fileno() in fds]
+            for src in ready:
+                n, ended = _fill(src, view, src is tls_side)
+                if n == 0 and ended:
+                    return
+                dst = other[src]
+                if dst is tls_side:
+                    dst.setblocking(True)
+                    dst.sendall(view[:n])
+                    dst.setblocking(False)
+                else:
+                    dst.sendall(view[:n])
+                if ended:
+                    return
+    except (OSError, ValueError):
+        pass
+    finally:
+        _shut(a)
+        _shut(b)
+
+
+def _fill(src: socket.socket, view: memoryview, drain: bool) -> tuple[int, bool]:
+    """Read what ``src`` has into ``view``: one ``recv`` from a plain socket (poll said readable),
+    or, from the non-blocking TLS side, records until none is complete or ``view`` is full (one
+    ``sendall`` of many 16 KiB records). Returns (bytes read, whether ``src`` ended)."""
+    n = 0
+    while n < len(view):
         try:
-            await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)     # either end closed: close both
-        finally:
-            for leg in legs:
-                leg.cancel()
-            await asyncio.gather(*legs, return_exceptions=True)
+            k = src.recv_into(view[n:])
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return n, False
+        if not k:
+            return n, True
+        n += k
+        if not drain:
+            break
+    return n, False
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut a socket down both ways (wakes a thread blocked in accept or recv on it); never raises."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, ValueError):
+        pass
