@@ -519,13 +519,19 @@ def _unit(item) -> str:
 _COSTS: dict = {}
 
 
-def _cost(module: str | None) -> float:
+# an unlisted module: a short one, unless a test of it is marked slow (a real model, a cluster):
+# then a long one, so it is not handed out last, where it would leave the other worker idle
+UNLISTED_S, UNLISTED_SLOW_S = 2.0, 40.0
+
+
+def _cost(module: str | None, slow: bool = False) -> float:
     """Seconds a module took alone on a quiet 2-core machine (tests/test_costs.json, refreshed with
-    ``scripts/test_costs.py``); a module not listed counts as a short one."""
+    ``scripts/test_costs.py``); a module not listed: ``UNLISTED_SLOW_S`` when ``slow`` (one of its
+    tests is marked slow), else ``UNLISTED_S``."""
     if not _COSTS:
         import json
         _COSTS.update(json.loads((Path(__file__).parent / "test_costs.json").read_text()))
-    return float(_COSTS.get(f"{str(module).rpartition('.')[2]}.py", 2.0))
+    return float(_COSTS.get(f"{str(module).rpartition('.')[2]}.py", UNLISTED_SLOW_S if slow else UNLISTED_S))
 
 
 def _order_longest_units_first(items):
@@ -534,10 +540,13 @@ def _order_longest_units_first(items):
     the others, so a worker starts its Ray once and stops it once. Each unit's own order is kept."""
     _index_module_fixtures(items)
     mods: dict = {}                     # unit -> its modules, in collection order
+    slow: set = set()                   # modules with a test marked slow
     for it in items:
         mods.setdefault(_unit(it), {})[_module_name(it)] = None
+        if it.get_closest_marker("slow") is not None:
+            slow.add(_module_name(it))
     rank = {u: (not any("local_ray" in _MODULE_FIXTURES.get(m, ()) for m in ms),
-                -sum(_cost(m) for m in ms), i) for i, (u, ms) in enumerate(mods.items())}
+                -sum(_cost(m, m in slow) for m in ms), i) for i, (u, ms) in enumerate(mods.items())}
     # stable: each unit's own order kept, but a module taking a kept cluster for some parameters
     # only (``KEEPS``) last in its unit, so the kept cluster is not stopped and started again
     items.sort(key=lambda it: (rank[_unit(it)], bool(getattr(getattr(it, "module", None), "KEEPS", ()))))

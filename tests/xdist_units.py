@@ -45,3 +45,14 @@ class UnitScheduling(LoadScopeScheduling):
             self._units = json.loads(Path(path).read_text())
         file = nodeid.split("::", 1)[0]
         return self._units.get(file, file)
+
+    def _reschedule(self, node) -> None:
+        """The next unit once ``node`` starts the last test it holds, not the last two (xdist's
+        default): a worker runs a test only when it knows the next one, so one is enough, and a
+        unit handed out while a long second-to-last test still runs (test_faults' migration test)
+        could wait there while the other worker is idle at the end of the run."""
+        if node.shutting_down:
+            return
+        if self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+            return
+        super()._reschedule(node)
