@@ -25,12 +25,13 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.http import api, heap, health_view, responses, validate
+from cluster.http import api, edge, heap, health_view, responses, validate
+from cluster.http.edge import REPLICA_HEADER, TagReplica as _TagReplica  # noqa: F401  re-exported (tests, benches)
 from cluster.control.errors import RequestError
 from cluster.control.context import OutcomeRecord, RequestContext, StageClock
 from cluster.control.state import StateStoreUnavailable
 from cluster.http.errors import error_response
-from cluster.http.ids import REQUEST_ID_HEADER, request_id
+from cluster.http.ids import request_id
 from cluster.control.limits import RequestLimits
 from cluster.http.body import read_json
 from cluster.control import metrics as request_metrics      # a module reference: Serve pickles this app
@@ -40,45 +41,11 @@ from kvruntime.config import ClusterConfig
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvnotes", description="KV cache as notes: compose and edit.",
               docs_url=None, redoc_url=None, openapi_url=None)   # served by config (cluster.http.health_view)
-REPLICA_HEADER = "x-kvnotes-replica"     # which stateless router replica answered (debugging, tests)
 TARGET_REFRESH_S = 5.0                   # each replica re-announces its metrics endpoint this often
 TARGET_TTL_S = 30.0                      # and a replica silent this long drops out of /metrics/targets
 
 
-def _ray_metrics_nodes() -> list[tuple[str, str]]:
-    """(``ray-node-<id>``, ``host:port``) of every live Ray node's metrics agent."""
-    import ray
-    return [(f"ray-node-{n['NodeID'][:12]}", f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}")
-            for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:            # outside a Serve replica (unit tests): no replica id to report
-        return "local"
-
-
-class _TagReplica:
-    """Adds ``x-kvnotes-replica`` to every response. Plain ASGI (a ``@app.middleware("http")``
-    function would pipe every streamed response through an extra task and memory stream)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def tagged(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  (REPLICA_HEADER.encode(), _replica_id().encode())]}
-            await send(message)
-        await self.app(scope, receive, tagged)
-
-
-app.add_middleware(_TagReplica)
+app.add_middleware(edge.TagReplica)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -86,23 +53,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
     """Unknown routes and wrong methods: OpenAI-shaped too."""
     msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
     rid, echo = request_id(request.headers)
-    return _with_id(error_response(RequestError(exc.status_code, msg.get(exc.status_code, str(exc.detail))), rid),
+    return edge.with_id(error_response(RequestError(exc.status_code, msg.get(exc.status_code, str(exc.detail))), rid),
                     rid, echo)
-
-
-def _with_id(resp: Response, rid: str, set_header: bool) -> Response:
-    """``resp`` with the request's id in ``x-request-id`` (where the Serve proxy does not echo it)."""
-    if set_header:
-        resp.headers[REQUEST_ID_HEADER] = rid
-    return resp
-
-
-def _deadline(body) -> float | None:
-    """The request's own ``deadline_s`` for admission (an invalid one is the handler's 400)."""
-    try:
-        return validate.deadline_s(body) if isinstance(body, dict) else None
-    except RequestError:
-        return None
 
 
 # max_ongoing_requests / max_queued_requests: from the config (cluster.operator.launcher), Serve's own
@@ -134,7 +86,7 @@ class RouterIngress:
         self.inflight = InflightLimiter(cfg.server.max_inflight_per_tenant)
         # this replica's own metrics endpoint, announced in the state store so that /metrics/targets
         # (Prometheus' service discovery) lists every replica, not the one the proxy picked
-        self.process = f"router-{_replica_id()}"
+        self.process = f"router-{edge.replica_id()}"
         wired = wire_admission(cfg, self.router, self.process)     # cluster.control.assembly
         self.admission, self.exchange = wired.admission, wired.exchange
         self.metrics_target = start_exporter(self.router.metrics.registry, host=listen_host(cfg.server.bind_host))
@@ -172,7 +124,7 @@ class RouterIngress:
             record.tenant = await self.auth.of_request(request)      # the store read off the event loop
             self.inflight.acquire(record.tenant)
         except Exception as exc:
-            return _with_id(self._counted(error_response(exc, rid), record), rid, echo)
+            return edge.with_id(self._counted(error_response(exc, rid), record), rid, echo)
         clock.lap("http_auth")
         ctx, streaming = RequestContext(rid, record.tenant, clock=clock, outcome=record), False
         try:
@@ -199,7 +151,7 @@ class RouterIngress:
                 self.inflight.release(ctx.tenant)
         if body and int(request.headers.get("content-length") or 0) >= heap.LARGE_BODY_BYTES and resp.background is None:
             resp.background = BackgroundTask(anyio.to_thread.run_sync, heap.trim)    # once the response is sent
-        return _with_id(resp if streaming else self._counted(resp, record), rid, echo)
+        return edge.with_id(resp if streaming else self._counted(resp, record), rid, echo)
 
     async def _admit(self, ctx: RequestContext) -> RequestContext:
         """``ctx`` with its admission ticket; refused: shed (its outcome), the caller answers the error."""
@@ -211,7 +163,7 @@ class RouterIngress:
 
     def _within_deadline(self, ctx: RequestContext, parsed) -> None:
         """The request's own ``deadline_s`` only refuses more (``Admission.within_deadline``)."""
-        deadline = _deadline(parsed)
+        deadline = edge.deadline(parsed)
         if deadline is not None:
             ctx.outcome.shed = True
             self.admission.within_deadline(ctx.ticket, deadline)
@@ -274,7 +226,7 @@ class RouterIngress:
             return health_view.docs_response(self.cfg.server.docs, app, request.url.path)
         except RequestError as exc:
             rid, echo = request_id(request.headers)
-            return _with_id(error_response(exc, rid), rid, echo)
+            return edge.with_id(error_response(exc, rid), rid, echo)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -300,18 +252,9 @@ class RouterIngress:
             announced = self.state.targets(time.time(), TARGET_TTL_S)
         except (RequestError, StateStoreUnavailable) as exc:
             rid, echo = request_id(request.headers)
-            return _with_id(error_response(exc, rid), rid, echo)
-        groups = [{"targets": [addr], "labels": {"kvnotes_role": "router", "kvnotes_process": name}}
-                  for name, addr in announced.items()]
-        for role, workers in self.router.view.workers.items():
-            for i, w in enumerate(workers):
-                if w.metrics:
-                    groups.append({"targets": [w.metrics], "labels": {"kvnotes_role": role,
-                                                                      "kvnotes_process": f"{role}-{i}"}})
-        # each Ray node's metrics agent: Ray Serve's own series (HTTP requests, latency, queues)
-        for node in await asyncio.to_thread(_ray_metrics_nodes):
-            groups.append({"targets": [node[1]], "labels": {"kvnotes_role": "ray", "kvnotes_process": node[0]}})
-        return JSONResponse(groups)
+            return edge.with_id(error_response(exc, rid), rid, echo)
+        nodes = await asyncio.to_thread(edge.ray_metrics_nodes)
+        return JSONResponse(edge.target_groups(announced, self.router.view.workers, nodes))
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
