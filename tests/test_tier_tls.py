@@ -215,9 +215,10 @@ def test_another_ca_plaintext_and_a_foreign_client_certificate_are_refused_and_c
     assert metric(text, "kvnotes_tier_server_tls_handshake_failures_total", reason="protocol") >= 1
     assert metric(text, "kvnotes_tier_server_tls_handshake_failures_total") >= 4   # + the other CA's, the plain store's
     assert metric(text, "kvnotes_tier_server_entries") == 0
-    ok = lm_server_status(server.host, server.port, 5.0, KEY, client_context(TierTLS(ours["ca"], ours["cert"],
-                                                                                     ours["key"])))
-    assert ok is None                                                      # the cluster's own files still get in
+    ctx = client_context(TierTLS(ours["ca"], ours["cert"], ours["key"]))
+    assert lm_server_status(server.host, server.port, 5.0, KEY, ctx) is None   # the cluster's own files get in
+    other_name = lm_server_status(server.host, server.port, 5.0, KEY, ctx, server_name="tier.example")
+    assert other_name.startswith("refused") and "certificate" in other_name   # a name the certificate lacks
 
 
 def test_tls_files_are_checked_before_anything_listens(tmp_path, pki):
