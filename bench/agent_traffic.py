@@ -186,11 +186,15 @@ def main(argv=None) -> int:
         r["vllm"], r["startup_s"] = __import__("vllm").__version__, time.perf_counter() - t0
         warm = Clients(s, "exact", f"{tag}-warm")        # one-off costs (kernels, connections), not counted
         warm.both(s.model, [{"role": "user", "content": "Say hello."}], 2, True)
-        for policy in args.policies:
-            r["records"] += run_policy(s, policy, traffic, args.max_tokens, tag)
-            _save(r, args.json)                          # a run cut short keeps what it measured
+        for policy in args.policies:                     # a run cut short keeps what it measured
+            r["records"] += run_policy(s, policy, traffic, args.max_tokens, tag,
+                                       sink=lambda recs: _save({**r, "records": r["records"] + recs}, args.json))
+            _save(r, args.json)
     except BaseException as exc:                         # Ctrl-C, SIGTERM, an error: save, report, stop
         r["incomplete"] = f"{type(exc).__name__}: {exc}"[:300]
+        saved = Path(args.json)
+        if saved.exists():                               # the policy under way's records, as its sink left them
+            r["records"] = json.loads(saved.read_text()).get("records", r["records"])
         raise
     finally:
         s.close()
