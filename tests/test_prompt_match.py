@@ -222,3 +222,18 @@ def test_a_skill_pasted_into_a_native_text_segment_is_split_out_and_composed(smo
     got = [s for s in fin.plan.steps if s.source == "skill:refund"]
     assert len(got) == 1 and got[0].kind is PlanKind.REPOSITION and got[0].reused > 0, steps(fin)
     assert prompt_details(fin)["composed_tokens"] >= got[0].reused
+
+
+def test_the_second_sighting_on_a_restarted_router_finds_the_first_in_the_store(smol, rig):
+    """Only the state store remembers the first sighting: a router started on it after that
+    prompt compiles the recurring document in the second prompt's build."""
+    router, b, tmp = rig
+    d1, d2, d3 = (smol.encode(doc(t)) for t in ("harbour", "orchard", "quarry"))
+    q = smol.encode("\n\nQuestion: which shelf holds item 3? Answer:")
+    run(router, smol.encode("Context A.\n\n") + d1 + d2 + q)
+    again = _router(smol, b, tmp / "state.db")
+    _, fin = run(again, smol.encode("Other context.\n\n") + d3 + d2 + q)
+    spans = [s for s in fin.plan.steps if s.source.startswith("span:")]
+    assert spans and spans[0].kind is PlanKind.REPOSITION and spans[0].tokens >= 0.9 * len(d2), (
+        steps(fin), fin.plan.notes)
+    assert metric(again.metrics.render().decode(), "kvnotes_recurring_spans_total", outcome="compiled_in_request") == 1
