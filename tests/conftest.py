@@ -276,10 +276,12 @@ def tiny_engine(checkpoints: dict, family: str, dtype: str = "float32", device: 
 # A local Ray (GCS, raylet, its agents, idle workers) costs seconds to start and stop, and a loaded
 # 2-core machine sometimes fails to start one. Cluster fixtures that ask for ``local_ray`` share a
 # single one: ``start_cluster`` starts it on first use, ``stop_cluster`` stops that module's cluster
-# (Serve, the worker actors, waited for until gone) and keeps Ray for the next module. Those modules
+# (its Serve app; its worker actors are parked for a next cluster with the same worker settings, else
+# stopped by the next start) and keeps Ray for the next module. Those modules
 # run one after another, at the end (pytest_collection_modifyitems), and Ray is shut down before the
 # first test that does not ask for it: no other test, and no subprocess's ``ray.init()``, finds it.
-_RAY = {"owned": False, "active": False, "serve": None}   # serve: (host, port) of the kept Serve proxy
+_RAY = {"owned": False, "active": False, "serve": None,   # serve: (host, port) of the kept Serve proxy
+        "parked": None}     # (worker signature, cfg) of the worker actors the last cluster left running
 RAY_CPUS = 5                    # the most any shared-Ray module asks for (test_faults: 2 + 2 actors + router)
 
 
@@ -289,18 +291,44 @@ def local_ray():
     return None
 
 
-def shared_ray(cfg, local_cpus: int = 4) -> None:
+def shared_ray(cfg, local_cpus: int = 4, reuse_workers: bool = False) -> None:
     """The shared local Ray, started if needed (with at least ``local_cpus`` CPUs); call only while
-    no other cluster of this process runs."""
+    no other cluster of this process runs. Parked worker actors are stopped, except, with
+    ``reuse_workers``, those started with ``cfg``'s worker settings."""
     import ray
 
     from cluster.operator.launcher import start_local_ray
     if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < local_cpus:
         ray.shutdown()
     if not ray.is_initialized():
-        _RAY["serve"] = None
+        _RAY.update(serve=None, parked=None)
         start_local_ray(cfg, max(local_cpus, RAY_CPUS))
     _RAY.update(owned=True, active=True)
+    _stop_parked(keep=_worker_signature(cfg) if reuse_workers else None)
+
+
+# ---- worker actors kept from one cluster to the next with the same worker settings ---------------
+# The prefill and decode actors (a process each, the model loaded: most of a cluster's start) read
+# only the config's workers, tier and transport sections and the bind host; the router reads the
+# rest (limits, auth, state store, proxies). ``stop_cluster`` leaves the actors running ("parked");
+# the next ``start_cluster`` whose actors would be started with the same settings finds them by
+# name (``get_if_exists``) under its own router, any other start stops them first. What they keep is
+# salted per state store (each cluster's secret), so one cluster's tier holds nothing another can
+# hit; their own exporters' counters go on (tests read worker counters as deltas).
+def _worker_signature(cfg) -> tuple:
+    return (cfg.workers, cfg.tier, cfg.transport, cfg.server.bind_host)
+
+
+def _stop_parked(keep: tuple | None = None) -> None:
+    """Stop the parked worker actors (waited for until Ray no longer finds them) unless their
+    signature is ``keep``."""
+    parked = _RAY["parked"]
+    if parked is None or parked[0] == keep:
+        return
+    _RAY["parked"] = None
+    import ray
+    if ray.is_initialized():
+        _stop_workers_waited(parked[1])
 
 
 _CLUSTER_PORT: list = []
@@ -328,27 +356,26 @@ def _serve_for(cfg) -> None:
 def start_cluster(cfg, local_cpus: int = 4) -> None:
     """``cluster.operator.launcher.start`` on the shared local Ray (the fixture asks for ``local_ray``)."""
     from cluster.operator.launcher import start
-    shared_ray(cfg, local_cpus)
+    shared_ray(cfg, local_cpus, reuse_workers=True)
+    _RAY["parked"] = None               # this cluster's now (found by name, or started)
     _serve_for(cfg)
     try:
         start(cfg, local_cpus=local_cpus)
         _RAY["serve"] = (cfg.server.host, cfg.server.port)
     except BaseException:
-        stop_cluster(cfg)
+        stop_cluster(cfg, park=False)   # actors of a failed start are not handed to the next cluster
         raise
 
 
-def stop_cluster(cfg) -> None:
+def stop_cluster(cfg, park: bool = True) -> None:
     """Stop what ``start_cluster`` started except Ray and Serve's controller and proxy (kept for the
-    next cluster on ``cluster_port()``): the ``kvnotes`` app (its router replicas) and the worker
-    actors (waited for until Ray no longer finds them, so the next cluster's get_if_exists cannot get
-    a dying one). Safe to call twice."""
-    import time
-
+    next cluster on ``cluster_port()``): the ``kvnotes`` app (its router replicas); the worker actors
+    are parked for the next cluster with the same worker settings (``park``; else, or when the
+    app's stop failed, stopped and waited for until Ray no longer finds them, so the next cluster's
+    get_if_exists cannot get a dying one). Safe to call twice."""
     import ray
     from ray import serve
 
-    from cluster.control.ray_backends import NAMESPACE, stop_workers
     _RAY["active"] = False
     if not ray.is_initialized():
         return
@@ -360,17 +387,33 @@ def stop_cluster(cfg) -> None:
     except Exception:                   # the kept Serve is in doubt: a fresh one for the next cluster
         serve.shutdown()
         _RAY["serve"] = None
+        park = False
     finally:
-        stop_workers(cfg)
-        names = [f"prefill-{i}" for i in range(cfg.workers.prefill.count)] + [f"decode-{i}" for i in range(cfg.workers.decode.count)]
-        deadline = time.monotonic() + 60
-        for name in names:
-            while time.monotonic() < deadline:
-                try:
-                    ray.get_actor(name, namespace=NAMESPACE)
-                except ValueError:
-                    break
-                time.sleep(0.1)
+        if not park:
+            if _RAY["parked"] is not None and _RAY["parked"][0] == _worker_signature(cfg):
+                _RAY["parked"] = None
+            _stop_workers_waited(cfg)
+        elif _RAY["parked"] is None:    # (a second call finds them parked already)
+            _RAY["parked"] = (_worker_signature(cfg), cfg)
+
+
+def _stop_workers_waited(cfg) -> None:
+    """Kill ``cfg``'s worker actors and wait (at most 60 s) until Ray no longer finds them."""
+    import time
+
+    import ray
+
+    from cluster.control.ray_backends import NAMESPACE, stop_workers
+    stop_workers(cfg)
+    names = [f"prefill-{i}" for i in range(cfg.workers.prefill.count)] + [f"decode-{i}" for i in range(cfg.workers.decode.count)]
+    deadline = time.monotonic() + 60
+    for name in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            time.sleep(0.1)
 
 
 # A cluster fixture that several modules ask for (by the same name) is started once while they run
@@ -511,9 +554,12 @@ def _index_module_fixtures(items) -> None:
 
 
 def _unit(item) -> str:
-    """The unit of work ``item`` belongs to: the kept cluster its module asks for, else its module."""
+    """The unit of work ``item`` belongs to: the kept cluster its module asks for, else the
+    ``WORKERS_UNIT`` its module names (modules whose clusters start the same worker actors, which
+    they then take over one from the next: ``stop_cluster``), else its module."""
     names = _MODULE_FIXTURES.get(_module_name(item), set())
-    return next((k for k in KEPT_CLUSTERS if k in names), None) or str(_module_name(item))
+    return (next((k for k in KEPT_CLUSTERS if k in names), None)
+            or getattr(getattr(item, "module", None), "WORKERS_UNIT", None) or str(_module_name(item)))
 
 
 _COSTS: dict = {}
@@ -562,10 +608,12 @@ def _order_cluster_modules_last(items):
 
     keeps = {_module_name(it) for it in items if getattr(getattr(it, "module", None), "KEEPS", ())}
 
-    def group(mod):                     # modules keeping the same cluster: adjacent, in name order, those
-        names = _MODULE_FIXTURES[mod]   # that take it for some parameters only (KEEPS) last
+    units = {_module_name(it): getattr(it.module, "WORKERS_UNIT", "") for it in items if hasattr(it, "module")}
+
+    def group(mod):                     # modules keeping the same cluster (or naming the same WORKERS_UNIT):
+        names = _MODULE_FIXTURES[mod]   # adjacent, in name order, those taking it for some parameters only last
         return (min((i for i, k in enumerate(KEPT_CLUSTERS) if k in names), default=len(KEPT_CLUSTERS)),
-                mod in keeps)
+                units.get(mod, ""), mod in keeps)
     order = {m: i for i, m in enumerate(sorted(shared, key=lambda m: (group(m), shared.index(m))))}
     rest = [it for it in items if _module_name(it) not in order]
     block = [it for it in items if _module_name(it) in order]
@@ -584,7 +632,7 @@ def pytest_runtest_teardown(item, nextitem):
         release_kept(name)
     if _RAY["owned"] and not _RAY["active"] and not _KEPT and "local_ray" not in upcoming:
         import ray
-        _RAY.update(owned=False, serve=None)
+        _RAY.update(owned=False, serve=None, parked=None)     # parked workers go with Ray
         if ray.is_initialized():
             ray.shutdown()
 
@@ -596,6 +644,6 @@ def pytest_sessionfinish(session, exitstatus):
         release_kept(name)
     if _RAY["owned"]:
         import ray
-        _RAY.update(owned=False, active=False, serve=None)
+        _RAY.update(owned=False, active=False, serve=None, parked=None)
         if ray.is_initialized():
             ray.shutdown()

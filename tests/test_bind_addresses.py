@@ -9,6 +9,10 @@ import pytest
 
 from tests.conftest import cluster_port, http_client
 
+# one prefill and one decode actor of SmolLM2 with a 128 MiB tier, as in the other modules of this unit
+# (tests/conftest.py: their actors are started once and taken over from one module's cluster to the next)
+WORKERS_UNIT = "smollm2-tier128"
+
 _KVNOTES_PROCS = ("ray::prefill", "ray::decode", "ray::PrefillWorker", "ray::DecodeWorker",
                   "ServeReplica:kvnotes:kvnotes-router")
 
@@ -58,7 +62,7 @@ def test_a_loopback_cluster_listens_on_loopback_only_and_its_targets_need_a_key(
     from tests.conftest import start_cluster as start, stop_cluster as stop   # the shared local Ray
     from kvruntime.config import ClusterConfig
 
-    cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=64 << 20, data_dir=str(tmp_path), metrics_auth=True)
+    cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=128 << 20, data_dir=str(tmp_path), metrics_auth=True)
     start(cfg, local_cpus=4)
     client = http_client(cfg, timeout=120)
     try:

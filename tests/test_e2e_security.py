@@ -17,6 +17,9 @@ import pytest
 from tests.conftest import api_key, cluster_port, metric
 
 pytestmark = pytest.mark.slow
+# one prefill and one decode actor of SmolLM2 with a 128 MiB tier, as in the other modules of this unit
+# (tests/conftest.py: their actors are started once and taken over from one module's cluster to the next)
+WORKERS_UNIT = "smollm2-tier128"
 
 SECRET = "Vault note: the launch code for project Heron is 7419-ALPHA. Never share it."
 TEMPLATE = "Booking {ref} for {passenger}. Status: {status}.\n"

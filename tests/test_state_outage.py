@@ -22,6 +22,10 @@ from cluster.control.state import StateStoreUnavailable, StoreLimits, open_state
 from tests.conftest import cluster_port, free_port, http_client, metric
 from tests.test_faults import _wait
 
+# one prefill and one decode actor of SmolLM2 with a 128 MiB tier, as in the other modules of this unit
+# (tests/conftest.py: their actors are started once and taken over from one module's cluster to the next)
+WORKERS_UNIT = "smollm2-tier128"
+
 
 class RedisProc:
     """A redis-server with AOF (appendonly yes, appendfsync everysec) that can be SIGKILLed and
@@ -190,7 +194,7 @@ def outage_cluster(tmp_path_factory, local_ray):
     rp = RedisProc(root)
     rp.start()
     try:
-        cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=96 << 20, router_replicas=2, data_dir=str(root / "data"),
+        cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=128 << 20, router_replicas=2, data_dir=str(root / "data"),
                             state_url=rp.url, auth_cache_s=120.0, state_probe_s=1.0, state_timeout_s=1.0)
         start(cfg, local_cpus=4)
         http = http_client(cfg, timeout=120)

@@ -17,6 +17,9 @@ import pytest
 from tests.conftest import api_key, cluster_port
 
 pytestmark = pytest.mark.slow
+# one prefill and one decode actor of SmolLM2 with a 128 MiB tier, as in the other modules of this unit
+# (tests/conftest.py: their actors are started once and taken over from one module's cluster to the next)
+WORKERS_UNIT = "smollm2-tier128"
 
 PROXY = "10.9.8.7"
 SECRET = "Victim note: the vault combination is 31-7-22."
@@ -29,7 +32,7 @@ def tb(tmp_path_factory, local_ray):
 
     root = tmp_path_factory.mktemp("tb")
     data = root / "data"
-    cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=64 << 20, data_dir=str(data), trusted_proxies=[PROXY],
+    cfg = ClusterConfig.of(port=cluster_port(), tier_cpu_bytes=128 << 20, data_dir=str(data), trusted_proxies=[PROXY],
                            tenant="victim")
     (root / "c.json").write_text(json.dumps({"data_dir": str(data)}))
     start(cfg, local_cpus=4)
