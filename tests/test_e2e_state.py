@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import cluster_port, direct_text, http_client, metric
+from tests.conftest import cluster_port, direct_text, http_client, metric, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -160,6 +160,81 @@ def test_a_reregistered_template_is_used_by_the_next_turn(state_cluster):
     assert t2["plan"] == "recompute" and any("re-registered" in n for n in t2["explain"]["notes"])
     assert t2["usage"]["prompt_tokens"] != t1["usage"]["prompt_tokens"]
     assert http.post("/v1/templates", json={"name": "booking", "text": TEMPLATE}).status_code == 201
+
+
+def _restart_router_replicas(cfg, http) -> None:
+    """Every router replica killed (nothing of their processes' memory is left); back when each of
+    Serve's new ones has answered."""
+    import ray
+
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if "kvnotes-router" in a["name"] and a["namespace"] == "serve"]
+    assert len(replicas) == cfg.server.router_replicas, replicas
+    before = {http.get("/health").headers["x-kvnotes-replica"] for _ in range(20)}
+    for a in replicas:
+        ray.kill(ray.get_actor(a["name"], namespace="serve"), no_restart=True)
+    seen: set[str] = set()
+
+    def up():
+        try:
+            r = http.get("/health", timeout=5)
+        except httpx.HTTPError:
+            return False
+        if r.status_code == 200:
+            seen.add(r.headers["x-kvnotes-replica"])
+        return len(seen - before) >= cfg.server.router_replicas
+    wait_for(up, 180, "every new router replica answering", every=0.2)
+
+
+def _doc(topic: str) -> str:
+    """A document whose content-defined spans two prompts holding it share (checked offline: the
+    rolling hash finds few boundaries in some repetitive texts, whose spans then straddle documents)."""
+    return "\n".join(f"{topic} entry {i}: the {topic} register puts crate {i * 7 % 31} in bay {i * 5 % 17}."
+                     for i in range(14))
+
+
+def test_prompt_fingerprints_survive_a_router_restart_and_stay_with_their_tenant(state_cluster):
+    """A document recurring in one tenant's chat prompts (the official ``openai`` client): its first
+    sighting is counted in the state store, every router replica dies, and the second sighting, on
+    a new replica, finds it recurring (only the store remembers the first), so the third prompt
+    reuses it at another offset; another tenant's prompt holding the same document matches none of
+    it."""
+    import openai
+    from cluster.control.state import open_state
+    from cluster.http.auth import create_key
+
+    cfg, http = state_cluster
+    store = open_state(cfg.state.resolved_url)
+    mine, theirs = (create_key(store, t)[0] for t in ("st-docs-a", "st-docs-b"))
+    store.close()
+    base = f"http://127.0.0.1:{cfg.server.port}/v1"
+    a, b = openai.OpenAI(base_url=base, api_key=mine), openai.OpenAI(base_url=base, api_key=theirs)
+    d1, d2, d3, d4 = (_doc(t) for t in ("st-harbour", "st-orchard", "st-quarry", "st-meadow"))
+
+    def chat(client, *docs):
+        r = client.chat.completions.create(
+            model="smollm2-135m", max_tokens=4, temperature=0, extra_body={"kv_policy": "fast", "explain": True},
+            messages=[{"role": "user",
+                       "content": "Documents:\n" + "\n\n".join(docs) + "\n\nWhich bay holds crate 3?"}])
+        d = r.to_dict()
+        return d["kvnotes"]["explain"], d["usage"]["prompt_tokens_details"]
+
+    def compiled():            # spans compiled on their own, by the replicas now running
+        return sum(_metric(t, "kvnotes_recurring_spans_total", outcome=o)
+                   for t in _replica_metrics(http).values() for o in ("compiled", "compiled_in_request"))
+    chat(a, d1, d2)                                                   # first sighting: counted in the store
+    _restart_router_replicas(cfg, http)
+    assert compiled() == 0
+    ex2, _ = chat(a, d3, d2)                                          # second: d2 recurs, by the store's count
+    wait_for(compiled, 120, f"the recurring document compiled on its own after the restart ({ex2['notes']})")
+    ex, details = chat(a, d4, d1, d2)
+    spans = [s for s in ex["steps"] if s["source"].startswith("span:")]
+    assert spans and all(s["kind"] == "reposition" for s in spans), (ex["notes"], ex["steps"])
+    assert details["composed_tokens"] > 0, details
+    ex_b, details_b = chat(b, d4, d1, d2)                             # the same prompt, another tenant
+    assert not [s for s in ex_b["steps"] if s["source"].startswith("span:")], ex_b["steps"]
+    assert not any("span:" in n for n in ex_b["notes"]) and details_b["composed_tokens"] == 0, \
+        (ex_b["notes"], details_b)
 
 
 def test_whole_cluster_restart_finds_skills_in_the_fs_tier(state_cluster):
