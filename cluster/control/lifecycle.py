@@ -35,7 +35,7 @@ from cluster.control.metrics import CACHED_SOURCES, Metrics, prompt_sources
 from cluster.control.migration import DecodeStream
 from cluster.control.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
 from kvruntime.messages.decode import DecodeJob, DecodeSummary, SamplingParams, TokenEvent, TokenLogprob
-from kvruntime.messages.plan import KVRef, RequestPlan
+from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan
 from kvruntime.messages.prefill import PrefillJob, PrefillResult
 from kvruntime.messages.transfer import STAGES, ExpectReply, TransferExpectation, TransferGrant
 
@@ -97,6 +97,29 @@ class _Run:
     ttft: float | None = None
     result: PrefillResult | None = None
     summary: DecodeSummary | None = None
+
+
+# tokens at the end of an approximate plan's last spliced step the decode engine may compute in context
+# itself (vLLM's CPU block: what a previous turn composed the same way leaves unheld, in its last partial block)
+DECODE_TAIL = 128
+
+
+def decode_may_compute_from(plan: RequestPlan) -> int:
+    """The ``computes_from`` of the decode worker's expectation: the plan's ``forward_from``; for
+    an approximate plan, up to :data:`DECODE_TAIL` tokens before it (never before its last loading
+    step's start). A decode engine holding the previous turn of a conversation composed the same way
+    (its cache holds it under the same recipe salt, in whole blocks) then computes the rest itself,
+    the unheld tail of the spliced chunk included, in context: no less faithful than the splice, and
+    no prefill, no transfer, as plain vLLM would continue the conversation."""
+    end = plan.forward_from
+    if not plan.approx or not end:
+        return end
+    start = pos = 0
+    for s in plan.steps:
+        if s.kind not in (PlanKind.RECOMPUTE, PlanKind.ERRATUM):
+            start = pos
+        pos += s.tokens
+    return max(start + 1, end - DECODE_TAIL)
 
 
 # exception -> (status label of kvnotes_requests_total, HTTP status, error code); None: raised unchanged
@@ -187,7 +210,7 @@ class RequestRunner:
         plan = job.plan
         grant, credential = TransferGrant.issue(transfer_id, plan.model, self.dtype, plan.prefix_ids)
         computes_from = None if (job.store_as is not None and plan.session) or plan.prompt_logprobs is not None \
-            else plan.forward_from             # prompt log-probs: the prefill worker computes every row
+            else decode_may_compute_from(plan)  # prompt log-probs: the prefill worker computes every row
         ctx.lap("grant")
         reply = await self._before(run.deadline, "prefill", self.backends.expect(
             decode_index, TransferExpectation(grant, plan.prefix_ids, run.kv_salt, computes_from,
