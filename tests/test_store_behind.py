@@ -132,8 +132,9 @@ def test_the_decode_engine_computes_the_unheld_tail_of_a_conversation_composed_t
     turn1 = _plan([_rc(0, 30), _repos(30, 1050), _rc(1080, 480)])       # vLLM holds turn 0 in 128-token blocks
     assert decode_may_compute_from(turn1) == 1080 - DECODE_TAIL
     assert decode_computes_rest(1024, decode_may_compute_from(turn1)) and not decode_computes_rest(1024, 1080)
-    assert decode_may_compute_from(_plan([_rc(0, 30), _repos(30, 50), _rc(80, 10)])) == 31   # never before the chunk
+    assert decode_may_compute_from(_plan([_rc(0, 30), _repos(30, 50), _rc(80, 200)])) == 31  # never before the chunk
     assert decode_may_compute_from(_plan([_reuse(0, 512), _rc(512, 100)])) == 512             # exact: unchanged
+    assert decode_may_compute_from(_plan([_rc(0, 30), _repos(30, 1050), _rc(1080, 20)])) == 1080  # a repeat: as composed
 
 
 def test_what_the_decode_cache_served_under_a_composed_salt_is_composed():

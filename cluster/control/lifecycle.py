@@ -106,14 +106,15 @@ DECODE_TAIL = 128
 
 def decode_may_compute_from(plan: RequestPlan) -> int:
     """The ``computes_from`` of the decode worker's expectation: the plan's ``forward_from``; for
-    an approximate plan, up to :data:`DECODE_TAIL` tokens before it (never before its last loading
-    step's start). A decode engine holding the previous turn of a conversation composed the same way
+    an approximate plan continuing at least :data:`DECODE_TAIL` tokens past it, up to that many
+    tokens before it (never before its last loading step's start; a repeat of a composed prompt
+    keeps its composed KV, so it answers as the first did). A decode engine holding the previous turn of a conversation composed the same way
     (its cache holds it under the same recipe salt, in whole blocks) then computes the rest itself,
     the unheld tail of the spliced chunk included, in context: no less faithful than the splice, and
     no prefill, no transfer, as plain vLLM would continue the conversation."""
     end = plan.forward_from
-    if not plan.approx or not end:
-        return end
+    if not plan.approx or not end or plan.prompt_tokens - end < DECODE_TAIL:
+        return end          # a prompt that does not continue past its composition (a repeat): as composed
     start = pos = 0
     for s in plan.steps:
         if s.kind not in (PlanKind.RECOMPUTE, PlanKind.ERRATUM):
