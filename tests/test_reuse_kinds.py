@@ -39,6 +39,13 @@ def test_split_sums_to_the_cached_tokens_and_decode_cache_is_exact():
     # the block was lost: the prefill worker's loads did not count; the decode engine held 40 tokens
     assert reuse_split(p, {"reused": 0, "repositioned": 0, "decode_cache": 40}) == {"exact": 40, "composed": 0,
                                                                                      "edited": 0}
+    # a conversation composed the same way: vLLM holds 1500 leading tokens under the recipe's salt;
+    # those before the first approximate step (at 300) are exact, the rest attend to it: composed
+    conv = plan(step(PlanKind.REUSE, 300, 300, EXACT), step(PlanKind.REPOSITION, 200, 190, EXACT, 300),
+                step(PlanKind.RECOMPUTE, 1100, 0, None, 500))
+    assert reuse_split(conv, {"decode_cache": 1500}) == {"exact": 300, "composed": 1200, "edited": 0}
+    edit = plan(step(PlanKind.EDIT_IN_PLACE, 400, 380, EXACT, 0))
+    assert reuse_split(edit, {"decode_cache": 256}) == {"exact": 0, "composed": 0, "edited": 256}
     # fewer loaded than planned: attributed exact first
     assert reuse_split(p, {"reused": 250, "repositioned": 0, "decode_cache": 0}) == {"exact": 250, "composed": 0,
                                                                                       "edited": 0}

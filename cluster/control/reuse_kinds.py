@@ -32,8 +32,9 @@ def planned_kinds(plan: RequestPlan) -> dict[str, int]:
 def reuse_split(plan: RequestPlan, sources: dict[str, int]) -> dict[str, int]:
     """The cached tokens of one finished request by kind (``sources``: ``Finished.sources``).
     Tokens the prefill worker loaded are split as planned (when a fallback loaded fewer, the
-    exact ones first); those the decode engine held are exact under an exact plan, else of the
-    plan's approximate kind (its cache holds them under the plan's recipe, ``RequestPlan.kv_salt``)."""
+    exact ones first); those the decode engine held (the leading ones, under the plan's recipe salt,
+    ``RequestPlan.kv_salt``) are exact up to the plan's first approximate step, past it of the
+    plan's approximate kind."""
     loaded = sources.get("reused", 0) + sources.get("repositioned", 0)
     planned = planned_kinds(plan)
     out = dict.fromkeys(REUSE_KINDS, 0)
@@ -41,8 +42,14 @@ def reuse_split(plan: RequestPlan, sources: dict[str, int]) -> dict[str, int]:
         out[k] = min(planned[k], loaded)
         loaded -= out[k]
     out["composed"] += loaded                       # loaded beyond the plan (none expected): not exact
-    # the decode engine's cache holds them under the plan's salt: exact, or built by its approximate steps
-    out["exact" if not plan.approx else "edited" if planned["edited"] else "composed"] += sources.get("decode_cache", 0)
+    # the decode engine's cache holds the prompt's leading tokens under the plan's salt: bit-exact
+    # before the plan's first approximate step (nothing approximate is attended to there), after it
+    # built by (or attending to) the approximate steps: of the plan's approximate kind
+    held = sources.get("decode_cache", 0)
+    first = min((s.position for s in plan.steps if s.approximate), default=None) if plan.approx else None
+    exact = held if first is None else min(held, first)
+    out["exact"] += exact
+    out["edited" if planned["edited"] else "composed"] += held - exact
     return out
 
 
