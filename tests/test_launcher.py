@@ -55,11 +55,13 @@ def test_a_raylet_that_never_registers_is_cleaned_up_and_ray_started_again(fresh
     monkeypatch.setattr(fresh_ray, "init", fake)
     try:
         with caplog.at_level(logging.WARNING, logger="cluster.operator.launcher"):
-            retries = start_local_ray(ClusterConfig.of(ray_start_attempts=2), local_cpus=1)
-        assert retries == 1
+            # 3 attempts: the fake fails the first; a real start on a busy CI machine may time out once
+            # too (Ray's own "timed out during startup"), which is what the retry is for
+            retries = start_local_ray(ClusterConfig.of(ray_start_attempts=3), local_cpus=1)
+        assert 1 <= retries <= 2
         assert fresh_ray.is_initialized() and fresh_ray.cluster_resources().get("CPU") == 1.0
         assert _gone(fake.orphans[0]), "the failed attempt's process was left running"
-        assert any("attempt 1 of 2" in r.getMessage() and "timed out during startup" in r.getMessage()
+        assert any("attempt 1 of 3" in r.getMessage() and "timed out during startup" in r.getMessage()
                    for r in caplog.records), [r.getMessage() for r in caplog.records]
     finally:
         for p in fake.orphans:

@@ -65,7 +65,12 @@ def test_precompile_is_idempotent_by_content_and_rewarm_compiles(smol, tier):
     tier.compile(ref)
     assert tier.get(ref) is not None
     with pytest.raises(ValueError, match="canonical position"):
-        tier.compile(KVRef(ids, 0, SALT_A))
+        tier.compile(KVRef(ids, 5, SALT_A))
+    # position 0 without a compile prefix: a stored context (a prompt's prefix, stored behind),
+    # computed from position 0 with nothing before it
+    ctx = KVRef(ids, 0, SALT_A)
+    tier.compile(ctx)
+    assert torch.equal(tier.get(ctx).data, precompile_chunk(smol, list(ids), []).data)
     with pytest.raises(ValueError, match="approximate"):
         tier.compile(KVRef(ids, 1, SALT_A, approx="ab" * 16))
 
