@@ -40,78 +40,17 @@ docs/architecture.md walks a request through them):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from kvruntime.messages.plan import FieldEdit, KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
-from kvruntime.errata import erratum_text
+from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan, SegmentPlan
 from cluster.control.compose_choice import (  # noqa: F401  (re-exported: the planner's public names)
     EXECUTED_PROBE, PLANNED_COMPILE, ComposeChoice, EditVerdict, FidelityTarget, _pct, answer_criteria, choose_compose,
     choose_edits_by_answers, compose_op_key, executable_probe)
 from cluster.control.edit_choice import EDIT_OPS, EditChoice, choose_edit_kind  # noqa: F401  (re-exported)
 from cluster.control.edit_plan import HeldPromptEdit, edit_gate, plan_held_edit  # noqa: F401  (re-exported)
-
-
-@dataclass(frozen=True)
-class RenderedSegment:
-    kind: str                                   # "frame" | "skill" | "memory" | "template" | "text" | "prompt"
-    name: str | None
-    token_ids: tuple[int, ...]
-    kv: KVRef | None = None                     # skill/memory: content address of the precompiled chunk
-    fields: tuple[tuple[str, str], ...] = ()    # template: (field, value) in placeholder order
-    field_spans: tuple[tuple[str, int, int], ...] = ()  # template: (field, start, end) offsets in token_ids
-    labels: tuple[tuple[str, str], ...] = ()    # template: (field, human label for errata)
-    version: str = ""                           # template: version of its text (a re-registration changes it)
-
-
-@dataclass(frozen=True)
-class RenderedRequest:
-    request_id: str
-    model: str
-    policy: Policy
-    context: tuple[RenderedSegment, ...]        # the prefix: frame + skills/memories/templates/text
-    suffix_ids: tuple[int, ...]                 # the question + turn close: the decode worker prefills it
-    session: str | None = None
-    edit_strategy: str = "auto"                 # "auto" (fidelity table) | "erratum" | "edit_in_place"
-
-
-@dataclass(frozen=True)
-class TierView:
-    """What the tier holds, as seen when planning (a snapshot, not a live handle)."""
-    chunk_keys: frozenset[str] = frozenset()    # KVRef.digest of the precompiled chunks the tier holds
-    prompt_prefix_hit: int = 0                  # plain prompts: tokens of the longest cached prefix
-    prompt_prefix_kv: KVRef | None = None       # and its content address
-    held_context: KVRef | None = None           # native requests: the whole context's KV, held at position 0
-                                                # (exact, or built earlier by this very plan's recipe)
-    held_edit: HeldPromptEdit | None = None     # plain prompts: a held prompt this one edits in one span
-
-
-@dataclass(frozen=True)
-class SessionContext:
-    """A session's last cached context: the rendered segments it was built from and what was
-    appended since (errata), so the next turn can reuse it whole."""
-    session: str
-    context: KVRef                              # the cached context KV (position 0; exact or approximate)
-    segments: tuple[RenderedSegment, ...]       # as first rendered (original field values)
-    token_ids: tuple[int, ...]                  # every token of the cached context (incl. errata)
-    current_fields: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()  # template -> effective fields
-    errata: int = 0                             # corrections appended so far
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    seam_tokens: int = 1                        # reposition: tokens recomputed at each chunk start (no choice given)
-    edit: EditChoice = field(default_factory=lambda: EditChoice(PlanKind.ERRATUM, reason="default"))
-    balanced: ComposeChoice | None = None       # per policy, from the profile; None: reposition + seam_tokens
-    fast: ComposeChoice | None = None
-    decode_computes_cold: bool = False          # True (decode engine vLLM): a plan reusing nothing skips prefill
-    balanced_edits: tuple[EditVerdict, ...] = ()  # balanced: which edit operations the profile approves
-                                                # (choose_edits_by_answers); none listed: edits recomputed
-    kv_piece_tokens: int = 256                  # the tier serves a held entry's prefixes in whole pieces of this
-                                                # many tokens (LMCache chunk_size)
-
-    def compose_for(self, policy: Policy) -> ComposeChoice | None:
-        return {Policy.BALANCED: self.balanced, Policy.FAST: self.fast}.get(policy)
+from cluster.control.plan_inputs import (  # noqa: F401  (re-exported)
+    PlannerConfig, RenderedRequest, RenderedSegment, SessionContext, TierView)
+from cluster.control.session_plan import plan_from_session
 
 
 def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext | None,
@@ -145,7 +84,7 @@ def _reuse_first(req: RenderedRequest, tier: TierView, session: SessionContext |
     session's context edited; an approximate whole context this plan's recipe built before
     (outside sessions); a held prompt this one edits in one span (``tier.held_edit``). None:
     plan segment by segment."""
-    sess_steps = _plan_from_session(req, session, encode, config, notes) if session is not None else None
+    sess_steps = plan_from_session(req, session, encode, config, notes) if session is not None else None
     if sess_steps is not None and len(sess_steps) == 1 and sess_steps[0].kind is PlanKind.REUSE \
             and sess_steps[0].kv.exact:
         return sess_steps
@@ -314,100 +253,3 @@ def _plan_segment(seg: RenderedSegment, pos: int, policy: Policy, tier: TierView
                                       if r else "") + f" recomputed{why}")]
     return [SegmentPlan(kind=PlanKind.RECOMPUTE, source=source, token_ids=seg.token_ids, position=pos, computed=n,
                         reused=0, reason="computed in context")]
-
-
-def _plan_from_session(req: RenderedRequest, sess: SessionContext, encode, config: PlannerConfig,
-                       notes: list[str]) -> list[SegmentPlan] | None:
-    """Steps reusing the session's cached context, or None if the context changed in a way
-    only a recompute can honour (a different skill, text, or template)."""
-    if len(req.context) != len(sess.segments):
-        notes.append("session context has a different shape: planned from scratch")
-        return None
-    if req.policy is Policy.EXACT and not sess.context.exact:
-        notes.append("session context KV was built by an approximate operation; policy exact: planned from scratch")
-        return None
-    current = {name: dict(fields) for name, fields in sess.current_fields}
-    edits: list[FieldEdit] = []
-    spans: list[tuple[int, int]] = []
-    offset = 0
-    for new, old in zip(req.context, sess.segments):
-        if new.kind != old.kind or new.name != old.name:
-            notes.append("session context has different segments: planned from scratch")
-            return None
-        if new.kind == "template" and new.version != old.version:
-            notes.append(f"template {new.name!r} was re-registered since the session's context: planned from scratch")
-            return None
-        if new.kind == "template":
-            now = current.get(new.name, dict(old.fields))
-            for (f, v) in new.fields:
-                if now.get(f) != v:
-                    label = dict(new.labels).get(f, f.replace("_", " "))
-                    edits.append(FieldEdit(new.name, f, label, now.get(f, ""), v))
-                    s = dict((fs[0], fs[1:]) for fs in old.field_spans).get(f)
-                    spans.append((offset + s[0], offset + s[1]) if s else (-1, -1))
-        elif new.token_ids != old.token_ids:
-            notes.append(f"session segment {new.kind}:{new.name} changed: planned from scratch")
-            return None
-        offset += len(old.token_ids)
-    src = f"session:{sess.session}"
-    ctx = sess.token_ids
-    if not edits:
-        return [SegmentPlan(kind=PlanKind.REUSE, source=src, token_ids=ctx, position=0, computed=0, reused=len(ctx),
-                            kv=sess.context, reason=f"session context unchanged ({len(ctx)} tokens)")]
-    one_span = len(edits) == 1 and spans[0][0] >= 0 and sess.errata == 0
-    choice = _session_edit_choice(req, config, one_span, len(edits), notes)
-    if choice is None:
-        return None
-    if choice.kind is PlanKind.EDIT_IN_PLACE and one_span:
-        e = edits[0]
-        new_ids = tuple(encode(e.new))
-        return [SegmentPlan(kind=PlanKind.EDIT_IN_PLACE, source=src,
-                            token_ids=ctx[:spans[0][0]] + new_ids + ctx[spans[0][1]:], position=0,
-                            computed=len(new_ids) + choice.top_k,
-                            reused=len(ctx) - (spans[0][1] - spans[0][0]) - choice.top_k, kv=sess.context, edits=(e,),
-                            field_span=spans[0], top_k=choice.top_k,
-                            reason=f"edit-in-place chosen by {choice.reason}")]
-    text = "".join(erratum_text(e.label, e.new, old=e.old, style=choice.erratum_style) for e in edits)
-    err_ids = tuple(encode(text))
-    return [
-        SegmentPlan(kind=PlanKind.REUSE, source=src, token_ids=ctx, position=0, computed=0, reused=len(ctx),
-                    kv=sess.context, reason=f"old context reused whole ({len(ctx)} tokens)"),
-        SegmentPlan(kind=PlanKind.ERRATUM, source="erratum", token_ids=err_ids, position=len(ctx),
-                    computed=len(err_ids), reused=0, edits=tuple(edits),
-                    reason=f"{len(edits)} field(s) corrected by an appended erratum ({choice.reason})"),
-    ]
-
-
-def _session_edit_choice(req: RenderedRequest, config: PlannerConfig, one_span: bool, n_edits: int,
-                         notes: list[str]) -> EditChoice | None:
-    """Which edit operation a session's changed fields get, or None (recomputed, with a note
-    citing why): the caller's ``edit_strategy``, else the model's table (``config.edit``); the
-    policy must allow it (:func:`~cluster.control.edit_plan.edit_gate`: ``exact`` never,
-    ``fast`` always, ``balanced`` by the profile's answer-level edit rows); edit-in-place needs
-    one edit on an uncorrected context, else the erratum is taken where it is allowed."""
-    base = config.edit
-    if req.edit_strategy == "erratum":
-        choice = EditChoice(PlanKind.ERRATUM, erratum_style=base.erratum_style, reason="requested by the caller")
-    elif req.edit_strategy == "edit_in_place":
-        choice = EditChoice(PlanKind.EDIT_IN_PLACE, top_k=base.top_k or 16, reason="requested by the caller")
-    elif req.edit_strategy != "auto":
-        raise ValueError(f"edit_strategy must be auto, erratum or edit_in_place, got {req.edit_strategy!r}")
-    else:
-        choice = base
-    kinds = [choice.kind] + ([] if req.edit_strategy != "auto" else
-                             [k for k in (PlanKind.EDIT_IN_PLACE, PlanKind.ERRATUM) if k is not choice.kind])
-    misses = []
-    for kind in kinds:
-        if kind is PlanKind.EDIT_IN_PLACE and not one_span:
-            notes.append("edit-in-place needs exactly one edit on an uncorrected context: erratum instead")
-            kind = PlanKind.ERRATUM
-        ok, why = edit_gate(req.policy, kind, config.balanced_edits)
-        if ok:
-            if kind is choice.kind:
-                return choice if req.policy is Policy.FAST else replace(choice, reason=f"{choice.reason}; {why}")
-            return (EditChoice(kind, top_k=base.top_k or 16, reason=why) if kind is PlanKind.EDIT_IN_PLACE
-                    else EditChoice(kind, erratum_style=base.erratum_style, reason=why))
-        misses.append(f"{kind.value}: {why}")
-    notes.append(f"{n_edits} field edit(s) under policy {req.policy.value}: recomputed ("
-                 + "; ".join(dict.fromkeys(misses)) + ")")
-    return None
