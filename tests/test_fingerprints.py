@@ -55,6 +55,35 @@ def test_spans_realign_after_insertion_reorder_and_edited_field(change):
     assert covered("t", a, b) >= 0.5 * len(a)
 
 
+def _templated(rows, insert_at=None):
+    """Lines differing only in two small numbers (``sensor {i % 4} reading {i % 3} ok``, as ids):
+    a period of 12 lines, whose windows hold no content-defined candidate at all."""
+    out = []
+    for i in range(rows):
+        if i == insert_at:
+            out += [104, 105, 9999, 198]                       # one inserted line
+        out += [100, 101, 2000 + i % 4, 102, 3000 + i % 3, 103, 198]
+    return tuple(out)
+
+
+def test_templated_text_without_candidates_realigns_after_an_inserted_line():
+    from cluster.control.fingerprints import _top_zero, window_hashes
+    cfg = SpanConfig()
+    a, b = _templated(300), _templated(300, insert_at=40)
+    assert len(_top_zero(window_hashes(a, cfg.window), cfg.boundary_bits)) == 0   # only the length rule cuts
+    ends = cuts(a, cfg)
+    lens = [e - s for s, e in zip([0] + ends, ends)]
+    assert all(cfg.min_span <= n <= cfg.max_span for n in lens[:-1]) and ends[-1] == len(a)
+    # after the inserted line (token 280 of b) the cuts realign: most of b's rest lies in spans a has
+    ka = span_keys("t", a)
+    after = [s for s in spans("t", b) if s.start >= 280 + 4]
+    shared = sum(s.tokens for s in after if s.key in ka)
+    assert shared >= 0.8 * (len(b) - 284), (shared, len(b) - 284)
+    # and the cuts are those of a, shifted by the inserted line's 4 tokens, from the first shared span on
+    first = next(s for s in after if s.key in ka)
+    assert [e - 4 for e in cuts(b, cfg) if e >= first.end] == [e for e in ends if e >= first.end - 4]
+
+
 def test_fingerprints_are_tenant_scoped():
     ids = rand_ids(400, 2)
     assert fingerprint("acme", ids) != fingerprint("globex", ids)

@@ -2,7 +2,8 @@
 
 A rolling hash over a window of ``window`` token ids marks a *candidate* boundary after token
 ``i`` when its top ``boundary_bits`` bits are zero; the spans of a prompt cut at candidates at
-least ``min_span`` tokens after the last cut (and unconditionally after ``max_span``). A
+least ``min_span`` tokens after the last cut (and, with none within ``max_span``, at the window
+of least hash in that range: :func:`cuts`). A
 boundary depends only on the ``window`` ids before it, so two prompts holding the same text at
 different offsets (after an insertion, a reorder, an edited field) cut it into the same spans
 once their cuts meet again: the matcher finds them by the span's fingerprint.
@@ -73,20 +74,26 @@ def _top_zero(h: np.ndarray, bits: int) -> np.ndarray:
 
 
 def cuts(ids, cfg: SpanConfig = SpanConfig(), h: np.ndarray | None = None) -> list[int]:
-    """Span ends (exclusive offsets) of ``ids``, the last one ``len(ids)``."""
+    """Span ends (exclusive offsets) of ``ids``, the last one ``len(ids)``. A span ends at the
+    first candidate at least ``min_span`` tokens after the last cut; where none comes within
+    ``max_span`` tokens (templated text: lines differing only in a few numbers repeat the same
+    windows, none of them a candidate), at the window with the least hash among the allowed ends
+    (the first such): content-anchored too, so two prompts holding the text from different starts
+    cut it at the same places once their allowed ranges share that minimum (a cut at a fixed
+    ``max_span`` from the last one would never realign)."""
     n = len(ids)
     h = window_hashes(ids, cfg.window) if h is None else h
-    cand = (_top_zero(h, cfg.boundary_bits) + cfg.window).tolist()     # a cut after the window's last id
-    out, last = [], 0
-    for c in cand:
-        while c - last > cfg.max_span:
-            last += cfg.max_span
-            out.append(last)
-        if c - last >= cfg.min_span and c < n:
-            out.append(c)
-            last = c
-    while n - last > cfg.max_span:
-        last += cfg.max_span
+    cand = _top_zero(h, cfg.boundary_bits) + cfg.window                # a cut after the window's last id
+    out, last, i = [], 0, 0
+    while n - last > cfg.min_span:
+        i += int(np.searchsorted(cand[i:], last + cfg.min_span))     # the first candidate allowed
+        if i < len(cand) and cand[i] <= last + cfg.max_span and cand[i] < n:
+            last = int(cand[i])
+        elif n - last > cfg.max_span:                                  # none within max_span: the least hash
+            lo = last + cfg.min_span - cfg.window                     # h[j] ends a cut at j + window
+            last = lo + int(np.argmin(h[lo:last + cfg.max_span - cfg.window + 1])) + cfg.window
+        else:
+            break
         out.append(last)
     if n > last:
         out.append(n)
