@@ -148,7 +148,7 @@ def test_unclaimed_block_expires_and_is_counted():
 
 
 def test_malloc_tuning_is_a_setting_applied_once_per_process(monkeypatch):
-    import kvtransport.transfer.grpc_transport as gt
+    import kvtransport.transfer.grpc_config as gt
     with pytest.raises(ValueError, match="malloc_keep_bytes"):
         GrpcTransportConfig(malloc_keep_bytes=-1)
     monkeypatch.setattr(gt, "_malloc_tuned", False)

@@ -210,14 +210,14 @@ def test_an_unchecked_stream_is_refused_before_anything_is_reserved():
 
 
 def test_unchecked_blocks_are_taken_only_from_this_host():
-    from kvtransport.transfer.grpc_transport import _Servicer
+    from kvtransport.transfer.grpc_server import PushServicer
     from kvtransport.transfer.same_host import address_host, is_local_host, peer_host
-    auto = _Servicer(None, None, "m", None, "auto")
+    auto = PushServicer(None, None, "m", None, "auto")
     assert auto._takes_unchecked("ipv4:127.0.0.1:40000") and auto._takes_unchecked("ipv6:[::1]:40000")
     assert auto._takes_unchecked("unix:/tmp/s.sock")
     assert not auto._takes_unchecked("ipv4:203.0.113.5:40000")               # another host
     assert not auto._takes_unchecked("something-else")
-    assert not _Servicer(None, None, "m", None, "always")._takes_unchecked("ipv4:127.0.0.1:40000")
+    assert not PushServicer(None, None, "m", None, "always")._takes_unchecked("ipv4:127.0.0.1:40000")
     assert is_local_host("localhost") and is_local_host("127.0.0.2") and not is_local_host("0.0.0.0")
     assert not is_local_host("no-such-host.invalid") and not is_local_host("")
     assert address_host("[::1]:5") == "[::1]" and peer_host("ipv6:[::1]:5") == "[::1]"

@@ -21,6 +21,8 @@ What it calls: gRPC and NIXL/UCX (imported lazily). It never imports ``kvtranspo
   ``require_grant``; duplicate ids refused, expiry counted) and its ``InboxStats``.
 - ``buffer_pool``: the ``BufferPool`` arena receivers lease from (warm, optionally huge pages).
 - ``grpc_transport`` + ``grpc_codec`` + ``proto/``: the portable push over gRPC (decode serves);
+  split by stage: ``grpc_config`` (its typed config), ``grpc_server`` (the receiving side:
+  admit, read, verify), ``grpc_client`` (the sending side); ``grpc_transport`` joins both ends;
   ``same_host``: whether a peer is this host (same-host pushes may skip the checksum).
 - ``nixl_transport``: NIXL/UCX, registered pool, receiver READs, completion by notification;
   agent metadata passes through the caller (``metadata()`` / ``add_peer``). Imports NIXL lazily.

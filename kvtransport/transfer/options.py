@@ -1,5 +1,5 @@
 """The cluster config's transport tuning (``kv_grpc``, ``kv_nixl`` in kvnotes.yaml) turned into
-the transports' own typed configs, :class:`~kvtransport.transfer.grpc_transport.GrpcTransportConfig` and
+the transports' own typed configs, :class:`~kvtransport.transfer.grpc_config.GrpcTransportConfig` and
 :class:`~kvtransport.transfer.nixl_transport.NixlTransportConfig`; every prefill and decode actor builds
 its transports from these, and ``kvnotes serve`` checks them before anything starts.
 
@@ -73,7 +73,7 @@ def _build(cls, section: str, options: dict, **fixed):
 
 def grpc_config(cfg: ClusterConfig, *, require_grant: bool = True):
     """The gRPC transport's config from ``cfg.transport.grpc``."""
-    from kvtransport.transfer.grpc_transport import GrpcTransportConfig
+    from kvtransport.transfer.grpc_config import GrpcTransportConfig
     return _build(GrpcTransportConfig, "kv_grpc", cfg.transport.options("grpc"), require_grant=require_grant)
 
 
