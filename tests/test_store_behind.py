@@ -135,6 +135,7 @@ def test_the_decode_engine_computes_the_unheld_tail_of_a_conversation_composed_t
     assert decode_may_compute_from(_plan([_rc(0, 30), _repos(30, 50), _rc(80, 200)])) == 31  # never before the chunk
     assert decode_may_compute_from(_plan([_reuse(0, 512), _rc(512, 100)])) == 512             # exact: unchanged
     assert decode_may_compute_from(_plan([_rc(0, 30), _repos(30, 1050), _rc(1080, 20)])) == 1080  # a repeat: as composed
+    assert decode_may_compute_from(turn1, tail=0) == 1080    # vllm_decode_tail 0: off (test_decode_tail_config)
 
 
 def test_what_the_decode_cache_served_under_a_composed_salt_is_composed_past_the_first_approximate_step():

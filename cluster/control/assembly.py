@@ -75,7 +75,8 @@ def assemble(cfg: ClusterConfig) -> Assembly:
                            decode_computes_cold=cfg.workers.decode_engine == "vllm",
                            matching=cfg.matching,  # the one MatchConfig (kvruntime.config.matching), as configured
                            store_behind=StoreBehindConfig(cfg.policy.store_behind, cfg.policy.store_behind_in_flight,
-                                                          cfg.policy.store_behind_queue))
+                                                          cfg.policy.store_behind_queue),
+                           decode_tail=cfg.workers.vllm_decode_tail)
     limits = LimitsSection(context_window=spec.context_window, max_tokens_limit=cfg.server.max_tokens_limit,
                            default_tenant=cfg.server.tenant)
     router = Router(backends, Renderer(tok, spec, Registry(state), tok.bos_token_id), state, model,

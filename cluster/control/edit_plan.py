@@ -66,9 +66,9 @@ def edit_gate(policy: Policy, kind: PlanKind, verdicts: tuple[EditVerdict, ...])
     reason cites the row either way."""
     if policy is Policy.EXACT:
         return False, f"policy exact: {kind.value} is not bit-identical to a recompute"
-    if policy is Policy.FAST:
-        return True, "policy fast"
     v = next((v for v in verdicts if v.kind is kind), None)
+    if policy is Policy.FAST:       # not gated by the profile; its row said for the caller to weigh
+        return True, "policy fast" + (f" (the profile does not gate it; {v.reason})" if v else "")
     if v is None:
         return False, f"balanced: no answer-level profile row for {kind.value} (section edit_answers)"
     return v.allowed, v.reason
@@ -103,6 +103,32 @@ def _edit_steps(policy, strategy, ids, he: HeldPromptEdit, top_k, piece, verdict
     at = he.where or f"token {he.start}"
     notes.append(f"first divergence from a held prompt ({len(held.token_ids)} tokens, kv {held.digest}) at {at}: "
                  f"its tokens [{he.start}:{he.held_end}] replaced by {len(he.new_ids)} new ones, the rest equal")
+    steps = _asked(policy, strategy, ids, he, top_k, verdicts, encode, notes, tail)
+    steps = steps if steps is not None else _prefix_then_recompute(policy, ids, he, piece, notes)
+    notes.append(f"edit_strategy {strategy} ({STRATEGY_MEANS[strategy]}): planned {_planned(steps)} "
+                 f"under policy {policy.value}")
+    return steps
+
+
+# what each edit_strategy asks for (explain says it beside what was planned)
+STRATEGY_MEANS = {"auto": "the default: edit-in-place where the policy allows it, the erratum only when asked",
+                  "erratum": "asked by the caller: the held prompt + an appended correction",
+                  "edit_in_place": "asked by the caller: the held prompt's KV edited in place"}
+
+
+def _planned(steps: list[SegmentPlan]) -> str:
+    kinds = {s.kind for s in steps}
+    if PlanKind.ERRATUM in kinds:
+        return "the erratum"
+    if PlanKind.EDIT_IN_PLACE in kinds:
+        return "edit-in-place"
+    reused = sum(s.reused for s in steps)
+    return f"the exact prefix ({reused} tokens) + a recompute from the divergence" if reused else "a recompute"
+
+
+def _asked(policy, strategy, ids, he: HeldPromptEdit, top_k, verdicts, encode, notes: list[str],
+           tail: bool) -> list[SegmentPlan] | None:
+    """The edit the strategy asks for, where the policy allows it; None: recompute from the divergence."""
     if strategy == "erratum" and tail:
         notes.append("erratum requested, but the tier holds the held prompt only up to its last whole piece (the "
                      "correction must follow the whole of it): recomputed from the divergence")
@@ -111,7 +137,7 @@ def _edit_steps(policy, strategy, ids, he: HeldPromptEdit, top_k, piece, verdict
         steps = _erratum(policy, ids, he, verdicts, encode, notes)
     else:
         steps = _in_place(policy, ids, he, top_k, verdicts, notes)
-    return steps if steps is not None else _prefix_then_recompute(policy, ids, he, piece, notes)
+    return steps
 
 
 def _in_place(policy, ids, he: HeldPromptEdit, top_k: int, verdicts, notes: list[str]) -> list[SegmentPlan] | None:

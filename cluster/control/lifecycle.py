@@ -34,6 +34,7 @@ from cluster.control.errors import RequestError
 from cluster.control.metrics import CACHED_SOURCES, Metrics, prompt_sources
 from cluster.control.migration import DecodeStream
 from cluster.control.routing import DeadlineExceeded, FaultPolicy, NoLiveWorker, WorkerLost, WorkerView
+from kvruntime.config.workers import WorkersConfig
 from kvruntime.messages.decode import DecodeJob, DecodeSummary, SamplingParams, TokenEvent, TokenLogprob
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan
 from kvruntime.messages.prefill import PrefillJob, PrefillResult
@@ -100,27 +101,28 @@ class _Run:
 
 
 # tokens at the end of an approximate plan's last spliced step the decode engine may compute in context
-# itself (vLLM's CPU block: what a previous turn composed the same way leaves unheld, in its last partial block)
-DECODE_TAIL = 128
+# itself (vLLM's CPU block: what a previous turn composed the same way leaves unheld, in its last partial
+# block): the config key ``vllm_decode_tail`` (kvruntime.config.workers, checked there), its default here
+DECODE_TAIL = WorkersConfig.vllm_decode_tail
 
 
-def decode_may_compute_from(plan: RequestPlan) -> int:
+def decode_may_compute_from(plan: RequestPlan, tail: int = DECODE_TAIL) -> int:
     """The ``computes_from`` of the decode worker's expectation: the plan's ``forward_from``; for
-    an approximate plan continuing at least :data:`DECODE_TAIL` tokens past it, up to that many
-    tokens before it (never before its last loading step's start; a repeat of a composed prompt
+    an approximate plan continuing at least ``tail`` tokens past it (``vllm_decode_tail``; 0: never),
+    up to that many tokens before it (never before its last loading step's start; a repeat of a composed prompt
     keeps its composed KV, so it answers as the first did). A decode engine holding the previous turn of a conversation composed the same way
     (its cache holds it under the same recipe salt, in whole blocks) then computes the rest itself,
     the unheld tail of the spliced chunk included, in context: no less faithful than the splice, and
     no prefill, no transfer, as plain vLLM would continue the conversation."""
     end = plan.forward_from
-    if not plan.approx or not end or plan.prompt_tokens - end < DECODE_TAIL:
+    if not tail or not plan.approx or not end or plan.prompt_tokens - end < tail:
         return end          # a prompt that does not continue past its composition (a repeat): as composed
     start = pos = 0
     for s in plan.steps:
         if s.kind not in (PlanKind.RECOMPUTE, PlanKind.ERRATUM):
             start = pos
         pos += s.tokens
-    return max(start + 1, end - DECODE_TAIL)
+    return max(start + 1, end - tail)
 
 
 # exception -> (status label of kvnotes_requests_total, HTTP status, error code); None: raised unchanged
@@ -135,9 +137,10 @@ _OTHER = ("error", None, None)
 
 class RequestRunner:
     def __init__(self, backends: "Backends", view: WorkerView, fault: FaultPolicy, metrics: Metrics, dtype: str,
-                 guard: "FidelityGuard", default_tenant: str):
+                 guard: "FidelityGuard", default_tenant: str, decode_tail: int = DECODE_TAIL):
         self.backends, self.view, self.fault, self.metrics = backends, view, fault, metrics
         self.dtype, self.guard, self.default_tenant = dtype, guard, default_tenant
+        self.decode_tail = decode_tail           # vllm_decode_tail (decode_may_compute_from)
 
     async def run(self, ctx: RequestContext, job: PlannedRequest) -> AsyncIterator[TokenEvent | Finished]:
         """The stages (module doc), retried on another worker when one is lost before the first
@@ -211,7 +214,7 @@ class RequestRunner:
         plan = job.plan
         grant, credential = TransferGrant.issue(transfer_id, plan.model, self.dtype, plan.prefix_ids)
         computes_from = None if (job.store_as is not None and plan.session) or plan.prompt_logprobs is not None \
-            else decode_may_compute_from(plan)  # prompt log-probs: the prefill worker computes every row
+            else decode_may_compute_from(plan, self.decode_tail)  # prompt log-probs: the prefill worker computes every row
         ctx.lap("grant")
         reply = await self._before(run.deadline, "prefill", self.backends.expect(
             decode_index, TransferExpectation(grant, plan.prefix_ids, run.kv_salt, computes_from,

@@ -283,9 +283,10 @@ def _edited(plan: RequestPlan) -> bool:
 
 def prompt_store_as(plan: RequestPlan, prefix: tuple[int, ...], salt: str, hit: int) -> KVRef | None:
     """What a plain prompt stores for the next one: its prefix's KV (>= one tier piece), under the
-    plan's recipe when approximate; nothing when the tier served all of it already."""
+    plan's recipe when approximate; nothing when the tier served all of it already, nor for an
+    erratum (the model reads the held prompt + a correction, not this prompt's tokens)."""
     whole = len(plan.steps) == 1 and plan.steps[0].kind is PlanKind.REUSE and plan.steps[0].tokens == len(prefix)
-    if len(prefix) < PROMPT_BLOCK or hit >= len(prefix) or whole:
+    if len(prefix) < PROMPT_BLOCK or hit >= len(prefix) or whole or PlanKind.ERRATUM in {s.kind for s in plan.steps}:
         return None
     return KVRef(prefix, 0, salt, plan.approx)
 

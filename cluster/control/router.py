@@ -59,7 +59,7 @@ class Router:
         self.view: WorkerView = backends.view
         self.fault: FaultPolicy = backends.fault_policy
         self.runner = RequestRunner(backends, self.view, self.fault, self.metrics, model.dtype, self.guard,
-                                    limits.default_tenant)
+                                    limits.default_tenant, policy.decode_tail)
         self.lookup = TierLookup(backends, self.metrics)
         self.prompt_index = PromptIndex(state, self.metrics, self.lookup)
         self.matcher = PromptMatcher(state, backends, self.metrics, self.lookup, renderer.chunk_position,

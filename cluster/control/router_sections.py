@@ -9,6 +9,7 @@ from cluster.control.compose_choice import FidelityTarget
 from cluster.control.matching import MatchConfig
 from cluster.control.store_behind import StoreBehindConfig
 from kvruntime.config.shadow import ShadowConfig
+from kvruntime.config.workers import WorkersConfig
 
 
 @dataclass(frozen=True)
@@ -40,3 +41,4 @@ class PolicySection:
     decode_computes_cold: bool = False       # vLLM: a prompt reusing nothing runs no prefill
     matching: MatchConfig = field(default_factory=MatchConfig)   # plain prompts matched past their exact prefix
     store_behind: StoreBehindConfig = field(default_factory=StoreBehindConfig)  # decode-computed prompts into the tier
+    decode_tail: int = WorkersConfig.vllm_decode_tail   # vLLM computes a composed prompt's unheld tail (lifecycle)

@@ -79,12 +79,13 @@ class RequestStreams:
             ctx.leases.release()      # the pick's reservation, at the latest here
 
     async def stream_prompt(self, ctx: RequestContext, prompt_ids: list[int], *, sampling: SamplingParams,
-                            messages: tuple = ()) -> AsyncIterator[TokenEvent | Finished]:
+                            messages: tuple = (), edit: str = "auto") -> AsyncIterator[TokenEvent | Finished]:
         """A plain prompt's events (the OpenAI endpoints: one call per choice). ``messages``:
         (index, role, first token, end) of each chat message's content in ``prompt_ids``
-        (``Renderer.chat_ids``), for ``explain`` to name where a prompt diverges."""
+        (``Renderer.chat_ids``), for ``explain`` to name where a prompt diverges; ``edit``: the
+        request's ``edit_strategy`` for a held prompt it is found to edit (``edit_plan``)."""
         try:
-            async for ev in self._stream_prompt(ctx, prompt_ids, sampling, messages):
+            async for ev in self._stream_prompt(ctx, prompt_ids, sampling, messages, edit):
                 yield ev
         finally:
             ctx.leases.release()
@@ -191,12 +192,13 @@ class RequestStreams:
 
     # ---- plain prompts --------------------------------------------------------------------------
     async def _stream_prompt(self, ctx: RequestContext, prompt_ids: list[int], sampling: SamplingParams,
-                             messages: tuple = ()) -> AsyncIterator[TokenEvent | Finished]:
+                             messages: tuple = (), edit: str = "auto") -> AsyncIterator[TokenEvent | Finished]:
         started, tenant = time.perf_counter(), ctx.tenant
         ctx.lap("validate")                  # since the body was read: the API layer's checks
         salt = self.salt(tenant)
         self.check_budget(len(prompt_ids), sampling)
-        req = self.renderer.render_prompt(ctx.request_id, prompt_ids, Policy(ctx.policy or self.default_policy.value))
+        req = replace(self.renderer.render_prompt(ctx.request_id, prompt_ids,
+                                                  Policy(ctx.policy or self.default_policy.value)), edit_strategy=edit)
         prefix = tuple(req.context[0].token_ids) if req.context else ()
         sticky = prompt_hash(tenant, prefix[:PROMPT_BLOCK]) if len(prefix) >= PROMPT_BLOCK else None
         prefill_index = self.pick_prefill(sticky, ctx.leases)
@@ -209,6 +211,7 @@ class RequestStreams:
             plan, matched = await self.matcher.plan(req, tenant, salt, hit, hit_kv, prefill_index,
                                                     self.renderer.encode, self.planner_config(), messages, ctx.clock)
             plan = self._decode_exact_first(tenant, prompt_ids, req, plan, hit, hit_kv)
+        self.check_budget(plan.prompt_tokens, sampling)   # an erratum adds its correction to the prompt
         store_as = prompt_store_as(plan, prefix, salt, hit)
         ctx.lap("plan")
         async for ev in self.runner.run(ctx, PlannedRequest(plan, sampling, store_as, prefill_index, salt, started)):

@@ -159,7 +159,7 @@ async def start(router: Router, ctx: RequestContext, prep: Prepared) -> list:
     req, n, rid = prep.req, prep.req.n, ctx.request_id
     ctx = ctx.with_body(policy=req.policy, deadline_s=req.deadline_s)
     gens = [router.stream_prompt(ctx.choice(rid if p * n + j == 0 else f"{rid}.{p * n + j}"), list(ids),
-                                 sampling=choice_sampling(prep.sampling, j), messages=prep.messages)
+                                 sampling=choice_sampling(prep.sampling, j), messages=prep.messages, edit=req.edit)
             for p, ids in enumerate(prep.prompts) for j in range(n)]
     try:
         firsts = await asyncio.gather(*(primed(g) for g in gens))

@@ -16,7 +16,7 @@ from cluster.control.errors import RequestError
 from cluster.control.limits import RequestLimits
 
 _PASSED = ("model", "temperature", "top_p", "presence_penalty", "frequency_penalty", "logit_bias", "user",
-           "metadata", "parallel_tool_calls", "kv_policy", "explain", "deadline_s")
+           "metadata", "parallel_tool_calls", "kv_policy", "explain", "deadline_s", "edit_strategy")
 _CHECKED = {"input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "stream", "store",
             "previous_response_id", "include", "truncation", "reasoning", "service_tier", "background",
             "prompt_cache_key", "stream_options", "max_tool_calls", "top_logprobs"}

@@ -8,7 +8,10 @@ OpenAI fields accepted: the sampling ones (``temperature``, ``top_p``, ``max_tok
 ``max_choices``), ``user``, ``metadata``, ``store: false``, ``response_format`` (checked by
 ``cluster.http.structured``), ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (chat,
 ``cluster.control.tools``); completions also take a batch of prompts (strings or token-id lists,
-one choice per prompt and ``n``) and ``echo``; anything else is a 400 naming the field. Chat
+one choice per prompt and ``n``) and ``echo``. kvnotes' own fields (the official client's
+``extra_body``): ``kv_policy``, ``explain``, ``deadline_s`` and ``edit_strategy`` (a prompt found
+one span away from a held one: ``auto`` | ``erratum`` | ``edit_in_place``, as on the native API);
+anything else is a 400 naming the field. Chat
 messages: ``system``, ``developer``, ``user``, ``assistant`` (with ``tool_calls``) and ``tool``
 (with ``tool_call_id``)."""
 from __future__ import annotations
@@ -28,7 +31,7 @@ _SAMPLING = {"max_tokens", "temperature", "top_p", "seed", "stop", "presence_pen
 _NATIVE_KEYS = _SAMPLING | {"model", "session", "segments", "stream", "kv_policy", "explain", "edit_strategy",
                             "deadline_s", "response_format"}
 _OPENAI_COMMON = _SAMPLING | {"model", "stream", "user", "n", "kv_policy", "explain", "stream_options", "deadline_s",
-                              "max_completion_tokens", "metadata", "store", "response_format", "tools",
+                              "edit_strategy", "max_completion_tokens", "metadata", "store", "response_format", "tools",
                               "tool_choice", "logprobs"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -151,8 +154,13 @@ def deadline_s(body: dict) -> float | None:
 
 
 def edit_strategy(body: dict) -> str:
+    """How a found or declared edit is planned: ``auto`` (edit-in-place where the policy allows it,
+    else recompute from the divergence), ``erratum`` (asked for: the held prompt + an appended
+    correction, which changes the prompt the model reads) or ``edit_in_place``; null: ``auto``."""
     v = body.get("edit_strategy", "auto")
-    if v not in EDIT_STRATEGIES:
+    if v is None:
+        return "auto"
+    if not isinstance(v, str) or v not in EDIT_STRATEGIES:
         raise RequestError(400, f"edit_strategy must be one of {', '.join(EDIT_STRATEGIES)}", param="edit_strategy")
     return v
 
@@ -336,6 +344,7 @@ class OpenAIRequest:
     messages: list | None = None
     prompts: tuple = ()                         # completions: each prompt a string or token ids
     echo: bool = False                          # completions: the prompt before each choice's text
+    edit: str = "auto"                          # edit_strategy (validate.EDIT_STRATEGIES)
 
 
 def openai_request(body: dict, limits: RequestLimits, *, model: str, vocab: int, chat: bool) -> OpenAIRequest:
@@ -343,13 +352,13 @@ def openai_request(body: dict, limits: RequestLimits, *, model: str, vocab: int,
     policy, stream, explain = common_options(body, model)
     logprobs, include_usage = openai_extras(body, chat=chat)
     sampling = sampling_from(body, default_max_tokens=16, limits=limits, vocab=vocab, logprobs=logprobs)
-    n = choices(body, limits)
+    n, edit = choices(body, limits), edit_strategy(body)
     if chat:
         return OpenAIRequest(policy, stream, explain, include_usage, sampling, deadline_s(body), n=n,
-                             messages=chat_messages(body, limits))
+                             messages=chat_messages(body, limits), edit=edit)
     prompts = completions_prompt(body, limits)
     if len(prompts) * n > limits.max_segments:
         raise RequestError(400, f"{len(prompts)} prompts x n={n} is more than {limits.max_segments} choices",
                            param="n")
     return OpenAIRequest(policy, stream, explain, include_usage, sampling, deadline_s(body), n=n,
-                         prompts=tuple(prompts), echo=_bool(body, "echo"))
+                         prompts=tuple(prompts), echo=_bool(body, "echo"), edit=edit)

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from kvruntime.config.choices import DecodeEngineKind, ForwardShapes, KVLoadMode
 
 DEVICES = ("auto", "cpu", "cuda")
+# every KV block size vLLM uses is a multiple of this (16 on CUDA and for MLA on the CPU, 128 on the CPU
+# otherwise, 256 for DeepSeek-V4): vllm_decode_tail is counted in such units
+VLLM_BLOCK_UNIT = 16
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,11 @@ class WorkersConfig:
     vllm_max_concurrency: int = 16             # engine=vllm: requests one decode actor accepts at once (batched by vLLM)
     vllm_kv_load: KVLoadMode = KVLoadMode.ASYNC  # engine=vllm: async (running streams keep decoding while a block loads) | sync
     vllm_kv_load_threads: int = 2              # engine=vllm, async: blocks claimed, checked and written at once
+    # engine=vllm: tokens at the end of a composed prompt's last spliced step the decode engine may compute in
+    # context itself (cluster.control.lifecycle.decode_may_compute_from): vLLM's prefix cache keeps whole blocks,
+    # so a previous turn composed the same way is held only up to its last whole block, which ends before the
+    # splice does; 0 = off (such a turn runs a prefill and sends its block); useful from one block (128 on CPU)
+    vllm_decode_tail: int = 128
     max_restarts: int = 5                      # Ray restarts a dead worker actor this often (-1: forever)
     start_timeout_s: float = 600.0             # start_workers gives up (naming the missing resources) after this
     model_niceness: int = 15                   # the worker actors' CPU niceness (Ray's default for every worker): below
@@ -80,9 +88,20 @@ class WorkersConfig:
         object.__setattr__(self, "vllm_kv_load", KVLoadMode.of(self.vllm_kv_load))
         if not isinstance(self.vllm_kv_load_threads, int) or self.vllm_kv_load_threads < 1:
             raise ValueError("vllm_kv_load_threads must be an integer >= 1")
+        self._check_decode_tail()
         if self.max_restarts < -1:
             raise ValueError("worker_max_restarts must be >= -1")
         if self.start_timeout_s <= 0:
             raise ValueError("start_timeout_s must be > 0")
         if not isinstance(self.model_niceness, int) or not 0 <= self.model_niceness <= 19:
             raise ValueError("model_niceness must be an integer from 0 to 19")
+
+    def _check_decode_tail(self) -> None:
+        t = self.vllm_decode_tail
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or t % VLLM_BLOCK_UNIT or t >= self.vllm_max_model_len:
+            raise ValueError(
+                f"vllm_decode_tail must be 0 (off) or a positive multiple of {VLLM_BLOCK_UNIT} below vllm_max_model_len "
+                f"({self.vllm_max_model_len}), got {t!r}: it is counted in vLLM KV blocks (every vLLM block size is a "
+                f"multiple of {VLLM_BLOCK_UNIT}: 16 on CUDA, 128 on the CPU), the tokens past the last whole block "
+                "vLLM's prefix cache holds; below the engine's block size (128 on the CPU) it covers that tail only "
+                "sometimes")
