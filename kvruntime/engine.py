@@ -21,7 +21,7 @@ from kvruntime.decode_cache import DecodeSession
 from kvruntime.hf_models import ModelRefused, arch_info, describe
 from kvruntime.inplace import (Cancelled, SlotCache, StopForward, recording_active, register,  # noqa: F401
                                tail_is_causal)  # (Cancelled re-exported)
-from kvruntime.kv import KVCache
+from kvruntime.kv import KVBuffer, KVCache
 from kvruntime.models import ModelSpec, get_model_spec
 from kvruntime.rope import RopeTable, self_test
 from kvruntime.rope_config import rope_frequencies
@@ -90,6 +90,9 @@ class ReferenceEngine:
                                "derived from config.json (a custom RoPE); re-rotation cannot be trusted")
         log.info("%s", describe(self.spec, a))
         self._lock = threading.RLock()
+        # KV bytes copied out of a caller's context into a buffer with room (prefill's past, generate's
+        # context, room_for): 0 on the in-place paths (a KVBuffer with room)
+        self.copied_bytes = 0
         if run_self_test:
             # below the window: dynamic / longrope frequencies are only static there (rope_config)
             self_test(self, self.rope, target=min(3001, self.context_window - 64))
@@ -197,13 +200,18 @@ class ReferenceEngine:
         return out.logits[0, -1].float() if (logits and out is not None) else None
 
     @torch.inference_mode()
-    def prefill(self, token_ids, positions, past: KVCache | None = None, *, logits: bool = False,
+    def prefill(self, token_ids, positions, past: KVCache | KVBuffer | None = None, *, logits: bool = False,
                 stop_after_layer: int | None = None, cancelled=None) -> PrefillOutput:
         """Run ``token_ids`` ([n]) at ``positions`` ([n] int64) attending to ``past`` + themselves.
 
-        Returns the new tokens' KV (and the last token's logits if ``logits``). A convenience
-        over :meth:`write` for a caller without a buffer: ``past`` is copied once into a new
-        buffer with room for the new tokens (callers that own a buffer call :meth:`write`).
+        Returns the new tokens' KV (and the last token's logits if ``logits``). ``past`` a
+        :class:`~kvruntime.kv.KVBuffer` with room for the n tokens (the buffer the prefix was built
+        or received in, allocated with room): the forward writes their K/V into its next slots
+        and attends to the prefix there -- nothing is copied; they are committed (its
+        :meth:`~kvruntime.kv.KVBuffer.view` is then the prefix and them) and the returned KV is
+        views of those slots. ``past`` a :class:`KVCache` (or None): the convenience path, ``past``
+        copied once into a new buffer with room (:meth:`room_for`, counted in :attr:`copied_bytes`)
+        and the new tokens' KV returned as their own tensor.
         With ``stop_after_layer=i`` the forward stops once layer i has its K/V and only layers
         0..i of the returned KV are meaningful (the rest are zeros): a cheap probe.
         ``cancelled``: a callable checked before each layer; when it returns True the forward stops
@@ -217,33 +225,60 @@ class ReferenceEngine:
                              f"{tuple(ids.shape)} and {tuple(pos.shape)}")
         if bool((pos < 0).any()):
             raise ValueError("positions must be >= 0")
-        past = past if past is not None else self.empty_kv()
-        p, n = past.num_tokens, ids.numel()
-        # every slot is written before it is read (past copied, the new ones by the forward), so no
-        # memset pass; a probe leaves later layers unwritten, and those are documented as zeros
-        alloc = torch.zeros if stop_after_layer is not None else torch.empty
-        data = alloc(self.num_layers, 2, self.kv_heads, p + n, self.head_dim, dtype=self.dtype, device=self.device)
-        all_pos = torch.empty(p + n, dtype=torch.long, device=self.device)
-        all_ids = torch.empty(p + n, dtype=torch.long, device=self.device)
-        if p:
-            data[:, :, :, :p] = past.data
-            all_pos[:p], all_ids[:p] = past.positions, past.token_ids
-        all_pos[p:], all_ids[p:] = pos, ids
-        last = self.write(data, all_pos, all_ids, slice(p, p + n), p + n, logits=logits,
+        n = ids.numel()
+        owned = isinstance(past, KVBuffer)
+        buf = past if owned else self.room_for(past if past is not None else self.empty_kv(), n)
+        self._check_buffer(buf, n)
+        p = buf.length
+        new = buf.slot(n)
+        if stop_after_layer is not None:     # a probe leaves later layers unwritten: documented as zeros
+            new[stop_after_layer + 1:].zero_()
+        buf.positions[p:p + n], buf.token_ids[p:p + n] = pos, ids
+        last = self.write(buf.data, buf.positions, buf.token_ids, slice(p, p + n), p + n, logits=logits,
                           stop_layer=stop_after_layer, cancelled=cancelled)
-        new = data[:, :, :, p:]
-        return PrefillOutput(last, KVCache(new.clone() if p else new, all_pos[p:].clone(), all_ids[p:].clone()))
+        kv = buf.commit(pos, ids).slice(p)
+        if not owned and p:                  # not a view pinning the copied past
+            kv = KVCache(kv.data.clone(), kv.positions.clone(), kv.token_ids.clone())
+        return PrefillOutput(last, kv)
+
+    def room_for(self, kv: KVCache, room: int) -> KVBuffer:
+        """A new buffer (the engine's dtype and device) holding ``kv``, copied once (its bytes
+        counted in :attr:`copied_bytes`), with ``room`` more slots: for KV that has no room after
+        it, or whose memory must stay untouched (a tier's stored context, a cached old version)."""
+        if room < 0:
+            raise ValueError(f"room must be >= 0, got {room}")
+        data = torch.empty(self.num_layers, 2, self.kv_heads, kv.num_tokens + room, self.head_dim,
+                           dtype=self.dtype, device=self.device)
+        buf = KVBuffer(data)
+        if kv.num_tokens:
+            buf.append(kv)
+            with self._lock:
+                self.copied_bytes += data[:, :, :, :kv.num_tokens].numel() * data.element_size()
+        return buf
+
+    def _check_buffer(self, buf: KVBuffer, n: int) -> None:
+        want = (self.num_layers, 2, self.kv_heads)
+        if tuple(buf.data.shape[:3]) != want or buf.data.shape[4] != self.head_dim \
+                or buf.data.dtype != self.dtype or buf.data.device != self.device:
+            raise ValueError(f"a KV buffer must be [{self.num_layers}, 2, {self.kv_heads}, slots, {self.head_dim}] "
+                             f"{self.dtype} on {self.device}, got {tuple(buf.data.shape)} {buf.data.dtype} "
+                             f"on {buf.data.device}")
+        if buf.length + n > buf.capacity:
+            raise ValueError(f"{n} new tokens do not fit the buffer's room ({buf.length} of {buf.capacity} written)")
 
     # ---- decoding --------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, kv: KVCache, first_logits: torch.Tensor, max_tokens: int, *,
+    def generate(self, kv: KVCache | KVBuffer, first_logits: torch.Tensor, max_tokens: int, *,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  stop_at_eos: bool = True):
         """Decode up to ``max_tokens`` after a context ``kv`` whose next-token logits are
         ``first_logits``. Greedy when ``temperature == 0``. Yields token ids one by one.
         Cost per token: one single-token forward over the whole context, whose KV sits in a
         buffer allocated once (:class:`~kvruntime.decode_cache.DecodeSession`): nothing is copied
-        per token beyond the new token's own KV.
+        per token beyond the new token's own KV. ``kv`` a :class:`~kvruntime.kv.KVBuffer` with
+        room for ``max_tokens - 1`` more slots: the session adopts it (the generated tokens' K/V
+        go into its room, not committed) and the context is not copied; else it is copied once
+        (counted in :attr:`copied_bytes`).
         """
         if max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
@@ -253,7 +288,10 @@ class ReferenceEngine:
         if seed is not None:
             gen.manual_seed(seed)
         logits = first_logits
-        session = DecodeSession(self, kv, max(max_tokens - 1, 0))   # the context is copied once, here
+        buffer = kv.data if isinstance(kv, KVBuffer) else None
+        session = DecodeSession(self, kv.view() if buffer is not None else kv, max(max_tokens - 1, 0), buffer=buffer)
+        with self._lock:
+            self.copied_bytes += session.copied_bytes
         for i in range(max_tokens):
             tok = _pick(logits, temperature, top_p, gen)
             yield tok
@@ -261,7 +299,24 @@ class ReferenceEngine:
                 return
             logits = session.step([tok], [session.next_position])
 
-    def greedy(self, kv: KVCache, first_logits: torch.Tensor, n: int, stop_at_eos: bool = False) -> list[int]:
+    def continue_greedy(self, ctx: KVCache | KVBuffer, suffix_ids, n: int, *,
+                        stop_at_eos: bool = True) -> tuple[torch.Tensor, list[int]]:
+        """``suffix_ids`` run after ``ctx`` (at the positions after its last), then up to ``n``
+        greedy tokens: (the logits after the suffix, the tokens). ``ctx`` a
+        :class:`~kvruntime.kv.KVBuffer` with room for the suffix and ``n - 1`` tokens: all of it
+        runs in that buffer, in place (the suffix committed); else ``ctx`` is copied once into a
+        buffer with that room (counted in :attr:`copied_bytes`)."""
+        ids = [int(t) for t in suffix_ids]
+        if not ids:
+            raise ValueError("continue_greedy needs a non-empty suffix")
+        room = len(ids) + max(n - 1, 0)
+        buf = ctx if isinstance(ctx, KVBuffer) and ctx.capacity - ctx.length >= room \
+            else self.room_for(ctx.view() if isinstance(ctx, KVBuffer) else ctx, room)
+        start = int(buf.positions[buf.length - 1]) + 1 if buf.length else 0
+        out = self.prefill(ids, torch.arange(start, start + len(ids)), buf, logits=True)
+        return out.logits, self.greedy(buf, out.logits, n, stop_at_eos=stop_at_eos)
+
+    def greedy(self, kv: KVCache | KVBuffer, first_logits: torch.Tensor, n: int, stop_at_eos: bool = False) -> list[int]:
         return list(self.generate(kv, first_logits, n, stop_at_eos=stop_at_eos))
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from kvruntime.config.choices import LoadFailurePolicy
 from kvruntime.engine import Cancelled
 from kvruntime.kv import KVCache
@@ -58,10 +56,13 @@ class PrefillExecutor:
         stops the build with ``kvruntime.engine.Cancelled``. The tier reads of later steps are
         issued ahead on one background thread (``prefetch`` reads at most), so the read of
         chunk i+1 overlaps the re-rotation and copy of chunk i (``prefill_workers.prefetch``)."""
+        return self._plan_build(plan, alloc, cancelled).build()
+
+    def _plan_build(self, plan: RequestPlan, alloc=None, cancelled=None, room: int = 0) -> PlanBuild:
         if plan.model != self.engine.spec.name:
             raise ValueError(f"plan is for model {plan.model!r}, this worker runs {self.engine.spec.name!r}")
         return self.build_type(self.engine, self.source, plan, policy=self.policy, prefetch=self.prefetch,
-                               alloc=alloc, cancelled=cancelled).build()
+                               alloc=alloc, cancelled=cancelled, room=room)
 
     def shadow(self, plan: RequestPlan, greedy_n: int = 16) -> ShadowResult:
         """Online shadow check, off the request's critical path: build the prefix as planned, then
@@ -71,13 +72,13 @@ class PrefillExecutor:
         if not plan.suffix_ids:
             raise ValueError("a shadow check needs the plan's suffix (the question)")
         t = time.perf_counter()
-        kv, _ = self.build(plan)
-        start = int(kv.positions[-1]) + 1 if kv.num_tokens else 0
-        out = self.engine.prefill(list(plan.suffix_ids), torch.arange(start, start + len(plan.suffix_ids)), kv,
-                                  logits=True)
-        got = self.engine.greedy(KVCache.cat([kv, out.kv]), out.logits, greedy_n, stop_at_eos=True)
+        # built with room for the suffix and the greedy tokens, which run in the build's buffer (the
+        # prefix is not copied; a plan taken whole is the tier's KV, copied once: engine.copied_bytes)
+        build = self._plan_build(plan, room=len(plan.suffix_ids) + greedy_n)
+        kv, _ = build.build()
+        logits, got = self.engine.continue_greedy(build.run.builder.buf or kv, plan.suffix_ids, greedy_n)
         full = recompute(self.engine, list(plan.prefix_ids + plan.suffix_ids))
-        row = compare(full.logits, self.engine.greedy(full.kv, full.logits, greedy_n, stop_at_eos=True), out.logits, got)
+        row = compare(full.logits, self.engine.greedy(full.kv, full.logits, greedy_n, stop_at_eos=True), logits, got)
         return ShadowResult(plan.request_id, row["kl"], row["top1"], row["greedy_exact"], row["greedy_prefix"],
                             cosine=row["cosine"], seconds=time.perf_counter() - t)
 

@@ -56,12 +56,14 @@ def token_logprobs(rows, next_ids, k: int) -> list[TokenLogprob]:
 
 class PlanBuild:
     def __init__(self, engine, source: KVSource, plan: RequestPlan, *, policy: str, prefetch: int,
-                 alloc=None, cancelled=None):
+                 alloc=None, cancelled=None, room: int = 0):
+        if room < 0 or (room and alloc is not None):
+            raise ValueError("room (slots after the prefix) must be >= 0, and 0 with alloc (the buffer ships at its shape)")
         self.engine, self.source, self.plan, self.policy = engine, source, plan, policy
         self.cancelled = cancelled
         self.st = PrefillStats()
         # q probes rank the chunks by the plan's suffix (ops.qselect), the question the decode runs
-        self.run = Interpreter(engine, plan.prefix_tokens, tally=self.st, question=plan.suffix_ids, alloc=alloc,
+        self.run = Interpreter(engine, plan.prefix_tokens + room, tally=self.st, question=plan.suffix_ids, alloc=alloc,
                                cancelled=cancelled, probe_fallback=True)
         self.prefetch = prefetch
         self.ahead: Prefetcher | None = None
