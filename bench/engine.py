@@ -25,9 +25,9 @@ buffer, SDPA with lower-right causality and GQA: ~25 lines; llama-family models)
 device (transformers' ``LlamaConfig``): a benchmark input only, never served or shipped.
 
 Last, the reference decode leg's suffix forward over ``--cached`` received tokens
-(:mod:`bench.decode_leg`): through ``prefill`` (copies the past), a session that copies the
-block, a session adopting the buffer it was received into; byte floors at the copy rate and at
-``--nominal-gbs``.
+(:mod:`bench.decode_leg`): through ``prefill`` with a plain past (copied) and with the buffer it
+was received into (in place), a session that copies the block, a session adopting that buffer;
+byte floors at the copy rate and at ``--nominal-gbs``; the load average printed with the rows.
 """
 from __future__ import annotations
 

@@ -110,6 +110,20 @@ class KVBuffer:
         self.token_ids = torch.empty(data.shape[3], dtype=torch.long, device=data.device)
         self.length = 0
 
+    @classmethod
+    def holding(cls, data: torch.Tensor, kv: KVCache) -> "KVBuffer":
+        """A buffer over ``data`` whose first slots already hold ``kv`` (``kv.data`` is a view of
+        them: the same memory and strides, e.g. a block received with room); nothing is copied
+        but the slots' positions and token ids. ValueError when ``kv`` is not ``data``'s first slots."""
+        buf = cls(data)
+        n = kv.num_tokens
+        if n > buf.capacity or kv.data.data_ptr() != data.data_ptr() or kv.data.stride() != data.stride() \
+                or kv.data.shape[:3] != data.shape[:3] or kv.data.shape[4] != data.shape[4]:
+            raise ValueError("the KV is not the first slots of this buffer (another tensor, or other strides)")
+        buf.positions[:n], buf.token_ids[:n] = kv.positions, kv.token_ids
+        buf.length = n
+        return buf
+
     @property
     def capacity(self) -> int:
         return self.data.shape[3]
