@@ -93,7 +93,8 @@ class DecodeExecutor(DecodeEngine):
         if not rest:
             return pinned.to(self.engine.device, self.engine.dtype), 0, held, None
         t = time.perf_counter()
-        session = DecodeSession(self.engine, pinned, len(rest) + room)
+        session = DecodeSession(self.engine, pinned, len(rest) + room)   # the held KV stays held: copied
+        self.copied_bytes += session.copied_bytes
         session.step(rest, range(held, len(prefix_ids)), logits=False)
         stages["forward"] = time.perf_counter() - t
         return session.kv, 0, held, session.data

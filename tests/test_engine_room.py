@@ -191,3 +191,15 @@ def test_shadow_runs_the_suffix_and_greedy_in_the_builds_buffer_bit_equal_to_cop
     assert kv.num_tokens + len(q) + n in caps and r.top1 in (0.0, 1.0)
     build_ptrs = {p for p, c in writes.since(mark) if c == kv.num_tokens + len(q) + n}
     assert len(build_ptrs) == 1                                         # build, suffix and greedy: one buffer
+
+
+def test_a_buffer_holding_received_kv_adopts_its_memory_and_refuses_any_other():
+    data = torch.randn(2, 2, 1, 10, 4)
+    kv = KVCache(data[:, :, :, :6], torch.arange(6), torch.arange(6) + 3)
+    buf = KVBuffer.holding(data, kv)
+    assert buf.length == 6 and buf.capacity == 10 and buf.view().data.data_ptr() == data.data_ptr()
+    assert buf.view().token_ids.tolist() == list(range(3, 9)) and buf.view().positions.tolist() == list(range(6))
+    with pytest.raises(ValueError, match="first slots"):
+        KVBuffer.holding(data, KVCache(kv.data.clone(), kv.positions, kv.token_ids))     # a copy
+    with pytest.raises(ValueError, match="first slots"):
+        KVBuffer.holding(data, kv.slice(1))                                              # not from slot 0
