@@ -169,7 +169,7 @@ def test_the_matching_section_flat_or_nested_reaches_the_router_and_bad_values_n
     from cluster.control.matching import MatchConfig as Matcher
     from cluster.control.state import StoreLimits
     assert Matcher is MatchConfig and StoreLimits(**a.state.store_limits(), **a.matching.store_limits()).held_prompt_ttl_s == 60
-    for bad, key in [({"matching_compile_after": 1}, "matching.compile_after"),
+    for bad, key in [({"matching_compile_after": 0}, "matching.compile_after"),
                      ({"matching": {"spans": {"windw": 8}}}, "matching.spans: windw"),
                      ({"matching_spans": {"window": 1}}, "matching.spans.window"),
                      ({"matching_enabled": "yes"}, "matching.enabled"),

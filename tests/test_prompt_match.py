@@ -110,8 +110,10 @@ def test_a_document_seen_in_an_earlier_prompt_is_compiled_on_its_own_in_the_seco
         smol, rig):
     """Sighting by sighting: the 1st prompt holding a document teaches (nothing to reuse: its KV
     was computed in that prompt's context); the 2nd splices it, compiled on its own in this very
-    request's build (computed, not reused); the 3rd, at another offset, reuses it from the tier."""
-    router, b, tmp = rig
+    request's build (computed, not reused); the 3rd, at another offset, reuses it from the tier
+    (``compile_after: 2``: no document-like unit is compiled on its first sighting)."""
+    _, b, tmp = rig
+    router = _router(smol, b, tmp / "after2.db", compile_after=2)
     d1, d2, d3 = (smol.encode(doc(t)) for t in ("harbour", "orchard", "quarry"))
     q = smol.encode("\n\nQuestion: which shelf holds item 3? Answer:")
     p1 = smol.encode("Context A.\n\n") + d1 + d2 + q
@@ -124,10 +126,11 @@ def test_a_document_seen_in_an_earlier_prompt_is_compiled_on_its_own_in_the_seco
     assert len(spans2) == 1 and spans2[0].kind is PlanKind.REPOSITION, steps(fin2)
     span = spans2[0]
     assert span.tokens >= 0.9 * len(d2) and span.computed == span.tokens and span.reused == 0
-    # the plan counts the span as computed (compiled in this build); the prefill worker's tally counts
-    # the compiled chunk it spliced as repositioned (as for a re-warmed registration), so usage says
-    # the answer rests on composed KV for all but the seam
-    assert prompt_details(fin2)["composed_tokens"] == span.tokens - span.seam_tokens
+    # compiled in this build: computed for this request, never reused (the prefill worker's tally
+    # counts the chunk it spliced as repositioned; usage and the metrics count what the plan reused)
+    assert prompt_details(fin2) == {"cached_tokens": 0, "exact_tokens": 0, "composed_tokens": 0, "edited_tokens": 0}
+    assert fin2.cached_tokens == 0
+    assert metric(router.metrics.render().decode(), "kvnotes_reused_tokens_total", kind="composed") == 0
     assert any("recurs (seen in an earlier prompt)" in n for n in fin2.plan.notes)
     # the tier holds the span's own KV: compiled in its frame at its canonical position, bit for bit
     # a registration's compile of its ids, not KV taken from p1's context
@@ -148,7 +151,7 @@ def test_a_document_seen_in_an_earlier_prompt_is_compiled_on_its_own_in_the_seco
     # a router restarted on the same state store matches it the same; another tenant does not
     _, repeat = run(router, p3)          # the same composed prompt again: its stored recipe, reused whole
     assert [(s.kind, s.source) for s in repeat.plan.steps] == [(PlanKind.REUSE, "context")]
-    again = _router(smol, b, tmp / "state.db")
+    again = _router(smol, b, tmp / "after2.db", compile_after=2)
     p4 = smol.encode("A fourth prompt, from the restarted router.\n\n") + d2 + q
     _, fin4 = run(again, p4)
     assert [s.source for s in fin4.plan.steps if s.source.startswith("span:")] == [span.source], (
@@ -161,7 +164,8 @@ def test_a_recurring_span_the_policy_recomputes_is_compiled_in_the_background_in
     """Under ``exact`` the 2nd sighting recomputes the document in context (a spliced chunk is not
     a recompute's KV): nothing is compiled in its build; the background compile stores it for the
     policies that splice, and a later ``fast`` prompt reuses it."""
-    router, b, _ = rig
+    _, b, tmp = rig
+    router = _router(smol, b, tmp / "after2.db", compile_after=2)
     d1, d2, d3 = (smol.encode(doc(t)) for t in ("harbour", "orchard", "quarry"))
     q = smol.encode("\n\nQuestion: which shelf holds item 3? Answer:")
     run(router, smol.encode("Context A.\n\n") + d1 + d2 + q, "exact")
@@ -227,13 +231,50 @@ def test_a_skill_pasted_into_a_native_text_segment_is_split_out_and_composed(smo
 def test_the_second_sighting_on_a_restarted_router_finds_the_first_in_the_store(smol, rig):
     """Only the state store remembers the first sighting: a router started on it after that
     prompt compiles the recurring document in the second prompt's build."""
-    router, b, tmp = rig
+    _, b, tmp = rig
+    router = _router(smol, b, tmp / "after2.db", compile_after=2)
     d1, d2, d3 = (smol.encode(doc(t)) for t in ("harbour", "orchard", "quarry"))
     q = smol.encode("\n\nQuestion: which shelf holds item 3? Answer:")
     run(router, smol.encode("Context A.\n\n") + d1 + d2 + q)
-    again = _router(smol, b, tmp / "state.db")
+    again = _router(smol, b, tmp / "after2.db", compile_after=2)
     _, fin = run(again, smol.encode("Other context.\n\n") + d3 + d2 + q)
     spans = [s for s in fin.plan.steps if s.source.startswith("span:")]
     assert spans and spans[0].kind is PlanKind.REPOSITION and spans[0].tokens >= 0.9 * len(d2), (
         steps(fin), fin.plan.notes)
     assert metric(again.metrics.render().decode(), "kvnotes_recurring_spans_total", outcome="compiled_in_request") == 1
+
+
+def test_documents_are_compiled_on_their_first_sighting_and_reused_reordered_from_the_second(smol, rig):
+    """``compile_after: 1`` (the default): the document-like units of a prompt whose policy splices
+    (blocks between blank lines, their numbered label left out) are compiled on their own in the
+    background after its answer, so the next prompt holding them in another order, at other
+    offsets and under other labels reuses them; under ``exact`` nothing is compiled for it."""
+    router, b, _ = rig
+    d1, d2, d3 = (smol.encode(doc(t)) for t in ("harbour", "orchard", "quarry"))
+    q = smol.encode("\n\nQuestion: which shelf holds item 3? Answer:")
+    label = lambda k: smol.encode(f"[{k}] ")                                   # noqa: E731  a reranker's rank
+    run(router, smol.encode("Context.\n\n") + label(1) + d1 + label(2) + d2 + q, "exact", tenant="globex")
+    text = router.metrics.render().decode()
+    assert metric(text, "kvnotes_recurring_spans_total", outcome="unit_first_sighting") == 0
+    compiled = b.source.compiled
+    _, fin1 = run(router, smol.encode("Context A.\n\n") + label(1) + d1 + label(2) + d2 + q, "fast")
+    assert not [s for s in fin1.plan.steps if s.source.startswith("span:")]     # nothing held yet
+    text = router.metrics.render().decode()
+    assert metric(text, "kvnotes_recurring_spans_total", outcome="unit_first_sighting") == 2
+    assert metric(text, "kvnotes_recurring_spans_total", outcome="compiled") == 2 == b.source.compiled - compiled
+    p2 = smol.encode("Another, longer context line.\n\n") + label(1) + d3 + label(2) + d2 + label(3) + d1 + q
+    _, fin2 = run(router, p2, "fast")
+    spans = [s for s in fin2.plan.steps if s.source.startswith("span:")]
+    assert len(spans) == 2 and all(s.kind is PlanKind.REPOSITION and s.reused > 0 for s in spans), steps(fin2)
+    # each the document's own ids (label and trailing blank line left out), its KV compiled in its frame
+    from kvruntime.ops import precompile_chunk
+    docs = sorted(s.kv.token_ids for s in spans)
+    assert docs == sorted(tuple(router.matcher.core(d)) for d in (d1, d2))
+    alone = precompile_chunk(smol, list(spans[0].kv.token_ids), None)
+    assert torch.equal(b.source.get(spans[0].kv).data, alone.data)
+    details = prompt_details(fin2)
+    assert details["composed_tokens"] == sum(s.reused for s in spans) > 0.8 * (len(d1) + len(d2))
+    assert details["cached_tokens"] == fin2.cached_tokens == details["composed_tokens"]
+    text = router.metrics.render().decode()
+    assert metric(text, "kvnotes_recurring_spans_total", outcome="compiled") == 3      # d3, after p2's answer
+    assert metric(text, "kvnotes_reused_tokens_total", kind="composed") == details["composed_tokens"]

@@ -59,7 +59,10 @@ def prompt_sources(plan: RequestPlan, res: PrefillResult | None, summary: Decode
         # the prefill worker built every prefix token (loaded or computed): held ones it built
         # anyway are not cached; only suffix tokens the engine's cache held are
         stats = res.stats
-        out.update(reused=stats.reused, repositioned=stats.repositioned, erratum=stats.erratum,
+        # a chunk compiled in this very build (re-warmed, a recurring span's sighting) is repositioned
+        # by the worker but was computed for this request: no more than the plan reused counts
+        planned = sum(s.reused for s in plan.steps if s.kind is PlanKind.REPOSITION)
+        out.update(reused=stats.reused, repositioned=min(stats.repositioned, planned), erratum=stats.erratum,
                    decode_cache=max(engine - plan.prefix_tokens, 0))
     else:
         # the block was lost: the decode engine recomputed what its cache did not hold; of its hit,

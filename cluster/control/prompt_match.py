@@ -27,7 +27,8 @@ from cluster.control.prompt_index import PROMPT_BLOCK
 from cluster.control.recurring import RecurringSpans, sighted_notes
 from cluster.control.reuse_kinds import REUSE_KINDS, reuse_split
 from cluster.control.state import StateStore, StateStoreUnavailable
-from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan
+from cluster.control.units import content_ranges
+from kvruntime.messages.plan import KVRef, PlanKind, Policy, RequestPlan
 
 if TYPE_CHECKING:
     from cluster.control.backends import Backends
@@ -51,6 +52,8 @@ class Matched:
     notes: tuple[str, ...] = ()
     evicted: int = 0                                # tokens of matched spans the tier no longer holds
     fresh: frozenset[str] = frozenset()             # digests of the spans this sighting made recurring (recurring.py)
+    messages: tuple = ()                            # (index, role, first token, end) of each message's content
+    splices: bool = False                           # the request's policy splices chunks (units compiled for it)
 
 
 class PromptMatcher:
@@ -60,8 +63,9 @@ class PromptMatcher:
         """``decode``: the model's tokenizer, ids -> text (an erratum needs the changed span's words)."""
         self.state, self.metrics, self.lookup, self.cfg = state, metrics, lookup, cfg
         self.chunk_position, self.decode, self.backends = chunk_position, decode, backends
-        breaks = functools.lru_cache(maxsize=65536)(lambda t: "\n" in decode([t])) if decode else None
-        self.recurring = RecurringSpans(state, backends, metrics, cfg, chunk_position, breaks)
+        text = functools.lru_cache(maxsize=65536)(lambda t: decode([t])) if decode else None
+        breaks = (lambda t: "\n" in text(t)) if text else None
+        self.recurring = RecurringSpans(state, backends, metrics, cfg, chunk_position, breaks, text)
 
     def core(self, ids: tuple[int, ...]) -> tuple[int, ...]:
         """A registered chunk's ids as a prompt pasting its text holds them: without the trailing
@@ -149,7 +153,8 @@ class PromptMatcher:
             notes.append(f"prompt matching: nothing held matches past the exact prefix of {hit} tokens")
         context = (segments(prefix, hit, kept) if kept else base.context)
         held_keys = frozenset(m.kv.digest for m in kept if m.kv.digest in present or m.kv.digest not in fresh_keys)
-        return Matched(base.key, context, held_keys, held_edit, tuple(kept), c, seen, tuple(notes), evicted, fresh_keys)
+        return Matched(base.key, context, held_keys, held_edit, tuple(kept), c, seen, tuple(notes), evicted, fresh_keys,
+                       tuple(messages))
 
     def split_text(self, req: RenderedRequest, tenant: str, salt: str) -> RenderedRequest:
         """A native request outside a session with its text segments matched like a plain
@@ -217,6 +222,8 @@ class PromptMatcher:
         recipe an earlier request stored is reused whole (its ``approx`` key: the same bytes)."""
         prefix = tuple(req.context[0].token_ids) if req.context else ()
         m = await self.match(tenant, salt, prefix, hit, index, messages, clock)
+        choice = config.compose_for(req.policy)
+        m = replace(m, splices=req.policy is not Policy.EXACT and (choice is None or choice.allowed))
         req = replace(req, context=m.context)
         tier = TierView(chunk_keys=m.chunk_keys, prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv, held_edit=m.held_edit)
         plan = plan_request(req, tier, None, encode, config)
@@ -238,7 +245,8 @@ class PromptMatcher:
             await self.recurring.observe(tenant, salt, m.key, prefix, m.cut, m.seen, list(m.chunks), index,
                                    compile=not _edited(fin.plan), fresh=m.fresh, plan=fin.plan,
                                    fallbacks=fin.fallbacks,
-                                   held=fin.stored and not fin.plan.approx if held is None else held)
+                                   held=fin.stored and not fin.plan.approx if held is None else held,
+                                   units_at=content_ranges(m.messages, len(prefix)) if m.splices else None)
 
     def _count_misses(self, plan: RequestPlan, m: Matched) -> None:
         """Prompt tokens computed in the prefix, by why they were not reused

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from cluster.control.fingerprints import Cut, fingerprint
 from cluster.control.matching import ChunkMatch, MatchConfig, anchor_entries, last_seen, nearest_held
 from cluster.control.state import StateStore, StateStoreUnavailable
+from cluster.control.units import units
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan
 
 if TYPE_CHECKING:
@@ -77,14 +78,14 @@ def trim(ids: tuple[int, ...], start: int, end: int, is_break, window: int) -> t
 def recurring_runs(ids: tuple[int, ...], c: Cut, counts: dict[str, int], seen: dict, earlier, cfg: MatchConfig,
                    covered: list[tuple[int, int]], is_break=None) -> list[tuple[int, int]]:
     """The runs (start, end) of ``ids`` to compile: each grown from a span counted in
-    ``compile_after`` prompts against the earlier prompt it was seen in (``earlier(key)``: its
+    ``span_after`` prompts against the earlier prompt it was seen in (``earlier(key)``: its
     ids, or None when no longer kept: the span alone, then) and cut back to line breaks near its
     edges (:func:`trim`), outside ``covered``; a run both prompts open with is skipped (the
     prompt index serves a shared prefix exactly)."""
     runs: list[tuple[int, int]] = list(covered)
     out = []
     for s in c.spans:
-        if counts.get(s.key, 0) < cfg.compile_after or any(a < s.end and s.start < b for a, b in runs):
+        if counts.get(s.key, 0) < cfg.span_after or any(a < s.end and s.start < b for a, b in runs):
             continue
         where = last_seen(seen, s.key)
         old = earlier(where[0]) if where else None
@@ -106,17 +107,18 @@ class RecurringSpans:
     build) and compiles in the background those its policy recomputed."""
 
     def __init__(self, state: StateStore, backends: "Backends", metrics: "Metrics", cfg: MatchConfig,
-                 chunk_position: int, is_break=None):
-        """``is_break(token_id)``: the token's text holds a line break (None: runs are not trimmed)."""
+                 chunk_position: int, is_break=None, text=None):
+        """``is_break(token_id)``: the token's text holds a line break (None: runs are not trimmed);
+        ``text(token_id)``: its text (None: no document-like units, :mod:`cluster.control.units`)."""
         self.state, self.backends, self.metrics, self.cfg = state, backends, metrics, cfg
-        self.chunk_position, self.is_break = chunk_position, is_break
+        self.chunk_position, self.is_break, self.text = chunk_position, is_break, text
         self.in_flight = 0
         self._tasks: set[asyncio.Task] = set()
 
     def sighted(self, tenant: str, salt: str, key: str, ids: tuple[int, ...], c: Cut, seen: dict, hit: int,
                 covered: list[tuple[int, int]]) -> list[ChunkMatch]:
         """The runs of this prompt (``key``) that this very sighting makes recurring (a span kept
-        prompts held ``compile_after - 1`` times or more, last seen in another prompt, outside the
+        prompts held ``span_after - 1`` times or more, last seen in another prompt, outside the
         exact prefix of ``hit`` tokens and the ``covered`` chunks), as span chunks to plan: the
         tier does not hold them yet, so the planner compiles each on its own in this request's
         build (the re-warm rule) and splices it. Reads the earlier prompts back (one read each);
@@ -124,7 +126,7 @@ class RecurringSpans:
         counts = {}
         for s in c.spans:
             got, where = seen.get(s.key), last_seen(seen, s.key)
-            if got is not None and where is not None and where[0] != key and got[0] + 1 >= self.cfg.compile_after:
+            if got is not None and where is not None and where[0] != key and got[0] + 1 >= self.cfg.span_after:
                 counts[s.key] = got[0] + 1
         if not counts:
             return []
@@ -146,7 +148,7 @@ class RecurringSpans:
     async def observe(self, tenant: str, salt: str, key: str, ids: tuple[int, ...], c: Cut, seen: dict,
                       matched: list[ChunkMatch], index: int, compile: bool = True, held: bool = False,
                       fresh: frozenset[str] = frozenset(), plan: RequestPlan | None = None,
-                      fallbacks: tuple[str, ...] = ()) -> None:
+                      fallbacks: tuple[str, ...] = (), units_at: list[tuple[int, int]] | None = None) -> None:
         """Record one answered prompt (``seen``: the entries its match read), in a worker thread,
         before its last event goes out (so the client's next prompt finds it), then schedule the
         compiles of its recurring runs in the background. ``compile``: False to count its spans
@@ -154,11 +156,13 @@ class RecurringSpans:
         from now on, for finding edits of it; the spans of a prompt not held point at it only where
         they pointed nowhere. ``fresh``: digests of the matched spans :meth:`sighted` found: the
         ones ``plan`` spliced were compiled in the request's build (their anchors are stored now),
-        the others are left to the background compile."""
+        the others are left to the background compile. ``units_at``: content ranges whose
+        document-like units a first sighting compiles (``compile_after`` 1, where the request's
+        policy splices chunks; None: none)."""
         inline = _compiled_in_request(matched, fresh, plan, fallbacks)
         covered = [m for m in matched if m.kv.digest not in fresh or m in inline]
         try:
-            runs = await asyncio.to_thread(self._record, tenant, key, ids, c, seen, covered, held, inline)
+            runs = await asyncio.to_thread(self._record, tenant, key, ids, c, seen, covered, held, inline, units_at)
         except StateStoreUnavailable as exc:        # a cache: this prompt just teaches nothing
             self.metrics.reuse_misses.labels("store_unavailable").inc()
             log.warning("recording the prompt's spans skipped: %s", exc)
@@ -174,7 +178,7 @@ class RecurringSpans:
         for start, end in runs:
             await self._compile(tenant, salt, tuple(ids[start:end]), index)
 
-    def _record(self, tenant, key, ids, c, seen, matched, held, inline) -> list[tuple[int, int]]:
+    def _record(self, tenant, key, ids, c, seen, matched, held, inline, units_at=None) -> list[tuple[int, int]]:
         now = time.time()
         if seen:                                    # the match read them without refreshing their LRU: now
             self.state.get_fingerprints(tenant, list(seen), now)
@@ -191,8 +195,15 @@ class RecurringSpans:
         self.state.put_fingerprints(tenant, {s.key: f"{key}@{s.start}" for s in c.spans
                                              if held or last_seen(seen, s.key) is None}, now)
         earlier = lambda k: self.state.get_held_prompt(tenant, k, now)  # noqa: E731
-        return recurring_runs(ids, c, counts, seen, earlier, self.cfg, [(m.start, m.end) for m in matched],
-                              self.is_break)
+        covered = [(m.start, m.end) for m in matched]
+        runs = recurring_runs(ids, c, counts, seen, earlier, self.cfg, covered, self.is_break)
+        if units_at is None or self.text is None or not self.cfg.units_first_sighting:
+            return runs
+        fresh = [u for u in units(ids, units_at, self.text, self.cfg.min_chunk_tokens, self.cfg.unit_label_tokens)
+                 if not any(a < u[1] and u[0] < b for a, b in covered + runs)]
+        if fresh:
+            self.metrics.recurring_spans.labels("unit_first_sighting").inc(len(fresh))
+        return runs + fresh
 
     async def _compile(self, tenant: str, salt: str, run: tuple[int, ...], index: int) -> None:
         if self.in_flight >= self.cfg.compiles_in_flight:

@@ -34,8 +34,8 @@ class SpanConfig:
             raise ValueError("matching.spans.boundary_bits and anchor_bits must be in [1, 16]")
 
 
-_INTS = ("min_chunk_tokens", "compile_after", "compiles_in_flight", "trim_window", "edit_max_tokens",
-         "fingerprint_max", "held_prompt_max")
+_INTS = ("min_chunk_tokens", "compile_after", "unit_label_tokens", "compiles_in_flight", "trim_window",
+         "edit_max_tokens", "fingerprint_max", "held_prompt_max")
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,12 @@ class MatchConfig:
     spans: SpanConfig = field(default_factory=SpanConfig)   # a mapping of SpanConfig's fields in a config file
     min_chunk_tokens: int = 32      # a matched chunk shorter than this is computed as text
     # a span seen in this many prompts (this one included) is compiled on its own: in the request
-    # that sees it the compile_after-th time when the policy splices it there, else in the background
-    compile_after: int = 2
+    # that sees it the compile_after-th time when the policy splices it there, else in the background.
+    # 1: besides, a prompt's document-like units (blank-line-separated blocks of a message, a numbered
+    # label left out: cluster.control.units) are compiled in the background on their first sighting
+    # where the request's policy splices chunks (a recurring span then still at its 2nd sighting)
+    compile_after: int = 1
+    unit_label_tokens: int = 8      # a unit's numbered label ("[3] ", "Document 5:") is at most this long (0: kept)
     compiles_in_flight: int = 2     # background span compiles at once per router replica (more: skipped, counted)
     trim_window: int = 32           # a recurring run's edges are cut back to a line break within this many tokens
     # a held prompt is edited when >= this share of the new prompt equals it and the divergent
@@ -74,8 +78,9 @@ class MatchConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"matching.{name} must be an integer, got {v!r}")
-        for name, least in (("min_chunk_tokens", 1), ("compile_after", 2), ("compiles_in_flight", 0),
-                            ("trim_window", 0), ("edit_max_tokens", 1), ("fingerprint_max", 1), ("held_prompt_max", 1)):
+        for name, least in (("min_chunk_tokens", 1), ("compile_after", 1), ("unit_label_tokens", 0),
+                            ("compiles_in_flight", 0), ("trim_window", 0), ("edit_max_tokens", 1),
+                            ("fingerprint_max", 1), ("held_prompt_max", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"matching.{name} must be >= {least}, got {getattr(self, name)}")
         if not 0 < self.edit_min_share <= 1:
@@ -83,6 +88,16 @@ class MatchConfig:
         for name in ("fingerprint_ttl_s", "held_prompt_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"matching.{name} must be > 0 seconds, got {getattr(self, name)!r}")
+
+    @property
+    def span_after(self) -> int:
+        """Sightings before a recurring span (a run two prompts share) is compiled: at least 2."""
+        return max(2, self.compile_after)
+
+    @property
+    def units_first_sighting(self) -> bool:
+        """Document-like units compiled on their first sighting (``compile_after`` 1)."""
+        return self.compile_after == 1
 
     def store_limits(self) -> dict:
         """The state store's bounds on matching, as ``cluster.control.state.StoreLimits`` keywords."""
