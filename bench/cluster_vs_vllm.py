@@ -274,8 +274,9 @@ def _print(r: dict, plots: str) -> None:
         for p in plot_cluster_vs_vllm(r, Path(plots)):
             print(f"wrote {p}", file=sys.stderr)
     print(f"# kvnotes cluster vs plain vLLM: {r['model']} {r['dtype']}, vLLM {r.get('vllm')}, {r['machine']}, "
-          f"max_tokens {r['max_tokens']}, run {r.get('seconds', 0):.0f} s" + (" (INCOMPLETE: " + r["incomplete"] + ")"
-                                                                             if r.get("incomplete") else "") + "\n")
+          f"max_tokens {r['max_tokens']}, run {r.get('seconds', 0):.0f} s"
+          + (", load " + " -> ".join(f"{a[0]:.1f}" for a in r["loadavg"]) if r.get("loadavg") else "")
+          + (" (INCOMPLETE: " + r["incomplete"] + ")" if r.get("incomplete") else "") + "\n")
     print(markdown(r))
 
 
@@ -315,7 +316,8 @@ def main(argv=None) -> int:
     tag = uuid.uuid4().hex[:6]
     t_start = time.perf_counter()
     r = {"model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens,
-         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "sizes": {}, "load": []}
+         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "sizes": {}, "load": [],
+         "loadavg": [os.getloadavg()]}     # 1/5/15-min load at the start and after each size
     s = Systems(args.model, args.dtype, args.kv_gib, args.tier_gib, workdir)
     try:
         print("starting plain vLLM (OpenAI server) and the kvnotes cluster (vLLM decode)...", file=sys.stderr, flush=True)
@@ -344,6 +346,7 @@ def main(argv=None) -> int:
             w["cold"] = _cold(s, size, pick(args.reps, i), args.max_tokens)
             w["edit"] = _edit(s, size, pick(args.turns, i), args.max_tokens, tag)
             r["sizes"][str(size)] = w
+            r["loadavg"].append(os.getloadavg())
             _save(r, args.json)                      # a run cut short keeps what it measured
         for rate in _progress(args.rates, "mixed load rates"):
             r["load"] += mixed_load(s, rate, args.load_requests, args.load_size, args.max_tokens, 7, tag)
