@@ -1,9 +1,8 @@
 """Decoding without copying the context: a preallocated KV buffer that the model writes into.
 
-:meth:`ReferenceEngine.prefill` builds a fresh HF cache from a :class:`KVCache` on every call and
-HF's ``DynamicLayer`` concatenates past and new keys in every layer; a decode loop that calls it
-once per token and then concatenates the result onto its cache copies the whole context twice
-per token (O(n^2) bytes moved for n tokens). A :class:`DecodeSession` allocates the context plus
+:meth:`ReferenceEngine.prefill` given a plain :class:`KVCache` copies it into a new buffer on every
+call; a decode loop that calls it once per token and then concatenates the result onto its cache
+copies the whole context twice per token (O(n^2) bytes moved for n tokens). A :class:`DecodeSession` allocates the context plus
 the tokens still to come once; each step's new keys and values are written into that buffer in
 place (:meth:`ReferenceEngine.write`: at a bucket's shape under ``few_token_shapes: bucketed``)
 and attention reads a view of the filled part, so a step costs its attention over the context
