@@ -4,43 +4,14 @@ or with a certificate of another CA, is refused by the TLS server; certificates 
 ``cryptography`` (a throwaway CA)."""
 from __future__ import annotations
 
-import datetime
-import ipaddress
-
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from kvruntime.kv import KVCache
 from kvtransport.transfer.blocks import decode_block, encode_block
 from kvtransport.transfer.grpc_transport import GrpcTransport, GrpcTransportConfig
 from kvtransport.transfer.interface import TransferError
-
-
-def _pki(tmp_path, name: str) -> dict:
-    """A CA and a certificate for 127.0.0.1 signed by it, as files: {cert, key, ca}."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvnotes")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                        x509.DNSName("localhost")]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    files = {"cert": tmp_path / f"{name}.pem", "key": tmp_path / f"{name}.key", "ca": tmp_path / f"{name}-ca.pem"}
-    files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    files["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    return {k: str(v) for k, v in files.items()}
+from tests.certs import make_pki as _pki
 
 
 def _tls(p: dict, **kw) -> GrpcTransportConfig:

@@ -3,7 +3,6 @@ bad blocks refused with a reason (never a crash of the receiver), duplicates ref
 holding memory. The receiver runs in a child process driven through a command queue."""
 import dataclasses
 import gc
-import multiprocessing as mp
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 from kvruntime.kv import KVCache
 from kvtransport.transfer.blocks import KVBlock, block_header, encode_block
 from kvtransport.transfer.nixl_transport import NixlTransport, NixlTransportConfig
+from tests.nixl_pair import nixl_pair
 from kvtransport.transfer.interface import TransferError
 
 CFG = NixlTransportConfig(pool_bytes=64 << 20, max_block_bytes=32 << 20, inbox_bytes=48 << 20,
@@ -56,27 +56,7 @@ def _receiver(cmds, results):
 
 @pytest.fixture(scope="module")
 def pair():
-    ctx = mp.get_context("spawn")
-    cmds, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(cmds, results), daemon=True)
-    proc.start()
-    try:
-        name, md = results.get(timeout=120)
-        tx = NixlTransport(CFG)
-        tx.add_peer(name, md)
-
-        def ask(*cmd, timeout=120):
-            cmds.put(cmd)
-            return results.get(timeout=timeout)
-
-        yield tx, name, ask
-        tx.stop()
-        assert ask("stop") == ("ok", "stopped")
-    finally:
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+    yield from nixl_pair(_receiver, CFG)
 
 
 def _stats(ask):

@@ -3,7 +3,6 @@ rows ``capacity`` slots apart, the CRC-32C of the plain block checked over the r
 bit-exact, the pool released after the claim. The receiver runs in a child process."""
 import dataclasses
 import gc
-import multiprocessing as mp
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from kvruntime.kv import KVCache
 from kvruntime.messages.transfer import TransferGrant
 from kvtransport.transfer.blocks import block_header, encode_block
 from kvtransport.transfer.nixl_transport import NixlTransport, NixlTransportConfig
+from tests.nixl_pair import nixl_pair
 
 CFG = NixlTransportConfig(pool_bytes=64 << 20, max_block_bytes=32 << 20, inbox_bytes=48 << 20,
                           read_piece_bytes=1 << 20, stream_piece_bytes=2 << 20)
@@ -54,27 +54,7 @@ def _receiver(cmds, results):
 
 @pytest.fixture(scope="module")
 def pair():
-    ctx = mp.get_context("spawn")
-    cmds, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(cmds, results), daemon=True)
-    proc.start()
-    try:
-        name, md = results.get(timeout=120)
-        tx = NixlTransport(CFG)
-        tx.add_peer(name, md)
-
-        def ask(*cmd, timeout=120):
-            cmds.put(cmd)
-            return results.get(timeout=timeout)
-
-        yield tx, name, ask
-        tx.stop()
-        assert ask("stop") == ("ok", "stopped")
-    finally:
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+    yield from nixl_pair(_receiver, CFG)
 
 
 @pytest.mark.parametrize("tokens,dtype,streamed", [(50, "float32", False), (4000, "float32", False),

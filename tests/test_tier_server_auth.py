@@ -16,32 +16,21 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from kvruntime.kv import KVCache
 from kvruntime.config import TierConfig
 from kvtransport.tier.lmcache_store import LMCacheStore
-from kvtransport.tier.store import ChunkKey, key_positions, tenant_salt
+from kvtransport.tier.store import ChunkKey
 from kvtransport.tier.auth import MAGIC, NONCE_BYTES, tier_key
 from kvtransport.tier.server import start_tier_server, stop_tier_server
 from prefill_workers.metrics import worker_registry
 from tests.conftest import metric
+from tests.tier_chunks import D, H, L, mkkey, mkkv    # a small KV shape: one 256-token fp32 piece is 512 KiB
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 
-L, H, D = 2, 2, 64                      # a small KV shape: one 256-token fp32 piece is 512 KiB
 PIECE = L * 2 * H * 256 * D * 4
 SECRET = os.urandom(32)                 # this test's cluster secret
 KEY = tier_key(SECRET)
-
-
-def mkkey(n: int, start: int) -> ChunkKey:
-    return ChunkKey.build("m", "float32", "5eed", range(start, start + n), tenant_salt("a"), 1)
-
-
-def mkkv(key: ChunkKey, seed: int = 0) -> KVCache:
-    g = torch.Generator().manual_seed(seed)
-    return KVCache(torch.randn(L, 2, H, key.num_tokens, D, generator=g), key_positions(key),
-                   torch.tensor(key.token_ids))
 
 
 def mkstore(url: str, key: bytes = KEY, **cfg) -> LMCacheStore:

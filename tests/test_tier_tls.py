@@ -7,8 +7,6 @@ TLS port gets no challenge; each is counted. Certificates are made here with ``c
 (throwaway CAs). Every wait is bounded."""
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import socket
 import threading
@@ -16,51 +14,22 @@ import threading
 import httpx
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from kvruntime.config import TierConfig
 from kvruntime.config.tier import TierTLS
-from kvruntime.kv import KVCache
 from kvtransport.tier.auth import MAGIC, tier_key
 from kvtransport.tier.lmcache_remote import lm_server_status
 from kvtransport.tier.lmcache_store import LMCacheStore
 from kvtransport.tier.server import start_tier_server, stop_tier_server
-from kvtransport.tier.store import ChunkKey, key_positions, tenant_salt
 from kvtransport.tier.tls import client_context
+from tests.certs import make_pki as _pki
 from tests.conftest import metric
+from tests.tier_chunks import D, H, L, mkkey, mkkv
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 
-L, H, D = 2, 2, 64
 KEY = tier_key(os.urandom(32))
-
-
-def _pki(tmp_path, name: str) -> dict:
-    """A CA and a certificate for 127.0.0.1 signed by it, as files (the key 0600): {cert, key, ca}."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvnotes")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    files = {"cert": tmp_path / f"{name}.pem", "key": tmp_path / f"{name}.key", "ca": tmp_path / f"{name}-ca.pem"}
-    files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    files["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    os.chmod(files["key"], 0o600)
-    return {k: str(v) for k, v in files.items()}
 
 
 def _tls_cfg(p: dict, **over) -> dict:
@@ -71,16 +40,6 @@ def mkstore(url: str, tls: dict, **cfg) -> LMCacheStore:
     return LMCacheStore("m", "float32", L, H, D, TierConfig(**{"cpu_bytes": 50 << 20, "remote_url": url,
                                                                "remote_timeout_s": 3.0, "remote_probe_s": None,
                                                                **tls, **cfg}), rope="5eed", remote_key=KEY)
-
-
-def mkkey(n: int, start: int) -> ChunkKey:
-    return ChunkKey.build("m", "float32", "5eed", range(start, start + n), tenant_salt("a"), 1)
-
-
-def mkkv(key: ChunkKey, seed: int = 0) -> KVCache:
-    g = torch.Generator().manual_seed(seed)
-    return KVCache(torch.randn(L, 2, H, key.num_tokens, D, generator=g), key_positions(key),
-                   torch.tensor(key.token_ids))
 
 
 class _Relay:
