@@ -137,7 +137,7 @@ def run_mode(h, mode: str, args, plans, blocks) -> dict:
             "loaded_tokens": [x["loaded"] for x in arrivals], "fallbacks": [x["fallbacks"] for x in arrivals]}
 
 
-def main() -> None:
+def _args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run, minutes)")
     ap.add_argument("--model", default="smollm2-135m")
@@ -157,35 +157,45 @@ def main() -> None:
                            ("arrivals", 3, 2), ("spacing_s", 2.0, 1.0), ("quiet_s", 4.0, 2.0), ("reps", 2, 1)):
         if getattr(args, k) is None:
             setattr(args, k, small if q else full)
+    return args
 
-    from bench.vllm_side_by_side import BENCH_SALT, Harness, _chunks
+
+def _composed_prefixes(h, args, staging, addr) -> tuple[list, list]:
+    """``arrivals + 1`` composed plans and their KV, built and pushed by the real prefill executor
+    into ``staging`` (at ``addr``) beforehand; distinct chunks, so no reuse between them."""
+    from bench.vllm_side_by_side import BENCH_SALT, _chunks
     from kvruntime.fidelity.cases import load_passages
     from kvruntime.messages.plan import KVRef
     from kvruntime.ops import precompile_chunk
+    from kvtransport.transfer.blocks import decode_block
 
-    from kvtransport.transfer.blocks import decode_block, encode_block
+    passages = list(load_passages().values())
+    plans, kvs = [], []
+    k = max(2, args.compose_tokens // 1300)
+    for m in progress(range(args.arrivals + 1), "composed prefixes"):    # distinct chunks: no reuse between them
+        chunks = _chunks(h.engine, passages[m % len(passages):] + passages[:m % len(passages)],
+                         args.compose_tokens - len(h.pre) - 24, k, f"a{m}")
+        for name, ids in chunks.items():               # precompiled into the tier
+            h.source.put(KVRef(tuple(ids), h.chunk_pos, BENCH_SALT), precompile_chunk(h.engine, ids))
+        qids = h.engine.encode(f"Question {m}: what is the first topic above?" + h.post)
+        plans.append(h.compose_plan(list(chunks), chunks, qids, 1))
+        tid = uuid.uuid4().hex
+        res = h.prefill.execute(plans[-1], addr, tid)  # the real prefill executor builds and pushes it
+        if res.stats.fallbacks:
+            raise RuntimeError(f"the prefill fell back: {res.stats.fallbacks}")
+        kvs.append(decode_block(staging.receive(tid, timeout=600), model=h.model))
+    return plans, kvs
+
+
+def _measure(h, args) -> tuple[list[dict], list]:
+    """Both load modes, interleaved ``reps`` times after one warm-up request per mode: the rows
+    of :func:`run_mode`, and the composed plans."""
+    from kvtransport.transfer.blocks import encode_block
     from kvtransport.transfer.grpc_transport import GrpcTransport
 
-    h = Harness(args.model, args.dtype, args.threads)
-    h.max_stream_tokens = 8192 - args.stream_context - 64
     staging = GrpcTransport()                      # the prefill executor's pushes land here first
     try:
-        addr = staging.serve("127.0.0.1", 0)
-        passages = list(load_passages().values())
-        plans, kvs = [], []
-        k = max(2, args.compose_tokens // 1300)
-        for m in progress(range(args.arrivals + 1), "composed prefixes"):    # distinct chunks: no reuse between them
-            chunks = _chunks(h.engine, passages[m % len(passages):] + passages[:m % len(passages)],
-                             args.compose_tokens - len(h.pre) - 24, k, f"a{m}")
-            for name, ids in chunks.items():               # precompiled into the tier
-                h.source.put(KVRef(tuple(ids), h.chunk_pos, BENCH_SALT), precompile_chunk(h.engine, ids))
-            qids = h.engine.encode(f"Question {m}: what is the first topic above?" + h.post)
-            plans.append(h.compose_plan(list(chunks), chunks, qids, 1))
-            tid = uuid.uuid4().hex
-            res = h.prefill.execute(plans[-1], addr, tid)  # the real prefill executor builds and pushes it
-            if res.stats.fallbacks:
-                raise RuntimeError(f"the prefill fell back: {res.stats.fallbacks}")
-            kvs.append(decode_block(staging.receive(tid, timeout=600), model=h.model))
+        plans, kvs = _composed_prefixes(h, args, staging, staging.serve("127.0.0.1", 0))
 
         def fresh(i: int):                                 # a new transfer id per push, same KV
             return encode_block(uuid.uuid4().hex, h.model, kvs[i])
@@ -202,22 +212,28 @@ def main() -> None:
             rows.append(run_mode(h, mode, args, plans[:args.arrivals], [fresh(i) for i in range(args.arrivals)]))
     finally:
         staging.stop()
-        h.close()
+    return rows, plans
+
+
+def _summary(args, rows: list[dict]) -> dict:
+    """The run's JSON: its args, every row, medians per mode and the async/sync ratios."""
     med = {m: {k: statistics.median(v for r in rows if r["mode"] == m
                                     for v in (r[k] if isinstance(r[k], list) else [r[k]]))
                for k in ("quiet_tok_s", "arrivals_tok_s", "quiet_max_gap_s", "arrivals_max_gap_s", "compose_ttft_s",
                          "push_s")} for m in MODES}
     s, a = med["sync"], med["async"]
-    out = {"args": vars(args), "platform": platform.platform(), "cpus": os.cpu_count(), "rows": rows,
-           "medians": med,
-           "ratios": {"streams' tok/s during arrivals, async/sync": a["arrivals_tok_s"] / max(s["arrivals_tok_s"], 1e-9),
-                      "streams' max gap during arrivals, sync/async":
-                          s["arrivals_max_gap_s"] / max(a["arrivals_max_gap_s"], 1e-9),
-                      "composed TTFT (push to first token), async/sync": a["compose_ttft_s"] / s["compose_ttft_s"]}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    return {"args": vars(args), "platform": platform.platform(), "cpus": os.cpu_count(), "rows": rows,
+            "medians": med,
+            "ratios": {"streams' tok/s during arrivals, async/sync": a["arrivals_tok_s"] / max(s["arrivals_tok_s"], 1e-9),
+                       "streams' max gap during arrivals, sync/async":
+                           s["arrivals_max_gap_s"] / max(a["arrivals_max_gap_s"], 1e-9),
+                       "composed TTFT (push to first token), async/sync": a["compose_ttft_s"] / s["compose_ttft_s"]}}
+
+
+def _print_table(args, out: dict, prompt_tokens: int) -> None:
+    rows, med = out["rows"], out["medians"]
     print(f"\n{args.streams} streams of {args.stream_context} tokens decoding; {args.arrivals} composed "
-          f"requests of ~{plans[0].prompt_tokens} tokens arriving {args.spacing_s:g} s apart ({args.model}, "
+          f"requests of ~{prompt_tokens} tokens arriving {args.spacing_s:g} s apart ({args.model}, "
           f"{args.dtype}, {args.threads} thread(s)); medians of {args.reps} interleaved rep(s)\n")
     print("| load | streams alone tok/s | during arrivals tok/s | kept | max gap alone s | max gap during "
           "arrivals s | composed TTFT p50 s (push s) | fallbacks |")
@@ -231,6 +247,23 @@ def main() -> None:
     print()
     for k, v in out["ratios"].items():
         print(f"- {k}: {v:.2f}x")
+
+
+def main() -> None:
+    """Parse, build the composed prefixes, measure both modes, write the JSON, print the table."""
+    args = _args()
+    from bench.vllm_side_by_side import Harness
+
+    h = Harness(args.model, args.dtype, args.threads)
+    h.max_stream_tokens = 8192 - args.stream_context - 64
+    try:
+        rows, plans = _measure(h, args)
+    finally:
+        h.close()
+    out = _summary(args, rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    _print_table(args, out, plans[0].prompt_tokens)
 
 
 if __name__ == "__main__":
