@@ -25,7 +25,7 @@ from kvruntime import request_log
 from kvruntime.config import ClusterConfig
 from kvruntime.messages.keys import token_hash
 from kvruntime.messages.plan import decode_computes_rest
-from kvruntime.messages.decode import DecodeJob
+from kvruntime.messages.decode import DecodeJob, DecodeSummary
 from kvruntime.messages.transfer import ExpectReply, KVEndpoint, TransferExpectation
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class DecodeWorker:
         request_log.install(worker=True)
         # block headers carry the model's spec name (a checkpoint's <dir>-<content hash>), not the config's path
         self.index, self.model = index, get_model_spec(cfg.workers.model).name
+        # this process' start id: its prefix cache is empty after a restart (cluster.control.decode_held)
+        self.boot = os.urandom(6).hex()
         self._cancelled: set[str] = set()          # request keys whose deadline passed (cancel())
         self._cancel_lock = threading.Lock()
         from kvruntime.device import resolve_device
@@ -103,7 +105,7 @@ class DecodeWorker:
         """Cheap liveness answer (the actor's "health" concurrency group, beside a running
         generate): process id and the gRPC address (new after a restart)."""
         return {"worker": f"decode-{self.index}", "pid": os.getpid(), "grpc": self.receiver.endpoint.grpc_address,
-                "metrics": self.metrics_target}
+                "metrics": self.metrics_target, "boot": self.boot}
 
     def cancel(self, key: str) -> None:
         """Stop the generate() call started with ``cancel_key=key`` after its current token
@@ -125,7 +127,8 @@ class DecodeWorker:
                                     "(deadline passed or client gone)", self.index, n)
                         return                 # the router stops reading and counts it
                     n += 1
-                    yield ev
+                    yield dataclasses.replace(ev, engine=f"decode-{self.index}@{self.boot}") \
+                        if isinstance(ev, DecodeSummary) else ev
             except Exception as exc:
                 log.error("decode-%d: generate failed after %d token(s): %s", self.index, n, exc)
                 raise

@@ -95,8 +95,8 @@ class PrefillWorker:
     def contains(self, refs: list[KVRef]) -> list[bool]:
         return self.tier.contains(refs)
 
-    def precompile(self, ref: KVRef) -> PrecompileInfo:
-        return self.tier.precompile(ref)
+    def precompile(self, ref: KVRef, base: KVRef | None = None) -> PrecompileInfo:
+        return self.tier.precompile(ref, base)
 
     def evict(self, ref: KVRef) -> bool:
         return self.tier.evict(ref)

@@ -63,10 +63,19 @@ class PrefillTier:
         self.variants_compiled += ref.prefix is not None
         return kv
 
-    def precompile(self, ref: KVRef) -> PrecompileInfo:
-        """Idempotent by content: a chunk the tiers already hold is not prefilled again."""
+    def precompile(self, ref: KVRef, base: KVRef | None = None) -> PrecompileInfo:
+        """Idempotent by content: a chunk the tiers already hold is not prefilled again. ``base``:
+        an exact stored prefix of the prompt ``ref``: only the rest is computed, after its KV
+        (``prefill_workers.store_delta``); from position 0 when the tiers no longer hold it."""
         if self.store.contains(self.key(ref)):
             return PrecompileInfo(True, 0, 0.0, self.worker)
         t = time.perf_counter()
-        kv = self.compile(ref)
-        return PrecompileInfo(False, kv.nbytes, time.perf_counter() - t, self.worker)
+        base_kv = self.get(base) if base is not None else None
+        if base_kv is not None:
+            from prefill_workers.store_delta import continued
+            kv = continued(self.engine, ref, base, base_kv)
+            self.put(ref, kv)
+        else:
+            kv = self.compile(ref)
+        return PrecompileInfo(False, kv.nbytes, time.perf_counter() - t, self.worker,
+                              len(base.token_ids) if base_kv is not None else 0)

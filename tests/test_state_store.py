@@ -101,6 +101,28 @@ def test_prompt_index_bounded_and_per_tenant(store_url):
     s.close()
 
 
+def test_decode_held_records_are_per_tenant_bounded_lru_and_expire(store_url):
+    s = open_state(store_url, StoreLimits(decode_held_ttl_s=600, decode_held_max=4))
+    now = time.time()
+    s.put_decode_held("acme", {"decode-0@b1|h1": 64, "decode-0@b1|h2": 128}, now)
+    assert s.get_decode_held("acme", ["decode-0@b1|h1", "decode-0@b1|h2", "decode-0@b2|h1"], now) == \
+        {"decode-0@b1|h1": 64, "decode-0@b1|h2": 128}                   # another incarnation's key: absent
+    assert s.get_decode_held("globex", ["decode-0@b1|h1"], now) == {}
+    s.put_decode_held("acme", {f"decode-0@b1|x{i}": i for i in range(4)}, now + 1)
+    s.expire(now + 1)
+    assert s.sizes(now + 1)["decode_held"] == 4
+    assert s.get_decode_held("acme", ["decode-0@b1|h1", "decode-0@b1|h2"], now + 1) == {}   # LRU: the oldest went
+    s.close()
+    s = open_state(store_url, StoreLimits(decode_held_ttl_s=0.5))
+    s.put_decode_held("acme", {"k": 64}, time.time())
+    assert s.get_decode_held("acme", ["k"], time.time()) == {"k": 64}
+    time.sleep(0.8)
+    assert s.get_decode_held("acme", ["k"], time.time()) == {}          # expired
+    with pytest.raises(ValueError):
+        StoreLimits(decode_held_max=0)
+    s.close()
+
+
 def test_secret_is_created_once_and_shared(store_url):
     a, b = open_state(store_url), open_state(store_url)
     sa = a.secret()

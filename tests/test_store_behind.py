@@ -11,6 +11,7 @@ comes before an approximate plan:
   composed the same way has the same vLLM ``cache_salt`` (its blocks of the previous turn are found);
   what the decode engine's cache served under such a salt is counted as composed, not exact."""
 import asyncio
+import time
 
 import pytest
 
@@ -29,13 +30,13 @@ class _Backends:
     def __init__(self, fail=False, gate: asyncio.Event | None = None):
         self.refs, self.fail, self.gate = [], fail, gate
 
-    async def precompile(self, ref, index=0):
+    async def precompile(self, ref, index=0, base=None):
         if self.gate is not None:
             await self.gate.wait()
         if self.fail:
             raise RuntimeError("prefill actor lost")
         self.refs.append(ref)
-        return PrecompileInfo(False, 1, 0.01, "prefill-0")
+        return PrecompileInfo(False, 1, 0.01, "prefill-0", len(base.token_ids) if base is not None else 0)
 
 
 class _Index:
@@ -44,6 +45,9 @@ class _Index:
 
     def record(self, tenant, ids):
         self.recorded.append((tenant, tuple(ids)))
+
+    async def longest_held(self, tenant, salt, prefix, index, clock=None, extra=()):
+        return None, 0                                  # the tier holds no prefix of these
 
 
 def _outcomes(m: Metrics) -> dict:
@@ -93,15 +97,18 @@ def test_store_behind_failures_and_the_switch_are_counted():
         StoreBehindConfig(in_flight=0)
 
 
-def test_the_decode_engines_exact_prefix_comes_before_a_shorter_approximate_plan():
-    held = DecodeHeld(per_tenant=2)
+def test_the_decode_engines_exact_prefix_comes_before_a_shorter_approximate_plan(tmp_path):
+    from cluster.control.state import StoreLimits, open_state
+    state = open_state(f"sqlite:///{tmp_path}/state.db", StoreLimits(decode_held_max=20))
+    held = DecodeHeld(state)
     turn0 = list(range(1000))
     held.note("t", turn0)
     assert held.longest("t", turn0 + [5, 6]) == 1000 and held.longest("u", turn0) == 0
+    assert held.longest("t", turn0[:999] + [5]) == 960                  # whole 64-token blocks past the divergence
     assert held.longest("t", [7] + turn0) == 0
-    held.note("t", [1, 2])
-    held.note("t", [3, 4])                             # LRU: the oldest of this tenant dropped
-    assert held.longest("t", turn0) == 0
+    held.note("t", list(range(5000, 6000)))            # 15 blocks + its end more: the bound (20) drops the oldest
+    state.expire(time.time())
+    assert held.longest("t", turn0) <= 4 * 64 and held.longest("t", list(range(5000, 6000))) == 1000
     plan = _plan([_rc(0, 30), _repos(30, 600), _rc(630, 500)])
     assert prefer_exact(plan, held=1000, hit=0)        # 1000 exact tokens beat a 600-token composition
     assert not prefer_exact(plan, held=500, hit=0)     # the composition reuses more

@@ -49,7 +49,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     from cluster.control.render import Renderer
     from cluster.control.router import Router
     from cluster.control.router_sections import LimitsSection, ModelSection, PolicySection
-    from cluster.control.state import StoreLimits, open_state
+    from cluster.control.state import configured_limits, open_state
     from cluster.control.state.watch import StoreWatch
     from cluster.control.store_behind import StoreBehindConfig
     from kvruntime.checkpoint import ensure_checkpoint
@@ -64,7 +64,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     profile = find_profile(spec, cfg.policy.profiles_dir)
     served = cfg.served_name(spec.name)      # the API's `model`; KV and profiles use spec.name
     backends = RayBackends.from_names(cfg)
-    state = open_state(cfg.state.resolved_url, StoreLimits(**cfg.state.store_limits(), **cfg.matching.store_limits()))
+    state = open_state(cfg.state.resolved_url, configured_limits(cfg))
     model = ModelSection(spec.name if spec.checkpoint else ckpt.name, cfg.workers.dtype,   # = engine.model_id
                          served_model=served)
     policy = PolicySection(default_policy=cfg.policy.default_policy, seam_tokens=cfg.policy.seam_tokens,

@@ -32,7 +32,9 @@ class Backends(ABC):
     async def contains(self, refs: list[KVRef], index: int = 0) -> list[bool]: ...
 
     @abstractmethod
-    async def precompile(self, ref: KVRef, index: int = 0) -> PrecompileInfo: ...
+    async def precompile(self, ref: KVRef, index: int = 0) -> PrecompileInfo:
+        """Compile ``ref`` into a prefill worker's tier. Store-behind also passes ``base=`` (an
+        exact stored prefix of the prompt ``ref``: only the rest is computed, after its KV)."""
 
     @abstractmethod
     async def evict(self, ref: KVRef) -> bool: ...

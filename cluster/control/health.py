@@ -118,6 +118,7 @@ class HealthMonitor(threading.Thread):
         restarted = b.view.workers[role][i].pid not in (None, info.get("pid"))
         b.view.workers[role][i].pid = info.get("pid")
         b.view.workers[role][i].metrics = info.get("metrics")
+        b.view.workers[role][i].boot = info.get("boot")      # decode: names its prefix cache (cluster.control.decode_held)
         if role == "decode" and (restarted or (info.get("grpc") and info["grpc"] != b.addresses[i])):
             # a restarted decode actor has a new inbox address and a new NIXL agent: fetch its
             # whole KV endpoint before any push goes to it again

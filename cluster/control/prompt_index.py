@@ -69,12 +69,13 @@ class PromptIndex:
         return ref.digest in await self.lookup.present([ref], index, clock)
 
     async def longest_held(self, tenant: str, salt: str, prefix: tuple[int, ...], index: int,
-                           clock: "StageClock | None" = None) -> tuple[KVRef | None, int]:
+                           clock: "StageClock | None" = None, extra: tuple[int, ...] = ()) -> tuple[KVRef | None, int]:
         """Longest indexed prefix of ``prefix`` that the prefill worker's tier still holds. Every
         indexed boundary is checked in one batched lookup; when longer ones were evicted (the
         index outlives the tier's LRU) the longest present one is used, counted as
-        ``kvnotes_fallbacks_total{reason="prompt_prefix_evicted"}``."""
-        bounds = block_bounds(len(prefix))
+        ``kvnotes_fallbacks_total{reason="prompt_prefix_evicted"}``. ``extra``: more prefix
+        lengths to check (an earlier prompt's exact length: store-behind's base)."""
+        bounds = sorted({*block_bounds(len(prefix)), *(k for k in extra if 0 < k <= len(prefix))}, reverse=True)
         hashes = {b: prompt_hash(tenant, prefix[:b]) for b in bounds}
         try:
             known = self.state.get_prompt_blocks(tenant, list(hashes.values()), time.time())

@@ -85,9 +85,9 @@ def tier_key_of(cfg: ClusterConfig) -> bytes | None:
     restarted prefill actor gets it again."""
     if not cfg.tier.remote_url:
         return None
-    from cluster.control.state import open_state
+    from cluster.control.state import configured_limits, open_state
     from kvtransport.tier.auth import tier_key
-    state = open_state(cfg.state.resolved_url)
+    state = open_state(cfg.state.resolved_url, configured_limits(cfg))
     try:
         return tier_key(state.secret())
     finally:
@@ -188,7 +188,7 @@ class RayBackends(Backends):
         except ACTOR_LOST as exc:
             raise self._lost("prefill", index, exc) from None
 
-    async def precompile(self, ref, index: int = 0):
+    async def precompile(self, ref, index: int = 0, base=None):
         """Compile once, on one prefill actor (``index`` first, then the next ones if it fails):
         it lands in that actor's tiers (shared ones: ``lm://``, ``fs://``); other actors find it
         there or re-warm it on first use. Fails only when every prefill actor failed."""
@@ -197,7 +197,7 @@ class RayBackends(Backends):
         for i in sorted(order, key=lambda i: not self.view.is_alive("prefill", i)):   # live ones first
             actor = self.prefill_actors[i]
             try:
-                return await actor.precompile.remote(ref)
+                return await (actor.precompile.remote(ref) if base is None else actor.precompile.remote(ref, base))
             except ACTOR_LOST as exc:
                 self._lost("prefill", i, exc)
                 errors.append(f"prefill-{i}: {type(exc).__name__}")

@@ -75,6 +75,7 @@ class WorkerState:
     reason: str = ""               # why it is down
     pid: int | None = None         # last reported process id (health)
     metrics: str | None = None     # the worker's own metrics endpoint host:port (health)
+    boot: str | None = None        # the worker process' random start id (health): a new one after a restart
 
 
 class WorkerView:

@@ -48,8 +48,8 @@ class RequestStreams:
         self.limits, self.default_policy, self.salt = limits, default_policy, salt
         self.planner_config = planner_config
         self.matcher = matcher               # plain prompts past their exact prefix (cluster.control.prompt_match)
-        self.store_behind = StoreBehind(runner.backends, metrics, index, store_behind)   # decode-computed prompts
-        self.decode_held = DecodeHeld()      # the decode engine's exact prompts, as last run (a hint)
+        self.decode_held = DecodeHeld(index.state, view, metrics)   # the decode engines' exact prompts (shared hint)
+        self.store_behind = StoreBehind(runner.backends, metrics, index, store_behind, self.decode_held)
 
     # ---- budget -------------------------------------------------------------------------------
     def budget(self, sampling: SamplingParams) -> TokenBudget:
@@ -222,7 +222,7 @@ class RequestStreams:
                 elif needs_store(store_as, ev):      # the decode engine computed it: into the tier behind it
                     behind = self.store_behind.schedule(tenant, store_as, hit, prefill_index) == "scheduled"
                 if not plan.approx:                  # its exact KV is in the decode engine's prefix cache now
-                    self.decode_held.note(tenant, prompt_ids)
+                    self.decode_held.note(tenant, prompt_ids, ev.summary.engine)
                 if matched is None:
                     count_reuse(self.metrics, ev)
                 else:

@@ -245,13 +245,13 @@ def _keys(args) -> int:
     import datetime
 
     from cluster.http.auth import check_tenant, create_key
-    from cluster.control.state import open_state
+    from cluster.control.state import configured_limits, open_state
     from kvruntime.config import ClusterConfig
 
     cfg = ClusterConfig.from_file(args.config) if args.config else ClusterConfig()
     if args.action == "create":
         check_tenant(args.tenant)
-    state = open_state(cfg.state.resolved_url)
+    state = open_state(cfg.state.resolved_url, configured_limits(cfg))
     try:
         if args.action == "create":
             key, rec = create_key(state, args.tenant)

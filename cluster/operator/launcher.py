@@ -269,8 +269,8 @@ def ensure_api_key(cfg: ClusterConfig) -> str | None:
     if not cfg.server.auth:
         return None
     from cluster.http.auth import ensure_default_key
-    from cluster.control.state import open_state
-    state = open_state(cfg.state.resolved_url)
+    from cluster.control.state import configured_limits, open_state
+    state = open_state(cfg.state.resolved_url, configured_limits(cfg))
     try:
         return ensure_default_key(state, cfg.server.tenant, cfg.state.api_key_file)
     finally:
@@ -280,8 +280,8 @@ def ensure_api_key(cfg: ClusterConfig) -> str | None:
 def check_state(cfg: ClusterConfig) -> None:
     """Open and close the state store: ConnectionError (one line, password redacted) when it does
     not answer or refuses the credentials in ``state_url``."""
-    from cluster.control.state import open_state
-    open_state(cfg.state.resolved_url).close()
+    from cluster.control.state import configured_limits, open_state
+    open_state(cfg.state.resolved_url, configured_limits(cfg)).close()
 
 
 def stop(cfg: ClusterConfig) -> None:

@@ -22,6 +22,8 @@ class StateConfig:
     probe_s: float = 1.0                       # each router replica pings the state store this often (/ready, kvnotes_state_store_up)
     response_ttl_s: float = 7 * 86400.0        # a stored /v1/responses answer is gone this long after it was stored
     response_max: int = 20_000                 # and at most this many are kept, all tenants together (oldest go first)
+    decode_held_ttl_s: float = 1800.0          # the router's shared record of what each decode engine's prefix cache holds
+    decode_held_max: int = 100_000             # (cluster.control.decode_held): TTL, and at most this many block records (LRU)
 
     def __post_init__(self):
         if self.url is not None and not (isinstance(self.url, str)
@@ -36,13 +38,19 @@ class StateConfig:
             raise ValueError(f"response_ttl_s must be a number of seconds > 0, got {self.response_ttl_s!r}")
         if isinstance(self.response_max, bool) or not isinstance(self.response_max, int) or self.response_max < 1:
             raise ValueError(f"response_max must be an integer >= 1, got {self.response_max!r}")
+        if isinstance(self.decode_held_ttl_s, bool) or not isinstance(self.decode_held_ttl_s, (int, float)) \
+                or not 0 < self.decode_held_ttl_s < float("inf") or isinstance(self.decode_held_max, bool) \
+                or not isinstance(self.decode_held_max, int) or self.decode_held_max < 1:
+            raise ValueError(f"decode_held_ttl_s must be seconds > 0 and decode_held_max an integer >= 1, got "
+                             f"{self.decode_held_ttl_s!r} and {self.decode_held_max!r}")
 
     def store_limits(self) -> dict:
         """The state store's bounds from this section, as ``cluster.control.state.StoreLimits``
         keywords (the fields it does not name keep their defaults)."""
         return {"session_ttl_s": self.session_ttl_s, "session_max": self.session_max,
                 "prompt_ttl_s": self.prompt_index_ttl_s, "prompt_max": self.prompt_index_max,
-                "timeout_s": self.timeout_s, "response_ttl_s": self.response_ttl_s, "response_max": self.response_max}
+                "timeout_s": self.timeout_s, "response_ttl_s": self.response_ttl_s, "response_max": self.response_max,
+                "decode_held_ttl_s": self.decode_held_ttl_s, "decode_held_max": self.decode_held_max}
 
     @property
     def api_key_file(self) -> Path:

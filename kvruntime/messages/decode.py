@@ -108,6 +108,7 @@ class DecodeSummary:
     cached_tokens: int = 0    # prompt tokens not computed by the decode engine (received + its own prefix cache)
     loaded_tokens: int = 0    # of those, prompt tokens whose KV arrived in the transferred block
     stages: tuple[tuple[str, float], ...] = ()   # KV path stage -> seconds on the decode side (transfer.STAGES)
+    engine: str = ""          # the decode actor incarnation that ran it ("decode-1@<boot>"; "" in process)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class PrecompileInfo:
     bytes: int                        # KV bytes stored (0 when cached)
     seconds: float                    # wall time on the worker
     worker: str                       # which prefill worker answered
+    start: int = 0                    # tokens continued from a stored prefix's KV (store-behind's delta; 0: from 0)
 
 
 REPORT_TTL_S = 5.0      # a replica's queue report older than this counts no more (gone, or its probes stopped)

@@ -24,6 +24,13 @@ from cluster.control.state.base import (ApiKeyRecord, Registration, StateStore, 
                                         StoreLimits, TemplateRecord, redact_url)
 
 
+def configured_limits(cfg) -> StoreLimits:
+    """The bounds a cluster config sets (its ``state`` and ``matching`` sections), for every
+    process that opens the store (router replicas, the CLI, the launcher): a trim anywhere keeps
+    the configured TTLs and maximum counts, not the defaults."""
+    return StoreLimits(**cfg.state.store_limits(), **cfg.matching.store_limits())
+
+
 def open_state(url: str, limits: "StoreLimits | None" = None) -> StateStore:
     """Open the store named by ``url`` (``sqlite:///PATH``, ``redis://...`` or ``rediss://...``).
     Raises ``ValueError`` for an unknown scheme, ``StateStoreUnavailable`` (a ``ConnectionError``)

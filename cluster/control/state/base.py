@@ -21,6 +21,8 @@ class StoreLimits:
     held_prompt_max: int = 5_000         # at most this many held prompts (LRU; each up to a context of ids)
     response_ttl_s: float = 7 * 86400.0  # stored /v1/responses answers are gone this long after they were stored
     response_max: int = 20_000           # at most this many stored responses, all tenants together (oldest dropped)
+    decode_held_ttl_s: float = 1800.0    # records of what a decode engine's prefix cache holds, unused this long, go
+    decode_held_max: int = 100_000       # at most this many such block records, all tenants together (LRU)
 
     def __post_init__(self):
         if min(self.session_ttl_s, self.prompt_ttl_s, self.fingerprint_ttl_s, self.held_prompt_ttl_s) <= 0 \
@@ -30,6 +32,8 @@ class StoreLimits:
             raise ValueError(f"the state store timeout must be in (0, 60] s, got {self.timeout_s}")
         if self.response_ttl_s <= 0 or self.response_max < 1:
             raise ValueError("response_ttl_s must be > 0 and response_max >= 1")
+        if not 0 < self.decode_held_ttl_s < float("inf") or self.decode_held_max < 1:
+            raise ValueError("decode_held_ttl_s must be > 0 and decode_held_max >= 1")
 
 
 class StateStoreUnavailable(ConnectionError):
@@ -234,6 +238,17 @@ class StateStore(ABC):
     def get_held_prompt(self, tenant: str, key: str, now: float, touch: bool = True) -> tuple[int, ...] | None:
         """The ids, refreshing the entry's LRU (``touch=False``: a read only, refreshed later)."""
 
+    # ---- what the decode engines' own prefix caches hold (bounded; cluster.control.decode_held) ---
+    @abstractmethod
+    def put_decode_held(self, tenant: str, blocks: dict[str, int], now: float) -> None:
+        """``blocks``: key (a decode actor incarnation and a block-chain hash of a prompt's leading
+        tokens) -> tokens. Refreshes their TTL and LRU position."""
+
+    @abstractmethod
+    def get_decode_held(self, tenant: str, keys: list[str], now: float) -> dict[str, int]:
+        """The subset of ``keys`` present (not expired), with their values; a read only (the next
+        ``put_decode_held`` of a prompt refreshes its records)."""
+
     # ---- stored responses (/v1/responses with store: bounded, expiring; cluster.http.responses) ---
     @abstractmethod
     def put_response(self, tenant: str, response_id: str, data: str, now: float) -> None:
@@ -282,12 +297,12 @@ class StateStore(ABC):
     @abstractmethod
     def sizes(self, now: float) -> dict[str, int]:
         """Live entries: ``sessions``, ``prompt_index``, ``registrations``, ``templates``,
-        ``fingerprints``, ``held_prompts``."""
+        ``fingerprints``, ``held_prompts``, ``decode_held``."""
 
     @abstractmethod
     def expire(self, now: float) -> dict[str, int]:
-        """Drop expired and over-limit sessions / prompt entries / fingerprints / held prompts
-        now; returns how many of each."""
+        """Drop expired and over-limit sessions / prompt entries / fingerprints / held prompts /
+        decode-held records now; returns how many of each."""
 
     def close(self) -> None:
         """Release connections."""

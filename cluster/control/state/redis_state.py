@@ -10,6 +10,7 @@ so no separator can be forged):
 - ``kvn:pfx:[tenant,hash]``   string (tokens) with a TTL;        ``kvn:pfx-lru``  zset member -> last use
 - ``kvn:fp:[tenant,key]``    hash  n (sightings), d (data), with a TTL; ``kvn:fp-lru``  zset member -> last use
 - ``kvn:held:[tenant,key]``  string (the held prompt's ids, int64 little-endian) with a TTL; ``kvn:held-lru``
+- ``kvn:dh:[tenant,key]``     string (tokens) with a TTL: what a decode engine's prefix cache holds; ``kvn:dh-lru``
 - ``kvn:resp:[tenant,id]``    string (a stored response's JSON) with a TTL; ``kvn:resp-lru`` zset member -> stored at
 - ``kvn:keys``                hash  SHA-256 of an API key -> ApiKeyRecord JSON; ``kvn:keyid`` key_id -> hash
 - ``kvn:secret``              the cluster secret (SET NX)
@@ -234,6 +235,19 @@ class RedisState(StateStore):
         v = self._get_bounded("held", [name], self.limits.held_prompt_ttl_s, now)[0] if touch else self.r.get(name)
         return tuple(array("q", v)) if v is not None else None
 
+    # ---- what the decode engines' prefix caches hold (read only on the request path) ------------
+    def put_decode_held(self, tenant, blocks, now):
+        if blocks:
+            self._put_bounded("dh", {_k("dh", tenant, k): str(n) for k, n in blocks.items()},
+                              self.limits.decode_held_ttl_s, self.limits.decode_held_max, now)
+
+    def get_decode_held(self, tenant, keys, now):
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return {}
+        vals = self.r.mget([_k("dh", tenant, k) for k in keys])      # Redis' TTL drops expired ones
+        return {k: int(v) for k, v in zip(keys, vals) if v is not None}
+
     # ---- stored responses (TTL from storing; the oldest trimmed past response_max) -------------
     def put_response(self, tenant, response_id, data, now):
         self._put_bounded("resp", {_k("resp", tenant, response_id): data}, self.limits.response_ttl_s,
@@ -314,17 +328,20 @@ class RedisState(StateStore):
         tpls = sum(self.r.hlen(k) for k in self.r.scan_iter(P + "tpl:*"))
         self._prune("fp", self.limits.fingerprint_ttl_s, now)
         self._prune("held", self.limits.held_prompt_ttl_s, now)
+        self._prune("dh", self.limits.decode_held_ttl_s, now)
         return {"sessions": self.r.zcard(P + "sess-lru"), "prompt_index": self.r.zcard(P + "pfx-lru"),
                 "registrations": regs, "templates": tpls, "fingerprints": self.r.zcard(P + "fp-lru"),
-                "held_prompts": self.r.zcard(P + "held-lru")}
+                "held_prompts": self.r.zcard(P + "held-lru"), "decode_held": self.r.zcard(P + "dh-lru")}
 
     def expire(self, now):
         out = {}
-        names = {"sess": "sessions", "pfx": "prompt_index", "fp": "fingerprints", "held": "held_prompts"}
+        names = {"sess": "sessions", "pfx": "prompt_index", "fp": "fingerprints", "held": "held_prompts",
+                 "dh": "decode_held"}
         lim = self.limits
         for kind, ttl, cap in (("sess", lim.session_ttl_s, lim.session_max), ("pfx", lim.prompt_ttl_s, lim.prompt_max),
                                ("fp", lim.fingerprint_ttl_s, lim.fingerprint_max),
-                               ("held", lim.held_prompt_ttl_s, lim.held_prompt_max)):
+                               ("held", lim.held_prompt_ttl_s, lim.held_prompt_max),
+                               ("dh", lim.decode_held_ttl_s, lim.decode_held_max)):
             n = self._prune(kind, ttl, now)
             lru = P + kind + "-lru"
             over = self.r.zcard(lru) - cap

@@ -27,6 +27,8 @@ CREATE TABLE IF NOT EXISTS fingerprints (tenant TEXT, key TEXT, n INTEGER, data 
 CREATE INDEX IF NOT EXISTS fingerprints_used ON fingerprints (used);
 CREATE TABLE IF NOT EXISTS held_prompts (tenant TEXT, key TEXT, ids BLOB, used REAL, PRIMARY KEY (tenant, key));
 CREATE INDEX IF NOT EXISTS held_prompts_used ON held_prompts (used);
+CREATE TABLE IF NOT EXISTS decode_held (tenant TEXT, key TEXT, tokens INTEGER, used REAL, PRIMARY KEY (tenant, key));
+CREATE INDEX IF NOT EXISTS decode_held_used ON decode_held (used);
 CREATE TABLE IF NOT EXISTS responses (tenant TEXT, id TEXT, data TEXT, stored REAL, PRIMARY KEY (tenant, id));
 CREATE INDEX IF NOT EXISTS responses_stored ON responses (stored);
 CREATE TABLE IF NOT EXISTS api_keys (hash TEXT PRIMARY KEY, key_id TEXT UNIQUE, data TEXT, created REAL);
@@ -238,6 +240,22 @@ class SqliteState(StateStore):
                 c.execute("UPDATE held_prompts SET used=? WHERE tenant=? AND key=?", (now, tenant, key))
         return tuple(array("q", rows[0][0]))
 
+    # ---- what the decode engines' prefix caches hold (read only on the request path) ------------
+    def put_decode_held(self, tenant, blocks, now):
+        if blocks:
+            with self._tx() as c:
+                c.executemany("INSERT OR REPLACE INTO decode_held VALUES (?,?,?,?)",
+                              [(tenant, k, n, now) for k, n in blocks.items()])
+            self._wrote(now)
+
+    def get_decode_held(self, tenant, keys, now):
+        keys, rows = list(dict.fromkeys(keys)), []
+        for i in range(0, len(keys), 500):              # under SQLite's bound on bound parameters
+            part = keys[i:i + 500]
+            rows += self._q(f"SELECT key, tokens FROM decode_held WHERE tenant=? AND key IN ({','.join('?' * len(part))})"
+                            " AND used>=?", (tenant, *part, now - self.limits.decode_held_ttl_s))
+        return dict(rows)
+
     # ---- stored responses (expired and over-limit ones dropped on each store) --------------------
     def put_response(self, tenant, response_id, data, now):
         lim = self.limits
@@ -296,7 +314,8 @@ class SqliteState(StateStore):
                 "registrations": one("SELECT COUNT(*) FROM registrations"),
                 "templates": one("SELECT COUNT(*) FROM templates"),
                 "fingerprints": one("SELECT COUNT(*) FROM fingerprints WHERE used>=?", now - lim.fingerprint_ttl_s),
-                "held_prompts": one("SELECT COUNT(*) FROM held_prompts WHERE used>=?", now - lim.held_prompt_ttl_s)}
+                "held_prompts": one("SELECT COUNT(*) FROM held_prompts WHERE used>=?", now - lim.held_prompt_ttl_s),
+                "decode_held": one("SELECT COUNT(*) FROM decode_held WHERE used>=?", now - lim.decode_held_ttl_s)}
 
     def expire(self, now):
         lim = self.limits
@@ -309,7 +328,8 @@ class SqliteState(StateStore):
                            "DESC LIMIT -1 OFFSET ?)", (lim.prompt_max,)).rowcount
             bounded = {}
             for table, ttl, cap in (("fingerprints", lim.fingerprint_ttl_s, lim.fingerprint_max),
-                                    ("held_prompts", lim.held_prompt_ttl_s, lim.held_prompt_max)):
+                                    ("held_prompts", lim.held_prompt_ttl_s, lim.held_prompt_max),
+                                    ("decode_held", lim.decode_held_ttl_s, lim.decode_held_max)):
                 n = c.execute(f"DELETE FROM {table} WHERE used<?", (now - ttl,)).rowcount
                 n += c.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} ORDER BY used DESC "
                                "LIMIT -1 OFFSET ?)", (cap,)).rowcount
