@@ -333,16 +333,13 @@ def test_a_repeated_native_request_reuses_its_context_whole_and_prefers_the_exac
     b.pre.build = build
 
 
-from tests.test_e2e_held_prefix import held_cluster  # noqa: E402,F401  (a real cluster, reference decode)
-
-
-def test_through_the_cluster_a_repeated_long_prompt_is_reused_and_reported_exactly(held_cluster):
+def test_through_the_cluster_a_repeated_long_prompt_is_reused_and_reported_exactly(default_cluster):
     """Real actors: a long plain prompt sent once, then 4 requests sharing it sent at once: none
     recomputes the shared prefix, and each response's cached_tokens add up to exactly the
     router's prompt-token counters of the sources nobody computed."""
     from concurrent.futures import ThreadPoolExecutor
 
-    http = held_cluster[0]
+    http = default_cluster[1]     # the kept default cluster (reference decode), its tenant's key
     text = " ".join(f"Row {i} of the ledger reads {i * 17 % 89} crowns." for i in range(70))
     first = http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": text + " Row 1?",
                                                "max_tokens": 2, "temperature": 0})
