@@ -185,10 +185,12 @@ def test_shadow_runs_the_suffix_and_greedy_in_the_builds_buffer_bit_equal_to_cop
     assert {p for p, _ in writes.since(mark)} == {buf.data.data_ptr()}
     assert torch.equal(built.data, kv.data) and torch.equal(logits, old.logits) and got == old_got
     # shadow itself: the suffix forward after the build lands in the build's buffer (slot == prefix)
-    mark = len(writes.calls)
+    mark, c1 = len(writes.calls), e.copied_bytes
     r = pre.shadow(plan, greedy_n=n)
     caps = [c for _, c in writes.since(mark)]
     assert kv.num_tokens + len(q) + n in caps and r.top1 in (0.0, 1.0)
+    # the one copy left is the oracle's: its recomputed KV (prefix + suffix) into its greedy session
+    assert e.copied_bytes - c1 == (kv.num_tokens + len(q)) * kv.nbytes // kv.num_tokens
     build_ptrs = {p for p, c in writes.since(mark) if c == kv.num_tokens + len(q) + n}
     assert len(build_ptrs) == 1                                         # build, suffix and greedy: one buffer
 
