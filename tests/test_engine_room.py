@@ -205,3 +205,19 @@ def test_a_buffer_holding_received_kv_adopts_its_memory_and_refuses_any_other():
         KVBuffer.holding(data, KVCache(kv.data.clone(), kv.positions, kv.token_ids))     # a copy
     with pytest.raises(ValueError, match="first slots"):
         KVBuffer.holding(data, kv.slice(1))                                              # not from slot 0
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma3"])
+def test_bucketed_prefill_into_the_prefix_buffer_is_bit_equal_to_the_copying_path(request, monkeypatch, name):
+    """Under ``few_token_shapes: bucketed`` (3 tokens padded to 4) the in-place path is the same."""
+    from kvruntime.config.choices import ForwardShapes
+    e = _engine(request, name)
+    monkeypatch.setattr(e, "shapes", ForwardShapes.BUCKETED)
+    prefix, sfx = _ids(e, 50, 12), _ids(e, 3, 13)
+    buf = _prefix_buffer(e, prefix, 8)
+    plain = KVCache(buf.view().data.clone(), buf.view().positions.clone(), buf.view().token_ids.clone())
+    copied = e.prefill(sfx, torch.arange(50, 53), plain, logits=True)
+    c = e.copied_bytes
+    got = e.prefill(sfx, torch.arange(50, 53), buf, logits=True)
+    assert e.copied_bytes == c and got.kv.data.data_ptr() == buf.data[:, :, :, 50:].data_ptr()
+    assert torch.equal(got.logits, copied.logits) and torch.equal(got.kv.data, copied.kv.data)
