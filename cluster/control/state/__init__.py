@@ -2,7 +2,7 @@
 
 Registrations (skills and memories: text, token ids, content key, created / last used, whether
 the tier still holds them), templates, sessions (each one's last cached context), the
-plain-prompt prefix index, API keys (only their SHA-256) and the cluster secret that salts tenants' KV keys. Router replicas are
+plain-prompt prefix index, what the decode engines' prefix caches hold (``decode_held``), API keys (only their SHA-256) and the cluster secret that salts tenants' KV keys. Router replicas are
 stateless: each reads and writes this store, so a registration made through one replica is
 usable through another at once, and a restarted replica loses nothing.
 
