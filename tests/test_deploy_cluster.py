@@ -179,7 +179,7 @@ def test_node_types_under_the_fake_autoscaler_serve_a_request(tmp_path):
                     break
             except httpx.TransportError:
                 pass
-            time.sleep(2)
+            time.sleep(0.5)         # a poll of the condition (was 2 s: up to 2 s idle once it holds)
         else:
             raise AssertionError("kvnotes did not become ready on the fake cluster")
         key = (tmp_path / "data" / "api_key").read_text().strip()      # created by the first start
