@@ -185,11 +185,16 @@ def _stage_medians(recs: list[dict]) -> dict[str, float]:
 
 def _warm(kv: list[dict], vl: list[dict]) -> dict:
     """Reuse and TTFT p50 from turn 1 on (turn 0 is cold on both sides: what traffic that has
-    been seen before gets)."""
+    been seen before gets), and over the second half of the turns (``late``: the steady state of
+    a shape drawing from a pool, once most of it has been seen)."""
     a, b = [r for r in kv if r["turn"] > 0], [r for r in vl if r["turn"] > 0]
+    half = (max((r["turn"] for r in kv), default=0) + 1) // 2
+    la, lb = [r for r in kv if r["turn"] >= half], [r for r in vl if r["turn"] >= half]
     med = lambda xs: statistics.median(r["ttft"] for r in xs) if xs else float("nan")  # noqa: E731
     return {"kv_reused_warm": share(a, "cached"), "vllm_reused_warm": share(b, "cached"),
-            "kv_p50_warm": med(a), "vllm_p50_warm": med(b)}
+            "kv_p50_warm": med(a), "vllm_p50_warm": med(b), "late_from": half,
+            "kv_reused_late": share(la, "cached"), "vllm_reused_late": share(lb, "cached"),
+            "kv_p50_late": med(la), "vllm_p50_late": med(lb)}
 
 
 def _cold_ratio(kv: list[dict], vl: list[dict]) -> float:
@@ -234,8 +239,9 @@ def summarize(records: list[dict]) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     lines = ["| policy | traffic | prompt (tokens) | reused kvnotes (exact + composed + edited) | reused vLLM "
              "| TTFT p50 kvnotes / vLLM (s) | p50 ratio vLLM/kvnotes (turn 0) | TTFT p90 kvnotes / vLLM (s) "
-             "| outputs = reference | plans | turns 1+: reused kvnotes / vLLM, TTFT p50 kvnotes / vLLM (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| outputs = reference | plans | turns 1+: reused kvnotes / vLLM, TTFT p50 kvnotes / vLLM (s) "
+             "| 2nd half of the turns: the same |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         ratio = x["vllm_p50"] / x["kv_p50"] if x["kv_p50"] else float("nan")
         lines.append(
@@ -244,7 +250,9 @@ def markdown(rows: list[dict]) -> str:
             f"{x['vllm_p50']:.2f} | {ratio:.2f}x ({x['cold_ratio']:.2f}x) | {x['kv_p90']:.2f} / {x['vllm_p90']:.2f} | {x['same']}/{x['compared']} "
             f"({x['reference']}) | {', '.join(f'{k} {v}' for k, v in x['plans'].items())} | "
             f"{x.get('kv_reused_warm', 0):.0%} / {x.get('vllm_reused_warm', 0):.0%}, "
-            f"{x.get('kv_p50_warm', float('nan')):.2f} / {x.get('vllm_p50_warm', float('nan')):.2f} |")
+            f"{x.get('kv_p50_warm', float('nan')):.2f} / {x.get('vllm_p50_warm', float('nan')):.2f} | "
+            f"turns {x.get('late_from', 0)}+: {x.get('kv_reused_late', 0):.0%} / {x.get('vllm_reused_late', 0):.0%}, "
+            f"{x.get('kv_p50_late', float('nan')):.2f} / {x.get('vllm_p50_late', float('nan')):.2f} |")
     return "\n".join(lines)
 
 

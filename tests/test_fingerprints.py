@@ -271,3 +271,24 @@ def test_grown_runs_are_trimmed_to_line_breaks_near_their_edges():
     assert trim(a, start, start + n, brk, 32) == (5, 12)  # cut back to the document's lines
     assert trim(a, 5, 12, brk, 32) == (5, 12)            # already on line edges: kept
     assert trim(a, start, start + n, None, 32) == (start, start + n)
+
+
+def test_a_grown_run_stops_at_a_chunk_the_prompt_already_matched():
+    """Two documents adjacent in an earlier prompt: where this prompt matched the second one held
+    (a unit compiled on its own), the run grown from the first stops at it, so the held one is
+    reused and only the first compiled; with nothing matched it grows over both."""
+    from cluster.control.recurring import clip, recurring_runs
+    d1, d2, sep = rand_ids(300, 21), rand_ids(300, 22), (10, 10)
+    old = rand_ids(20, 23) + d1 + sep + d2 + rand_ids(20, 24)
+    new = rand_ids(40, 25) + d1 + sep + d2 + rand_ids(20, 26)
+    tenant, cfg = "t", MatchConfig()
+    c = cut(tenant, new)
+    s = next(s for s in c.spans if s.start >= 60 and s.end <= 340)              # a span inside d1
+    seen = {s.key: (1, f"old@{s.start - 20}")}
+    d2_at = 40 + len(d1) + len(sep)
+    both = recurring_runs(new, c, {s.key: 2}, seen, lambda k: old, cfg, [])
+    assert both and both[0][0] <= 40 and both[0][1] >= d2_at + len(d2)        # d1 + d2 as one run
+    held = [(d2_at, d2_at + len(d2))]
+    one = recurring_runs(new, c, {s.key: 2}, seen, lambda k: old, cfg, held)
+    assert one == [(both[0][0], d2_at)]                                        # d1 (and the separator) only
+    assert clip(0, 100, 40, 50, [(60, 70), (0, 10)]) == (10, 60) and clip(5, 9, 6, 8, [(20, 30)]) == (5, 9)

@@ -95,11 +95,25 @@ def recurring_runs(ids: tuple[int, ...], c: Cut, counts: dict[str, int], seen: d
             start, old_start, n = s.start, -1, s.tokens
         if start == 0 and old_start == 0:
             continue
-        run = trim(ids, start, start + n, is_break, cfg.trim_window) if old_start >= 0 else (start, start + n)
+        start, end = clip(start, start + n, s.start, s.end, runs)
+        run = trim(ids, start, end, is_break, cfg.trim_window) if old_start >= 0 else (start, end)
         runs.append(run)
-        if n >= cfg.min_chunk_tokens:
+        if run[1] - run[0] >= cfg.min_chunk_tokens:
             out.append(run)
     return out
+
+
+def clip(start: int, end: int, seed_start: int, seed_end: int, taken: list[tuple[int, int]]) -> tuple[int, int]:
+    """A run grown around its seed span ``[seed_start, seed_end)`` stopped at the edges of the
+    ``taken`` runs (chunks this prompt already matched, runs already chosen): two documents that
+    happened to follow each other in two prompts stay two chunks when one of them is held, so the
+    held one is reused and only the other compiled."""
+    for a, b in taken:
+        if seed_end <= a < end:
+            end = a
+        if start < b <= seed_start:
+            start = b
+    return start, end
 
 
 class RecurringSpans:
