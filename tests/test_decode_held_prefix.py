@@ -217,3 +217,42 @@ def test_a_request_cancelled_after_its_first_token_still_keeps_its_prefix(wired)
     assert isinstance(next(gen), TokenEvent)
     gen.close()                                              # what DecodeWorker.generate does on cancel
     assert dec.held_prefix(plan.prefix_ids, "s") == len(plan.prefix_ids)   # waits for the copy, bounded
+
+
+@pytest.mark.slow
+def test_a_growing_prompt_is_stored_behind_from_the_previous_turn_through_the_real_cluster(default_cluster):
+    """The real cluster, reference decode: turn 0 is built and stored by the prefill worker; the
+    decode actor holds its prefix, so it computes turn 1's rest itself, and store-behind compiles
+    only turn 1's part past turn 0's stored prefix on the prefill actor (``stored_delta``). The
+    router's decode-held record sits in the state store under the decode actor's incarnation (the
+    boot id its health answers and its summaries carry)."""
+    import ray
+
+    from cluster.control.decode_held import DecodeHeld
+    from cluster.control.ray_backends import NAMESPACE
+    from cluster.control.routing import WorkerView
+    from cluster.control.state import open_state
+
+    cfg, http = default_cluster
+    ids = [(i * 7919 + 13) % 40000 + 100 for i in range(900)]          # this test's own tokens
+    stores = lambda: metric(http.get("/metrics").text, "kvnotes_prompt_stores_total", outcome="stored_delta")  # noqa: E731
+    before = stores()
+    for n in (600, 900):
+        r = http.post("/v1/completions", json={"prompt": ids[:n], "max_tokens": 2, "temperature": 0,
+                                               "kv_policy": "exact"})
+        assert r.status_code == 200, r.text
+    deadline = time.time() + 120
+    while stores() < before + 1 and time.time() < deadline:             # stored behind, after the answer
+        time.sleep(0.5)
+    assert stores() == before + 1
+    boot = ray.get(ray.get_actor("decode-0", namespace=NAMESPACE).health.remote())["boot"]
+    view = WorkerView(1, 1)
+    view.workers["decode"][0].boot = boot
+    s = open_state(cfg.state.resolved_url)
+    try:
+        seen = DecodeHeld(s, view).lookup(cfg.server.tenant, ids)
+        assert (seen.tokens, seen.engine) == (900, f"decode-0@{boot}") and 600 in seen.ends
+        view.workers["decode"][0].boot = "another"                     # a restarted actor: its cache is empty
+        assert DecodeHeld(s, view).longest(cfg.server.tenant, ids) == 0
+    finally:
+        s.close()
