@@ -108,6 +108,8 @@ def test_every_store_call_raises_state_store_unavailable_and_aof_keeps_the_data(
              "get_prompt_blocks": lambda: s.get_prompt_blocks("acme", ["h"], time.time()),
              "list_registrations": lambda: s.list_registrations("acme", "skill"),
              "put_session": lambda: s.put_session("acme", "s1", "{}", time.time()),
+             "get_decode_held": lambda: s.get_decode_held("acme", ["decode-0@b|h"], time.time()),
+             "put_decode_held": lambda: s.put_decode_held("acme", {"decode-0@b|h": 64}, time.time()),
              "sizes": lambda: s.sizes(time.time())}
     for op, call in calls.items():
         with pytest.raises(StateStoreUnavailable) as err:
