@@ -1,12 +1,17 @@
 """Recurring spans, compiled once on their own: what a prompt leaves behind for the next one.
 
-Sighting by sighting (``compile_after`` = 2, the default), for a span of a tenant's plain prompts:
+Sighting by sighting, for a span of a tenant's plain prompts:
 1. **first sighting** (a prompt holding it answered; after its first token, off the time to
    first token): the prompt's ids are kept (``StateStore.put_held_prompt``, bounded LRU) and each
    of its content-defined spans is counted once and remembered as last seen in this prompt, at
    its offset (the span entry's data, :mod:`cluster.control.fingerprints`); a repeat of a prompt
    already kept counts nothing (a span recurs across prompts, not across retries). Nothing is
-   reused: the first prompt's KV of it was computed inside that prompt's context.
+   reused: the first prompt's KV of it was computed inside that prompt's context. Under
+   ``compile_after`` 1 (the default) the prompt's document-like units (:mod:`cluster.control.units`)
+   not already held are compiled on their own in the background now, where the request's policy
+   splices chunks (``outcome="unit_first_sighting"``, then ``compiled`` / ``cached``): a document
+   re-sent in another order is reused from its second sighting. The steps below are then those
+   of text recurring otherwise (a run two prompts share that is no unit of the first).
 2. **second sighting** (:meth:`RecurringSpans.sighted`, on the request path, from the entries
    the one batched match read returned): the span is grown to the whole run of tokens the two
    prompts share around it (:func:`grow`: e.g. the whole document, whatever surrounds it in each),
