@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import cluster_port, direct_text, http_client, metric, wait_for
+from tests.conftest import RAY_CPUS, cluster_port, direct_text, http_client, metric, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -242,7 +242,9 @@ def test_whole_cluster_restart_finds_skills_in_the_fs_tier(state_cluster):
 
     cfg, http = state_cluster
     stop(cfg)                                                         # every process of the cluster is gone
-    start(cfg, local_cpus=4)
+    # Ray again with the shared Ray's CPUs (tests/conftest.py RAY_CPUS): a next module on this worker's
+    # Ray that asks for them (test_faults: 5) then finds them, instead of restarting Ray
+    start(cfg, local_cpus=RAY_CPUS)
     r = http.post("/v1/skills", json={"name": "luggage", "text": SKILL})
     assert r.status_code == 201 and r.json()["cached"] and r.json()["seconds"] == 0.0, r.text   # no prefill
     resp = http.post("/v1/notes/completions", json={
