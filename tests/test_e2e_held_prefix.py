@@ -22,7 +22,7 @@ QUESTION = "What does item 3 cost?"
 @pytest.fixture(scope="module")
 def held_cluster(default_cluster):
     """Two tenants' clients with the same skill registered, on the kept default cluster
-    (tests/conftest.py); test_prompt_reuse asks for this fixture too. The second tenant's key is
+    (tests/conftest.py). The second tenant's key is
     created through the CLI once per cluster (its state directory)."""
     cfg, _ = default_cluster
     root = Path(cfg.state.data_dir)
