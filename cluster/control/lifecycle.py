@@ -214,7 +214,7 @@ class RequestRunner:
         plan = job.plan
         grant, credential = TransferGrant.issue(transfer_id, plan.model, self.dtype, plan.prefix_ids)
         computes_from = None if (job.store_as is not None and plan.session) or plan.prompt_logprobs is not None \
-            else decode_may_compute_from(plan, self.decode_tail)  # prompt log-probs: the prefill worker computes every row
+            else decode_may_compute_from(plan, self.decode_tail)  # prompt log-probs: the prefill worker's rows
         ctx.lap("grant")
         reply = await self._before(run.deadline, "prefill", self.backends.expect(
             decode_index, TransferExpectation(grant, plan.prefix_ids, run.kv_salt, computes_from,
