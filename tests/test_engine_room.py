@@ -118,12 +118,13 @@ def test_question_scores_run_in_the_builders_room_bit_equal_to_the_copying_path(
     assert torch.equal(got, want) and buf.length == 70                  # scored, not committed
 
 
-def test_compose_with_a_question_probe_and_precompile_copy_no_context(request, monkeypatch):
+@pytest.mark.parametrize("name", ["llama3", "smollm2-135m"])
+def test_compose_with_a_question_probe_and_precompile_copy_no_context(request, monkeypatch, name):
     """compose's paths through the engine: a chunk's precompile (its KV is the buffer its forward
     wrote) and compose with a question probe (every forward in the one buffer) copy nothing."""
     from kvruntime.ops import ChunkSegment, TextSegment, compose, precompile_chunk
     from kvruntime.ops.compose import default_prefix
-    e = _engine(request, "llama3")
+    e = _engine(request, name)
     writes = _Writes(monkeypatch, e)
     c0 = e.copied_bytes
     ca = precompile_chunk(e, _ids(e, 40, 8))
