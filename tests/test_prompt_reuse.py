@@ -74,10 +74,16 @@ class ReuseBackends(Backends):
         self.calls["contains"] += 1
         return [self.source.get(r) is not None for r in refs]
 
-    async def precompile(self, ref, index=0):
+    async def precompile(self, ref, index=0, base=None):
         from kvruntime.messages.prefill import PrecompileInfo
-        kv = self.source.compile(ref)
-        return PrecompileInfo(False, kv.nbytes, 0.0, "local")
+        held = self.source.get(base) if base is not None else None
+        if held is not None:            # store-behind's delta, as PrefillTier does (prefill_workers.store_delta)
+            from prefill_workers.store_delta import continued
+            kv = continued(self.source.engine, ref, base, held)
+            self.source.put(ref, kv)
+        else:
+            kv = self.source.compile(ref)
+        return PrecompileInfo(False, kv.nbytes, 0.0, "local", len(base.token_ids) if held is not None else 0)
 
     async def evict(self, ref):
         return self.source.d.pop(self.source._k(ref), None) is not None
