@@ -170,6 +170,7 @@ def _plans(e, src, frame, skill, q):
 def test_shadow_runs_the_suffix_and_greedy_in_the_builds_buffer_bit_equal_to_copying(shadowed, monkeypatch, kind):
     e, src, pre, frame, skill, q = shadowed
     plan = _plans(e, src, frame, skill, q)[kind]
+    assert kind == "fast" or any(s.probe == "qlast" and s.recompute_ratio == 0.3 for s in plan.steps)
     n = 16
     kv, _ = pre.build(plan)                                             # the old shadow: built at the prefix's size,
     old = e.prefill(list(q), torch.arange(kv.num_tokens, kv.num_tokens + len(q)), kv, logits=True)   # copied,
@@ -177,7 +178,8 @@ def test_shadow_runs_the_suffix_and_greedy_in_the_builds_buffer_bit_equal_to_cop
     writes = _Writes(monkeypatch, e)
     c0 = e.copied_bytes
     build = pre._plan_build(plan, room=len(q) + n)
-    built, _ = build.build()
+    built, st = build.build()
+    assert not st.fallbacks                                             # the question probe ran as planned
     buf = build.run.builder.buf
     assert buf is not None and built.data.data_ptr() == buf.data.data_ptr() and buf.capacity == kv.num_tokens + len(q) + n
     mark = len(writes.calls)
