@@ -280,7 +280,8 @@ def _print(r: dict, plots: str) -> None:
     print(markdown(r))
 
 
-def main(argv=None) -> int:
+def _args(argv):
+    """The command line, checked (``ap.error`` exits 2 with one line on bad values)."""
     ap = argparse.ArgumentParser(prog="python -m bench.cluster_vs_vllm")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -301,14 +302,20 @@ def main(argv=None) -> int:
     ap.add_argument("--plots", default="", help="folder for PNGs (e.g. docs/img; '' for none)")
     ap.add_argument("--from-json", metavar="FILE", help="print the tables (and --plots) of a saved run; start nothing")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.reps, args.turns, args.load_requests = [1024], [1], [2], 3
+    if not args.from_json and (not args.sizes or any(not 256 <= x <= 8000 for x in args.sizes)
+                               or min(args.reps + args.turns) < 1 or any(r <= 0 for r in args.rates)
+                               or args.load_requests < 1):
+        ap.error("sizes in 256..8000, reps/turns >= 1, rates > 0 and --load-requests >= 1 required")
+    return args
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
     if args.from_json:
         _print(json.loads(Path(args.from_json).read_text()), args.plots)
         return 0
-    if args.quick:
-        args.sizes, args.reps, args.turns, args.load_requests = [1024], [1], [2], 3
-    if not args.sizes or any(not 256 <= x <= 8000 for x in args.sizes) or min(args.reps + args.turns) < 1 \
-            or any(r <= 0 for r in args.rates) or args.load_requests < 1:
-        ap.error("sizes in 256..8000, reps/turns >= 1, rates > 0 and --load-requests >= 1 required")
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     pick = lambda xs, i: xs[min(i, len(xs) - 1)]  # noqa: E731
     workdir = Path(tempfile.mkdtemp(prefix="kvnotes-cvv-"))

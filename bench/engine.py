@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from bench.decode_leg import decode_leg_rows
+from bench.engine_tables import print_tables
 
 SHAPES = {   # transformers LlamaConfig keyword arguments of real model shapes
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -168,12 +169,7 @@ def costs(e, q: int, keys: int, full: bool = False):
     return flops, lin * elt + kv * (q if full else keys) + kv * q
 
 
-def main(argv=None) -> int:
-    from kvruntime.engine import ReferenceEngine
-    from kvruntime.ops import ChunkSegment, TextSegment, compose, edit_in_place, erratum, precompile_chunk, recompute
-    from kvruntime.ops.build import Builder
-    from kvruntime.ops.compose import reposition
-
+def _args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench.engine")
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--model", default="smollm2-135m")
@@ -192,7 +188,70 @@ def main(argv=None) -> int:
                     help="the device's nominal memory bandwidth (GB/s): a second floor beside the measured copy rate")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler of the question forward at the largest length: top kernels by device time")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def length_row(e, n: int, a, chunk: int, lengths: list[int], fl, g, vocab: int) -> dict:
+    """One context length's row: recompute, the model's own forward, compose, erratum + question,
+    edit in place, and the pieces (tier read, rotate, seam, question) with their floors."""
+    from kvruntime.ops import ChunkSegment, TextSegment, compose, edit_in_place, erratum, precompile_chunk, recompute
+    from kvruntime.ops.build import Builder
+    from kvruntime.ops.compose import reposition
+
+    dev = e.device
+    ids = torch.randint(100, vocab, (n,), generator=g).tolist()
+    qids = torch.randint(100, vocab, (a.question,), generator=g).tolist()
+    r = {"tokens": n}
+    if "recompute" not in a.skip:
+        r["recompute"] = timed(lambda _: recompute(e, ids, logits=True), a.reps, dev)
+    if "hf" not in a.skip:
+        x = torch.tensor([ids], device=dev)
+
+        def hf(_):
+            with own_attention(e), torch.inference_mode():
+                e.model(input_ids=x, use_cache=True, logits_to_keep=1)
+        r["hf"] = timed(hf, a.reps, dev)
+    chunks = [precompile_chunk(e, ids[s:s + chunk]) for s in range(0, n, chunk)]
+    segs = [ChunkSegment(c) for c in chunks] + [TextSegment(qids)]
+    r["compose"] = timed(lambda _: compose(e, segs, seam_tokens=1), a.reps, dev)
+    ctx = recompute(e, ids, logits=False).kv
+
+    def with_room(extra):
+        def setup():
+            b = Builder(e, n + extra)
+            b.append(ctx)
+            return b
+        return setup
+    r["erratum+q"] = timed(lambda b: (erratum(e, b, "price", "10 euros", "12 euros"), b.compute(qids, logits=True)),
+                           a.reps, dev, with_room(64 + a.question))
+    field = (32, 36)
+    r["edit K=16"] = timed(lambda _: edit_in_place(e, ctx, field, ids[40:45], 16), a.reps, dev)
+    # pieces
+    out = torch.empty_like(ctx.data)
+    r["tier read"] = timed(lambda _: out.copy_(ctx.data), a.reps, dev)
+    r["rotate"] = timed(lambda _: reposition(e.rope, ctx, 7, out=out), a.reps, dev)
+
+    def seams(b):
+        for s in range(chunk, n, chunk):
+            b.seams.append(s)
+        b.flush(1)
+    r["seam"] = timed(seams, a.reps, dev, with_room(0))
+    r["question"] = timed(lambda b: b.compute(qids, logits=True), a.reps, dev, with_room(a.question))
+    if a.profile and n == max(lengths):
+        profile_question(e, with_room(a.question)(), qids, dev)
+    r["kv_bytes"] = ctx.nbytes
+    r["floor"] = {
+        "recompute": fl.seconds(*costs(e, n, n, full=True)),
+        "question": fl.seconds(*costs(e, a.question, n + a.question)),
+        "seam": fl.seconds(*costs(e, max(1, n // chunk - 1), n)),
+    }
+    return r
+
+
+def main(argv=None) -> int:
+    from kvruntime.engine import ReferenceEngine
+
+    a = _args(argv)
     gpu = a.device.startswith("cuda")
     lengths = a.lengths or ([4096, 8192, 16384, 32768] if gpu else [1024, 2048, 4096, 8192])
     dtype = a.dtype or ("bfloat16" if gpu else "float32")
@@ -217,53 +276,7 @@ def main(argv=None) -> int:
         decode_leg_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs, costs, timed)
         return 0
     for n in ([] if a.target_only else lengths):
-        ids = torch.randint(100, vocab, (n,), generator=g).tolist()
-        qids = torch.randint(100, vocab, (a.question,), generator=g).tolist()
-        r = {"tokens": n}
-        if "recompute" not in a.skip:
-            r["recompute"] = timed(lambda _: recompute(e, ids, logits=True), a.reps, dev)
-        if "hf" not in a.skip:
-            x = torch.tensor([ids], device=dev)
-
-            def hf(_):
-                with own_attention(e), torch.inference_mode():
-                    e.model(input_ids=x, use_cache=True, logits_to_keep=1)
-            r["hf"] = timed(hf, a.reps, dev)
-        chunks = [precompile_chunk(e, ids[s:s + chunk]) for s in range(0, n, chunk)]
-        segs = [ChunkSegment(c) for c in chunks] + [TextSegment(qids)]
-        r["compose"] = timed(lambda _: compose(e, segs, seam_tokens=1), a.reps, dev)
-        ctx = recompute(e, ids, logits=False).kv
-
-        def with_room(extra):
-            def setup():
-                b = Builder(e, n + extra)
-                b.append(ctx)
-                return b
-            return setup
-        r["erratum+q"] = timed(lambda b: (erratum(e, b, "price", "10 euros", "12 euros"), b.compute(qids, logits=True)),
-                               a.reps, dev, with_room(64 + a.question))
-        field = (32, 36)
-        r["edit K=16"] = timed(lambda _: edit_in_place(e, ctx, field, ids[40:45], 16), a.reps, dev)
-        # pieces
-        out = torch.empty_like(ctx.data)
-        r["tier read"] = timed(lambda _: out.copy_(ctx.data), a.reps, dev)
-        r["rotate"] = timed(lambda _: reposition(e.rope, ctx, 7, out=out), a.reps, dev)
-        seam_b = with_room(0)
-
-        def seams(b):
-            for s in range(chunk, n, chunk):
-                b.seams.append(s)
-            b.flush(1)
-        r["seam"] = timed(seams, a.reps, dev, seam_b)
-        r["question"] = timed(lambda b: b.compute(qids, logits=True), a.reps, dev, with_room(a.question))
-        if a.profile and n == max(lengths):
-            profile_question(e, with_room(a.question)(), qids, dev)
-        r["kv_bytes"] = ctx.nbytes
-        r["floor"] = {
-            "recompute": fl.seconds(*costs(e, n, n, full=True)),
-            "question": fl.seconds(*costs(e, a.question, n + a.question)),
-            "seam": fl.seconds(*costs(e, max(1, n // chunk - 1), n)),
-        }
+        r = length_row(e, n, a, chunk, lengths, fl, g, vocab)
         rows.append(r)
         print(f"  {n}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.items() if isinstance(v, float)),
               flush=True)
@@ -272,26 +285,7 @@ def main(argv=None) -> int:
         bucketed_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs)
         decode_leg_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs, costs, timed)
         return 0
-    cols = [c for c in ("recompute", "hf", "compose", "erratum+q", "edit K=16") if c in rows[0]]
-    print()
-    print("| tokens | " + " | ".join(cols) + " | recompute/hf | hf/compose | hf/(erratum+q) |")
-    print("|---" * (len(cols) + 4) + "|")
-    for r in rows:
-        rat = [f"{r['recompute'] / r['hf']:.2f}" if "hf" in r and "recompute" in r else "-",
-               f"{r['hf'] / r['compose']:.1f}x" if "hf" in r else "-",
-               f"{r['hf'] / r['erratum+q']:.1f}x" if "hf" in r else "-"]
-        print(f"| {r['tokens']} | " + " | ".join(f"{r[c]:.3f} s" for c in cols) + " | " + " | ".join(rat) + " |")
-    print()
-    print("| tokens | tier read (GB/s) | rotate (GB/s) | rotate / copy | seam (floor) | question (floor) "
-          "| recompute floor |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        gb = 2 * r["kv_bytes"] / 1e9
-        fr = r["floor"]
-        print(f"| {r['tokens']} | {r['tier read'] * 1e3:.1f} ms ({gb / r['tier read']:.1f}) | "
-              f"{r['rotate'] * 1e3:.1f} ms ({gb / r['rotate']:.1f}) | {r['tier read'] / r['rotate']:.0%} | "
-              f"{r['seam'] * 1e3:.1f} ms ({fr['seam'] * 1e3:.1f}) | {r['question'] * 1e3:.1f} ms "
-              f"({fr['question'] * 1e3:.1f}) | {fr['recompute']:.3f} s |")
+    print_tables(rows)
     few_token_target(e, a.cached, a.reps, dev, fl, vocab)
     bucketed_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs)
     decode_leg_rows(e, a.cached, a.reps, dev, fl, vocab, a.nominal_gbs, costs, timed)

@@ -1,8 +1,9 @@
-"""The shape of the request-path boxes: no function in ``cluster/``, ``prefill_workers/`` or
-``decode_workers/`` is over 80 lines (``end_lineno - lineno + 1`` of each def, nested ones
-counted on their own too), and no ``ContextVar`` is defined there: per-request state travels
-as an explicit ``RequestContext``; the one ContextVar left, the request id on log lines, lives
-in ``kvruntime/request_log.py``. Each failure lists every offender."""
+"""The shape of the code: no function in any package (``cluster/``, ``prefill_workers/``,
+``decode_workers/``, ``kvruntime/``, ``kvtransport/``, ``bench/``) is over 80 lines
+(``end_lineno - lineno + 1`` of each def, nested ones counted on their own too), no module there
+is over 400 lines (split by stage), and no ``ContextVar`` is defined in the request-path boxes:
+per-request state travels as an explicit ``RequestContext``; the one ContextVar left, the
+request id on log lines, lives in ``kvruntime/request_log.py``. Each failure lists every offender."""
 from __future__ import annotations
 
 import ast
@@ -10,11 +11,13 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BOXES = ("cluster", "prefill_workers", "decode_workers")
+PACKAGES = BOXES + ("kvruntime", "kvtransport", "bench")
 MAX_LINES = 80
+MAX_MODULE_LINES = 400
 
 
-def _files() -> list[pathlib.Path]:
-    return sorted(f for box in BOXES for f in (ROOT / box).rglob("*.py"))
+def _files(boxes: tuple[str, ...] = BOXES) -> list[pathlib.Path]:
+    return sorted(f for box in boxes for f in (ROOT / box).rglob("*.py"))
 
 
 def _rel(f: pathlib.Path) -> str:
@@ -51,9 +54,24 @@ def contextvars_defined(files: list[pathlib.Path]) -> list[str]:
     return out
 
 
+def long_modules(files: list[pathlib.Path], limit: int = MAX_MODULE_LINES) -> list[str]:
+    """``path (N lines)`` for each module over ``limit`` lines."""
+    out = []
+    for f in files:
+        n = len(f.read_text(encoding="utf-8").splitlines())
+        if n > limit:
+            out.append(f"{_rel(f)} ({n} lines)")
+    return out
+
+
 def test_no_function_over_80_lines():
-    offenders = long_functions(_files())
+    offenders = long_functions(_files(PACKAGES))
     assert not offenders, f"functions over {MAX_LINES} lines:\n  " + "\n  ".join(offenders)
+
+
+def test_no_module_over_400_lines():
+    offenders = long_modules(_files(PACKAGES))
+    assert not offenders, f"modules over {MAX_MODULE_LINES} lines (split by stage):\n  " + "\n  ".join(offenders)
 
 
 def test_no_contextvar_in_request_path_boxes():
@@ -75,3 +93,6 @@ def test_checks_catch_offenders(tmp_path):
     short = tmp_path / "s.py"
     short.write_text("def f():\n    return 1\n")
     assert long_functions([short]) == [] and contextvars_defined([short]) == []
+    big = tmp_path / "big.py"
+    big.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert long_modules([big]) == [f"big.py ({MAX_MODULE_LINES + 1} lines)"] and long_modules([short]) == []
