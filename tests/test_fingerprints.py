@@ -292,3 +292,31 @@ def test_a_grown_run_stops_at_a_chunk_the_prompt_already_matched():
     one = recurring_runs(new, c, {s.key: 2}, seen, lambda k: old, cfg, held)
     assert one == [(both[0][0], d2_at)]                                        # d1 (and the separator) only
     assert clip(0, 100, 40, 50, [(60, 70), (0, 10)]) == (10, 60) and clip(5, 9, 6, 8, [(20, 30)]) == (5, 9)
+
+
+def test_a_passage_inside_a_document_and_the_document_both_stay_findable(store_url):
+    """Two chunks holding the same windows (a passage, then a document quoting it) share anchor
+    keys: each key names both, so a prompt with the passage alone finds the passage and one with
+    the document finds the document; taking one off its keys (evicted, unregistered) keeps the other."""
+    from cluster.control.recurring import remove_anchors, store_anchors
+    s, cfg, now = open_state(store_url), SpanConfig(), time.time()
+    passage = rand_ids(300, 31)
+    document = rand_ids(200, 32) + passage + rand_ids(200, 33)
+    ref = lambda ids: KVRef(tuple(ids), 1, "salt")  # noqa: E731
+    store_anchors(s, "acme", anchor_entries("span", "passage", "acme", passage, cfg), now)
+    store_anchors(s, "acme", anchor_entries("span", "document", "acme", document, cfg), now)
+    store_anchors(s, "acme", anchor_entries("span", "document", "acme", document, cfg), now)   # again: once
+
+    def found(prompt):
+        c = cut("acme", prompt)
+        got = s.get_fingerprints("acme", lookup_keys(c), now)
+        return sorted((m.name, m.start) for m in anchored_chunks("acme", prompt, c, got, ref, 0))
+    assert found(rand_ids(50, 34) + passage + rand_ids(40, 35)) == [("passage", 50)]
+    assert found(rand_ids(10, 36) + document) == [("document", 10), ("passage", 210)]
+    shared = [a.key for a in anchors("acme", passage, cfg)]
+    assert all(s.get_fingerprints("acme", [k], now)[k][1].count("c1|") == 2 for k in shared)
+    remove_anchors(s, "acme", [a.key for a in anchors("acme", document, cfg)], fingerprint("acme", document), now)
+    assert found(rand_ids(10, 36) + document) == [("passage", 210)]
+    remove_anchors(s, "acme", shared, fingerprint("acme", passage), now)
+    assert s.get_fingerprints("acme", shared, now) == {}
+    s.close()

@@ -25,6 +25,8 @@ from kvruntime.config.matching import MatchConfig  # noqa: F401  (re-exported: t
 from kvruntime.messages.plan import KVRef
 
 ANCHOR = "c1|"       # an anchor key's data: "c1|<anchor end in the chunk>|<length>|<fingerprint>|<kind>|<name>"
+SEP = "\n"           # between the chunks one anchor key names (a passage inside a document: both hold its windows)
+CHUNKS_PER_ANCHOR = 4
 
 
 @dataclass(frozen=True)
@@ -57,17 +59,49 @@ def anchored_chunks(tenant: str, ids: tuple[int, ...], c: Cut, entries: dict,
     arr = as_ids(ids) if arr is None else arr
     out, seen = [], set()
     for end, key in zip(c.anchor_ends, c.anchor_keys):
-        got = entries.get(key)
-        if got is None or not got[1].startswith(ANCHOR):
-            continue
-        off, n, fp, kind, name = got[1][len(ANCHOR):].split("|", 4)
-        start, n = end - int(off), int(n)
-        if (fp, start) in seen or start < start_at or start + n > len(ids):
-            continue
-        seen.add((fp, start))
-        if fingerprint(tenant, arr[start:start + n]) == fp:
-            out.append(ChunkMatch(start, start + n, kind, name, chunk_ref(tuple(ids[start:start + n]))))
+        for one in anchor_data(entries.get(key)):
+            off, n, fp, kind, name = one[len(ANCHOR):].split("|", 4)
+            start, n = end - int(off), int(n)
+            if (fp, start) in seen or start < start_at or start + n > len(ids):
+                continue
+            seen.add((fp, start))
+            if fingerprint(tenant, arr[start:start + n]) == fp:
+                out.append(ChunkMatch(start, start + n, kind, name, chunk_ref(tuple(ids[start:start + n]))))
     return out
+
+
+def anchor_data(got) -> list[str]:
+    """The chunk entries of one anchor key's stored ``(count, data)`` (none for a span key or None)."""
+    return [e for e in got[1].split(SEP) if e.startswith(ANCHOR)] if got is not None else []
+
+
+def _fp_of(entry: str) -> str:
+    return entry.split("|", 4)[3]
+
+
+def add_anchors(old: dict, new: dict[str, str]) -> dict[str, str]:
+    """The anchor entries to write for a chunk (``new``: :func:`anchor_entries`), each key naming
+    it first and then the other chunks it named before (``old``: the stored entries of those
+    keys), at most :data:`CHUNKS_PER_ANCHOR`: a chunk whose windows another holds too (a passage
+    quoted inside a document) stays findable by them."""
+    out = {}
+    for k, v in new.items():
+        rest = [e for e in anchor_data(old.get(k)) if _fp_of(e) != _fp_of(v)]
+        out[k] = SEP.join([v] + rest[:CHUNKS_PER_ANCHOR - 1])
+    return out
+
+
+def drop_anchors(old: dict, fp: str) -> tuple[dict[str, str], list[str]]:
+    """A chunk (fingerprint ``fp``) taken off the stored anchor entries ``old``: (the keys to write
+    with the other chunks they name, the keys that name no chunk any more)."""
+    keep, gone = {}, []
+    for k, got in old.items():
+        rest = [e for e in anchor_data(got) if _fp_of(e) != fp]
+        if rest:
+            keep[k] = SEP.join(rest)
+        else:
+            gone.append(k)
+    return keep, gone
 
 
 def choose(matches: list[ChunkMatch], min_tokens: int) -> list[ChunkMatch]:

@@ -24,7 +24,7 @@ from cluster.control.matching import (ChunkMatch, FoundEdit, MatchConfig, anchor
 from cluster.control.planner import (HeldPromptEdit, PlannerConfig, RenderedRequest, RenderedSegment, TierView,
                                      plan_request)
 from cluster.control.prompt_index import PROMPT_BLOCK
-from cluster.control.recurring import RecurringSpans, sighted_notes
+from cluster.control.recurring import RecurringSpans, remove_anchors, sighted_notes, store_anchors
 from cluster.control.reuse_kinds import REUSE_KINDS, reuse_split
 from cluster.control.state import StateStore, StateStoreUnavailable
 from cluster.control.units import content_ranges
@@ -102,14 +102,16 @@ class PromptMatcher:
             log.info("%s %r has no anchor (%d tokens): prompts match it only by name", kind, name, len(ids))
             return
         try:
-            self.state.put_fingerprints(tenant, entries, time.time())
+            store_anchors(self.state, tenant, entries, time.time())
         except StateStoreUnavailable as exc:        # registered all the same; prompts just do not find it
             self.metrics.reuse_misses.labels("store_unavailable").inc()
             log.warning("storing %s %r's anchors failed: %s", kind, name, exc)
 
     def unindex_chunk(self, tenant: str, ids: tuple[int, ...]) -> None:
-        """Drop a deleted registration's anchors."""
-        self.state.delete_fingerprints(tenant, [a.key for a in anchors(tenant, self.core(ids), self.cfg.spans)])
+        """Drop a deleted registration's anchors (the other chunks they name stay)."""
+        core = self.core(ids)
+        remove_anchors(self.state, tenant, [a.key for a in anchors(tenant, core, self.cfg.spans)],
+                       fingerprint(tenant, core), time.time())
 
     def _ref(self, salt: str):
         return lambda ids: KVRef(tuple(ids), self.chunk_position, salt)
@@ -202,7 +204,8 @@ class PromptMatcher:
                 continue
             gone += m.end - m.start
             try:
-                self.state.delete_fingerprints(tenant, [a.key for a in anchors(tenant, m.kv.token_ids, self.cfg.spans)])
+                remove_anchors(self.state, tenant, [a.key for a in anchors(tenant, m.kv.token_ids, self.cfg.spans)],
+                               fingerprint(tenant, m.kv.token_ids), time.time())
             except StateStoreUnavailable as exc:
                 log.warning("dropping an evicted span's anchors failed: %s", exc)
         if gone:

@@ -39,7 +39,8 @@ import time
 from typing import TYPE_CHECKING
 
 from cluster.control.fingerprints import Cut, fingerprint
-from cluster.control.matching import ChunkMatch, MatchConfig, anchor_entries, last_seen, nearest_held
+from cluster.control.matching import (ChunkMatch, MatchConfig, add_anchors, anchor_entries, drop_anchors, last_seen,
+                                      nearest_held)
 from cluster.control.state import StateStore, StateStoreUnavailable
 from cluster.control.units import units
 from kvruntime.messages.plan import KVRef, PlanKind, RequestPlan
@@ -205,8 +206,8 @@ class RecurringSpans:
             if near is not None:                    # and the held prompt it compared this one with
                 self.state.get_held_prompt(tenant, near, now)
         for m in inline:                            # compiled in the request's build: findable from now on
-            self.state.put_fingerprints(tenant, anchor_entries("span", m.name, tenant, m.kv.token_ids,
-                                                               self.cfg.spans), now)
+            store_anchors(self.state, tenant, anchor_entries("span", m.name, tenant, m.kv.token_ids, self.cfg.spans),
+                          now)
         if self.state.get_held_prompt(tenant, key, now) is not None:
             return []                               # a repeat: its spans were counted the first time
         self.state.put_held_prompt(tenant, key, ids, now)
@@ -235,7 +236,7 @@ class RecurringSpans:
         self.in_flight += 1
         try:
             info = await self.backends.precompile(KVRef(run, self.chunk_position, salt), index)
-            await asyncio.to_thread(self.state.put_fingerprints, tenant, entries, time.time())
+            await asyncio.to_thread(store_anchors, self.state, tenant, entries, time.time())
         except Exception as exc:        # the prompt was answered; the span is compiled when it recurs again
             self.metrics.recurring_spans.labels("failed").inc()
             log.warning("compiling a recurring %d-token span failed: %s", len(run), exc)
@@ -249,6 +250,20 @@ class RecurringSpans:
         """Wait for every scheduled bookkeeping task (tests, shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def store_anchors(state: StateStore, tenant: str, entries: dict[str, str], now: float) -> None:
+    """Store a chunk's anchor entries beside the other chunks their keys name (:func:`add_anchors`)."""
+    state.put_fingerprints(tenant, add_anchors(state.get_fingerprints(tenant, list(entries), now), entries), now)
+
+
+def remove_anchors(state: StateStore, tenant: str, keys: list[str], fp: str, now: float) -> None:
+    """Take the chunk ``fp`` off its anchor keys, keeping the other chunks they name."""
+    keep, gone = drop_anchors(state.get_fingerprints(tenant, keys, now), fp)
+    if keep:
+        state.put_fingerprints(tenant, keep, now)
+    if gone:
+        state.delete_fingerprints(tenant, gone)
 
 
 def _compiled_in_request(matched: list[ChunkMatch], fresh: frozenset[str], plan: RequestPlan | None,
