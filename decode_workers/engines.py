@@ -17,8 +17,10 @@ def make_decode_engine(cfg: ClusterConfig, receiver, device: str) -> DecodeEngin
     from decode_workers.held_kv import HeldPrefixes
     from kvruntime.engine import ReferenceEngine
 
+    # no RoPE self-test: decode never re-rotates keys (prefill does, after its own); the table stays
+    # disabled, so a rotation here would raise RepositionDisabled, not run unchecked (~1 s CPU a start)
     engine = ReferenceEngine(cfg.workers.model, dtype=cfg.workers.dtype, device=device, threads=cfg.workers.decode.threads,
-                             shapes=cfg.workers.few_token_shapes)
+                             shapes=cfg.workers.few_token_shapes, run_self_test=False)
     # the reference engine keeps prefix KV for the next request (vLLM has its own prefix cache)
     return DecodeExecutor(engine, receiver, load_failure_policy=cfg.transport.kv_load_failure_policy,
                           receive_timeout=cfg.transport.transfer_timeout_s, held=HeldPrefixes(cfg.workers.decode_prefix_cache_bytes),

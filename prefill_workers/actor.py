@@ -51,6 +51,8 @@ class PrefillWorker:
         self.device = device
         self.engine = ReferenceEngine(cfg.workers.model, dtype=cfg.workers.dtype, device=device, threads=cfg.workers.prefill.threads,
                                       shapes=cfg.workers.few_token_shapes)
+        from kvruntime.startup_heap import freeze_startup_heap
+        freeze_startup_heap()      # imports and model first: LMCacheEngine's own gc.collect() then walks only what follows
         self.store = LMCacheStore.for_engine(self.engine, cfg.tier, remote_key=tier_key if cfg.tier.remote_url else None)
         self.tier = PrefillTier(self.store, self.engine, worker=f"prefill-{index}")
         from kvruntime.telemetry import listen_host
@@ -66,8 +68,7 @@ class PrefillWorker:
                                                              cancelled=lambda: self.cancelled_plans,
                                                              variants=lambda: self.tier.variants_compiled),
                                              host=listen_host(cfg.server.bind_host))
-        from kvruntime.startup_heap import freeze_startup_heap
-        freeze_startup_heap()      # the model and tiers live as long as the actor: out of GC's walks
+        freeze_startup_heap()      # the tiers and sender live as long as the actor: out of GC's walks too
 
     def ready(self) -> dict:
         r = self.engine.rope

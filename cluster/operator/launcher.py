@@ -121,7 +121,8 @@ def start(cfg: ClusterConfig, *, local_cpus: int | None = None) -> None:
     serve.run(RouterIngress.options(num_replicas=cfg.server.router_replicas,
                                     ray_actor_options=router_actor_options(cfg),
                                     max_ongoing_requests=cfg.server.router_max_ongoing_requests,
-                                    max_queued_requests=cfg.server.router_max_queued_requests).bind(cfg),
+                                    max_queued_requests=cfg.server.router_max_queued_requests,
+                                    graceful_shutdown_wait_loop_s=cfg.server.router_shutdown_wait_loop_s).bind(cfg),
               name="kvnotes", route_prefix="/", blocking=False)
 
 

@@ -71,6 +71,9 @@ class ServerConfig:
     admission_exchange_timeout_s: float = 0.2
     router_max_ongoing_requests: int = 256     # Serve's per-replica concurrency (must exceed max_inflight_per_tenant)
     router_max_queued_requests: int = 64       # Serve's own queue in front of the replicas (its 503 past that)
+    # a stopping router replica (delete, redeploy, kvnotes stop) sleeps this long, then counts its ongoing
+    # requests, again until none is left (Serve's graceful_shutdown_wait_loop_s, default 2 s)
+    router_shutdown_wait_loop_s: float = 0.5
     metrics_tenants: tuple[str, ...] = ()      # tenants with their own label on kvnotes_requests_total (others: "other")
 
     def __post_init__(self):
@@ -130,6 +133,8 @@ class ServerConfig:
         if not (self.admission_ttft_factor == 0 or self.admission_ttft_factor >= 1):
             raise ValueError(f"admission_ttft_factor must be 0 (off) or >= 1 (times the unloaded TTFT p90), "
                              f"got {self.admission_ttft_factor}")
+        if not 0 < self.router_shutdown_wait_loop_s <= 60:
+            raise ValueError(f"router_shutdown_wait_loop_s must be in (0, 60] seconds, got {self.router_shutdown_wait_loop_s}")
         if self.router_max_queued_requests < 1 or self.router_max_ongoing_requests <= self.max_inflight_per_tenant:
             raise ValueError(f"router_max_ongoing_requests ({self.router_max_ongoing_requests}) must exceed "
                              f"max_inflight_per_tenant ({self.max_inflight_per_tenant}) so that the 429 can fire, "
