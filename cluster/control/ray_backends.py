@@ -25,6 +25,10 @@ from prefill_workers.actor import PrefillWorker
 
 log = logging.getLogger(__name__)
 NAMESPACE = "kvnotes"
+# a third thread in each actor: the plan-time tier lookup (``contains``) answers beside a running
+# execute, precompile or store-behind compile (in the default group it waited for them: seconds)
+LOOKUP_GROUP = "lookup"
+ACTOR_GROUPS = {HEALTH_GROUP: 1, PROBE_GROUP: 1, LOOKUP_GROUP: 1}
 
 
 def _options(cfg: ClusterConfig, w: WorkerConfig, kind: str, name: str) -> dict:
@@ -48,7 +52,7 @@ def start_workers(cfg: ClusterConfig) -> tuple[list, list]:
     and the resources they wait for."""
     # PYTHONHASHSEED: LMCache falls back to Python's hash() without vLLM; fix it so keys agree across processes
     env = {"env_vars": {"LMCACHE_TRACK_USAGE": "false", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}}
-    groups = {HEALTH_GROUP: 1, PROBE_GROUP: 1}
+    groups = ACTOR_GROUPS
     key = tier_key_of(cfg)
     pre = [ray.remote(concurrency_groups=groups)(PrefillWorker)
            .options(runtime_env=env, **_options(cfg, cfg.workers.prefill, "prefill", f"prefill-{i}")).remote(cfg, i, key)
@@ -184,7 +188,7 @@ class RayBackends(Backends):
 
     async def contains(self, refs, index: int = 0) -> list[bool]:
         try:
-            return await self.prefill_actors[index].contains.remote(refs)
+            return await self.prefill_actors[index].contains.options(concurrency_group=LOOKUP_GROUP).remote(refs)
         except ACTOR_LOST as exc:
             raise self._lost("prefill", index, exc) from None
 

@@ -47,6 +47,7 @@ class SqliteState(StateStore):
         self._local = threading.local()
         self._writes = 0
         self._lock = threading.Lock()
+        self._touched: dict[tuple[str, str], float] = {}   # prompt-index reads' LRU refresh, not yet written
         self._conn().executescript(_SCHEMA)
 
     def _is_outage(self, exc):
@@ -168,21 +169,37 @@ class SqliteState(StateStore):
     # ---- prompt index -------------------------------------------------------------------------
     def put_prompt_blocks(self, tenant, blocks, now):
         with self._tx() as c:
+            self._write_touches(c)
             c.executemany("INSERT OR REPLACE INTO prompt_index VALUES (?,?,?,?)",
                           [(tenant, h, n, now) for h, n in blocks.items()])
         self._wrote(now)
 
     def get_prompt_blocks(self, tenant, hashes, now):
+        """A read only, on the request path: no write lock (a WAL reader never waits on a writer,
+        where ``BEGIN IMMEDIATE`` waited up to the busy timeout on any open write transaction);
+        the LRU refresh is kept here and written with this store's next prompt-index write or expiry."""
         if not hashes:
             return {}
-        marks = ",".join("?" * len(hashes))
-        with self._tx() as c:
-            rows = c.execute(f"SELECT hash, tokens FROM prompt_index WHERE tenant=? AND hash IN ({marks}) AND used>=?",
-                             (tenant, *hashes, now - self.limits.prompt_ttl_s)).fetchall()
-            if rows:
-                c.executemany("UPDATE prompt_index SET used=? WHERE tenant=? AND hash=?",
-                              [(now, tenant, h) for h, _ in rows])
-        return {h: n for h, n in rows}
+        rows = []
+        for i in range(0, len(hashes), 500):            # under SQLite's bound on bound parameters
+            part = hashes[i:i + 500]
+            rows += self._q(f"SELECT hash, tokens, used FROM prompt_index WHERE tenant=? AND hash IN "
+                            f"({','.join('?' * len(part))})", (tenant, *part))
+        cutoff = now - self.limits.prompt_ttl_s
+        with self._lock:
+            out = {h: n for h, n, used in rows if max(used, self._touched.get((tenant, h), used)) >= cutoff}
+            for h in out:
+                self._touched[(tenant, h)] = max(now, self._touched.get((tenant, h), now))
+        return out
+
+    def _write_touches(self, c) -> None:
+        """Write the prompt-index reads' LRU refresh (inside a write transaction; bounded by the
+        index's rows: one entry per (tenant, hash) read since the last write)."""
+        with self._lock:
+            touched, self._touched = self._touched, {}
+        if touched:
+            c.executemany("UPDATE prompt_index SET used=max(used, ?) WHERE tenant=? AND hash=?",
+                          [(t, tenant, h) for (tenant, h), t in touched.items()])
 
     # ---- prompt-matching fingerprints ---------------------------------------------------------
     def count_fingerprints(self, tenant, keys, now):
@@ -308,6 +325,9 @@ class SqliteState(StateStore):
 
     def sizes(self, now):
         lim = self.limits
+        if self._touched:                   # counted as recent as their last read
+            with self._tx() as c:
+                self._write_touches(c)
         one = lambda sql, *a: self._q(sql, a)[0][0]  # noqa: E731
         return {"sessions": one("SELECT COUNT(*) FROM sessions WHERE used>=?", now - lim.session_ttl_s),
                 "prompt_index": one("SELECT COUNT(*) FROM prompt_index WHERE used>=?", now - lim.prompt_ttl_s),
@@ -320,6 +340,7 @@ class SqliteState(StateStore):
     def expire(self, now):
         lim = self.limits
         with self._tx() as c:
+            self._write_touches(c)          # a prompt read since the last write is as recent as that read
             s = c.execute("DELETE FROM sessions WHERE used<?", (now - lim.session_ttl_s,)).rowcount
             s += c.execute("DELETE FROM sessions WHERE rowid IN (SELECT rowid FROM sessions ORDER BY used DESC "
                            "LIMIT -1 OFFSET ?)", (lim.session_max,)).rowcount
