@@ -15,7 +15,7 @@ from kvruntime.messages.plan import KVRef
 def test_tier_lookup_answers_while_the_prefill_actor_runs_a_plan(local_ray):
     import ray
 
-    from tests.conftest import shared_ray
+    from tests.conftest import _RAY, shared_ray
     shared_ray(ClusterConfig(), local_cpus=2)
 
     @ray.remote(num_cpus=0, concurrency_groups=ACTOR_GROUPS)
@@ -51,4 +51,6 @@ def test_tier_lookup_answers_while_the_prefill_actor_runs_a_plan(local_ray):
         assert ray.get(running, timeout=60) is True
     finally:
         ray.kill(actor)
+        _RAY["active"] = False        # no cluster of ours runs on the shared Ray now: the next module
+        #                               that needs Ray of its own (test_node_loss) gets it shut down
 
