@@ -111,9 +111,17 @@ def run_policy(s: Systems, policy: str, traffic: dict[str, list], n: int, tag: s
             if kv["fallbacks"]:
                 print(f"kvnotes {shape} turn {turn} fell back: {kv['fallbacks']}", file=sys.stderr, flush=True)
             print(f"  {policy} {shape} turn {turn}: {kv['prompt']} tokens, kvnotes {kv['ttft']:.2f} s "
-                  f"(reused {kv['cached']}, {kv['plan']}), vLLM {vl['ttft']:.2f} s (reused {vl['cached']})",
+                  f"(reused {kv['cached']} = {kv['exact']} exact + {kv['composed']} composed + {kv['edited']} edited, "
+                  f"{kv['plan']}{_waits(kv['stages'])}), vLLM {vl['ttft']:.2f} s (reused {vl['cached']})",
                   file=sys.stderr, flush=True)
     return recs
+
+
+def _waits(stages: dict) -> str:
+    """The prefill call beside the forward it ran: the difference is mostly the prefill worker's
+    queue (background compiles and store-behinds ahead of the request)."""
+    call = stages.get("control.prefill_call")
+    return "" if call is None else f"; prefill call {call:.2f} s, forward {stages.get('forward', 0.0):.2f} s"
 
 
 def _print(r: dict) -> None:

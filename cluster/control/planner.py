@@ -35,7 +35,11 @@ docs/architecture.md walks a request through them):
 - nothing reusable at all, no session to store, and a decode engine that computes prompts
   itself (vLLM: ``PlannerConfig.decode_computes_cold``) -> no prefix step: the whole prompt goes
   to the decode engine as its suffix, so no prefill worker runs and no KV block travels (a cold
-  prompt costs what it costs in plain vLLM)
+  prompt costs what it costs in plain vLLM). A recurring span the tier does not hold yet counts as
+  nothing reusable here (:func:`_reuses_nothing`): compiling it in the build computes as many
+  tokens, waits for the prefill worker and makes the plan approximate, so a prompt whose only
+  "reuse" it is stays exact (the decode engine's prefix cache and the decode-held record keep it
+  for the next turn) and the span is compiled in the background after the answer
 """
 from __future__ import annotations
 
@@ -66,14 +70,32 @@ def plan_request(req: RenderedRequest, tier: TierView, session: SessionContext |
                            tuple(notes))
     steps = _plan_segments(req, tier, config, notes)
     pos = sum(s.tokens for s in steps)
-    if config.decode_computes_cold and req.session is None and steps \
-            and all(s.kind is PlanKind.RECOMPUTE for s in steps):
+    if config.decode_computes_cold and req.session is None and steps and all(_reuses_nothing(s) for s in steps):
         # nothing to reuse and nothing to keep for a next turn: the decode engine computes it all
+        notes[:] = _cold_notes(steps, notes)
         notes.append(f"nothing reusable: the decode engine computes all {pos + len(req.suffix_ids)} prompt "
                      "tokens itself (no prefill, no KV transfer)")
         ids = tuple(t for s in steps for t in s.token_ids) + req.suffix_ids
         return RequestPlan(req.request_id, req.model, req.policy, (), ids, None, tuple(notes))
     return RequestPlan(req.request_id, req.model, req.policy, tuple(steps), req.suffix_ids, req.session, tuple(notes))
+
+
+def _reuses_nothing(step: SegmentPlan) -> bool:
+    """A step that takes nothing the tier holds: a recompute, or a recurring span the tier does
+    not hold yet, which the build would compile on its own first (as many tokens computed as in
+    context, and on the prefill worker)."""
+    return step.kind is PlanKind.RECOMPUTE or (step.kind is PlanKind.REPOSITION and step.reused == 0
+                                               and step.source.startswith("span:"))
+
+
+def _cold_notes(steps: list[SegmentPlan], notes: list[str]) -> list[str]:
+    """A cold plan's notes: a recurring span it held back is compiled in the background instead."""
+    fresh = [s.source for s in steps if s.kind is PlanKind.REPOSITION]
+    kept = [n for n in notes if not any(n.startswith(f"{f} is not in the tier") for f in fresh)]
+    return kept + [f"{f} recurs but is not in the tier yet, and nothing else in the prompt is: not compiled in this "
+                   "build (it would compute as many tokens, on the prefill worker, and splice approximate KV where "
+                   "the exact prompt can be kept); compiled on its own in the background after the answer"
+                   for f in fresh]
 
 
 def _reuse_first(req: RenderedRequest, tier: TierView, session: SessionContext | None, encode,

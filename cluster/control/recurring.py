@@ -10,8 +10,10 @@ Sighting by sighting, for a span of a tenant's plain prompts:
    ``compile_after`` 1 (the default) the prompt's document-like units (:mod:`cluster.control.units`)
    not already held are compiled on their own in the background now, where the request's policy
    splices chunks (``outcome="unit_first_sighting"``, then ``compiled`` / ``cached``): a document
-   re-sent in another order is reused from its second sighting. The steps below are then those
-   of text recurring otherwise (a run two prompts share that is no unit of the first).
+   re-sent in another order is reused from its second sighting. Not for a prompt that starts with
+   a whole earlier kept prompt (:func:`extended`: a growing conversation's turn), whose next turn
+   reaches its content through the prefix (``outcome="units_skipped_extends"``). The steps below
+   are then those of text recurring otherwise (a run two prompts share that is no unit of the first).
 2. **second sighting** (:meth:`RecurringSpans.sighted`, on the request path, from the entries
    the one batched match read returned): the span is grown to the whole run of tokens the two
    prompts share around it (:func:`grow`: e.g. the whole document, whatever surrounds it in each),
@@ -23,7 +25,9 @@ Sighting by sighting, for a span of a tenant's plain prompts:
    are stored when the answer ends (``outcome="compiled_in_request"``). Composition so only ever
    splices KV of the kind the fidelity profile measured, never KV computed inside another
    prompt's context. Where the policy recomputes the span instead (``exact``, or no row allows
-   it), it is compiled in the background after the answer (``Backends.precompile``, off the
+   it), or the span is all the prompt would reuse and the decode engine computes cold prompts
+   itself (vLLM: the planner keeps such a prompt exact, ``planner._reuses_nothing``), it is
+   compiled in the background after the answer (``Backends.precompile``, off the
    request, ``outcome="compiled"`` / ``"cached"``), for the policies that splice.
 3. **third sighting on**: matched at any offset by its anchors (:mod:`cluster.control.matching`)
    and reused from the tier.
@@ -219,6 +223,10 @@ class RecurringSpans:
         runs = recurring_runs(ids, c, counts, seen, earlier, self.cfg, covered, self.is_break)
         if units_at is None or self.text is None or not self.cfg.units_first_sighting:
             return runs
+        grown = extended(tenant, ids, c, seen, key, lambda k: self.state.get_held_prompt(tenant, k, now, touch=False))
+        if grown:                                   # a growing conversation: its next turn holds it as its prefix
+            self.metrics.recurring_spans.labels("units_skipped_extends").inc()
+            return runs
         fresh = [u for u in units(ids, units_at, self.text, self.cfg.min_chunk_tokens, self.cfg.unit_label_tokens)
                  if not any(a < u[1] and u[0] < b for a, b in covered + runs)]
         if fresh:
@@ -250,6 +258,24 @@ class RecurringSpans:
         """Wait for every scheduled bookkeeping task (tests, shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def extended(tenant: str, ids: tuple[int, ...], c: Cut, seen: dict, key: str, held) -> int:
+    """The length of an earlier kept prompt ``ids`` starts with (0: none): the prompt whose span,
+    last seen at the very offset it has here, ends furthest in (``held(key)``: its ids, one read).
+    Such a prompt is a turn of a growing conversation: its next turn reaches everything in it
+    through the exact prefix (the decode engine's prefix cache, the tier) or the same composition
+    again, where a unit compiled now would only be spliced into it, a new recipe every turn (vLLM's
+    cache salt with it), so its document-like units are not compiled on this sighting."""
+    best = None
+    for s in c.spans:
+        got = last_seen(seen, s.key)
+        if got is not None and got[0] != key and got[1] == s.start and (best is None or s.end > best[1]):
+            best = (got[0], s.end)
+    old = held(best[0]) if best is not None else None
+    if old is None or not 0 < len(old) <= len(ids) or tuple(ids[:len(old)]) != tuple(old):
+        return 0
+    return len(old)
 
 
 def store_anchors(state: StateStore, tenant: str, entries: dict[str, str], now: float) -> None:
