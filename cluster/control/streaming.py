@@ -112,7 +112,7 @@ class RequestStreams:
                       edit_strategy=edit)      # rendered off the event loop
         req = self.matcher.split_text(req, tenant, salt)   # chunks pasted into its texts (outside sessions)
         ctx.lap("render")
-        sess = self.sessions.get(tenant, session) if session else None
+        sess = await asyncio.to_thread(self.sessions.get, tenant, session) if session else None   # off the loop
         prefill_index = self.pick_prefill(f"{tenant}|{session}" if session else None, ctx.leases)
         variant = frame_variant(req.context)       # the first chunk after the frame: exact reuse
         refs = [s.kv for s in req.context if s.kv is not None] + ([sess.context] if sess else []) \
@@ -133,7 +133,7 @@ class RequestStreams:
             job = PlannedRequest(plan, sampling, store_as, prefill_index, salt, started)
             async for ev in self.runner.run(ctx, job):
                 if isinstance(ev, Finished):
-                    self._finished_native(tenant, req, sess, plan, store_as, ev, prefill_index)
+                    await self._finished_native(tenant, req, sess, plan, store_as, ev, prefill_index)
                 yield ev
                 if marks:        # the first event is out: the writes stay off the time to first token
                     self.marks.later(tenant, marks, now)
@@ -142,13 +142,16 @@ class RequestStreams:
             if marks:            # the request ended before its first event (an error, the client left)
                 self.marks.later(tenant, marks, now)
 
-    def _finished_native(self, tenant: str, req: RenderedRequest, sess: SessionContext | None, plan: RequestPlan,
-                         store_as: KVRef | None, fin: Finished, prefill_index: int) -> None:
+    async def _finished_native(self, tenant: str, req: RenderedRequest, sess: SessionContext | None,
+                               plan: RequestPlan, store_as: KVRef | None, fin: Finished, prefill_index: int) -> None:
+        """The state-store writes in a worker thread (never on the event loop: a write waits for the
+        store's write lock, up to its busy timeout), awaited before the last event goes out (the
+        client's next request finds them)."""
         count_reuse(self.metrics, fin)
         if req.session:
-            self._remember(tenant, req, sess, plan, store_as if fin.stored else None)
+            await asyncio.to_thread(self._remember, tenant, req, sess, plan, store_as if fin.stored else None)
         elif fin.stored and store_as is not None and store_as.exact:
-            self.index.record(tenant, store_as.token_ids)
+            await asyncio.to_thread(self.index.record, tenant, store_as.token_ids)
         elif needs_store(store_as, fin):          # the decode engine computed the rest: into the tier behind it
             self.store_behind.schedule(tenant, store_as, 0, prefill_index)
 
@@ -210,32 +213,71 @@ class RequestStreams:
         else:   # the rest matched at any offset (chunks, a held prompt it edits), planned by the native rules
             plan, matched = await self.matcher.plan(req, tenant, salt, hit, hit_kv, prefill_index,
                                                     self.renderer.encode, self.planner_config(), messages, ctx.clock)
-            plan = self._decode_exact_first(tenant, prompt_ids, req, plan, hit, hit_kv)
+            plan = self._cold_when_nothing_reused(req, plan, hit, hit_kv)
+            plan = await self._decode_exact_first(tenant, prompt_ids, req, plan, hit, hit_kv)
         self.check_budget(plan.prompt_tokens, sampling)   # an erratum adds its correction to the prompt
         store_as = prompt_store_as(plan, prefix, salt, hit)
         ctx.lap("plan")
         async for ev in self.runner.run(ctx, PlannedRequest(plan, sampling, store_as, prefill_index, salt, started)):
             if isinstance(ev, Finished):
-                behind = False
-                if ev.stored and store_as is not None and store_as.exact:
-                    self.index.record(tenant, prefix)
-                elif needs_store(store_as, ev):      # the decode engine computed it: into the tier behind it
-                    behind = self.store_behind.schedule(tenant, store_as, hit, prefill_index) == "scheduled"
-                if not plan.approx:                  # its exact KV is in the decode engine's prefix cache now
-                    self.decode_held.note(tenant, prompt_ids, ev.summary.engine)
-                if matched is None:
-                    count_reuse(self.metrics, ev)
-                else:
-                    await self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index, held=behind or None)
+                await self._finished_prompt(tenant, salt, prompt_ids, prefix, plan, matched, store_as, hit, ev,
+                                            prefill_index)
             yield ev
 
-    def _decode_exact_first(self, tenant: str, prompt_ids: list[int], req: RenderedRequest, plan: RequestPlan,
-                            hit: int, hit_kv: KVRef | None) -> RequestPlan:
+    async def _finished_prompt(self, tenant: str, salt: str, prompt_ids: list[int], prefix: tuple[int, ...],
+                               plan: RequestPlan, matched, store_as: KVRef | None, hit: int, ev: Finished,
+                               prefill_index: int) -> None:
+        """A plain prompt's bookkeeping before its last event goes out (the client's next prompt
+        finds it): the prompt index or the store behind it, the decode-held record, what it teaches
+        prompt matching. State-store writes run in a worker thread, never on the event loop (a
+        write waits for the store's write lock, up to its busy timeout, while a store-behind or a
+        recording thread holds it: every request of the replica would wait with it)."""
+        behind = False
+        if ev.stored and store_as is not None and store_as.exact:
+            await asyncio.to_thread(self.index.record, tenant, prefix)
+        elif needs_store(store_as, ev):      # the decode engine computed it: into the tier behind it
+            behind = self.store_behind.schedule(tenant, store_as, hit, prefill_index) == "scheduled"
+        if not plan.approx:                  # its exact KV is in the decode engine's prefix cache now
+            await asyncio.to_thread(self.decode_held.note, tenant, prompt_ids, ev.summary.engine)
+        if matched is None:
+            count_reuse(self.metrics, ev)
+            return
+        if plan.steps == () and matched.held_edit is not None:   # a declined edit planned cold (below)
+            self.metrics.reuse_misses.labels("edit_declined").inc(max(0, len(prefix) - ev.cached_tokens))
+        await self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index, held=behind or None)
+
+    def _cold_when_nothing_reused(self, req: RenderedRequest, plan: RequestPlan, hit: int,
+                                  hit_kv: KVRef | None) -> RequestPlan:
+        """A plan that reuses nothing yet runs a prefill worker (a held prompt's edit the policy
+        declines, diverging inside the held KV's first tier piece: "computed whole") is planned
+        again by the plain rules, the tier's exact prefix first: on a decode engine that computes
+        cold prompts itself (vLLM, ``decode_computes_cold``) no prefill worker runs and vLLM's own
+        prefix cache serves the blocks before the divergence, as plain vLLM's would. (The record
+        shape under ``exact`` / ``balanced`` waited up to 10 s for a prefill worker busy storing the
+        previous prompt behind it, then computed the whole prompt there.)"""
+        config = self.planner_config()
+        if not (config.decode_computes_cold and plan.session is None and plan.steps
+                and all(s.kind is PlanKind.RECOMPUTE for s in plan.steps)):
+            return plan
+        plain = plan_request(req, TierView(prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv), None, self.renderer.encode,
+                             config)
+        if plain.steps and plain.reused_tokens <= plan.reused_tokens:
+            return plan
+        why = ("the plan reused nothing but ran a prefill worker: planned again by the plain rules "
+               + ("(the decode engine computes the prompt itself)" if not plain.steps else
+                  f"(the tier's exact prefix of {plain.reused_tokens} tokens first)"))
+        return replace(plain, notes=plan.notes + plain.notes + (why,))
+
+    async def _decode_exact_first(self, tenant: str, prompt_ids: list[int], req: RenderedRequest,
+                                  plan: RequestPlan, hit: int, hit_kv: KVRef | None) -> RequestPlan:
         """An approximate plan gives way to the exact prefix the decode engine's own prefix cache
         holds (:mod:`cluster.control.decode_held`) when that reuses at least as much: planned exact,
         the decode engine computes the rest after it (a growing conversation keeps vLLM's exact
-        prefix, as in plain vLLM)."""
-        held = self.decode_held.longest(tenant, prompt_ids)
+        prefix, as in plain vLLM). Only an approximate plan reads the record (in a worker thread:
+        a state-store read, off the event loop)."""
+        if not plan.approx:
+            return plan
+        held = await asyncio.to_thread(self.decode_held.longest, tenant, prompt_ids)
         if not prefer_exact(plan, held, hit):
             return plan
         exact = plan_request(req, TierView(prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv), None, self.renderer.encode,

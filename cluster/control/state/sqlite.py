@@ -48,6 +48,7 @@ class SqliteState(StateStore):
         self._writes = 0
         self._lock = threading.Lock()
         self._touched: dict[tuple[str, str], float] = {}   # prompt-index reads' LRU refresh, not yet written
+        self._session_touched: dict[tuple[str, str], float] = {}   # session reads' LRU refresh, not yet written
         self._conn().executescript(_SCHEMA)
 
     def _is_outage(self, exc):
@@ -150,19 +151,28 @@ class SqliteState(StateStore):
     # ---- sessions -----------------------------------------------------------------------------
     def put_session(self, tenant, session, data, now):
         with self._tx() as c:
+            self._write_touches(c)
             c.execute("INSERT OR REPLACE INTO sessions VALUES (?,?,?,?)", (tenant, session, data, now))
         self._wrote(now)
 
     def get_session(self, tenant, session, now):
-        with self._tx() as c:
-            rows = c.execute("SELECT data, used FROM sessions WHERE tenant=? AND session=?",
-                             (tenant, session)).fetchall()
-            if not rows or rows[0][1] < now - self.limits.session_ttl_s:
+        """A read only, on the request path (a session's next turn): no write lock, like the
+        prompt index's (``BEGIN IMMEDIATE`` waited up to the busy timeout on any open write
+        transaction); the LRU refresh is kept here and written with this store's next write of
+        sessions or the prompt index, its expiry or sizes."""
+        rows = self._q("SELECT data, used FROM sessions WHERE tenant=? AND session=?", (tenant, session))
+        if not rows:
+            return None
+        with self._lock:
+            used = max(rows[0][1], self._session_touched.get((tenant, session), rows[0][1]))
+            if used < now - self.limits.session_ttl_s:
                 return None
-            c.execute("UPDATE sessions SET used=? WHERE tenant=? AND session=?", (now, tenant, session))
-            return rows[0][0]
+            self._session_touched[(tenant, session)] = max(now, used)
+        return rows[0][0]
 
     def delete_session(self, tenant, session):
+        with self._lock:
+            self._session_touched.pop((tenant, session), None)
         with self._tx() as c:
             return c.execute("DELETE FROM sessions WHERE tenant=? AND session=?", (tenant, session)).rowcount > 0
 
@@ -193,13 +203,18 @@ class SqliteState(StateStore):
         return out
 
     def _write_touches(self, c) -> None:
-        """Write the prompt-index reads' LRU refresh (inside a write transaction; bounded by the
-        index's rows: one entry per (tenant, hash) read since the last write)."""
+        """Write the prompt-index and session reads' LRU refresh (inside a write transaction;
+        bounded by the tables' rows: one entry per (tenant, hash) or (tenant, session) read since
+        the last write)."""
         with self._lock:
             touched, self._touched = self._touched, {}
+            sessions, self._session_touched = self._session_touched, {}
         if touched:
             c.executemany("UPDATE prompt_index SET used=max(used, ?) WHERE tenant=? AND hash=?",
                           [(t, tenant, h) for (tenant, h), t in touched.items()])
+        if sessions:
+            c.executemany("UPDATE sessions SET used=max(used, ?) WHERE tenant=? AND session=?",
+                          [(t, tenant, k) for (tenant, k), t in sessions.items()])
 
     # ---- prompt-matching fingerprints ---------------------------------------------------------
     def count_fingerprints(self, tenant, keys, now):
@@ -325,7 +340,7 @@ class SqliteState(StateStore):
 
     def sizes(self, now):
         lim = self.limits
-        if self._touched:                   # counted as recent as their last read
+        if self._touched or self._session_touched:      # counted as recent as their last read
             with self._tx() as c:
                 self._write_touches(c)
         one = lambda sql, *a: self._q(sql, a)[0][0]  # noqa: E731
