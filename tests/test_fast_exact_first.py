@@ -151,3 +151,43 @@ def test_a_growing_conversation_compiles_no_units_a_new_prompt_does(tmp_path):
     assert metric(metrics.render().decode(), "kvnotes_recurring_spans_total", outcome="units_skipped_extends") == 1
     fresh = ids(11, 250) + (BREAK,) + ids(12, 250)
     assert len(_record(rs, tenant, "k2", fresh, {})) == 2            # an unrelated prompt's units
+
+
+def test_a_background_compile_waits_for_the_prefill_worker_to_be_free_of_requests(tmp_path, monkeypatch):
+    """The prefill actor runs one call at a time, in order: a compile sent while a request is in
+    flight there would run ahead of that request's next build. It waits for this replica's
+    leases on that worker to end (bounded: sent anyway past ``IDLE_WAIT_S``, counted)."""
+    import asyncio
+
+    import cluster.control.recurring as recurring
+    from cluster.control.routing import WorkerView
+
+    monkeypatch.setattr(recurring, "IDLE_POLL_S", 0.01)
+    backends = _NoBackends()
+    backends.view = WorkerView(1, 1)
+    metrics = Metrics()
+    rs = RecurringSpans(open_state(f"sqlite:///{tmp_path}/s.db"), backends, metrics, MatchConfig(), 1)
+    run = ids(13, 200)
+
+    async def go():
+        lease = backends.view.lease("prefill", 0)
+        task = asyncio.create_task(rs._compile("t", SALT, run, 0))
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        held_back = list(backends.compiled)
+        lease.release()
+        await task
+        return held_back
+    assert asyncio.run(go()) == [] and [r.token_ids for r in backends.compiled] == [run]
+    # past the bound: compiled all the same, counted
+    monkeypatch.setattr(recurring, "IDLE_WAIT_S", 0.05)
+
+    async def busy():
+        lease = backends.view.lease("prefill", 0)
+        try:
+            await rs._compile("t", SALT, ids(14, 200), 0)
+        finally:
+            lease.release()
+    asyncio.run(busy())
+    assert len(backends.compiled) == 2
+    assert metric(metrics.render().decode(), "kvnotes_recurring_spans_total", outcome="compiled_while_busy") == 1

@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from cluster.control.metrics import Metrics
 
 log = logging.getLogger(__name__)
+IDLE_WAIT_S = 20.0       # a background compile waits at most this long for the prefill worker to be free of requests
+IDLE_POLL_S = 0.05
 
 
 def grow(new: tuple[int, ...], at: int, old: tuple[int, ...], old_at: int, n: int) -> tuple[int, int, int]:
@@ -233,7 +235,22 @@ class RecurringSpans:
             self.metrics.recurring_spans.labels("unit_first_sighting").inc(len(fresh))
         return runs + fresh
 
+    async def _idle(self, index: int) -> None:
+        """Wait until this replica has no request on prefill worker ``index`` (its leases), at most
+        :data:`IDLE_WAIT_S`: the actor runs one call at a time, in order, so a compile sent while a
+        request is in flight would run before that request's next build (a composed or edited
+        prompt waited for the compiles of the prompts before it). Past the bound it is sent anyway
+        (``outcome="compiled_while_busy"``)."""
+        waited = 0.0
+        while _requests_on(self.backends, index) > 0:
+            if waited >= IDLE_WAIT_S:
+                self.metrics.recurring_spans.labels("compiled_while_busy").inc()
+                return
+            await asyncio.sleep(IDLE_POLL_S)
+            waited += IDLE_POLL_S
+
     async def _compile(self, tenant: str, salt: str, run: tuple[int, ...], index: int) -> None:
+        await self._idle(index)
         if self.in_flight >= self.cfg.compiles_in_flight:
             self.metrics.recurring_spans.labels("skipped_busy").inc()
             return
@@ -276,6 +293,13 @@ def extended(tenant: str, ids: tuple[int, ...], c: Cut, seen: dict, key: str, he
     if old is None or not 0 < len(old) <= len(ids) or tuple(ids[:len(old)]) != tuple(old):
         return 0
     return len(old)
+
+
+def _requests_on(backends, index: int) -> int:
+    """This replica's requests in flight on prefill worker ``index`` (0 where it keeps no view)."""
+    view = getattr(backends, "view", None)
+    workers = view.workers.get("prefill", []) if view is not None else []
+    return workers[index].requests if 0 <= index < len(workers) else 0
 
 
 def store_anchors(state: StateStore, tenant: str, entries: dict[str, str], now: float) -> None:
