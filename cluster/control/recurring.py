@@ -250,7 +250,6 @@ class RecurringSpans:
             waited += IDLE_POLL_S
 
     async def _compile(self, tenant: str, salt: str, run: tuple[int, ...], index: int) -> None:
-        await self._idle(index)
         if self.in_flight >= self.cfg.compiles_in_flight:
             self.metrics.recurring_spans.labels("skipped_busy").inc()
             return
@@ -258,8 +257,9 @@ class RecurringSpans:
         if not entries:
             self.metrics.recurring_spans.labels("no_anchor").inc()
             return
-        self.in_flight += 1
+        self.in_flight += 1             # from the wait on: the compiles waiting count, so they never start together
         try:
+            await self._idle(index)
             info = await self.backends.precompile(KVRef(run, self.chunk_position, salt), index)
             await asyncio.to_thread(store_anchors, self.state, tenant, entries, time.time())
         except Exception as exc:        # the prompt was answered; the span is compiled when it recurs again
