@@ -197,6 +197,7 @@ def main(argv=None) -> int:
         for policy in args.policies:                     # a run cut short keeps what it measured
             r["records"] += run_policy(s, policy, traffic, args.max_tokens, tag,
                                        sink=lambda recs: _save({**r, "records": r["records"] + recs}, args.json))
+            r.setdefault("counters", {})[policy] = _counters(s.cfg.server.port)
             _save(r, args.json)
     except BaseException as exc:                         # Ctrl-C, SIGTERM, an error: save, report, stop
         r["incomplete"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -234,6 +235,30 @@ def _run_attached(args) -> int:
         if r["records"]:
             _print(r)
     return 0
+
+
+COUNTERS = ("kvnotes_recurring_spans_total", "kvnotes_prompt_stores_total", "kvnotes_reuse_miss_total",
+            "kvnotes_reused_tokens_total", "kvnotes_fallbacks_total")
+
+
+def _counters(port: int) -> dict[str, float]:
+    """The router's matching / store-behind / reuse counters so far (all tenants: cumulative over
+    the policies run before), from its /metrics; {} when it does not answer."""
+    import urllib.request
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith(COUNTERS) and not name.startswith("#"):
+            try:
+                if float(value):
+                    out[name] = float(value)
+            except ValueError:
+                pass
+    return out
 
 
 def _save(r: dict, path: str) -> None:
