@@ -150,7 +150,7 @@ class PromptMatcher:
                                            *describe(self.decode, held, prefix, found))
             notes.append(f"first divergence from the nearest held prompt ({len(held)} tokens): {at}; it realigns "
                          f"at held token {found.held_end} ({found.equal} of {len(prefix)} tokens equal)"
-                         + ("" if held_edit else "; that prompt's KV is no longer in the tier"))
+                         + ("" if held_edit else "; that prompt's KV is not in the tier (evicted, or not stored yet)"))
         elif c.spans and not kept:
             notes.append(f"prompt matching: nothing held matches past the exact prefix of {hit} tokens")
         context = (segments(prefix, hit, kept) if kept else base.context)

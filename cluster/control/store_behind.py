@@ -24,7 +24,10 @@ Bounded: one compile per prompt key at a time, at most ``store_behind_in_flight`
 (only the part past a held prefix), ``cached`` (the tier held it already), ``skipped_held`` (the
 tier already holds every whole piece of it: a last, partial piece is never kept),
 ``skipped_approximate`` (KV of a composed recipe cannot be rebuilt from tokens alone),
-``skipped_busy``, ``skipped_duplicate``, ``skipped_off`` (``store_behind: false``), ``failed``.
+``skipped_busy``, ``skipped_duplicate``, ``skipped_off`` (``store_behind: false``), ``failed``; and
+``scheduled`` when a compile is queued (each ends later as one of ``stored``, ``stored_delta``,
+``cached``, ``failed``: ``scheduled`` minus those is the stores still queued or compiling,
+:func:`pending`, so a client can tell that its own prompt's store has landed, not an earlier one).
 """
 from __future__ import annotations
 
@@ -44,8 +47,14 @@ if TYPE_CHECKING:
     from cluster.control.prompt_index import PromptIndex
 
 log = logging.getLogger(__name__)
-OUTCOMES = ("stored", "stored_delta", "cached", "skipped_held", "skipped_approximate", "skipped_busy", "skipped_duplicate",
-            "skipped_off", "failed")
+OUTCOMES = ("scheduled", "stored", "stored_delta", "cached", "skipped_held", "skipped_approximate", "skipped_busy",
+            "skipped_duplicate", "skipped_off", "failed")
+ENDS = ("stored", "stored_delta", "cached", "failed")   # how a scheduled store ends (counted once each)
+
+
+def pending(outcomes: dict[str, float]) -> float:
+    """Stores queued or compiling, from ``kvnotes_prompt_stores_total`` by outcome (one replica's)."""
+    return outcomes.get("scheduled", 0) - sum(outcomes.get(o, 0) for o in ENDS)
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,7 @@ class StoreBehind:
             self.metrics.prompt_stores.labels(why).inc()
             return why
         self._pending.add(ref.digest)
+        self.metrics.prompt_stores.labels("scheduled").inc()
         task = asyncio.get_running_loop().create_task(self._store(tenant, ref, index))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
