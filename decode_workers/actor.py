@@ -70,8 +70,10 @@ class DecodeWorker:
         # is vLLM (they live in the process-wide registry served here)
         from decode_workers.metrics import worker_registry
         from kvruntime.telemetry import start_exporter
-        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}", self.executor.held),
-                                             host=host)
+        engine = getattr(self.executor, "engine", None) if self.executor.kind == "reference" else None
+        copied = (lambda: engine.copied_bytes) if hasattr(engine, "copied_bytes") else None
+        self.metrics_target = start_exporter(worker_registry(self.receiver, f"decode-{index}", self.executor.held,
+                                                             copied), host=host)
         from kvruntime.startup_heap import freeze_startup_heap
         freeze_startup_heap()      # the engine and inbox live as long as the actor: out of GC's walks
 

@@ -70,6 +70,21 @@ class HeldCollector:
             yield c
 
 
+class CopiedCollector:
+    """``kvnotes_decode_kv_copied_bytes``: KV bytes the reference decode engine copied
+    (``ReferenceEngine.copied_bytes``: a received prefix without room, a held prefix into a
+    session; 0 while every block lands in the buffer its suffix runs in, issue 47), read at scrape."""
+
+    def __init__(self, copied, worker: str):
+        self.copied, self.worker = copied, worker
+
+    def collect(self):
+        c = CounterMetricFamily("kvnotes_decode_kv_copied_bytes", "KV bytes the reference decode engine copied "
+                                "into a new buffer (0 when received prefixes are used in place)", labels=["worker"])
+        c.add_metric([self.worker], float(self.copied()))
+        yield c
+
+
 class _ProcessRegistry:
     """The process-wide registry's series (vLLM's engine metrics register there), forwarded."""
 
@@ -78,13 +93,15 @@ class _ProcessRegistry:
         yield from REGISTRY.collect()
 
 
-def worker_registry(receiver, worker: str, held=None):
-    """This actor's registry: its inbox, its held prefix KV (reference engine), plus whatever the
-    process-wide registry holds."""
+def worker_registry(receiver, worker: str, held=None, copied=None):
+    """This actor's registry: its inbox, its held prefix KV and copied KV bytes (reference engine:
+    ``copied() -> int``), plus whatever the process-wide registry holds."""
     from prometheus_client import CollectorRegistry
     r = CollectorRegistry(auto_describe=False)
     r.register(InboxCollector(receiver, worker))
     if held is not None:
         r.register(HeldCollector(held, worker))
+    if copied is not None:
+        r.register(CopiedCollector(copied, worker))
     r.register(_ProcessRegistry())
     return r
