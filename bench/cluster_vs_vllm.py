@@ -89,6 +89,7 @@ def stream(client: httpx.Client, path: str, body: dict) -> dict:
             if info:
                 out.update(plan=info["plan"], fallbacks=info.get("fallbacks", []),
                            stages=info.get("explain", {}).get("stages", {}),
+                           control=info.get("explain", {}).get("control", {}),    # the router's laps
                            transport=info.get("explain", {}).get("transport", ""))
     return {"ttft": first if first is not None else time.perf_counter() - t, **out}
 

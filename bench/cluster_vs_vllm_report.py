@@ -50,6 +50,33 @@ def stage_means(recs: list[dict]) -> dict[str, float]:
     return out
 
 
+OUTSIDE_PARTS = ("router before the grant", "grant call (decode actor: hold + expect)",
+                 "prefill build beyond tier_get / rerotate / forward",
+                 "prefill call beyond build + send (Ray, tier store of the prefix, result)",
+                 "decode call beyond the engine's first_token (Ray stream, actor)", "router <-> client (HTTP, SSE)")
+
+
+def outside_parts(recs: list[dict]) -> dict[str, float]:
+    """Mean seconds of what makes up :data:`OUTSIDE`, from the router's laps (``explain.control``):
+    empty when a record has none (runs before the laps were recorded)."""
+    if not recs or not all(r.get("control", {}).get("laps") for r in recs):
+        return {}
+    parts = []
+    for r in recs:
+        laps, st = {}, r.get("stages", {})
+        for name, sec in r["control"]["laps"]:
+            laps[name] = laps.get(name, 0.0) + sec
+        w = r["control"].get("worker", {})
+        calls = ("expect_call", "prefill_call", "decode_call")
+        build = sum(st.get(k, 0.0) for k in ("tier_get", "rerotate", "forward"))
+        vals = (sum(v for k, v in laps.items() if k not in calls), laps.get("expect_call", 0.0),
+                w.get("prefill_build", 0.0) - build if "prefill_build" in w else 0.0,
+                laps.get("prefill_call", 0.0) - w.get("prefill_build", 0.0) - w.get("prefill_send", 0.0),
+                laps.get("decode_call", 0.0) - st.get("first_token", 0.0), r["ttft"] - sum(laps.values()))
+        parts.append(dict(zip(OUTSIDE_PARTS, vals)))
+    return {k: statistics.mean(p[k] for p in parts) for k in OUTSIDE_PARTS}
+
+
 def largest_stage(recs: list[dict]) -> str:
     """``name s (share%)`` of the stage with the most seconds (``first_token`` split into its parts
     when receive/load/suffix_forward are reported), or ``-`` without stage timings."""
@@ -161,6 +188,7 @@ def markdown(r: dict) -> str:
             m = stage_means(recs)
             lines.append(f"| {wl} | {x['size']} | {statistics.mean(q['ttft'] for q in recs):.2f} | "
                          + " | ".join(_f(m.get(k)) for k in STAGE_COLS) + f" | {m[OUTSIDE]:.2f} |")
+    lines += outside_rows(rows)
     lines += floor_rows(r)
     fell = [(wl, size, f) for size, w in r["sizes"].items() for wl, d in w.items() for x in d.get("kvnotes", [])
             for f in x.get("fallbacks", [])]
@@ -178,6 +206,20 @@ def markdown(r: dict) -> str:
                          f"| {_f(p90(by['cold']) if by['cold'] else None)} "
                          f"| {_f(p90(by['edit']) if by['edit'] else None)} | {len(recs) / ld['span']:.2f} |")
     return "\n".join(lines)
+
+
+def outside_rows(rows: list[dict]) -> list[str]:
+    """Where the compose rows' "outside the KV path" goes (:func:`outside_parts`); empty without laps."""
+    got = [(x, outside_parts(x.get("compose_recs", []))) for x in rows]
+    got = [(x, p) for x, p in got if p]
+    if not got:
+        return []
+    out = ["", "### Where compose's \"outside the KV path\" goes (mean seconds; the router's explain.control laps)", "",
+           "| context | outside KV path | " + " | ".join(OUTSIDE_PARTS) + " |", "|---|---|" + "---|" * len(OUTSIDE_PARTS)]
+    for x, p in got:
+        out.append(f"| {x['size']} | {stage_means(x['compose_recs'])[OUTSIDE]:.3f} | "
+                   + " | ".join(f"{p[k]:.3f}" for k in OUTSIDE_PARTS) + " |")
+    return out
 
 
 def floor_rows(r: dict) -> list[str]:

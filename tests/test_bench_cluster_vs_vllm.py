@@ -79,3 +79,22 @@ def test_percentiles_and_the_markdown_tables():
     r = _run()
     r["sizes"]["4096"]["edit"]["kvnotes"][0]["fallbacks"] = ["session_context_evicted"]
     assert "fell back to recompute: 1 (edit 4096: session_context_evicted)" in markdown(r)
+
+
+def test_outside_the_kv_path_is_split_by_the_routers_laps():
+    from bench.cluster_vs_vllm_report import OUTSIDE_PARTS, outside_parts
+    stages = {"tier_get": 0.1, "rerotate": 0.05, "forward": 0.2, "transfer": 0.1, "first_token": 0.3}
+    control = {"laps": [["http_auth", 0.01], ["plan", 0.02], ["grant", 0.01], ["expect_call", 0.04],
+                        ["prefill_call", 0.6], ["decode_call", 0.35]],
+               "worker": {"prefill_build": 0.4, "prefill_send": 0.1}}
+    rec = {**_rec(1.1, stages, prompt=4000), "control": control}
+    p = outside_parts([rec])
+    want = (0.04, 0.04, 0.4 - 0.35, 0.6 - 0.4 - 0.1, 0.35 - 0.3, 1.1 - 1.03)
+    assert all(abs(p[k] - w) < 1e-9 for k, w in zip(OUTSIDE_PARTS, want))
+    # the parts plus the stages the outside excludes add up to the TTFT
+    assert abs(sum(p.values()) + sum(v for k, v in stages.items()) - 1.1) < 1e-9
+    assert outside_parts([_rec(1.0)]) == {}                       # a run without laps: no split
+    r = _run()
+    r["sizes"]["4096"]["compose"]["kvnotes"] = [rec] * 3
+    md = markdown(r)
+    assert "### Where compose's" in md and "| 4096 | 0.350 | 0.040 | 0.040 | 0.050 | 0.100 | 0.050 | 0.070 |" in md
