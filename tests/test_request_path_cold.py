@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from cluster.control.backends import YieldingBackends
 from cluster.control.context import RequestContext
 from cluster.control.router_sections import PolicySection
 from cluster.control.state import open_state
@@ -103,3 +104,6 @@ def test_the_state_store_writes_after_a_request_run_off_the_event_loop(smol, col
     assert {"put_decode_held", "put_prompt_blocks", "put_held_prompt"} <= names, names
     on_loop = [n for n, t in state.writes if t is loop_thread]
     assert not on_loop, f"state-store writes on the event loop's thread: {on_loop}"
+    # the store behind it went through the gate that lets requests go first (tests/test_background_yield.py)
+    assert isinstance(router.streams.store_behind.backends, YieldingBackends)
+    assert router.streams.activity.started == 1 and router.streams.activity.active == 0

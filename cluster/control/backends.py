@@ -6,11 +6,19 @@ unit tests implement it in process. Every value crossing it is a message from ``
 Every method is declared here: the abstract ones each implementation must give; the others have
 a default that is right for backends in one process (no health thread, nothing to cancel: an
 in-process call finishes on its own). Callers never probe for a method. Worker deaths are raised
-as :class:`~cluster.control.routing.WorkerLost`."""
+as :class:`~cluster.control.routing.WorkerLost`.
+
+Background work (a store-behind compile) reaches the workers through :class:`YieldingBackends`,
+which lets this replica's requests go first (:class:`YieldConfig`)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
 from abc import ABC, abstractmethod
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
 
 from cluster.control.routing import FaultPolicy, WorkerView
 from kvruntime.messages.decode import DecodeJob, DecodeSummary, TokenEvent
@@ -18,6 +26,11 @@ from kvruntime.messages.fidelity import ShadowResult
 from kvruntime.messages.plan import KVRef, RequestPlan
 from kvruntime.messages.prefill import PrecompileInfo, PrefillJob, PrefillResult
 from kvruntime.messages.transfer import ExpectReply, TransferExpectation
+
+if TYPE_CHECKING:
+    from cluster.control.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 
 class Backends(ABC):
@@ -108,3 +121,82 @@ class Backends(ABC):
             from cluster.control.peers import PeerQueues
             p = self.__dict__["_peers"] = PeerQueues()
         return p
+
+
+# ---- background work yields to requests -----------------------------------------------------
+@dataclass(frozen=True)
+class YieldConfig:
+    """Background compiles yield to requests: each waits, before it starts, until no request of
+    this router replica has been in flight for ``quiet_s`` seconds (a prefill worker's forward
+    cannot be paused once started, and on a few CPU cores it slows the decode engine's prompt
+    beside it), at most ``max_wait_s`` (then it runs anyway, counted). ``quiet_s`` 0: off."""
+    quiet_s: float = 0.5            # seconds without a request in flight before a compile starts
+    max_wait_s: float = 30.0        # the longest a compile waits for requests (then it runs)
+
+    def __post_init__(self):
+        if self.quiet_s < 0 or self.max_wait_s < 0:
+            raise ValueError(f"background yield: quiet_s and max_wait_s must be >= 0, got {self.quiet_s}, "
+                             f"{self.max_wait_s}")
+
+
+class RequestActivity:
+    """This replica's requests in flight (one event loop: plain counters), how many have started,
+    and when the last one ended (``time.monotonic``)."""
+
+    def __init__(self):
+        self.active = 0                 # requests between their stream's start and end
+        self.started = 0                # requests ever started
+        self.last_end = float("-inf")
+
+    @contextlib.contextmanager
+    def request(self):
+        self.active += 1
+        self.started += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            self.last_end = time.monotonic()
+
+    def quiet_for(self, now: float) -> float:
+        """Seconds since the last request ended with none in flight (0 while one is)."""
+        return 0.0 if self.active else now - self.last_end
+
+
+class YieldingBackends:
+    """``backends`` as background work sees them: :meth:`precompile` first yields to requests
+    (:class:`YieldConfig`); every other attribute is the wrapped backends' own. Counted in
+    ``kvnotes_fallbacks_total``: ``background_deferred`` (a request that started after the
+    compile was asked for went first), ``background_deferral_expired`` (it stopped waiting at
+    ``max_wait_s`` with requests still coming and ran beside them)."""
+    POLL_S = 0.02
+
+    def __init__(self, backends: Backends, activity: RequestActivity, cfg: YieldConfig, metrics: "Metrics"):
+        self._backends, self.activity, self.cfg, self.metrics = backends, activity, cfg, metrics
+        for reason in ("background_deferred", "background_deferral_expired"):
+            metrics.fallbacks.labels(reason)        # zeros: a first deferral is an increase rate() sees
+
+    def __getattr__(self, name):
+        return getattr(self._backends, name)
+
+    async def precompile(self, ref: KVRef, index: int = 0, **kw) -> PrecompileInfo:
+        await self.yield_to_requests()
+        return await self._backends.precompile(ref, index, **kw)
+
+    async def yield_to_requests(self) -> str:
+        """Wait for a quiet moment: ``off``, ``ran`` (quiet already, or only the request that asked
+        for it was running), ``deferred`` or ``expired`` (see the class)."""
+        cfg, act = self.cfg, self.activity
+        if cfg.quiet_s <= 0:
+            return "off"
+        start, seen = time.monotonic(), act.started
+        while (quiet := act.quiet_for(now := time.monotonic())) < cfg.quiet_s:
+            if now - start >= cfg.max_wait_s:
+                self.metrics.record_fallback("background_deferral_expired")
+                log.info("a background compile waited %.1f s for requests to pause: run beside them", now - start)
+                return "expired"
+            await asyncio.sleep(min(self.POLL_S, cfg.quiet_s - quiet))
+        if act.started > seen:
+            self.metrics.record_fallback("background_deferred")
+            return "deferred"
+        return "ran"

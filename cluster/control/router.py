@@ -68,7 +68,7 @@ class Router:
         self.streams = RequestStreams(renderer, self.view, self.metrics, self.runner, self.lookup, self.prompt_index,
                                       SessionStore(state), UsageMarks(state, self.metrics), limits,
                                       self.default_policy, self.salt, lambda: self.planner_config, self.matcher,
-                                      policy.store_behind)
+                                      policy.store_behind, policy.background_yield)
         backends.start_health(self.metrics)
 
     def _guard(self, policy: PolicySection) -> FidelityGuard:

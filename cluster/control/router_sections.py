@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.control.backends import YieldConfig
 from cluster.control.compose_choice import FidelityTarget
 from cluster.control.matching import MatchConfig
 from cluster.control.store_behind import StoreBehindConfig
@@ -42,3 +43,4 @@ class PolicySection:
     matching: MatchConfig = field(default_factory=MatchConfig)   # plain prompts matched past their exact prefix
     store_behind: StoreBehindConfig = field(default_factory=StoreBehindConfig)  # decode-computed prompts into the tier
     decode_tail: int = WorkersConfig.vllm_decode_tail   # vLLM computes a composed prompt's unheld tail (lifecycle)
+    background_yield: YieldConfig = field(default_factory=YieldConfig)   # store-behind compiles let requests go first

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
+from cluster.control.backends import RequestActivity, YieldConfig, YieldingBackends
 from cluster.control.errors import RequestError
 from cluster.control.context import Leases, RequestContext
 from cluster.control.lifecycle import Finished, PlannedRequest, RequestRunner
@@ -42,14 +43,16 @@ class RequestStreams:
                  lookup: "TierLookup", index: PromptIndex, sessions: SessionStore, marks: UsageMarks,
                  limits: LimitsSection, default_policy: Policy, salt: Callable[[str], str],
                  planner_config: Callable[[], PlannerConfig], matcher: "PromptMatcher",
-                 store_behind: StoreBehindConfig = StoreBehindConfig()):
+                 store_behind: StoreBehindConfig = StoreBehindConfig(), background: YieldConfig = YieldConfig()):
         self.renderer, self.view, self.metrics, self.runner = renderer, view, metrics, runner
         self.lookup, self.index, self.sessions, self.marks = lookup, index, sessions, marks
         self.limits, self.default_policy, self.salt = limits, default_policy, salt
         self.planner_config = planner_config
         self.matcher = matcher               # plain prompts past their exact prefix (cluster.control.prompt_match)
         self.decode_held = DecodeHeld(index.state, view, metrics)   # the decode engines' exact prompts (shared hint)
-        self.store_behind = StoreBehind(runner.backends, metrics, index, store_behind, self.decode_held)
+        self.activity = RequestActivity()     # this replica's requests in flight: background compiles yield to them
+        self.store_behind = StoreBehind(YieldingBackends(runner.backends, self.activity, background, metrics), metrics,
+                                        index, store_behind, self.decode_held)
 
     # ---- budget -------------------------------------------------------------------------------
     def budget(self, sampling: SamplingParams) -> TokenBudget:
@@ -73,8 +76,9 @@ class RequestStreams:
         """A native request's events (``ctx``: its id, tenant, policy, deadline, clock, outcome,
         ticket and leases, made at the edge)."""
         try:
-            async for ev in self._stream_native(ctx, segments, session, sampling, edit):
-                yield ev
+            with self.activity.request():
+                async for ev in self._stream_native(ctx, segments, session, sampling, edit):
+                    yield ev
         finally:
             ctx.leases.release()      # the pick's reservation, at the latest here
 
@@ -85,8 +89,9 @@ class RequestStreams:
         (``Renderer.chat_ids``), for ``explain`` to name where a prompt diverges; ``edit``: the
         request's ``edit_strategy`` for a held prompt it is found to edit (``edit_plan``)."""
         try:
-            async for ev in self._stream_prompt(ctx, prompt_ids, sampling, messages, edit):
-                yield ev
+            with self.activity.request():
+                async for ev in self._stream_prompt(ctx, prompt_ids, sampling, messages, edit):
+                    yield ev
         finally:
             ctx.leases.release()
 
