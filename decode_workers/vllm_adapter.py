@@ -213,8 +213,14 @@ class PagedCacheWriter:
         self.device = self.layers[0].kv_cache.device
         self.dtype = self.layers[0].kv_cache.dtype
         self.strided = takes_strided(self.layers[0].impl)
-        self.layout = probe_block_layout(self.layers[0]) if self.strided else None   # None: the op alone
+        self.layout = self._probe() if self.strided else None   # None: the op alone
         self.block_size = int(self.layers[0].kv_cache.shape[2]) if self.layout else 0
+
+    def _probe(self) -> str | None:
+        """The one layout every layer's op writes (each probed: a hybrid model's layers may differ), or None."""
+        layouts = {probe_block_layout(x) for x in self.layers}
+        shapes = {(tuple(x.kv_cache.shape[1:]), x.kv_cache.dtype) for x in self.layers}
+        return layouts.pop() if len(layouts) == 1 and len(shapes) == 1 else None
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Layer ``i``'s keys and values ``[tokens, kv_heads, head_dim]`` into ``slots`` with the

@@ -66,3 +66,10 @@ def test_slots_out_of_block_order_are_written_by_the_op_alone():
     slots = _slots(0, 2 * BS, [3, 5]).flip(0)                        # not each block's slots in order
     assert w.runs(slots).tail == 0
     assert w.runs(_slots(0, BS - 1, [3])).tail == 0                  # no whole block
+
+
+def test_layers_of_another_layout_leave_every_layer_to_the_op():
+    layers = [_layer(torch.float32), _layer(torch.float32)]
+    layers[1].kv_cache = torch.zeros(BLOCKS, HEADS, BS // 2, 2 * DIM)         # another block size
+    assert _writer(layers).layout is None
+    assert _writer(layers[:1]).layout == "keys_transposed"
