@@ -7,9 +7,7 @@ asked again (vLLM's exact hit), interleaved per repetition.
 
 Variants, interleaved per repetition: ``async`` (the default load; the step loop waits for the
 load's end), ``async-poll`` (the same with the step loop polling every 2 ms, as before issue 47),
-``sync`` (the load inside the step that runs the suffix), ``async-op`` (the async load writing every
-token with vLLM's ``do_kv_cache_update``, before the whole-block copy of issue 47: ``PagedCacheWriter``),
-and vLLM's ``exact_hit``.
+``sync`` (the load inside the step that runs the suffix), and vLLM's ``exact_hit``.
 
 Stages of a loaded request (seconds, medians): ``send`` (the push, before the request), ``receive``
 (the connector's claim), ``decode`` (the block's header / CRC checks and tensor view), ``write``
@@ -36,20 +34,13 @@ from kvtransport.transfer.grpc_transport import GrpcTransport
 def _instrument():
     """Wrap the connector's decode + write and the engine step; returns the record dict."""
     from decode_workers import vllm_adapter, vllm_connector_worker as cw
-    rec = {"write": [], "decode": [], "steps": [], "op_only": False}
+    rec = {"write": [], "decode": [], "steps": []}
     real_write, real_decode = cw.ConnectorWorker._write, cw.decode_block
 
     def timed_write(self, spec, kv):
-        layout = self._writer.layout
-        if rec["op_only"]:                 # async-op: every token through vLLM's op (before issue 47's block copy)
-            self._writer.layout = None
         t = time.perf_counter()
-        try:
-            real_write(self, spec, kv)
-        finally:
-            self._writer.layout = layout
+        real_write(self, spec, kv)
         rec["write"].append((time.perf_counter() - t, kv.data.nbytes))
-        rec["layout"] = f"{layout or 'op only'}, block size {self._writer.block_size}"
 
     def timed_decode(block, **kw):
         t = time.perf_counter()
@@ -89,15 +80,13 @@ def _first(vx, rec, tid, prefix, suffix, salt, kv_load):
             "loaded": summary.loaded_tokens, "cached": summary.cached_tokens}
 
 
-# async-poll: the step loop polling every 2 ms (before issue 47); async-op: the write through vLLM's op alone
-VARIANTS = ("async", "async-op", "async-poll", "sync")
+VARIANTS = ("async", "async-poll", "sync")   # async-poll: the step loop polling every 2 ms (before issue 47)
 
 
 def _load_once(vx, rec, tx, ref, kv, prefix, suffix, variant):
     """Push the block, run the request with ``variant``'s load, then the same prompt and salt again."""
     from decode_workers import vllm_engine
     poll = variant == "async-poll"
-    rec["op_only"] = variant == "async-op"
     if poll:                                          # the old loop: no wake-up, a 2 ms poll
         vx._unhook()
         vllm_engine._KV_WAIT_S = 0.002
@@ -163,7 +152,7 @@ def main(argv=None) -> int:
                         one = _load_once(vx, rec, tx, ref, kv, prefix, suffix, v)
                     if r >= 0:
                         runs[v].append(one)
-            row.update({v: _median(x) for v, x in runs.items()}, layout=rec.get("layout", ""))
+            row.update({v: _median(x) for v, x in runs.items()})
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
@@ -185,8 +174,7 @@ def _median(runs: list[dict]) -> dict:
 
 
 def _table(rows: list[dict], modes) -> None:
-    print(f"load average {os.getloadavg()[0]:.1f} (1 min); seconds, medians; paged cache layout "
-          f"{rows[0].get('layout', '') if rows else ''}")
+    print(f"load average {os.getloadavg()[0]:.1f} (1 min); seconds, medians")
     print("| size | path | first token | receive | decode | write (GB/s) | steps | other steps | suffix step | "
           "exact hit's suffix step | exact hit on the loaded blocks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

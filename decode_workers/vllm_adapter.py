@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -188,23 +187,9 @@ def layer_order(kv_caches: dict[str, torch.Tensor]) -> list[str]:
     return sorted(kv_caches, key=extract_layer_index)
 
 
-@dataclass(frozen=True)
-class BlockRuns:
-    """How one load's slots fall on vLLM's blocks: tokens ``[head, tail)`` fill the whole blocks
-    ``blocks`` (in token order), the tokens before and after go through the backend's op."""
-    head: int
-    tail: int
-    blocks: torch.Tensor
-
-
 class PagedCacheWriter:
-    """Writes a block's K/V into vLLM's paged cache, layer by layer. Whole blocks are copied
-    with torch (``index_copy_``) when the cache's per-block layout is one this writer knows and
-    a probe at start found the backend's own ``do_kv_cache_update`` writes exactly that layout
-    (vLLM's CPU backend, fp32: values ``[block_size, head_dim]``, keys ``[head_dim, block_size]``
-    per block and head); the op writes everything else (partial blocks, other layouts, GPUs), so
-    the paged layout is never guessed. Issue 47: the op moved 189 MB at 0.8-1.8 GB/s on the
-    2-core VM, the whole-block copy 1.4-2x faster (``bench.vllm_first_token``)."""
+    """Writes token-major K/V into vLLM's paged cache, layer by layer, with each attention
+    backend's own ``do_kv_cache_update`` op: the paged layout is never sliced by hand."""
 
     def __init__(self, forward_context, layer_names: list[str]):
         self.layers = [forward_context.no_compile_layers[name] for name in layer_names]
@@ -213,97 +198,15 @@ class PagedCacheWriter:
         self.device = self.layers[0].kv_cache.device
         self.dtype = self.layers[0].kv_cache.dtype
         self.strided = takes_strided(self.layers[0].impl)
-        self.layout = self._probe() if self.strided else None   # None: the op alone
-        self.block_size = int(self.layers[0].kv_cache.shape[2]) if self.layout else 0
-
-    def _probe(self) -> str | None:
-        """The one layout every layer's op writes (each probed: a hybrid model's layers may differ), or None."""
-        layouts = {probe_block_layout(x) for x in self.layers}
-        shapes = {(tuple(x.kv_cache.shape[1:]), x.kv_cache.dtype) for x in self.layers}
-        return layouts.pop() if len(layouts) == 1 and len(shapes) == 1 else None
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Layer ``i``'s keys and values ``[tokens, kv_heads, head_dim]`` into ``slots`` with the
-        backend's op; views where the op honours strides (no copy), else one contiguous copy on
-        the cache's device."""
+        """Layer ``i``'s keys and values ``[tokens, kv_heads, head_dim]`` into ``slots``; views
+        where the op honours strides (no copy), else one contiguous copy on the cache's device."""
         layer = self.layers[i]
         cache = layer.kv_cache
         if not (self.strided and k.dtype == cache.dtype and k.device == cache.device):
             k, v = (t.to(cache.device, cache.dtype).contiguous() for t in (k, v))
         layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
-
-    def runs(self, slots: torch.Tensor) -> BlockRuns:
-        """The whole blocks ``slots`` (one load's, in token order) fill; none without a known layout
-        or when the slots of a block are not that block's in order."""
-        n, bs = int(slots.numel()), self.block_size
-        none = BlockRuns(0, 0, slots[:0])
-        if not self.layout or n < bs:
-            return none
-        head = (bs - int(slots[0]) % bs) % bs
-        m = (n - head) // bs
-        if m == 0:
-            return none
-        rows = slots[head:head + m * bs].view(m, bs)
-        if bool((rows[:, 0] % bs != 0).any()) or not torch.equal(rows - rows[:, :1], torch.arange(bs).expand(m, bs)):
-            return none
-        return BlockRuns(head, head + m * bs, rows[:, 0] // bs)
-
-    def write_layer(self, i: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                    runs: BlockRuns | None = None) -> None:
-        """Layer ``i``'s keys and values in the block's own layout ``[kv_heads, tokens, head_dim]``
-        into ``slots`` (``runs``: :meth:`runs` of ``slots``, the same for every layer of a load)."""
-        runs = runs if runs is not None else self.runs(slots)
-        if runs.tail and (k.dtype != self.dtype or k.device != self.device):
-            runs = BlockRuns(0, 0, slots[:0])
-        if runs.tail:
-            self._copy_blocks(i, k[:, runs.head:runs.tail], v[:, runs.head:runs.tail], runs.blocks)
-        for a, b in ((0, runs.head), (runs.tail, int(slots.numel()))):
-            if b > a:
-                self.write(i, k[:, a:b].transpose(0, 1), v[:, a:b].transpose(0, 1), slots[a:b])
-
-    def _copy_blocks(self, i: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor) -> None:
-        kd, vd = block_views(self.layers[i].kv_cache, self.layout)
-        m, bs = int(blocks.numel()), self.block_size
-        src_v = v.unflatten(1, (m, bs)).permute(1, 0, 2, 3)                     # [m, heads, bs, dim]
-        src_k = k.unflatten(1, (m, bs)).permute(1, 0, *((3, 2) if self.layout == "keys_transposed" else (2, 3)))
-        vd.index_copy_(0, blocks, src_v)
-        kd.index_copy_(0, blocks, src_k)
-
-
-BLOCK_LAYOUTS = ("keys_transposed", "plain")   # per block and head: keys [dim, bs] or [bs, dim]; values [bs, dim]
-
-
-def block_views(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys, values) views of a CPU cache ``[blocks, kv_heads, block_size, 2 * head_dim]`` as the
-    backend lays them out: each block and head holds ``block_size`` key rows, then as many value
-    rows (``cpu_attn``'s ``view(blocks, heads, 2 * bs, -1).chunk(2, dim=2)``); keys as ``[dim, bs]``
-    for ``keys_transposed``."""
-    nb, heads, bs, two_d = cache.shape
-    d = two_d // 2
-    c = cache.view(nb, heads, 2 * bs, d)
-    keys = c[:, :, :bs, :]
-    if layout == "keys_transposed":
-        keys = keys.as_strided((nb, heads, d, bs), (c.stride(0), c.stride(1), bs, 1), c.storage_offset())
-    return keys, c[:, :, bs:, :]
-
-
-def probe_block_layout(layer) -> str | None:
-    """Which of :data:`BLOCK_LAYOUTS` the layer's ``do_kv_cache_update`` writes (random K/V into a
-    one-block scratch cache, compared exactly), or None (quantised, packed, another backend)."""
-    cache = layer.kv_cache
-    if cache.dim() != 4 or not cache.is_contiguous() or cache.shape[3] % 2:
-        return None
-    _, heads, bs, two_d = cache.shape
-    g = torch.Generator().manual_seed(47)
-    k, v = (torch.randn(bs, heads, two_d // 2, generator=g).to(cache.dtype) for _ in range(2))
-    scratch = torch.zeros((1, heads, bs, two_d), dtype=cache.dtype, device=cache.device)
-    layer.impl.do_kv_cache_update(layer, k, v, scratch, torch.arange(bs, device=cache.device))
-    for layout in BLOCK_LAYOUTS:
-        kd, vd = block_views(scratch, layout)
-        want_k = k.permute(1, 2, 0) if layout == "keys_transposed" else k.permute(1, 0, 2)
-        if torch.equal(vd[0], v.permute(1, 0, 2)) and torch.equal(kd[0], want_k):
-            return layout
-    return None
 
 
 def takes_strided(impl) -> bool:

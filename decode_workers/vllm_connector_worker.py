@@ -134,11 +134,10 @@ class ConnectorWorker:
         if kv.data.shape[0] != len(writer.layers):
             raise _Mismatch(f"block has {kv.data.shape[0]} layers, model has {len(writer.layers)}")
         slots = torch.tensor(spec.slot_mapping, dtype=torch.long, device=writer.device)
-        runs = writer.runs(slots)                  # the whole blocks: the same for every layer
         for i in range(len(writer.layers)):
-            # ours: [2, kv_heads, tokens, head_dim]; whole blocks copied, the rest through vLLM's op
-            k, v = (kv.data[i, j, :, spec.start - f:n - f] for j in (0, 1))
-            writer.write_layer(i, k, v, slots, runs)
+            # ours: [2, kv_heads, tokens, head_dim] -> vLLM's op wants [tokens, kv_heads, head_dim]
+            k, v = (kv.data[i, j, :, spec.start - f:n - f].transpose(0, 1) for j in (0, 1))
+            writer.write(i, k, v, slots)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(finished sending: never, this side only receives; finished receiving)."""
