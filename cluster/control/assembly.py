@@ -51,6 +51,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
     from cluster.control.router_sections import LimitsSection, ModelSection, PolicySection
     from cluster.control.state import configured_limits, open_state
     from cluster.control.state.watch import StoreWatch
+    from cluster.control.backends import YieldConfig
     from cluster.control.store_behind import StoreBehindConfig
     from kvruntime.checkpoint import ensure_checkpoint
     from kvruntime.fidelity.profiles import find_profile
@@ -76,6 +77,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
                            matching=cfg.matching,  # the one MatchConfig (kvruntime.config.matching), as configured
                            store_behind=StoreBehindConfig(cfg.policy.store_behind, cfg.policy.store_behind_in_flight,
                                                           cfg.policy.store_behind_queue),
+                           background_yield=YieldConfig(cfg.policy.background_quiet_s, cfg.policy.background_max_wait_s),
                            decode_tail=cfg.workers.vllm_decode_tail)
     limits = LimitsSection(context_window=spec.context_window, max_tokens_limit=cfg.server.max_tokens_limit,
                            default_tenant=cfg.server.tenant)

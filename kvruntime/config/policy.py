@@ -37,6 +37,12 @@ class PolicyConfig:
     store_behind: bool = True
     store_behind_in_flight: int = 1
     store_behind_queue: int = 4
+    # background compiles (store-behind, recurring spans, first-sighting units) yield to requests:
+    # each waits until no request of its router replica has been in flight for background_quiet_s,
+    # at most background_max_wait_s, then runs anyway (both counted in kvnotes_fallbacks_total
+    # {reason="background_deferred"|"background_deferral_expired"}); background_quiet_s 0: off
+    background_quiet_s: float = 0.5
+    background_max_wait_s: float = 30.0
 
     def __post_init__(self):
         if self.default_policy not in POLICIES:
@@ -51,5 +57,8 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be in [0, 1]")
         if self.store_behind_in_flight < 1 or self.store_behind_queue < 0:
             raise ValueError("store_behind_in_flight must be >= 1 and store_behind_queue >= 0")
+        if not (self.background_quiet_s >= 0 and self.background_max_wait_s >= 0):
+            raise ValueError(f"background_quiet_s and background_max_wait_s must be >= 0, got "
+                             f"{self.background_quiet_s!r}, {self.background_max_wait_s!r}")
         if not isinstance(self.balanced_min_cases, int) or self.balanced_min_cases < 1:
             raise ValueError(f"balanced_min_cases must be an integer >= 1, got {self.balanced_min_cases!r}")
