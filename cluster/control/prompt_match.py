@@ -242,7 +242,7 @@ class PromptMatcher:
         (the compiles it triggers run in the background). ``held``: its exact KV is (being) stored
         in the tier (None: it is when the request stored it, exactly)."""
         count_reuse(self.metrics, fin)
-        self._count_misses(fin.plan, m)
+        self._count_misses(fin, m, len(prefix))
         if m.cut is not None and self.cfg.enabled:
             # an edit's prompt teaches no recurring span: its equal part is the held prompt's
             await self.recurring.observe(tenant, salt, m.key, prefix, m.cut, m.seen, list(m.chunks), index,
@@ -251,12 +251,17 @@ class PromptMatcher:
                                    held=fin.stored and not fin.plan.approx if held is None else held,
                                    units_at=content_ranges(m.messages, len(prefix)) if m.splices else None)
 
-    def _count_misses(self, plan: RequestPlan, m: Matched) -> None:
-        """Prompt tokens computed in the prefix, by why they were not reused
+    def _count_misses(self, fin: "Finished", m: Matched, n: int) -> None:
+        """Prompt tokens computed in the ``n``-token prefix, by why they were not reused
         (``kvnotes_reuse_miss_total{reason}``): ``policy`` a matched chunk the policy recomputes,
-        ``edit_declined`` a found edit the planner did not take, else ``unmatched``."""
+        ``edit_declined`` a found edit the planner did not take, else ``unmatched``. A plan with no
+        steps (the decode engine computed the prompt itself, after what its own prefix cache held)
+        counts the prefix tokens nobody reused for it (``fin.cached_tokens`` were)."""
+        plan = fin.plan
         names = {f"{c.kind}:{c.name}" for c in m.chunks}
         declined = m.held_edit is not None and not _edited(plan)
+        if not plan.steps and n > fin.cached_tokens:
+            self.metrics.reuse_misses.labels("edit_declined" if declined else "unmatched").inc(n - fin.cached_tokens)
         for s in plan.steps:
             if s.computed and s.kind is PlanKind.RECOMPUTE:
                 why = "policy" if s.source in names else "edit_declined" if declined else "unmatched"

@@ -247,8 +247,6 @@ class RequestStreams:
         if matched is None:
             count_reuse(self.metrics, ev)
             return
-        if plan.steps == () and matched.held_edit is not None:   # a declined edit planned cold (below)
-            self.metrics.reuse_misses.labels("edit_declined").inc(max(0, len(prefix) - ev.cached_tokens))
         await self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index, held=behind or None)
 
     def _cold_when_nothing_reused(self, req: RenderedRequest, plan: RequestPlan, hit: int,
