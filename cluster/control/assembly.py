@@ -76,7 +76,7 @@ def assemble(cfg: ClusterConfig) -> Assembly:
                            decode_computes_cold=cfg.workers.decode_engine == "vllm",
                            matching=cfg.matching,  # the one MatchConfig (kvruntime.config.matching), as configured
                            store_behind=StoreBehindConfig(cfg.policy.store_behind, cfg.policy.store_behind_in_flight,
-                                                          cfg.policy.store_behind_queue),
+                                                          cfg.policy.store_behind_queue, cfg.policy.store_behind_when_full),
                            background_yield=YieldConfig(cfg.policy.background_quiet_s, cfg.policy.background_max_wait_s),
                            decode_tail=cfg.workers.vllm_decode_tail)
     limits = LimitsSection(context_window=spec.context_window, max_tokens_limit=cfg.server.max_tokens_limit,

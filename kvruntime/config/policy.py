@@ -33,10 +33,13 @@ class PolicyConfig:
     # a plain prompt the decode engine computed itself (vLLM: cold, or after the prefix it held) is
     # compiled into the tier in the background by a prefill worker (cluster.control.store_behind), so
     # later prompts reuse and edit it; at most store_behind_in_flight at once per router replica, and
-    # store_behind_queue waiting (more: skipped, counted in kvnotes_prompt_stores_total{outcome})
+    # store_behind_queue waiting (a waiting store a newer prompt of the same tenant extends is
+    # superseded; a full queue: store_behind_when_full "displace" drops the oldest waiting store of
+    # the tenant holding the most, "skip" the new one; each counted in kvnotes_prompt_stores_total{outcome})
     store_behind: bool = True
     store_behind_in_flight: int = 1
     store_behind_queue: int = 4
+    store_behind_when_full: str = "displace"
     # background compiles (store-behind, recurring spans, first-sighting units) yield to requests:
     # each waits until no request of its router replica has been in flight for background_quiet_s,
     # at most background_max_wait_s, then runs anyway (both counted in kvnotes_fallbacks_total
@@ -57,6 +60,8 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be in [0, 1]")
         if self.store_behind_in_flight < 1 or self.store_behind_queue < 0:
             raise ValueError("store_behind_in_flight must be >= 1 and store_behind_queue >= 0")
+        if self.store_behind_when_full not in ("displace", "skip"):
+            raise ValueError(f"store_behind_when_full must be displace or skip, got {self.store_behind_when_full!r}")
         if not (self.background_quiet_s >= 0 and self.background_max_wait_s >= 0):
             raise ValueError(f"background_quiet_s and background_max_wait_s must be >= 0, got "
                              f"{self.background_quiet_s!r}, {self.background_max_wait_s!r}")
