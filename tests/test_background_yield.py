@@ -1,7 +1,7 @@
-"""Background compiles (store-behind) yield to this replica's requests
+"""Background compiles (store-behind, recurring spans and units) yield to this replica's requests
 (``cluster.control.backends.YieldingBackends``): pure asyncio, a recording fake in place of the
-workers (the gate's own logic; the shipped backends are wrapped the same way by
-``RequestStreams``)."""
+workers (the gate's own logic; the router builds one gate around the shipped backends for both
+store-behind and the matcher's recurring compiles, last test)."""
 import asyncio
 
 import pytest
@@ -79,3 +79,46 @@ def test_off_runs_at_once_and_bad_settings_are_refused():
     asyncio.run(go())
     with pytest.raises(ValueError, match="quiet_s and max_wait_s"):
         YieldConfig(quiet_s=-1)
+
+
+def test_a_registrations_core_does_not_wait_for_requests_but_a_recurring_compile_does(tmp_path):
+    """The matcher's recurring spans compile through the gate; a registration's core (its call
+    waits on it) goes straight to the workers, requests in flight or not."""
+    from cluster.control.prompt_match import PromptMatcher
+    from cluster.control.state import open_state
+
+    async def go():
+        act, inner, m = RequestActivity(), Recording(), Metrics()
+        gate = YieldingBackends(inner, act, YieldConfig(quiet_s=10, max_wait_s=600), m)
+        matcher = PromptMatcher(open_state(f"sqlite:///{tmp_path}/s.db"), inner, m, None, 0,
+                                decode=lambda ids: "\n\n" if ids[0] == 9 else "w", background=gate)
+        assert matcher.recurring.background is gate and matcher.backends is inner
+        ids = tuple(range(100, 200)) + (9,)
+        with act.request():
+            await asyncio.wait_for(matcher.index_registration("t", "skill", "s", ids, "salt", 0), 5)
+            assert [c[0].token_ids for c in inner.calls] == [ids[:-1]]        # the core, compiled at once
+            task = asyncio.ensure_future(matcher.recurring._compile("t", "salt", tuple(range(300, 400)), 0))
+            await _spin()
+            assert len(inner.calls) == 1, "a recurring compile started while a request was in flight"
+            task.cancel()
+    asyncio.run(go())
+
+
+def test_the_router_builds_one_gate_for_store_behind_and_recurring_spans(smol, tmp_path):
+    from cluster.control.router_sections import PolicySection
+    from cluster.control.state import open_state
+    from tests.test_prompt_reuse import ReuseBackends
+    from tests.test_router_fallback import ModelSection, Registry, Renderer, Router
+
+    b, state = ReuseBackends(smol), open_state(f"sqlite:///{tmp_path / 'state.db'}")
+    try:
+        router = Router(b, Renderer(smol.tokenizer, smol.spec, Registry(state), smol.bos_id), state,
+                        ModelSection("m", "float32"), metrics=Metrics(),
+                        policy=PolicySection(background_yield=YieldConfig(quiet_s=0.25, max_wait_s=7)))
+        gate = router.background
+        assert isinstance(gate, YieldingBackends) and gate.cfg == YieldConfig(quiet_s=0.25, max_wait_s=7)
+        assert router.streams.store_behind.backends is gate and router.matcher.recurring.background is gate
+        assert router.streams.activity is gate.activity                 # the requests the streams count
+        assert router.matcher.backends is b and router.runner.backends is b   # a request's build does not wait
+    finally:
+        b.rx.stop()

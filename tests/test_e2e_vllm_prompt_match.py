@@ -14,6 +14,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed (scripts/dev
 from tests.conftest import http_client, metric, wait_for  # noqa: E402
 from tests.test_e2e_prompt_match import SKILL, chat, doc, record, split_sums  # noqa: E402
 from tests.test_e2e_vllm_cluster import vllm_cluster  # noqa: E402,F401  (one kept cluster for the vLLM modules)
+from cluster.control import recurring  # noqa: E402
 from cluster.control.store_behind import OUTCOMES, pending  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -66,6 +67,23 @@ def stored_behind(http, send):
     return got, {o: after[o] - before[o] for o in OUTCOMES}
 
 
+def spans(http) -> dict[str, float]:
+    text = metrics(http)
+    return {o: metric(text, "kvnotes_recurring_spans_total", outcome=o) for o in recurring.OUTCOMES}
+
+
+def compiled_behind(http, send):
+    """``send()`` once the earlier tests' background span/unit compiles have ended, then every
+    compile it queued waited for (``recurring.pending`` 0 again: its spans are in the tier or
+    counted as not compiled): ``(send()'s result, the outcome counts it added)``."""
+    wait_for(lambda: recurring.pending(spans(http)) == 0, 300, "the earlier background span compiles ended")
+    before = spans(http)
+    got = send()
+    wait_for(lambda: recurring.pending(spans(http)) == 0, 300, "this prompt's background span compiles ended")
+    after = spans(http)
+    return got, {o: after[o] - before[o] for o in recurring.OUTCOMES}
+
+
 def test_a_skill_pasted_into_a_system_message_is_composed_on_vllm(rig):
     clients, http = rig
     m0 = metrics(http)
@@ -86,12 +104,12 @@ def test_a_document_two_prompts_shared_is_reused_at_another_offset_on_vllm(rig):
 
     def docs(*ds):
         return [{"role": "user", "content": "Documents:\n" + "\n\n".join(ds) + "\n\nWhich bay holds crate 3?"}]
-    compiled = lambda: sum(metric(metrics(http), "kvnotes_recurring_spans_total", outcome=o)  # noqa: E731
-                           for o in ("compiled", "compiled_in_request"))     # in the 2nd prompt's build, or after it
-    before = compiled()
-    chat(client, docs(d1, d2))
-    chat(client, docs(d3, d2))
-    wait_for(lambda: compiled() > before, 180, "the shared document compiled on its own")
+    # each prompt's compiles waited for: a wait for "one more compile" passed on the first prompt's
+    # units (compile_after 1) before the shared document of the second was in the tier
+    compiled_behind(http, lambda: chat(client, docs(d1, d2)))
+    _, ended = compiled_behind(http, lambda: chat(client, docs(d3, d2)))     # d2 in its build, or after it
+    assert ended["compiled"] + ended["cached"] + ended["compiled_in_request"] > 0, ended
+    assert ended["failed"] == ended["skipped_busy"] == 0, ended
     _, ex, details = chat(client, docs(d4, d1, d2))
     spans = [s for s in ex["steps"] if s["source"].startswith("span:")]
     assert spans and all(s["kind"] == "reposition" for s in spans), (ex["steps"], ex["notes"])

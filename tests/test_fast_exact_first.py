@@ -153,41 +153,60 @@ def test_a_growing_conversation_compiles_no_units_a_new_prompt_does(tmp_path):
     assert len(_record(rs, tenant, "k2", fresh, {})) == 2            # an unrelated prompt's units
 
 
-def test_a_background_compile_waits_for_the_prefill_worker_to_be_free_of_requests(tmp_path, monkeypatch):
-    """The prefill actor runs one call at a time, in order: a compile sent while a request is in
-    flight there would run ahead of that request's next build. It waits for this replica's
-    leases on that worker to end (bounded: sent anyway past ``IDLE_WAIT_S``, counted)."""
+def test_a_background_compile_goes_through_the_one_gate_and_each_scheduled_compile_ends_once(tmp_path):
+    """A prompt's background compiles (here its two units) wait in the router's background gate
+    (``YieldingBackends``, the one store-behind uses) while a request of the replica is in flight;
+    each is counted ``scheduled`` when queued and ends exactly once, so ``pending()`` returns to 0:
+    compiled, skipped_busy (``compiles_in_flight`` reached, the waiting ones counting), or failed
+    when its task is cancelled with the loop, even before it started."""
     import asyncio
+    from dataclasses import replace
 
-    import cluster.control.recurring as recurring
-    from cluster.control.routing import WorkerView
+    from cluster.control.backends import RequestActivity, YieldConfig, YieldingBackends
+    from cluster.control.recurring import OUTCOMES, pending
 
-    monkeypatch.setattr(recurring, "IDLE_POLL_S", 0.01)
-    backends = _NoBackends()
-    backends.view = WorkerView(1, 1)
-    metrics = Metrics()
-    rs = RecurringSpans(open_state(f"sqlite:///{tmp_path}/s.db"), backends, metrics, MatchConfig(), 1)
-    run = ids(13, 200)
+    backends, metrics, act = _NoBackends(), Metrics(), RequestActivity()
+    gate = YieldingBackends(backends, act, YieldConfig(quiet_s=0.01, max_wait_s=600), metrics)
+    state = open_state(f"sqlite:///{tmp_path}/s.db")
+    rs = RecurringSpans(state, backends, metrics, replace(MatchConfig(), compiles_in_flight=1), 1, text=_text,
+                        background=gate)
+
+    def outcomes():
+        text = metrics.render().decode()
+        return {o: metric(text, "kvnotes_recurring_spans_total", outcome=o) for o in OUTCOMES}
+    assert outcomes() == dict.fromkeys(OUTCOMES, 0.0)                 # exported as zeros from the start
+    p0, p1 = ids(15, 300) + (BREAK,) + ids(16, 300), ids(17, 300) + (BREAK,) + ids(18, 300)
+
+    async def observe(key, prompt):
+        await rs.observe("t", SALT, key, prompt, cut("t", prompt), {}, [], 0, units_at=[(0, len(prompt))])
 
     async def go():
-        lease = backends.view.lease("prefill", 0)
-        task = asyncio.create_task(rs._compile("t", SALT, run, 0))
-        for _ in range(20):
-            await asyncio.sleep(0.01)
-        held_back = list(backends.compiled)
-        lease.release()
-        await task
-        return held_back
-    assert asyncio.run(go()) == [] and [r.token_ids for r in backends.compiled] == [run]
-    # past the bound: compiled all the same, counted
-    monkeypatch.setattr(recurring, "IDLE_WAIT_S", 0.05)
+        with act.request():                          # the request whose answer queued them
+            await observe("k0", p0)
+            await observe("k1", p1)
+            assert pending(outcomes()) == 4 and outcomes()["scheduled"] == 4
+            for _ in range(20):
+                await asyncio.sleep(0.005)
+            assert backends.compiled == [], "a background compile started while a request was in flight"
+        await rs.drain()
+    asyncio.run(go())
+    got = outcomes()
+    # p0's first unit waited in the gate (in flight), so both of p1's were skipped; p0's two compiled in turn
+    assert len(backends.compiled) == got["compiled"] == 2 and got["skipped_busy"] == 2, got
+    assert pending(got) == 0 and got["unit_first_sighting"] == 4
 
-    async def busy():
-        lease = backends.view.lease("prefill", 0)
-        try:
-            await rs._compile("t", SALT, ids(14, 200), 0)
-        finally:
-            lease.release()
-    asyncio.run(busy())
+    async def cancelled():
+        busy = act.request()
+        busy.__enter__()                             # a request that never ends: the compiles wait
+        await observe("k2", ids(19, 300) + (BREAK,) + ids(20, 300))
+        await asyncio.sleep(0.02)                    # k2's first unit waiting in the gate, its second behind it
+        waiting = set(rs._tasks)
+        await observe("k3", ids(21, 300) + (BREAK,) + ids(22, 300))
+        for task in rs._tasks - waiting:
+            task.cancel()                            # k3's, before it started
+        await asyncio.sleep(0)
+        return busy
+    asyncio.run(cancelled())                         # asyncio.run cancels the tasks it leaves
+    got = outcomes()
+    assert got["scheduled"] == 8 and got["failed"] == 4 and pending(got) == 0, got
     assert len(backends.compiled) == 2
-    assert metric(metrics.render().decode(), "kvnotes_recurring_spans_total", outcome="compiled_while_busy") == 1

@@ -8,8 +8,10 @@ a default that is right for backends in one process (no health thread, nothing t
 in-process call finishes on its own). Callers never probe for a method. Worker deaths are raised
 as :class:`~cluster.control.routing.WorkerLost`.
 
-Background work (a store-behind compile) reaches the workers through :class:`YieldingBackends`,
-which lets this replica's requests go first (:class:`YieldConfig`)."""
+Background work (a store-behind compile, a recurring span's or unit's compile) reaches the
+workers through one :class:`YieldingBackends` per router replica, which lets this replica's
+requests go first (:class:`YieldConfig`); work a caller waits for (a request's build, a
+registration's core) does not go through it."""
 from __future__ import annotations
 
 import asyncio

@@ -59,13 +59,15 @@ class Matched:
 class PromptMatcher:
     def __init__(self, state: StateStore, backends: "Backends", metrics: "Metrics", lookup: "TierLookup",
                  chunk_position: int, cfg: MatchConfig = MatchConfig(),
-                 decode: Callable[[list[int]], str] | None = None):
-        """``decode``: the model's tokenizer, ids -> text (an erratum needs the changed span's words)."""
+                 decode: Callable[[list[int]], str] | None = None, background: "Backends | None" = None):
+        """``decode``: the model's tokenizer, ids -> text (an erratum needs the changed span's words);
+        ``background``: the router's background gate (``YieldingBackends``) the recurring spans'
+        background compiles go through (None: ``backends``); a registration's core does not wait."""
         self.state, self.metrics, self.lookup, self.cfg = state, metrics, lookup, cfg
         self.chunk_position, self.decode, self.backends = chunk_position, decode, backends
         text = functools.lru_cache(maxsize=65536)(lambda t: decode([t])) if decode else None
         breaks = (lambda t: "\n" in text(t)) if text else None
-        self.recurring = RecurringSpans(state, backends, metrics, cfg, chunk_position, breaks, text)
+        self.recurring = RecurringSpans(state, backends, metrics, cfg, chunk_position, breaks, text, background)
 
     def core(self, ids: tuple[int, ...]) -> tuple[int, ...]:
         """A registered chunk's ids as a prompt pasting its text holds them: without the trailing

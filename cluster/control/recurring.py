@@ -33,7 +33,25 @@ Sighting by sighting, for a span of a tenant's plain prompts:
    and reused from the tier.
 A run the tier has evicted is dropped from the anchors when a prompt next matches it
 (``kvnotes_reuse_miss_total{reason="span_evicted"}``) and is compiled again if it recurs again.
-Each outcome is counted in ``kvnotes_recurring_spans_total{outcome}``.
+
+A background compile (of a unit or of a run) goes through the router's one background gate,
+:class:`cluster.control.backends.YieldingBackends` (the gate store-behind uses, one
+``RequestActivity`` and ``policy.background_quiet_s`` / ``background_max_wait_s`` for both): it
+waits until no request of this replica has been in flight for ``quiet_s``, at most
+``max_wait_s`` (counted in ``kvnotes_fallbacks_total{reason="background_deferred"|
+"background_deferral_expired"}``). A prefill actor runs one call at a time, in order: a compile
+sent beside a request would run ahead of that request's next build. A compile waiting there
+counts in ``compiles_in_flight``. Compiles inside a request's build and a registration's core
+(:meth:`PromptMatcher.index_registration`, which a registration call waits on) never wait.
+
+Each outcome is counted in ``kvnotes_recurring_spans_total{outcome}`` (every one exported as 0
+from the start): ``scheduled`` when a background compile is queued, then exactly one of
+:data:`ENDS` (``compiled``, ``cached``, ``failed``: also a compile cancelled with its event
+loop, ``skipped_busy``: ``compiles_in_flight`` reached, ``no_anchor``); :func:`pending`
+(``scheduled`` minus those) is the compiles still queued, waiting or running, so a client can
+wait for its own prompt's compiles, not an earlier one's. Not ends of a scheduled compile:
+``compiled_in_request``, ``unit_first_sighting`` (units queued: each is also ``scheduled``),
+``units_skipped_extends``.
 """
 from __future__ import annotations
 
@@ -54,8 +72,14 @@ if TYPE_CHECKING:
     from cluster.control.metrics import Metrics
 
 log = logging.getLogger(__name__)
-IDLE_WAIT_S = 20.0       # a background compile waits at most this long for the prefill worker to be free of requests
-IDLE_POLL_S = 0.05
+ENDS = ("compiled", "cached", "failed", "skipped_busy", "no_anchor")    # how a scheduled compile ends (once)
+OUTCOMES = ("scheduled",) + ENDS + ("compiled_in_request", "unit_first_sighting", "units_skipped_extends")
+
+
+def pending(outcomes: dict[str, float]) -> float:
+    """Background compiles queued, waiting or running, from ``kvnotes_recurring_spans_total`` by
+    outcome (one replica's)."""
+    return outcomes.get("scheduled", 0) - sum(outcomes.get(o, 0) for o in ENDS)
 
 
 def grow(new: tuple[int, ...], at: int, old: tuple[int, ...], old_at: int, n: int) -> tuple[int, int, int]:
@@ -133,13 +157,18 @@ class RecurringSpans:
     build) and compiles in the background those its policy recomputed."""
 
     def __init__(self, state: StateStore, backends: "Backends", metrics: "Metrics", cfg: MatchConfig,
-                 chunk_position: int, is_break=None, text=None):
+                 chunk_position: int, is_break=None, text=None, background: "Backends | None" = None):
         """``is_break(token_id)``: the token's text holds a line break (None: runs are not trimmed);
-        ``text(token_id)``: its text (None: no document-like units, :mod:`cluster.control.units`)."""
+        ``text(token_id)``: its text (None: no document-like units, :mod:`cluster.control.units`);
+        ``background``: the backends background compiles go through (the router's
+        :class:`~cluster.control.backends.YieldingBackends`; None: ``backends``, no gate)."""
         self.state, self.backends, self.metrics, self.cfg = state, backends, metrics, cfg
+        self.background = background if background is not None else backends
         self.chunk_position, self.is_break, self.text = chunk_position, is_break, text
         self.in_flight = 0
         self._tasks: set[asyncio.Task] = set()
+        for o in OUTCOMES:
+            metrics.recurring_spans.labels(o)       # zeros: pending() reads 0, a first skip is an increase
 
     def sighted(self, tenant: str, salt: str, key: str, ids: tuple[int, ...], c: Cut, seen: dict, hit: int,
                 covered: list[tuple[int, int]]) -> list[ChunkMatch]:
@@ -196,13 +225,24 @@ class RecurringSpans:
         if inline:
             self.metrics.recurring_spans.labels("compiled_in_request").inc(len(inline))
         if compile and runs:
-            task = asyncio.get_running_loop().create_task(self._compile_all(tenant, salt, ids, runs, index))
+            self.metrics.recurring_spans.labels("scheduled").inc(len(runs))
+            left = [len(runs)]                      # scheduled, not ended yet
+            task = asyncio.get_running_loop().create_task(self._compile_all(tenant, salt, ids, runs, index, left))
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda t: self._ended(t, left))
 
-    async def _compile_all(self, tenant, salt, ids, runs, index) -> None:
+    async def _compile_all(self, tenant, salt, ids, runs, index, left: list[int]) -> None:
         for start, end in runs:
-            await self._compile(tenant, salt, tuple(ids[start:end]), index)
+            await self._compile(tenant, salt, tuple(ids[start:end]), index)   # counts its one end
+            left[0] -= 1
+
+    def _ended(self, task: asyncio.Task, left: list[int]) -> None:
+        """A compile task done: the runs it did not end (cancelled with its loop, even before it
+        started, or an error outside a compile) end as ``failed``, so each scheduled run ends once."""
+        self._tasks.discard(task)
+        if left[0] > 0:
+            self.metrics.recurring_spans.labels("failed").inc(left[0])
+            left[0] = 0
 
     def _record(self, tenant, key, ids, c, seen, matched, held, inline, units_at=None) -> list[tuple[int, int]]:
         now = time.time()
@@ -235,20 +275,6 @@ class RecurringSpans:
             self.metrics.recurring_spans.labels("unit_first_sighting").inc(len(fresh))
         return runs + fresh
 
-    async def _idle(self, index: int) -> None:
-        """Wait until this replica has no request on prefill worker ``index`` (its leases), at most
-        :data:`IDLE_WAIT_S`: the actor runs one call at a time, in order, so a compile sent while a
-        request is in flight would run before that request's next build (a composed or edited
-        prompt waited for the compiles of the prompts before it). Past the bound it is sent anyway
-        (``outcome="compiled_while_busy"``)."""
-        waited = 0.0
-        while _requests_on(self.backends, index) > 0:
-            if waited >= IDLE_WAIT_S:
-                self.metrics.recurring_spans.labels("compiled_while_busy").inc()
-                return
-            await asyncio.sleep(IDLE_POLL_S)
-            waited += IDLE_POLL_S
-
     async def _compile(self, tenant: str, salt: str, run: tuple[int, ...], index: int) -> None:
         if self.in_flight >= self.cfg.compiles_in_flight:
             self.metrics.recurring_spans.labels("skipped_busy").inc()
@@ -257,10 +283,9 @@ class RecurringSpans:
         if not entries:
             self.metrics.recurring_spans.labels("no_anchor").inc()
             return
-        self.in_flight += 1             # from the wait on: the compiles waiting count, so they never start together
+        self.in_flight += 1             # from the gate's wait on: the compiles waiting count, so they never start together
         try:
-            await self._idle(index)
-            info = await self.backends.precompile(KVRef(run, self.chunk_position, salt), index)
+            info = await self.background.precompile(KVRef(run, self.chunk_position, salt), index)   # yields first
             await asyncio.to_thread(store_anchors, self.state, tenant, entries, time.time())
         except Exception as exc:        # the prompt was answered; the span is compiled when it recurs again
             self.metrics.recurring_spans.labels("failed").inc()
@@ -293,13 +318,6 @@ def extended(tenant: str, ids: tuple[int, ...], c: Cut, seen: dict, key: str, he
     if old is None or not 0 < len(old) <= len(ids) or tuple(ids[:len(old)]) != tuple(old):
         return 0
     return len(old)
-
-
-def _requests_on(backends, index: int) -> int:
-    """This replica's requests in flight on prefill worker ``index`` (0 where it keeps no view)."""
-    view = getattr(backends, "view", None)
-    workers = view.workers.get("prefill", []) if view is not None else []
-    return workers[index].requests if 0 <= index < len(workers) else 0
 
 
 def store_anchors(state: StateStore, tenant: str, entries: dict[str, str], now: float) -> None:

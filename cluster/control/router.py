@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from cluster.control.backends import Backends
+from cluster.control.backends import Backends, RequestActivity, YieldingBackends
 from cluster.control.lifecycle import Finished, RequestRunner
 from cluster.control.metrics import Metrics
 from cluster.control.planner import FidelityTarget, PlannerConfig, choose_edit_kind, choose_edits_by_answers
@@ -62,13 +62,16 @@ class Router:
                                     limits.default_tenant, policy.decode_tail)
         self.lookup = TierLookup(backends, self.metrics)
         self.prompt_index = PromptIndex(state, self.metrics, self.lookup)
+        # one gate for every background compile (store-behind, recurring spans): this replica's requests first
+        self.background = YieldingBackends(backends, RequestActivity(), policy.background_yield, self.metrics)
         self.matcher = PromptMatcher(state, backends, self.metrics, self.lookup, renderer.chunk_position,
-                                     policy.matching, decode=lambda ids: renderer.tok.decode(ids))
+                                     policy.matching, decode=lambda ids: renderer.tok.decode(ids),
+                                     background=self.background)
         self.registrations = Registrations(backends, renderer, self.metrics, self.lookup, limits, self.salt)
         self.streams = RequestStreams(renderer, self.view, self.metrics, self.runner, self.lookup, self.prompt_index,
                                       SessionStore(state), UsageMarks(state, self.metrics), limits,
                                       self.default_policy, self.salt, lambda: self.planner_config, self.matcher,
-                                      policy.store_behind, policy.background_yield)
+                                      policy.store_behind, self.background)
         backends.start_health(self.metrics)
 
     def _guard(self, policy: PolicySection) -> FidelityGuard:

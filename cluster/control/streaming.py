@@ -43,16 +43,21 @@ class RequestStreams:
                  lookup: "TierLookup", index: PromptIndex, sessions: SessionStore, marks: UsageMarks,
                  limits: LimitsSection, default_policy: Policy, salt: Callable[[str], str],
                  planner_config: Callable[[], PlannerConfig], matcher: "PromptMatcher",
-                 store_behind: StoreBehindConfig = StoreBehindConfig(), background: YieldConfig = YieldConfig()):
+                 store_behind: StoreBehindConfig = StoreBehindConfig(), background: YieldingBackends | None = None):
+        """``background``: the one gate background compiles (store-behind, the matcher's recurring
+        spans) go through, its ``activity`` counting this replica's requests (the router builds it;
+        None: one around ``runner.backends`` with the default :class:`YieldConfig`)."""
         self.renderer, self.view, self.metrics, self.runner = renderer, view, metrics, runner
         self.lookup, self.index, self.sessions, self.marks = lookup, index, sessions, marks
         self.limits, self.default_policy, self.salt = limits, default_policy, salt
         self.planner_config = planner_config
         self.matcher = matcher               # plain prompts past their exact prefix (cluster.control.prompt_match)
         self.decode_held = DecodeHeld(index.state, view, metrics)   # the decode engines' exact prompts (shared hint)
-        self.activity = RequestActivity()     # this replica's requests in flight: background compiles yield to them
-        self.store_behind = StoreBehind(YieldingBackends(runner.backends, self.activity, background, metrics), metrics,
-                                        index, store_behind, self.decode_held)
+        if background is None:
+            background = YieldingBackends(runner.backends, RequestActivity(), YieldConfig(), metrics)
+        self.background = background
+        self.activity = background.activity   # this replica's requests in flight: background compiles yield to them
+        self.store_behind = StoreBehind(background, metrics, index, store_behind, self.decode_held)
 
     # ---- budget -------------------------------------------------------------------------------
     def budget(self, sampling: SamplingParams) -> TokenBudget:
