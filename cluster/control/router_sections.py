@@ -43,4 +43,4 @@ class PolicySection:
     matching: MatchConfig = field(default_factory=MatchConfig)   # plain prompts matched past their exact prefix
     store_behind: StoreBehindConfig = field(default_factory=StoreBehindConfig)  # decode-computed prompts into the tier
     decode_tail: int = WorkersConfig.vllm_decode_tail   # vLLM computes a composed prompt's unheld tail (lifecycle)
-    background_yield: YieldConfig = field(default_factory=YieldConfig)   # store-behind compiles let requests go first
+    background_yield: YieldConfig = field(default_factory=YieldConfig)   # background compiles (store-behind, recurring spans/units) let requests go first
