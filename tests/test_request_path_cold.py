@@ -89,7 +89,7 @@ def test_a_declined_edit_diverging_in_the_first_piece_runs_no_prefill(smol, cold
     assert any("first divergence from a held prompt" in n for n in notes), notes    # the edit was found...
     assert any("edit-in-place not planned" in n for n in notes), notes             # ...and declined
     assert fin.plan.steps == () and b.calls["prefill"] == 0, (fin.plan.steps, notes)   # and no prefill ran
-    assert any("planned again by the plain rules" in n for n in notes), notes
+    assert any("the held prompt's edit reuses nothing of it: planned by the plain rules" in n for n in notes), notes
     text = router.metrics.render().decode()
     assert metric(text, "kvnotes_reuse_miss_total", reason="edit_declined") > 0.9 * len(p2)
     ref, _, _ = ask(router, p2, "exact", tenant="other")                 # a recompute's answer

@@ -122,9 +122,15 @@ def _reuse_first(req: RenderedRequest, tier: TierView, session: SessionContext |
         return [held]
     if tier.held_edit is not None and session is None and req.context:
         ids = tuple(t for seg in req.context for t in seg.token_ids)
-        return plan_held_edit(req.policy, req.edit_strategy, ids, tier.held_edit,
-                              top_k=config.edit.top_k or 16, piece=config.kv_piece_tokens,
-                              verdicts=config.balanced_edits, encode=encode, notes=notes)
+        steps = plan_held_edit(req.policy, req.edit_strategy, ids, tier.held_edit,
+                               top_k=config.edit.top_k or 16, piece=config.kv_piece_tokens,
+                               verdicts=config.balanced_edits, encode=encode, notes=notes)
+        if any(s.kind is not PlanKind.RECOMPUTE for s in steps):
+            return steps
+        # a declined edit diverging inside the held KV's first piece reuses nothing of it: planned by
+        # the segment rules (the tier's exact prefix first; on vLLM, no prefill at all: its own prefix
+        # cache serves the blocks before the divergence, as plain vLLM's would)
+        notes.append("the held prompt's edit reuses nothing of it: planned by the plain rules")
     return None
 
 

@@ -223,7 +223,6 @@ class RequestStreams:
         else:   # the rest matched at any offset (chunks, a held prompt it edits), planned by the native rules
             plan, matched = await self.matcher.plan(req, tenant, salt, hit, hit_kv, prefill_index,
                                                     self.renderer.encode, self.planner_config(), messages, ctx.clock)
-            plan = self._cold_when_nothing_reused(req, plan, hit, hit_kv)
             plan = await self._decode_exact_first(tenant, prompt_ids, req, plan, hit, hit_kv)
         self.check_budget(plan.prompt_tokens, sampling)   # an erratum adds its correction to the prompt
         store_as = prompt_store_as(plan, prefix, salt, hit)
@@ -253,28 +252,6 @@ class RequestStreams:
             count_reuse(self.metrics, ev)
             return
         await self.matcher.finished(tenant, salt, prefix, matched, ev, prefill_index, held=behind or None)
-
-    def _cold_when_nothing_reused(self, req: RenderedRequest, plan: RequestPlan, hit: int,
-                                  hit_kv: KVRef | None) -> RequestPlan:
-        """A plan that reuses nothing yet runs a prefill worker (a held prompt's edit the policy
-        declines, diverging inside the held KV's first tier piece: "computed whole") is planned
-        again by the plain rules, the tier's exact prefix first: on a decode engine that computes
-        cold prompts itself (vLLM, ``decode_computes_cold``) no prefill worker runs and vLLM's own
-        prefix cache serves the blocks before the divergence, as plain vLLM's would. (The record
-        shape under ``exact`` / ``balanced`` waited up to 10 s for a prefill worker busy storing the
-        previous prompt behind it, then computed the whole prompt there.)"""
-        config = self.planner_config()
-        if not (config.decode_computes_cold and plan.session is None and plan.steps
-                and all(s.kind is PlanKind.RECOMPUTE for s in plan.steps)):
-            return plan
-        plain = plan_request(req, TierView(prompt_prefix_hit=hit, prompt_prefix_kv=hit_kv), None, self.renderer.encode,
-                             config)
-        if plain.steps and plain.reused_tokens <= plan.reused_tokens:
-            return plan
-        why = ("the plan reused nothing but ran a prefill worker: planned again by the plain rules "
-               + ("(the decode engine computes the prompt itself)" if not plain.steps else
-                  f"(the tier's exact prefix of {plain.reused_tokens} tokens first)"))
-        return replace(plain, notes=plan.notes + plain.notes + (why,))
 
     async def _decode_exact_first(self, tenant: str, prompt_ids: list[int], req: RenderedRequest,
                                   plan: RequestPlan, hit: int, hit_kv: KVRef | None) -> RequestPlan:
