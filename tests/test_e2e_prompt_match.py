@@ -54,6 +54,20 @@ def chat(client, messages, policy="fast"):
     return d, d["kvnotes"]["explain"], d["usage"]["prompt_tokens_details"]
 
 
+def recurring(http) -> dict[str, float]:
+    """``kvnotes_recurring_spans_total`` by outcome: ``scheduled`` and each way a scheduled background
+    compile ends (cluster.control.recurring.ENDS)."""
+    from cluster.control.recurring import ENDS
+    text = http.get("/metrics").text
+    return {o: metric(text, "kvnotes_recurring_spans_total", outcome=o) for o in ("scheduled",) + ENDS}
+
+
+def pending(outcomes: dict[str, float]) -> float:
+    """Background compiles scheduled and not ended yet (cluster.control.recurring.pending)."""
+    from cluster.control.recurring import pending as queued
+    return queued(outcomes)
+
+
 def split_sums(details) -> bool:
     return details["cached_tokens"] == details["exact_tokens"] + details["composed_tokens"] + details["edited_tokens"]
 
@@ -129,17 +143,17 @@ def test_a_document_set_reordered_across_requests_is_reused_at_other_offsets(rig
     def docs(order, ask):
         return [{"role": "user", "content": "Documents follow.\n\n" + "\n\n".join(ds[j] for j in order)
                  + f"\n\nQuestion: {ask}"}]
-    compiled = lambda: metric(http.get("/metrics").text, "kvnotes_recurring_spans_total", outcome="compiled")  # noqa: E731
-    counts = []
-
-    def settled():                 # the count unchanged for 3 s: the earlier tests' background compiles done
-        counts.append(compiled())
-        return len(counts) > 1 and counts[-1] == counts[-2]
-    wait_for(settled, 180, "earlier background compiles finished", every=3)
-    before = compiled()
+    # the earlier tests' background compiles (another tenant's first-sighting units, deferred while
+    # requests ran) ended first: else they hold compiles_in_flight (this prompt's units skipped_busy)
+    # and their 'compiled' counts pass for this prompt's
+    wait_for(lambda: pending(recurring(http)) == 0, 180, "the earlier tests' background compiles ended")
+    before = recurring(http)
     _, first, d0 = chat(client, docs((0, 1, 2), "Which bay holds crate 3?"))
     assert not [s for s in first["steps"] if s["source"].startswith("span:")] and d0["composed_tokens"] == 0
-    wait_for(lambda: compiled() >= before + 3, 180, "the three documents compiled on their own after the answer")
+    assert recurring(http)["scheduled"] - before["scheduled"] >= 3     # counted before the answer's last event
+    wait_for(lambda: pending(recurring(http)) == 0, 180, "the three documents compiled on their own after the answer")
+    ends = {o: n - before[o] for o, n in recurring(http).items()}
+    assert ends["compiled"] + ends["cached"] == ends["scheduled"] >= 3, ends       # none skipped_busy / failed
     for order, ask in (((2, 0, 1), "Which crate is in bay 5?"), ((1, 2, 0), "Name one register.")):
         _, ex, details = chat(client, docs(order, ask))
         spans = [s for s in ex["steps"] if s["source"].startswith("span:")]
