@@ -36,10 +36,14 @@ class BufferPool:
     free again) when that array and everything made from it (memoryviews, ``torch.frombuffer``
     tensors, views of those) is garbage. Thread-safe; first fit over a sorted free list."""
 
-    def __init__(self, nbytes: int, *, align: int = 4096, huge_pages: bool = True):
-        if nbytes <= 0 or align <= 0:
-            raise ValueError("BufferPool needs nbytes > 0 and align > 0")
+    def __init__(self, nbytes: int, *, align: int = 4096, huge_pages: bool = True, prefault_bytes: int = 0):
+        if nbytes <= 0 or align <= 0 or prefault_bytes < 0:
+            raise ValueError("BufferPool needs nbytes > 0, align > 0 and prefault_bytes >= 0")
         self.arena = _arena(nbytes, huge_pages)                # [nbytes] raw bytes, CPU
+        # the first ``prefault_bytes`` (where leases start: first fit) touched now, at start: a first
+        # touch of fresh pages cost 0.72 s for 179 MB here (0.011 s warm), inside the first request
+        # that used them (its KV build or its READ), issue 47
+        self.arena[:min(prefault_bytes, nbytes)].zero_()
         self.nbytes, self.align = nbytes, align
         self._free: list[tuple[int, int]] = [(0, nbytes)]     # sorted (offset, length)
         self._lock = threading.Lock()

@@ -80,10 +80,15 @@ class NixlTransportConfig:
     # has no failure detection); "none" sends them over shared memory on one host (~10% faster at
     # 180 MiB, measured) and relies on our timeouts alone for a dead peer
     ucx_error_handling: str = "peer"
+    # the pool's first bytes touched at start (capped at pool_bytes), so the first requests do not
+    # fault its pages in on their path (179 MB: 0.72 s cold vs 0.011 s warm, measured); RSS at once
+    prefault_bytes: int = 512 << 20
 
     def __post_init__(self):
         if self.pool_bytes <= 0 or self.max_block_bytes <= 0 or self.inbox_bytes <= 0:
             raise ValueError("pool_bytes, max_block_bytes and inbox_bytes must be positive")
+        if not isinstance(self.prefault_bytes, int) or self.prefault_bytes < 0:
+            raise ValueError("prefault_bytes must be an integer >= 0")
         if (self.read_piece_bytes <= 0 or self.stream_piece_bytes <= 0
                 or not 0 < self.busy_poll_s <= self.expect_poll_s <= self.idle_poll_s):
             raise ValueError("need read_piece_bytes, stream_piece_bytes > 0 and "
@@ -106,7 +111,7 @@ class NixlTransport(NixlSender, NixlReader, KVTransport):
         for b in cfg.backends:
             self._agent.create_backend(b, {"ucx_error_handling_mode": cfg.ucx_error_handling} if b == "UCX" else {})
         self._lock = threading.RLock()                              # every agent call
-        self._pool = BufferPool(cfg.pool_bytes)
+        self._pool = BufferPool(cfg.pool_bytes, prefault_bytes=min(cfg.prefault_bytes, cfg.pool_bytes))
         self._reg = self._agent.register_memory([(self._pool.address, cfg.pool_bytes, 0, "")], "DRAM")
         self._inbox = inbox or Inbox(cfg.inbox_bytes, cfg.max_block_bytes, cfg.unclaimed_ttl_s,
                                      require_grant=cfg.require_grant)
