@@ -157,8 +157,8 @@ def test_a_background_compile_goes_through_the_one_gate_and_each_scheduled_compi
     """A prompt's background compiles (here its two units) wait in the router's background gate
     (``YieldingBackends``, the one store-behind uses) while a request of the replica is in flight;
     each is counted ``scheduled`` when queued and ends exactly once, so ``pending()`` returns to 0:
-    compiled, skipped_busy (``compiles_in_flight`` reached, the waiting ones counting), or failed
-    when its task is cancelled with the loop, even before it started."""
+    compiled (one slot, ``compiles_in_flight`` 1: the others wait in the queue, none skipped), or
+    failed when its task is cancelled with the loop, even before it started or while queued."""
     import asyncio
     from dataclasses import replace
 
@@ -191,8 +191,8 @@ def test_a_background_compile_goes_through_the_one_gate_and_each_scheduled_compi
         await rs.drain()
     asyncio.run(go())
     got = outcomes()
-    # p0's first unit waited in the gate (in flight), so both of p1's were skipped; p0's two compiled in turn
-    assert len(backends.compiled) == got["compiled"] == 2 and got["skipped_busy"] == 2, got
+    # p0's first unit waited in the gate holding the one slot, the other three queued: all compiled in turn
+    assert len(backends.compiled) == got["compiled"] == 4 and got["skipped_busy"] == 0, got
     assert pending(got) == 0 and got["unit_first_sighting"] == 4
 
     async def cancelled():
@@ -209,4 +209,4 @@ def test_a_background_compile_goes_through_the_one_gate_and_each_scheduled_compi
     asyncio.run(cancelled())                         # asyncio.run cancels the tasks it leaves
     got = outcomes()
     assert got["scheduled"] == 8 and got["failed"] == 4 and pending(got) == 0, got
-    assert len(backends.compiled) == 2
+    assert len(backends.compiled) == 4 and not rs._queue and rs.in_flight == 0

@@ -26,38 +26,41 @@ Sighting by sighting, for a span of a tenant's plain prompts:
    splices KV of the kind the fidelity profile measured, never KV computed inside another
    prompt's context. Where the policy recomputes the span instead (``exact``, or no row allows
    it), or the span is all the prompt would reuse and the decode engine computes cold prompts
-   itself (vLLM: the planner keeps such a prompt exact, ``planner._reuses_nothing``), it is
-   compiled in the background after the answer (``Backends.precompile``, off the
-   request, ``outcome="compiled"`` / ``"cached"``), for the policies that splice.
+   itself (vLLM: the planner keeps such a prompt exact, ``planner._reuses_nothing``), it is compiled
+   in the background after the answer (off the request, ``outcome="compiled"`` / ``"cached"``).
 3. **third sighting on**: matched at any offset by its anchors (:mod:`cluster.control.matching`)
    and reused from the tier.
 A run the tier has evicted is dropped from the anchors when a prompt next matches it
 (``kvnotes_reuse_miss_total{reason="span_evicted"}``) and is compiled again if it recurs again.
 
-A background compile (of a unit or of a run) goes through the router's one background gate,
+A background compile (a unit's or a run's) goes through the router's one background gate,
 :class:`cluster.control.backends.YieldingBackends` (the gate store-behind uses, one
 ``RequestActivity`` and ``policy.background_quiet_s`` / ``background_max_wait_s`` for both): it
-waits until no request of this replica has been in flight for ``quiet_s``, at most
-``max_wait_s`` (counted in ``kvnotes_fallbacks_total{reason="background_deferred"|
-"background_deferral_expired"}``). A prefill actor runs one call at a time, in order: a compile
-sent beside a request would run ahead of that request's next build. A compile waiting there
-counts in ``compiles_in_flight``. Compiles inside a request's build and a registration's core
-(:meth:`PromptMatcher.index_registration`, which a registration call waits on) never wait.
+waits until no request of this replica has been in flight for ``quiet_s``, at most ``max_wait_s``
+(counted in ``kvnotes_fallbacks_total{reason="background_deferred"|
+"background_deferral_expired"}``). A prefill actor runs one call at a time, in order: a compile sent
+beside a request would run ahead of that request's next build. At most
+``matching.compiles_in_flight`` compiles hold a slot per replica, one waiting in the gate included;
+more wait in a first-in-first-out queue of at most ``matching.compile_queue``, each handed the slot
+of the compile that frees one (not polled): a burst of first-sighting documents is compiled in
+order, not dropped. Compiles in a request's build or a registration's core never wait.
 
-Each outcome is counted in ``kvnotes_recurring_spans_total{outcome}`` (every one exported as 0
-from the start): ``scheduled`` when a background compile is queued, then exactly one of
-:data:`ENDS` (``compiled``, ``cached``, ``failed``: also a compile cancelled with its event
-loop, ``skipped_busy``: ``compiles_in_flight`` reached, ``no_anchor``); :func:`pending`
-(``scheduled`` minus those) is the compiles still queued, waiting or running, so a client can
-wait for its own prompt's compiles, not an earlier one's. Not ends of a scheduled compile:
-``compiled_in_request``, ``unit_first_sighting`` (units queued: each is also ``scheduled``),
-``units_skipped_extends``.
+Each outcome is counted in ``kvnotes_recurring_spans_total{outcome}`` (every one exported as 0 from
+the start): ``scheduled`` for each background compile asked for, then exactly one of :data:`ENDS`
+(``compiled``; ``cached``: the tier held it, or the same run was queued or compiling already;
+``failed``: also one cancelled with its event loop, queued or not; ``skipped_busy``: every slot
+taken and the queue full; ``no_anchor``); :func:`pending` (``scheduled`` minus those) is the
+compiles still queued, waiting or running, so a client can wait for its own prompt's compiles, not
+an earlier one's. Not ends: ``compiled_in_request``, ``unit_first_sighting`` (units scheduled: each
+is also ``scheduled``), ``units_skipped_extends``.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cluster.control.fingerprints import Cut, fingerprint
@@ -152,6 +155,18 @@ def clip(start: int, end: int, seed_start: int, seed_end: int, taken: list[tuple
     return start, end
 
 
+@dataclass(eq=False)
+class _Job:
+    """One scheduled background compile (mutable bookkeeping): queued, then compiling."""
+    tenant: str
+    ref: KVRef
+    index: int
+    entries: dict[str, str]
+    turn: "asyncio.Future | None" = None    # a queued one's: done when a slot is handed to it
+    holds: bool = False                     # holds a compile slot
+    ended: bool = False                     # its one end counted
+
+
 class RecurringSpans:
     """Counts a tenant's spans, finds the ones a prompt's sighting makes recurring (compiled in its
     build) and compiles in the background those its policy recomputed."""
@@ -165,7 +180,9 @@ class RecurringSpans:
         self.state, self.backends, self.metrics, self.cfg = state, backends, metrics, cfg
         self.background = background if background is not None else backends
         self.chunk_position, self.is_break, self.text = chunk_position, is_break, text
-        self.in_flight = 0
+        self.in_flight = 0                          # compiles holding a slot (in the gate or compiling)
+        self._queue: deque[_Job] = deque()          # waiting for a slot, oldest first (handed one, not polled)
+        self._digests: set[str] = set()             # runs queued or compiling (a duplicate is not queued)
         self._tasks: set[asyncio.Task] = set()
         for o in OUTCOMES:
             metrics.recurring_spans.labels(o)       # zeros: pending() reads 0, a first skip is an increase
@@ -226,23 +243,56 @@ class RecurringSpans:
             self.metrics.recurring_spans.labels("compiled_in_request").inc(len(inline))
         if compile and runs:
             self.metrics.recurring_spans.labels("scheduled").inc(len(runs))
-            left = [len(runs)]                      # scheduled, not ended yet
-            task = asyncio.get_running_loop().create_task(self._compile_all(tenant, salt, ids, runs, index, left))
-            self._tasks.add(task)
-            task.add_done_callback(lambda t: self._ended(t, left))
+            for start, end in runs:
+                self._schedule(tenant, salt, tuple(ids[start:end]), index)
 
-    async def _compile_all(self, tenant, salt, ids, runs, index, left: list[int]) -> None:
-        for start, end in runs:
-            await self._compile(tenant, salt, tuple(ids[start:end]), index)   # counts its one end
-            left[0] -= 1
+    def _schedule(self, tenant: str, salt: str, run: tuple[int, ...], index: int) -> None:
+        """Start one scheduled compile in a free slot, else queue it last, else end it now:
+        ``no_anchor``, ``cached`` (the same run queued or compiling), ``skipped_busy`` (queue full)."""
+        entries = anchor_entries("span", fingerprint(tenant, run)[:12], tenant, run, self.cfg.spans)
+        job = _Job(tenant, KVRef(run, self.chunk_position, salt), index, entries)
+        busy = self.in_flight >= self.cfg.compiles_in_flight
+        why = ("no_anchor" if not entries else "cached" if job.ref.digest in self._digests
+               else "skipped_busy" if busy and (not self.cfg.compiles_in_flight
+                                                or len(self._queue) >= self.cfg.compile_queue) else "")
+        if why:
+            self.metrics.recurring_spans.labels(why).inc()
+            return
+        self._digests.add(job.ref.digest)
+        if busy:
+            job.turn = asyncio.get_running_loop().create_future()
+            self._queue.append(job)
+        else:
+            self.in_flight, job.holds = self.in_flight + 1, True
+        task = asyncio.get_running_loop().create_task(self._compile(job))
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._done(t, job))
 
-    def _ended(self, task: asyncio.Task, left: list[int]) -> None:
-        """A compile task done: the runs it did not end (cancelled with its loop, even before it
-        started, or an error outside a compile) end as ``failed``, so each scheduled run ends once."""
+    def _end(self, job: "_Job", outcome: str) -> None:
+        if not job.ended:
+            job.ended = True
+            self._digests.discard(job.ref.digest)
+            self.metrics.recurring_spans.labels(outcome).inc()
+
+    def _release(self, job: "_Job") -> None:
+        if not job.holds:
+            return
+        job.holds = False                   # the slot to the oldest compile still waiting (its turn), else freed
+        while self._queue:
+            nxt = self._queue.popleft()
+            if not nxt.turn.done():         # not cancelled
+                nxt.turn.set_result(None)
+                nxt.holds = True
+                return
+        self.in_flight -= 1
+
+    def _done(self, task: asyncio.Task, job: "_Job") -> None:
+        """A compile's task done; one cancelled (queued, even before it started) ends as ``failed``."""
         self._tasks.discard(task)
-        if left[0] > 0:
-            self.metrics.recurring_spans.labels("failed").inc(left[0])
-            left[0] = 0
+        if job in self._queue:
+            self._queue.remove(job)
+        self._end(job, "failed")
+        self._release(job)
 
     def _record(self, tenant, key, ids, c, seen, matched, held, inline, units_at=None) -> list[tuple[int, int]]:
         now = time.time()
@@ -275,26 +325,21 @@ class RecurringSpans:
             self.metrics.recurring_spans.labels("unit_first_sighting").inc(len(fresh))
         return runs + fresh
 
-    async def _compile(self, tenant: str, salt: str, run: tuple[int, ...], index: int) -> None:
-        if self.in_flight >= self.cfg.compiles_in_flight:
-            self.metrics.recurring_spans.labels("skipped_busy").inc()
-            return
-        entries = anchor_entries("span", fingerprint(tenant, run)[:12], tenant, run, self.cfg.spans)
-        if not entries:
-            self.metrics.recurring_spans.labels("no_anchor").inc()
-            return
-        self.in_flight += 1             # from the gate's wait on: the compiles waiting count, so they never start together
-        try:
-            info = await self.background.precompile(KVRef(run, self.chunk_position, salt), index)   # yields first
-            await asyncio.to_thread(store_anchors, self.state, tenant, entries, time.time())
+    async def _compile(self, job: "_Job") -> None:
+        if job.turn is not None:
+            await job.turn              # its turn: a slot handed over by a compile ending (_release)
+        try:                            # the slot is held from the gate's wait on: the waiting ones count
+            info = await self.background.precompile(job.ref, job.index)    # yields first
+            self._release(job)          # the next one waits in the gate while this one's anchors are stored
+            await asyncio.to_thread(store_anchors, self.state, job.tenant, job.entries, time.time())
         except Exception as exc:        # the prompt was answered; the span is compiled when it recurs again
-            self.metrics.recurring_spans.labels("failed").inc()
-            log.warning("compiling a recurring %d-token span failed: %s", len(run), exc)
+            self._end(job, "failed")
+            log.warning("compiling a recurring %d-token span failed: %s", len(job.ref.token_ids), exc)
         else:
-            self.metrics.recurring_spans.labels("cached" if info.cached else "compiled").inc()
-            log.info("recurring %d-token span compiled on its own (%.3f s)", len(run), info.seconds)
+            self._end(job, "cached" if info.cached else "compiled")
+            log.info("recurring %d-token span compiled on its own (%.3f s)", len(job.ref.token_ids), info.seconds)
         finally:
-            self.in_flight -= 1
+            self._release(job)
 
     async def drain(self) -> None:
         """Wait for every scheduled bookkeeping task (tests, shutdown)."""

@@ -34,8 +34,8 @@ class SpanConfig:
             raise ValueError("matching.spans.boundary_bits and anchor_bits must be in [1, 16]")
 
 
-_INTS = ("min_chunk_tokens", "compile_after", "unit_label_tokens", "compiles_in_flight", "trim_window",
-         "edit_max_tokens", "fingerprint_max", "held_prompt_max")
+_INTS = ("min_chunk_tokens", "compile_after", "unit_label_tokens", "compiles_in_flight", "compile_queue",
+         "trim_window", "edit_max_tokens", "fingerprint_max", "held_prompt_max")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,11 @@ class MatchConfig:
     # where the request's policy splices chunks (a recurring span then still at its 2nd sighting)
     compile_after: int = 1
     unit_label_tokens: int = 8      # a unit's numbered label ("[3] ", "Document 5:") is at most this long (0: kept)
-    compiles_in_flight: int = 2     # background span compiles at once per router replica (more: skipped, counted)
+    # background compiles (recurring runs, first-sighting units) at once per router replica, a compile
+    # waiting in the background gate included (0: none, every one skipped_busy); more wait in a FIFO
+    # queue of compile_queue, each started when a slot frees; a full queue: skipped_busy (counted)
+    compiles_in_flight: int = 2
+    compile_queue: int = 16
     trim_window: int = 32           # a recurring run's edges are cut back to a line break within this many tokens
     # a held prompt is edited when >= this share of the new prompt equals it and the divergent
     # span is at most this long on either side: a field's change, the kind of edit the fidelity
@@ -79,7 +83,7 @@ class MatchConfig:
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"matching.{name} must be an integer, got {v!r}")
         for name, least in (("min_chunk_tokens", 1), ("compile_after", 1), ("unit_label_tokens", 0),
-                            ("compiles_in_flight", 0), ("trim_window", 0), ("edit_max_tokens", 1),
+                            ("compiles_in_flight", 0), ("compile_queue", 0), ("trim_window", 0), ("edit_max_tokens", 1),
                             ("fingerprint_max", 1), ("held_prompt_max", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"matching.{name} must be >= {least}, got {getattr(self, name)}")
