@@ -259,12 +259,12 @@ def test_no_ucx_error_handling_still_moves_and_checks_blocks():
         tx.send_kv(rx.name, header, payload, timeout=30)
         assert torch.equal(decode_block(rx.receive("none-ok", timeout=5), model="m").data, kv.data)
         header, payload = block_header("none-bad", "m", kv)
+        import itertools
         real = nr.checksum_extend
-        calls = []
+        calls = itertools.count()                       # next() is atomic: the two CRC threads race here
 
-        def lying(crc, piece):                          # one side's first piece CRC lies: the two must differ
-            calls.append(1)
-            return real(crc, piece) ^ (1 if len(calls) == 1 else 0)
+        def lying(crc, piece):                          # the first piece CRC'd (either side's) lies: the two must differ
+            return real(crc, piece) ^ (1 if next(calls) == 0 else 0)
         nr.checksum_extend = lying
         try:
             with pytest.raises(TransferError, match="checksum"):
